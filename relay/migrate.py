@@ -1,0 +1,242 @@
+"""Schema migrations: numbered SQL files applied in order, plus re-applied functions on drift.
+
+`relay migrate` is the only thing that changes the schema. It holds a session advisory lock
+(bounded by a lock timeout) so many replicas can run it at once: one applies, the others wait
+and then find nothing to do. `relay run` only reads the version (`check_version`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+
+SCHEMA_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,53}$")
+_MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+FUNCTIONS_FILE = "functions.sql"
+
+
+class SchemaError(Exception):
+    """The database schema is missing, older or newer than this code."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    text: str
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+
+def validate_schema_name(name: str) -> str:
+    """Schema names are plain lowercase identifiers (the terminal channel is `<schema>_terminal`,
+    which must fit PostgreSQL's 63-byte identifier limit)."""
+    if not SCHEMA_NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"schema {name!r} is not valid: use 1-54 characters of a-z, 0-9 and _, "
+            "not starting with a digit"
+        )
+    return name
+
+
+def terminal_channel(schema: str) -> str:
+    return f"{schema}_terminal"
+
+
+def sql_dir() -> Path:
+    """The shipped SQL: `relay/schema` in an installed wheel, `../schema` in a source tree."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "schema", here.parent / "schema"):
+        if (candidate / FUNCTIONS_FILE).is_file():
+            return candidate
+    raise SchemaError(f"shipped SQL not found next to {here}")
+
+
+@cache
+def migrations() -> tuple[Migration, ...]:
+    found = []
+    for path in sorted(sql_dir().iterdir()):
+        m = _MIGRATION_RE.match(path.name)
+        if m:
+            found.append(Migration(int(m.group(1)), m.group(2), path.read_text()))
+    versions = [m.version for m in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise SchemaError(f"migrations must be numbered 1..n without gaps, found {versions}")
+    return tuple(found)
+
+
+@cache
+def functions_sql() -> str:
+    return (sql_dir() / FUNCTIONS_FILE).read_text()
+
+
+def code_version() -> int:
+    return len(migrations())
+
+
+def _lock_key(schema: str) -> int:
+    digest = hashlib.sha256(f"ledger-relay:migrate:{schema}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+_FINGERPRINT = """
+select coalesce(md5(string_agg(p.proname || '(' || pg_get_function_identity_arguments(p.oid)
+                                || ')' || p.prosrc, E'\\n' order by p.proname, p.oid)), '')
+from pg_proc p join pg_namespace n on n.oid = p.pronamespace
+where n.nspname = %s
+"""
+
+
+@dataclass
+class MigrateResult:
+    applied: list[int]
+    functions_reapplied: bool
+    version: int
+
+
+def migrate(
+    conninfo: str,
+    schema: str,
+    *,
+    lock_timeout: str = "60s",
+    statement_timeout: str = "5min",
+) -> MigrateResult:
+    """Bring `schema` to the code's version. Safe to run from many processes at once."""
+    validate_schema_name(schema)
+    ident = sql.Identifier(schema)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("select set_config('lock_timeout', %s, false)", (lock_timeout,))
+        conn.execute("select set_config('statement_timeout', %s, false)", (statement_timeout,))
+        conn.execute("select pg_advisory_lock(%s)", (_lock_key(schema),))
+        try:
+            return _migrate_locked(conn, schema, ident)
+        finally:
+            conn.execute("select pg_advisory_unlock(%s)", (_lock_key(schema),))
+
+
+def _migrate_locked(conn: psycopg.Connection, schema: str, ident: sql.Identifier) -> MigrateResult:
+    conn.execute(sql.SQL("create schema if not exists {}").format(ident))
+    conn.execute(
+        sql.SQL(
+            "create table if not exists {}.schema_migrations ("
+            " version integer primary key, name text not null, checksum text not null,"
+            " applied_at timestamptz not null default now())"
+        ).format(ident)
+    )
+    conn.execute(
+        sql.SQL(
+            "create table if not exists {}.schema_functions ("
+            " id boolean primary key default true check (id), shipped_sha256 text not null,"
+            " db_fingerprint text not null, applied_at timestamptz not null default now())"
+        ).format(ident)
+    )
+    current = _read_version(conn, schema)
+    target = code_version()
+    if current > target:
+        raise SchemaError(
+            f"schema {schema!r} is at version {current}, newer than this relay's {target}: "
+            "upgrade the relay"
+        )
+    applied = []
+    for m in migrations():
+        if m.version <= current:
+            continue
+        with conn.transaction():
+            conn.execute(
+                sql.SQL("set local search_path = {}, pg_catalog").format(sql.Identifier(schema))
+            )
+            conn.execute(m.text.encode())
+            conn.execute(
+                sql.SQL(
+                    "insert into {}.schema_migrations (version, name, checksum) values (%s, %s, %s)"
+                ).format(ident),
+                (m.version, m.name, m.checksum),
+            )
+        applied.append(m.version)
+    reapplied = _sync_functions(conn, schema, ident)
+    return MigrateResult(applied, reapplied, target)
+
+
+def _sync_functions(conn: psycopg.Connection, schema: str, ident: sql.Identifier) -> bool:
+    """Re-create the functions when the shipped text changed or the bodies in the database drifted
+    from what was last applied."""
+    shipped = hashlib.sha256(functions_sql().encode()).hexdigest()
+    row = conn.execute(
+        sql.SQL("select shipped_sha256, db_fingerprint from {}.schema_functions").format(ident)
+    ).fetchone()
+    fingerprint = _fingerprint(conn, schema)
+    if row is not None and row[0] == shipped and row[1] == fingerprint:
+        return False
+    with conn.transaction():
+        conn.execute(sql.SQL("set local search_path = {}, pg_catalog").format(ident))
+        conn.execute(functions_sql().encode())
+        conn.execute(
+            sql.SQL(
+                "insert into {}.schema_functions (shipped_sha256, db_fingerprint) values (%s, %s)"
+                " on conflict (id) do update set shipped_sha256 = excluded.shipped_sha256,"
+                " db_fingerprint = excluded.db_fingerprint, applied_at = now()"
+            ).format(ident),
+            (shipped, _fingerprint(conn, schema)),
+        )
+    return True
+
+
+def _fingerprint(conn: psycopg.Connection, schema: str) -> str:
+    row = conn.execute(_FINGERPRINT, (schema,)).fetchone()
+    return str(row[0]) if row else ""
+
+
+def _read_version(conn: psycopg.Connection, schema: str) -> int:
+    row = conn.execute(
+        "select to_regclass(format('%%I.schema_migrations', %s::text)) is not null", (schema,)
+    ).fetchone()
+    if not row or not row[0]:
+        return 0
+    got = conn.execute(
+        sql.SQL("select coalesce(max(version), 0) from {}.schema_migrations").format(
+            sql.Identifier(schema)
+        )
+    ).fetchone()
+    return int(got[0]) if got else 0
+
+
+def version_problem(db_version: int, schema: str) -> str | None:
+    """The message `relay run` refuses to start with, or None when the versions match."""
+    target = code_version()
+    if db_version == 0:
+        return f"schema {schema!r} is not installed: run `relay migrate`"
+    if db_version < target:
+        return (
+            f"schema {schema!r} is at version {db_version}, older than this relay's {target}: "
+            "run `relay migrate`"
+        )
+    if db_version > target:
+        return (
+            f"schema {schema!r} is at version {db_version}, newer than this relay's {target}: "
+            "upgrade the relay"
+        )
+    return None
+
+
+async def read_version(conn: psycopg.AsyncConnection[object], schema: str) -> int:
+    cur = await conn.execute(
+        "select to_regclass(format('%%I.schema_migrations', %s::text)) is not null", (schema,)
+    )
+    row = await cur.fetchone()
+    if not row or not row[0]:  # type: ignore[index]
+        return 0
+    cur = await conn.execute(
+        sql.SQL("select coalesce(max(version), 0) from {}.schema_migrations").format(
+            sql.Identifier(schema)
+        )
+    )
+    got = await cur.fetchone()
+    return int(got[0]) if got else 0  # type: ignore[index]

@@ -1,0 +1,150 @@
+"""The producer helper: `relay.enqueue` from Python, for sync and async psycopg connections.
+
+Runs inside the caller's transaction (nothing is sent until it commits), exactly like calling
+the SQL function. Errors are the SQL function's own (`psycopg.errors.InvalidParameterValue`
+for bad input, `LockNotAvailable` when another writer of the run held it too long: retry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import psycopg
+from psycopg import sql
+
+from relay.migrate import validate_schema_name
+
+
+@dataclass(frozen=True)
+class Event:
+    """One event for `enqueue_many`."""
+
+    event_id: str
+    event_type: str
+    payload: Mapping[str, Any]
+    terminal: bool = False
+    wake_queue: str | None = None
+    wake_event: str | None = None
+    traceparent: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "event_id": self.event_id,
+            "event_type": self.event_type,
+            "payload": self.payload,
+            "terminal": self.terminal,
+        }
+        for key in ("wake_queue", "wake_event", "traceparent"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+def _enqueue_query(schema: str) -> sql.Composed:
+    return sql.SQL("select {}.enqueue(%s, %s, %s, %s::jsonb, %s, %s, %s, %s)").format(
+        sql.Identifier(validate_schema_name(schema))
+    )
+
+
+def _many_query(schema: str) -> sql.Composed:
+    return sql.SQL("select {}.enqueue_many(%s, %s::jsonb)").format(
+        sql.Identifier(validate_schema_name(schema))
+    )
+
+
+def _args(
+    run_id: str,
+    event_id: str,
+    event_type: str,
+    payload: Mapping[str, Any],
+    terminal: bool,
+    wake: tuple[str, str] | None,
+    traceparent: str | None,
+) -> tuple[Any, ...]:
+    queue, name = wake if wake is not None else (None, None)
+    return (
+        run_id,
+        event_id,
+        event_type,
+        orjson.dumps(payload).decode(),
+        terminal,
+        queue,
+        name,
+        traceparent,
+    )
+
+
+def enqueue(
+    conn: psycopg.Connection[Any],
+    run_id: str,
+    event_id: str,
+    event_type: str,
+    payload: Mapping[str, Any],
+    *,
+    terminal: bool = False,
+    wake: tuple[str, str] | None = None,
+    traceparent: str | None = None,
+    schema: str = "relay",
+) -> int:
+    """Enqueue one event in `conn`'s current transaction; returns its seq.
+
+    `wake` is `(absurd_queue, event_name)`: emitted with the event's acknowledgement."""
+    row = conn.execute(
+        _enqueue_query(schema),
+        _args(run_id, event_id, event_type, payload, terminal, wake, traceparent),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def enqueue_async(
+    conn: psycopg.AsyncConnection[Any],
+    run_id: str,
+    event_id: str,
+    event_type: str,
+    payload: Mapping[str, Any],
+    *,
+    terminal: bool = False,
+    wake: tuple[str, str] | None = None,
+    traceparent: str | None = None,
+    schema: str = "relay",
+) -> int:
+    """Async form of `enqueue`."""
+    cur = await conn.execute(
+        _enqueue_query(schema),
+        _args(run_id, event_id, event_type, payload, terminal, wake, traceparent),
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def enqueue_many(
+    conn: psycopg.Connection[Any], run_id: str, events: Sequence[Event], *, schema: str = "relay"
+) -> list[int]:
+    """Enqueue several events of one run in order; all or nothing. Returns their seqs."""
+    row = conn.execute(
+        _many_query(schema), (run_id, orjson.dumps([e.as_json() for e in events]).decode())
+    ).fetchone()
+    assert row is not None
+    return [int(s) for s in row[0]]
+
+
+async def enqueue_many_async(
+    conn: psycopg.AsyncConnection[Any],
+    run_id: str,
+    events: Sequence[Event],
+    *,
+    schema: str = "relay",
+) -> list[int]:
+    """Async form of `enqueue_many`."""
+    cur = await conn.execute(
+        _many_query(schema), (run_id, orjson.dumps([e.as_json() for e in events]).decode())
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    return [int(s) for s in row[0]]

@@ -1,0 +1,558 @@
+-- ledger-relay SQL functions. Re-applied by `relay migrate` whenever the shipped text or the
+-- bodies in the database drift. Applied with search_path = <schema>, pg_catalog; every function
+-- pins that path (`set search_path from current`), so the schema name is configurable without
+-- templating and no caller's search_path can redirect it.
+--
+-- Error messages start with "relay." and name the offending argument; SQLSTATEs:
+--   22023 invalid_parameter_value   bad input (nothing inserted)
+--   23505 unique_violation          same event_id, different content
+--   55000 object_not_in_prerequisite_state  event after the terminal event / not failed
+--   55P03 lock_not_available        waited too long for another writer of the same run (retry)
+
+-- The advisory-lock key of a run: namespaced by schema so two relay schemas never contend.
+create or replace function run_lock_key(p_run_id text) returns bigint
+language sql immutable parallel safe
+set search_path from current
+as $$ select hashtextextended(current_schema() || chr(31) || p_run_id, 0) $$;
+
+create or replace function terminal_channel() returns text
+language sql stable parallel safe
+set search_path from current
+as $$ select current_schema() || '_terminal' $$;
+
+create or replace function setting(p_key text) returns text
+language sql stable
+set search_path from current
+as $$ select value from settings where key = p_key $$;
+
+-- Producer API -----------------------------------------------------------------------------
+
+create or replace function enqueue(
+    p_run_id text,
+    p_event_id text,
+    p_event_type text,
+    p_payload jsonb,
+    p_terminal boolean default false,
+    p_wake_queue text default null,
+    p_wake_event text default null,
+    p_traceparent text default null
+) returns bigint
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_max_id int := setting('max_id_bytes')::int;
+    v_max_payload int := setting('max_payload_bytes')::int;
+    v_old_timeout text;
+    v_existing events%rowtype;
+    v_seq bigint;
+    v_terminal_seq bigint;
+    v_notify text;
+begin
+    -- Validation first: bad input raises before anything is written.
+    if p_run_id is null or p_run_id = '' then
+        raise exception 'relay.enqueue: run_id must be a non-empty string' using errcode = '22023';
+    end if;
+    if p_event_id is null or p_event_id = '' then
+        raise exception 'relay.enqueue: event_id must be a non-empty string' using errcode = '22023';
+    end if;
+    if p_event_type is null or p_event_type = '' then
+        raise exception 'relay.enqueue: event_type must be a non-empty string' using errcode = '22023';
+    end if;
+    if octet_length(p_run_id) > v_max_id or octet_length(p_event_id) > v_max_id
+            or octet_length(p_event_type) > v_max_id then
+        raise exception 'relay.enqueue: run_id, event_id and event_type must be at most % bytes', v_max_id
+            using errcode = '22023';
+    end if;
+    if p_payload is null or jsonb_typeof(p_payload) <> 'object' then
+        raise exception 'relay.enqueue: payload must be a JSON object, got %',
+            coalesce(jsonb_typeof(p_payload), 'NULL') using errcode = '22023';
+    end if;
+    if octet_length(p_payload::text) > v_max_payload then
+        raise exception 'relay.enqueue: payload of event % is % bytes, over the limit of % bytes',
+            p_event_id, octet_length(p_payload::text), v_max_payload using errcode = '22023';
+    end if;
+    if p_terminal is null then
+        raise exception 'relay.enqueue: terminal must be true or false, not NULL' using errcode = '22023';
+    end if;
+    if (p_wake_queue is null) <> (p_wake_event is null) then
+        raise exception 'relay.enqueue: wake_queue and wake_event must be given together (got only %)',
+            case when p_wake_queue is null then 'wake_event' else 'wake_queue' end
+            using errcode = '22023';
+    end if;
+    if p_wake_queue = '' or p_wake_event = '' then
+        raise exception 'relay.enqueue: wake_queue and wake_event must be non-empty' using errcode = '22023';
+    end if;
+    if p_traceparent is not null and p_traceparent !~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$' then
+        raise exception 'relay.enqueue: traceparent % is not a W3C trace context', p_traceparent
+            using errcode = '22023';
+    end if;
+    if p_wake_queue is not null then
+        if to_regclass('absurd.queues') is null then
+            raise exception 'relay.enqueue: event % has a wake for queue % but the Absurd schema is not installed',
+                p_event_id, p_wake_queue using errcode = '22023';
+        end if;
+        if not exists_absurd_queue(p_wake_queue) then
+            raise exception 'relay.enqueue: event % wakes Absurd queue % which does not exist',
+                p_event_id, p_wake_queue using errcode = '22023';
+        end if;
+    end if;
+
+    -- Serialise writers of this run so seq order is commit order. The wait is bounded by a
+    -- transaction-local lock_timeout that is put back afterwards: nothing leaks into the
+    -- caller's transaction or through a transaction-mode pooler.
+    v_old_timeout := current_setting('lock_timeout');
+    perform set_config('lock_timeout', setting('enqueue_lock_timeout'), true);
+    begin
+        perform pg_advisory_xact_lock(run_lock_key(p_run_id));
+    exception when lock_not_available then
+        raise exception 'relay.enqueue: timed out after % waiting for another transaction writing run %; retry',
+            setting('enqueue_lock_timeout'), p_run_id using errcode = '55P03';
+    end;
+    perform set_config('lock_timeout', v_old_timeout, true);
+
+    select * into v_existing from events where event_id = p_event_id;
+    if found then
+        if v_existing.run_id = p_run_id and v_existing.event_type = p_event_type
+                and v_existing.payload = p_payload and v_existing.terminal = p_terminal
+                and v_existing.wake_queue is not distinct from p_wake_queue
+                and v_existing.wake_event is not distinct from p_wake_event then
+            return v_existing.seq;   -- idempotent re-enqueue
+        end if;
+        raise exception 'relay.enqueue: event_id % already exists with different content (run %, type %)',
+            p_event_id, v_existing.run_id, v_existing.event_type using errcode = '23505';
+    end if;
+
+    select terminal_seq into v_terminal_seq from run_seqs where run_id = p_run_id;
+    if v_terminal_seq is not null then
+        raise exception 'relay.enqueue: run % already has its terminal event (seq %); no event may follow it',
+            p_run_id, v_terminal_seq using errcode = '55000';
+    end if;
+
+    insert into run_seqs as s (run_id, last_seq, terminal_seq)
+    values (p_run_id, 1, case when p_terminal then 1 end)
+    on conflict (run_id) do update
+        set last_seq = s.last_seq + 1,
+            terminal_seq = case when p_terminal then s.last_seq + 1 end
+    returning last_seq into v_seq;
+
+    insert into events (run_id, seq, event_id, event_type, payload, terminal, wake_queue,
+                        wake_event, traceparent)
+    values (p_run_id, v_seq, p_event_id, p_event_type, p_payload, p_terminal, p_wake_queue,
+            p_wake_event, p_traceparent);
+
+    -- Make the run discoverable without touching a row the relay may be working on: a new run
+    -- is inserted; an idle one is flipped (the WHERE matches nothing while it is active).
+    insert into runs (run_id, next_attempt_at) values (p_run_id, clock_timestamp())
+    on conflict (run_id) do nothing;
+    if not found then
+        update runs set idle = false, next_attempt_at = clock_timestamp(), updated_at = clock_timestamp()
+        where run_id = p_run_id and idle;
+    end if;
+
+    if p_terminal then
+        perform pg_notify(terminal_channel(),
+            json_build_object('kind', 'terminal_committed', 'run_id', p_run_id)::text);
+    else
+        v_notify := coalesce(nullif(current_setting('relay.notify_ordinary', true), ''),
+                             setting('notify_ordinary'));
+        if v_notify in ('on', 'true', '1', 'yes') then
+            -- A constant payload: the transaction sends one notification however many it enqueues.
+            perform pg_notify('absurd_wake', 'outbox:' || current_schema());
+        end if;
+    end if;
+    return v_seq;
+end
+$$;
+
+create or replace function exists_absurd_queue(p_queue text) returns boolean
+language plpgsql stable
+set search_path from current
+as $$
+declare v boolean;
+begin
+    -- Dynamic so this schema does not depend on Absurd being installed.
+    execute 'select exists (select 1 from absurd.queues where queue_name = $1)' into v using p_queue;
+    return v;
+end
+$$;
+
+-- Batch form: events is a JSON array of objects with the keys event_id, event_type, payload and
+-- optionally terminal, wake_queue, wake_event, traceparent. Same checks; all or nothing.
+create or replace function enqueue_many(p_run_id text, p_events jsonb) returns bigint[]
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_item jsonb;
+    v_seqs bigint[] := '{}';
+    v_i int := 0;
+    v_unknown text;
+begin
+    if p_events is null or jsonb_typeof(p_events) <> 'array' then
+        raise exception 'relay.enqueue_many: events must be a JSON array, got %',
+            coalesce(jsonb_typeof(p_events), 'NULL') using errcode = '22023';
+    end if;
+    for v_item in select value from jsonb_array_elements(p_events) loop
+        if jsonb_typeof(v_item) <> 'object' then
+            raise exception 'relay.enqueue_many: element % must be a JSON object', v_i using errcode = '22023';
+        end if;
+        select k into v_unknown from jsonb_object_keys(v_item) k
+        where k not in ('event_id', 'event_type', 'payload', 'terminal', 'wake_queue', 'wake_event',
+                        'traceparent') limit 1;
+        if v_unknown is not null then
+            raise exception 'relay.enqueue_many: element % has unknown key %', v_i, v_unknown
+                using errcode = '22023';
+        end if;
+        if v_item ? 'terminal' and jsonb_typeof(v_item -> 'terminal') <> 'boolean' then
+            raise exception 'relay.enqueue_many: element % terminal must be a boolean', v_i
+                using errcode = '22023';
+        end if;
+        v_seqs := v_seqs || enqueue(
+            p_run_id,
+            v_item ->> 'event_id',
+            v_item ->> 'event_type',
+            v_item -> 'payload',
+            coalesce((v_item ->> 'terminal')::boolean, false),
+            v_item ->> 'wake_queue',
+            v_item ->> 'wake_event',
+            v_item ->> 'traceparent');
+        v_i := v_i + 1;
+    end loop;
+    return v_seqs;
+end
+$$;
+
+-- Relay API --------------------------------------------------------------------------------
+
+-- Marks a run idle when it has no pending event. Only while holding the run's advisory lock:
+-- then no producer is between its insert and its commit, and because this is a new statement
+-- (fresh snapshot) every committed event is seen. If a producer holds the lock the run stays
+-- active and is looked at again shortly.
+create or replace function settle_run(p_run_id text) returns boolean
+language plpgsql volatile
+set search_path from current
+as $$
+begin
+    if not pg_try_advisory_xact_lock(run_lock_key(p_run_id)) then
+        update runs set next_attempt_at = clock_timestamp() + interval '200 milliseconds'
+        where run_id = p_run_id;
+        return false;
+    end if;
+    if exists (select 1 from events where run_id = p_run_id and state = 'pending') then
+        return false;
+    end if;
+    update runs set idle = true, updated_at = clock_timestamp() where run_id = p_run_id;
+    return true;
+end
+$$;
+
+-- Claims up to p_runs whole runs: each run's lease is taken (owner, fresh token, expiry on the
+-- database clock, epoch bumped) and its pending prefix (up to p_batch events) returned, one row
+-- per event, in seq order. p_lane 'critical' takes only runs with a pending terminal event;
+-- 'ordinary' takes any due run (work-conserving). p_run_id targets one run (terminal drain),
+-- which ignores next_attempt_at unless the run is backing off after a failure.
+create or replace function claim(
+    p_owner text, p_runs int, p_batch int, p_ttl interval, p_lane text, p_run_id text default null
+) returns table (
+    run_id text, epoch bigint, lease_token uuid, lease_expires_at timestamptz, attempts int,
+    critical boolean, seq bigint, event_id text, event_type text, payload text, terminal boolean,
+    created_at timestamptz, traceparent text, wake_queue text, claimed_at timestamptz
+)
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_run runs%rowtype;
+    v_now timestamptz;
+    v_critical boolean;
+    v_n int;
+begin
+    for v_run in
+        with picked as (
+            select r.run_id from runs r
+            where p_run_id is not null and r.run_id = p_run_id and not r.idle
+              and r.blocked_seq is null
+              and (r.lease_expires_at is null or r.lease_expires_at <= clock_timestamp())
+              and (r.attempts = 0 or r.next_attempt_at <= clock_timestamp())
+            for update skip locked
+        ), critical_picked as (
+            select r.run_id from events e join runs r on r.run_id = e.run_id
+            where p_run_id is null and p_lane = 'critical' and e.terminal and e.state = 'pending'
+              and not r.idle and r.blocked_seq is null and r.next_attempt_at <= clock_timestamp()
+            order by e.created_at
+            limit p_runs
+            for update of r skip locked
+        ), ordinary_picked as (
+            select r.run_id from runs r
+            where p_run_id is null and p_lane = 'ordinary'
+              and not r.idle and r.blocked_seq is null and r.next_attempt_at <= clock_timestamp()
+            order by r.next_attempt_at
+            limit p_runs
+            for update skip locked
+        ), all_picked as (
+            select * from picked union all select * from critical_picked
+            union all select * from ordinary_picked
+        )
+        update runs u
+        set epoch = u.epoch + 1,
+            lease_owner = p_owner,
+            lease_token = gen_random_uuid(),
+            lease_expires_at = clock_timestamp() + p_ttl,
+            next_attempt_at = clock_timestamp() + p_ttl,
+            updated_at = clock_timestamp()
+        from all_picked
+        where u.run_id = all_picked.run_id
+        returning u.*
+    loop
+        v_now := clock_timestamp();
+        v_critical := exists (select 1 from events t where t.run_id = v_run.run_id
+                              and t.terminal and t.state = 'pending');
+        return query
+            select v_run.run_id, v_run.epoch, v_run.lease_token, v_run.lease_expires_at,
+                   v_run.attempts, v_critical,
+                   e.seq, e.event_id, e.event_type, e.payload::text, e.terminal, e.created_at,
+                   e.traceparent, e.wake_queue, v_now
+            from events e
+            where e.run_id = v_run.run_id and e.state = 'pending'
+            order by e.seq
+            limit p_batch;
+        get diagnostics v_n = row_count;
+        if v_n = 0 then
+            -- Nothing pending after all (delivered meanwhile): give the lease back.
+            update runs set lease_owner = null, lease_token = null, lease_expires_at = null,
+                            next_attempt_at = clock_timestamp()
+            where runs.run_id = v_run.run_id;
+            perform settle_run(v_run.run_id);
+        end if;
+    end loop;
+end
+$$;
+
+-- Extends leases, fenced by token: a lease that was replaced or has expired is not renewed.
+-- Returns the runs renewed and their new expiry.
+create or replace function renew(p_run_ids text[], p_tokens uuid[], p_ttl interval)
+returns table (run_id text, lease_expires_at timestamptz)
+language sql volatile
+set search_path from current
+as $$
+    update runs r
+    set lease_expires_at = clock_timestamp() + p_ttl,
+        next_attempt_at = clock_timestamp() + p_ttl
+    from unnest(p_run_ids, p_tokens) as t(run_id, token)
+    where r.run_id = t.run_id and r.lease_token = t.token
+      and r.lease_expires_at > clock_timestamp()
+    returning r.run_id, r.lease_expires_at
+$$;
+
+-- Gives a lease back without delivering, fenced by token. p_delay schedules the next attempt
+-- (backoff); p_error, when given, counts a failed attempt on the run and on events
+-- p_first_seq..p_last_seq. Returns whether the token matched.
+create or replace function release(
+    p_run_id text, p_token uuid, p_delay interval default '0',
+    p_error text default null, p_status int default null,
+    p_first_seq bigint default null, p_last_seq bigint default null
+) returns boolean
+language plpgsql volatile
+set search_path from current
+as $$
+begin
+    update runs
+    set lease_owner = null, lease_token = null, lease_expires_at = null,
+        next_attempt_at = clock_timestamp() + p_delay,
+        attempts = attempts + case when p_error is null then 0 else 1 end,
+        last_error = coalesce(left(p_error, 2000), last_error),
+        updated_at = clock_timestamp()
+    where runs.run_id = p_run_id and lease_token = p_token;
+    if not found then
+        return false;
+    end if;
+    if p_error is not null and p_first_seq is not null then
+        update events
+        set attempts = attempts + 1, last_error = left(p_error, 2000), last_status = p_status
+        where events.run_id = p_run_id and seq between p_first_seq and p_last_seq
+          and state = 'pending';
+    end if;
+    return true;
+end
+$$;
+
+-- Marks one event failed and blocks its run (poison, or a deterministic ack failure), fenced
+-- by token when one is given. Events before it are left as they are; nothing after it is
+-- delivered until an operator retries or skips it.
+create or replace function fail_event(
+    p_run_id text, p_token uuid, p_seq bigint, p_status int, p_error text
+) returns boolean
+language plpgsql volatile
+set search_path from current
+as $$
+begin
+    update runs
+    set lease_owner = null, lease_token = null, lease_expires_at = null,
+        blocked_seq = p_seq, last_error = left(p_error, 2000), updated_at = clock_timestamp()
+    where runs.run_id = p_run_id and (p_token is null or lease_token = p_token);
+    if not found then
+        return false;
+    end if;
+    update events
+    set state = 'failed', failed_at = clock_timestamp(), attempts = attempts + 1,
+        last_status = p_status, last_error = left(p_error, 2000)
+    where events.run_id = p_run_id and seq = p_seq and state = 'pending';
+    return true;
+end
+$$;
+
+-- Acknowledges delivered batches in one transaction (DESIGN §6). p_batches is a JSON array of
+-- {"run_id", "token", "upto"}: events of the run up to seq `upto` that are still pending are
+-- marked delivered, only if the token still holds an unexpired lease. For each batch acked:
+-- one outbox_delivered notification on the terminal channel, an absurd.emit_event for every
+-- event with a wake, and after all batches one pg_notify('absurd_wake', queue) per queue.
+-- A stale batch changes nothing and does not stop the others. An engine that rejects a wake
+-- marks that event failed and blocks its run, and nothing of that batch from it on is acked.
+-- Returns one row per input batch: status 'acked' | 'stale' | 'failed', the number of events
+-- acked, the seq acked up to, the commit-to-ack lag of the oldest event, and whether the run
+-- has more pending events.
+create or replace function ack(p_batches jsonb)
+returns table (run_id text, status text, acked int, last_seq bigint, lag_seconds double precision,
+               error text)
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_b jsonb;
+    v_run text;
+    v_token uuid;
+    v_upto bigint;
+    v_now timestamptz;
+    v_ids text[];
+    v_seqs bigint[];
+    v_first_created timestamptz;
+    v_wake record;
+    v_queues text[] := '{}';
+    v_failed_seq bigint;
+    v_err text;
+    v_note text;
+    v_q text;
+begin
+    for v_b in select value from jsonb_array_elements(p_batches) loop
+        v_run := v_b ->> 'run_id';
+        v_token := (v_b ->> 'token')::uuid;
+        v_upto := (v_b ->> 'upto')::bigint;
+        v_now := clock_timestamp();
+        perform 1 from runs r
+        where r.run_id = v_run and r.lease_token = v_token and r.lease_expires_at > v_now
+        for update;
+        if not found then
+            return query select v_run, 'stale'::text, 0, null::bigint, null::double precision, null::text;
+            continue;
+        end if;
+
+        -- Only rows this statement marks delivered can wake the engine: a redelivered event
+        -- whose first ack committed is not pending any more and emits nothing.
+        with acked as (
+            update events e
+            set state = 'delivered', delivered_at = v_now, done_at = v_now,
+                attempts = e.attempts + 1, last_error = null
+            where e.run_id = v_run and e.seq <= v_upto and e.state = 'pending'
+            returning e.seq, e.event_id, e.created_at
+        )
+        select array_agg(a.event_id order by a.seq), array_agg(a.seq order by a.seq), min(a.created_at)
+        into v_ids, v_seqs, v_first_created from acked a;
+
+        v_failed_seq := null;
+        for v_wake in
+            select e.seq, e.event_id, e.wake_queue, e.wake_event from events e
+            where e.run_id = v_run and e.seq = any(v_seqs) and e.wake_queue is not null
+            order by e.seq
+        loop
+            begin
+                perform absurd.emit_event(v_wake.wake_queue, v_wake.wake_event,
+                    jsonb_build_object('event_id', v_wake.event_id, 'run_id', v_run,
+                                       'delivered_at', v_now));
+                if not v_wake.wake_queue = any(v_queues) then
+                    v_queues := v_queues || v_wake.wake_queue;
+                end if;
+            exception when others then
+                v_failed_seq := v_wake.seq;
+                v_err := 'engine wake failed: ' || sqlerrm;
+                exit;
+            end;
+        end loop;
+
+        if v_failed_seq is not null then
+            -- Undo the ack from the failed event on, then fail it and block the run.
+            update events e
+            set state = 'pending', delivered_at = null, done_at = null, attempts = e.attempts - 1
+            where e.run_id = v_run and e.seq >= v_failed_seq and e.seq = any(v_seqs);
+            perform fail_event(v_run, v_token, v_failed_seq, null, v_err);
+            v_ids := array(select x from unnest(v_ids, v_seqs) as u(x, s) where s < v_failed_seq);
+            v_seqs := array(select s from unnest(v_seqs) as s where s < v_failed_seq);
+        else
+            update runs r
+            set lease_owner = null, lease_token = null, lease_expires_at = null,
+                next_attempt_at = v_now, attempts = 0, last_error = null, updated_at = v_now
+            where r.run_id = v_run;
+        end if;
+
+        if coalesce(array_length(v_seqs, 1), 0) > 0 then
+            v_note := json_build_object('kind', 'outbox_delivered', 'run_id', v_run,
+                                        'last_seq', v_seqs[array_length(v_seqs, 1)],
+                                        'event_ids', v_ids)::text;
+            if octet_length(v_note) > 7900 then
+                v_note := json_build_object('kind', 'outbox_delivered', 'run_id', v_run,
+                                            'last_seq', v_seqs[array_length(v_seqs, 1)])::text;
+            end if;
+            perform pg_notify(terminal_channel(), v_note);
+        end if;
+        if v_failed_seq is null then
+            perform settle_run(v_run);
+        end if;
+
+        return query select v_run,
+            case when v_failed_seq is null then 'acked' else 'failed' end,
+            coalesce(array_length(v_seqs, 1), 0),
+            v_seqs[array_length(v_seqs, 1)],
+            extract(epoch from v_now - v_first_created)::double precision,
+            case when v_failed_seq is null then null else v_err end;
+    end loop;
+
+    foreach v_q in array v_queues loop
+        perform pg_notify('absurd_wake', v_q);
+    end loop;
+end
+$$;
+
+-- Deletes delivered and skipped events older than p_retention, at most p_limit per call
+-- (small, index-backed batches that never hold many locks). Returns the number deleted.
+create or replace function prune(p_retention interval, p_limit int) returns int
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_n int;
+    v_run text;
+begin
+    delete from events e
+    using (select x.run_id, x.seq from events x
+           where x.done_at < clock_timestamp() - p_retention
+           order by x.done_at limit p_limit
+           for update skip locked) d
+    where e.run_id = d.run_id and e.seq = d.seq;
+    get diagnostics v_n = row_count;
+    -- Forget idle runs with no events left (their seq counter stays in run_seqs). One run at a
+    -- time under its advisory lock, checked in a fresh statement, so a producer that is
+    -- enqueueing into it can never find its runs row gone.
+    for v_run in
+        select y.run_id from runs y
+        where y.idle and y.updated_at < clock_timestamp() - p_retention
+        order by y.updated_at
+        limit p_limit
+    loop
+        continue when not pg_try_advisory_xact_lock(run_lock_key(v_run));
+        delete from runs r
+        where r.run_id = v_run and r.idle
+          and not exists (select 1 from events z where z.run_id = v_run);
+    end loop;
+    return v_n;
+end
+$$;

@@ -1,0 +1,82 @@
+"""Shared fixtures: a real PostgreSQL (embedded unless RELAY_TEST_DATABASE_URL is set), the real
+Absurd schema, and a freshly migrated relay schema per test (schemas isolate NOTIFY channels
+too: the terminal channel is `<schema>_terminal`)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import absurdctl
+import psycopg
+import pytest
+from psycopg import sql
+
+from relay.embedded import EmbeddedPostgres
+from relay.migrate import migrate
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def pg_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    url = os.environ.get("RELAY_TEST_DATABASE_URL")
+    server = None
+    if not url:
+        server = EmbeddedPostgres(Path(tmp_path_factory.mktemp("pg")) / "data", durable=False)
+        url = server.start()
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("select pg_advisory_lock(4242)")
+        try:
+            row = conn.execute("select to_regclass('absurd.queues') is not null").fetchone()
+            if not (row and row[0]):
+                conn.execute(absurdctl.BUNDLED_SCHEMA_SQL)
+        finally:
+            conn.execute("select pg_advisory_unlock(4242)")
+    try:
+        yield url
+    finally:
+        if server is not None:
+            server.stop("immediate")
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def schema(pg_url: str) -> Iterator[str]:
+    name = unique("t")
+    migrate(pg_url, name)
+    yield name
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("drop schema if exists {} cascade").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def queue(pg_url: str) -> Iterator[str]:
+    """A fresh Absurd queue."""
+    name = unique("q")
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("select absurd.create_queue(%s)", (name,))
+    yield name
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("select absurd.drop_queue(%s)", (name,))
+
+
+@pytest.fixture
+def conn(pg_url: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        yield c
+
+
+@pytest.fixture
+async def aconn(pg_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as c:
+        yield c
