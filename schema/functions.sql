@@ -403,12 +403,13 @@ end
 $$;
 
 -- Acknowledges delivered batches in one transaction (DESIGN §6). p_batches is a JSON array of
--- {"run_id", "token", "upto"}: events of the run up to seq `upto` that are still pending are
+-- {"run_id", "token", "upto", "keep"?}: events of the run up to seq `upto` that are still pending are
 -- marked delivered, only if the token still holds an unexpired lease. For each batch acked:
 -- one outbox_delivered notification on the terminal channel, an absurd.emit_event for every
 -- event with a wake, and after all batches one pg_notify('absurd_wake', queue) per queue.
 -- A stale batch changes nothing and does not stop the others. An engine that rejects a wake
 -- marks that event failed and blocks its run, and nothing of that batch from it on is acked.
+-- The lease is released unless "keep" is true.
 -- Returns one row per input batch: status 'acked' | 'stale' | 'failed', the number of events
 -- acked, the seq acked up to, the commit-to-ack lag of the oldest event, and whether the run
 -- has more pending events.
@@ -487,6 +488,10 @@ begin
             perform fail_event(v_run, v_token, v_failed_seq, null, v_err);
             v_ids := array(select x from unnest(v_ids, v_seqs) as u(x, s) where s < v_failed_seq);
             v_seqs := array(select s from unnest(v_seqs) as s where s < v_failed_seq);
+        elsif coalesce((v_b ->> 'keep')::boolean, false) then
+            -- The caller goes on delivering this run under the same lease (poison narrowing).
+            update runs r set attempts = 0, last_error = null, updated_at = v_now
+            where r.run_id = v_run;
         else
             update runs r
             set lease_owner = null, lease_token = null, lease_expires_at = null,
@@ -504,7 +509,7 @@ begin
             end if;
             perform pg_notify(terminal_channel(), v_note);
         end if;
-        if v_failed_seq is null then
+        if v_failed_seq is null and not coalesce((v_b ->> 'keep')::boolean, false) then
             perform settle_run(v_run);
         end if;
 

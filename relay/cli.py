@@ -1,0 +1,193 @@
+"""The `relay` command line."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+
+import anyio
+
+from relay import logs
+from relay.settings import PARSERS, ConfigError, Settings, env_name, flag_name, load, redact_url
+
+_HELP = {
+    "database_url": "PostgreSQL URL (secret; also RELAY_DATABASE_URL_FILE)",
+    "ingress_url": "ingress URL template containing {run_id}",
+    "schema": "schema of the outbox tables and functions (default relay)",
+    "ingress_batch_url": "optional multi-run batch endpoint",
+    "ingress_token": "bearer token for the ingress (secret)",
+    "signing_secret": "Standard Webhooks whsec_ secret(s), comma separated (secret)",
+    "batch_size": "events per POST (default 100)",
+    "lease_ttl": "lease time to live, e.g. 30s",
+    "concurrency": "ordinary lane: runs in flight (default 8)",
+    "critical_concurrency": "critical lane: runs in flight (default 4)",
+    "claim_runs": "runs claimed per round trip (default 16)",
+    "poll_interval": "safety-net poll interval (default 1s)",
+    "http_timeout": "total deadline of one POST (default 10s)",
+    "max_backoff": "cap of retry backoff (default 300s)",
+    "shutdown_timeout": "time to finish in-flight work on SIGTERM (default 20s)",
+    "retention": "keep delivered events this long (default 24h)",
+    "statement_timeout": "bound of every relay statement (default 10s)",
+    "metrics_addr": "HOST:PORT for /metrics, /healthz, /readyz (off by default)",
+    "log_format": "json or text",
+    "log_level": "debug, info, warning or error",
+    "replica_id": "lease owner name (default host:pid)",
+}
+
+
+def _add_settings(p: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
+    for option in PARSERS:
+        if only is not None and option not in only:
+            continue
+        p.add_argument(
+            flag_name(option),
+            dest=option,
+            default=None,
+            metavar=option.upper(),
+            help=f"{_HELP.get(option, '')} [{env_name(option)}]",
+        )
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    flags = {k: getattr(args, k, None) for k in PARSERS}
+    return load(flags)
+
+
+def _database_url(args: argparse.Namespace) -> str:
+    import os
+
+    url = getattr(args, "database_url", None) or os.environ.get("RELAY_DATABASE_URL")
+    path = os.environ.get("RELAY_DATABASE_URL_FILE")
+    if not url and path:
+        with open(path) as f:
+            url = f.read().strip()
+    if not url:
+        raise ConfigError("database_url: required; set --database-url or RELAY_DATABASE_URL")
+    return url
+
+
+def _schema(args: argparse.Namespace) -> str:
+    import os
+
+    from relay.migrate import validate_schema_name
+
+    name = getattr(args, "schema", None) or os.environ.get("RELAY_SCHEMA") or "relay"
+    try:
+        return validate_schema_name(name)
+    except ValueError as exc:
+        raise ConfigError(f"schema (--schema / RELAY_SCHEMA): {exc}") from None
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from relay.migrate import SchemaError, migrate
+
+    url = _database_url(args)
+    schema = _schema(args)
+    try:
+        result = migrate(url, schema)
+    except SchemaError as exc:
+        print(f"relay migrate: {exc}", file=sys.stderr)
+        return 1
+    applied = ", ".join(map(str, result.applied)) or "none"
+    print(
+        f"schema {schema} at version {result.version} (applied: {applied}; functions "
+        f"{'re-created' if result.functions_reapplied else 'unchanged'})"
+    )
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    logs.configure(settings.log_format, settings.log_level)
+    if args.migrate:
+        from relay.migrate import migrate
+
+        migrate(settings.database_url.reveal(), settings.schema)
+
+    from relay.migrate import SchemaError
+    from relay.runner import Relay
+
+    relay = Relay(settings)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def on_signals() -> None:
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for _ in signals:
+                        relay.stop()
+                        return
+
+            tg.start_soon(on_signals)
+            await relay.run()
+            tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(main)
+    except SchemaError as exc:
+        logs.error("refused_to_start", reason=str(exc))
+        print(f"relay run: {exc}", file=sys.stderr)
+        return 3
+    except ConnectionError as exc:
+        logs.error("refused_to_start", reason=str(exc))
+        print(f"relay run: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_sink(argv: list[str]) -> int:
+    from relay.sink import main as sink_main
+
+    return sink_main(argv)
+
+
+def cmd_demo(argv: list[str]) -> int:
+    from relay.demo import main as demo_main
+
+    code: int = demo_main(argv)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="relay", description="ledger-relay: outbox → HTTP ingress")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("migrate", help="create or upgrade the schema")
+    _add_settings(m, ["database_url", "schema"])
+    m.set_defaults(func=cmd_migrate)
+
+    r = sub.add_parser("run", help="run the relay")
+    _add_settings(r)
+    r.add_argument("--migrate", action="store_true", help="migrate first (development)")
+    r.set_defaults(func=cmd_run)
+
+    sub.add_parser("sink", help="run the reference ingress", add_help=False)
+    sub.add_parser("demo", help="run the demo", add_help=False)
+    return p
+
+
+PASSTHROUGH = {"sink": cmd_sink, "demo": cmd_demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] in PASSTHROUGH:
+        return PASSTHROUGH[args_list[0]](args_list[1:])
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    try:
+        code: int = args.func(args)
+    except ConfigError as exc:
+        print(f"relay: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+__all__ = ["main", "redact_url"]

@@ -1,0 +1,148 @@
+"""The ingress client: one POST per run prefix (DESIGN §5), sent with httpx.
+
+Builds the exact body bytes once (payloads embedded as `orjson.Fragment`, never decoded),
+signs them when a Standard Webhooks secret is configured, never follows redirects, reads at
+most `MAX_BODY` bytes of the answer, and bounds the whole request with one deadline (httpx's
+timeouts are per phase: a slow-drip server could otherwise hold a request open forever).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from urllib.parse import quote
+
+import anyio
+import httpx
+import orjson
+
+from relay import __version__
+from relay.settings import Secret, Settings
+from relay.store import Claim, ClaimedEvent
+
+MAX_BODY = 64 * 1024
+USER_AGENT = f"ledger-relay/{__version__}"
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int
+    body: bytes
+    retry_after: str | None
+    seconds: float
+
+
+class TransportFailure(Exception):
+    """No HTTP answer: connection refused/reset, timeout, reply lost."""
+
+
+def render_url(template: str, run_id: str) -> str:
+    # safe="" encodes '/' too: a run id can never change the path.
+    return template.replace("{run_id}", quote(run_id, safe=""))
+
+
+def encode_body(claim: Claim, events: Sequence[ClaimedEvent]) -> bytes:
+    return orjson.dumps(
+        {
+            "run_id": claim.run_id,
+            "epoch": claim.epoch,
+            "events": [
+                {
+                    "event_id": e.event_id,
+                    "seq": e.seq,
+                    "type": e.event_type,
+                    "terminal": e.terminal,
+                    "payload": orjson.Fragment(e.payload),
+                    "created_at": e.created_at,
+                }
+                for e in events
+            ],
+        }
+    )
+
+
+def webhook_id(claim: Claim, events: Sequence[ClaimedEvent]) -> str:
+    """Stable across retries of the same batch: the same run and seq range give the same id."""
+    key = f"{claim.run_id}\x1f{events[0].seq}\x1f{events[-1].seq}".encode()
+    return "msg_" + hashlib.sha256(key).hexdigest()[:32]
+
+
+def sign(secrets: Sequence[Secret], msg_id: str, timestamp: int, body: bytes) -> str:
+    """Standard Webhooks `webhook-signature`: space-separated `v1,<base64 HMAC-SHA256>` over
+    `{id}.{timestamp}.{body}`, one per secret (rotation)."""
+    signed = f"{msg_id}.{timestamp}.".encode() + body
+    out = []
+    for secret in secrets:
+        key = base64.b64decode(secret.reveal().removeprefix("whsec_"))
+        digest = hmac.new(key, signed, hashlib.sha256).digest()
+        out.append("v1," + base64.b64encode(digest).decode())
+    return " ".join(out)
+
+
+class IngressClient:
+    def __init__(self, settings: Settings, client: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.client = client
+
+    def headers(self, claim: Claim, events: Sequence[ClaimedEvent], body: bytes) -> dict[str, str]:
+        h = {
+            "content-type": "application/json",
+            "user-agent": USER_AGENT,
+            "relay-lease-epoch": str(claim.epoch),
+        }
+        if self.settings.ingress_token is not None:
+            h["authorization"] = f"Bearer {self.settings.ingress_token.reveal()}"
+        tp = events[0].traceparent
+        if tp:
+            h["traceparent"] = tp
+        if self.settings.signing_secret:
+            # The database clock: the claim's timestamp plus the time held since, on our
+            # monotonic clock.
+            held = anyio.current_time() - claim.trust.started
+            ts = int((claim.claimed_at + timedelta(seconds=max(0.0, held))).timestamp())
+            msg_id = webhook_id(claim, events)
+            h["webhook-id"] = msg_id
+            h["webhook-timestamp"] = str(ts)
+            h["webhook-signature"] = sign(self.settings.signing_secret, msg_id, ts, body)
+        return h
+
+    async def post(self, claim: Claim, events: Sequence[ClaimedEvent]) -> Answer:
+        body = encode_body(claim, events)
+        url = render_url(self.settings.ingress_url, claim.run_id)
+        headers = self.headers(claim, events, body)
+        started = anyio.current_time()
+        try:
+            with anyio.fail_after(self.settings.http_timeout):
+                async with self.client.stream("POST", url, content=body, headers=headers) as resp:
+                    chunks: list[bytes] = []
+                    size = 0
+                    async for chunk in resp.aiter_raw():
+                        chunks.append(chunk)
+                        size += len(chunk)
+                        if size >= MAX_BODY:
+                            break
+                    return Answer(
+                        resp.status_code,
+                        b"".join(chunks)[:MAX_BODY],
+                        resp.headers.get("retry-after"),
+                        anyio.current_time() - started,
+                    )
+        except TimeoutError as exc:
+            raise TransportFailure(f"timed out after {self.settings.http_timeout:g}s") from exc
+        except httpx.HTTPError as exc:
+            raise TransportFailure(f"{type(exc).__name__}: {exc}") from exc
+
+
+def make_client(
+    settings: Settings, connections: int, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(settings.http_timeout),
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        follow_redirects=False,
+        transport=transport,
+    )

@@ -1,0 +1,545 @@
+"""A lane: discovery, concurrency and the delivery of claimed run prefixes (DESIGN §4.2-4.3, §5).
+
+The relay has two: `critical` (runs with a pending terminal event; targeted drains) and
+`ordinary` (any due run, critical ones included when it has room). Each has its own
+concurrency, database pool, HTTP client and ack group, so a full ordinary lane cannot delay
+the critical one.
+
+Delivery of one claim: check the lease is trusted long enough for a whole request (renew
+first if not), POST under a renewal task that cancels the request when the lease is lost, then
+act on the answer (DESIGN §5 table): ack (grouped), reschedule through the database, pause
+the lane, or isolate a poison event.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import anyio
+import psycopg
+from anyio.abc import TaskGroup
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_attempt,
+    stop_any,
+    wait_random_exponential,
+)
+from tenacity.stop import stop_base
+
+from relay import logs
+from relay.ingress import Answer, IngressClient, TransportFailure
+from relay.policy import (
+    Outcome,
+    accepted_count,
+    classify,
+    misconfigured_backoff,
+    parse_retry_after,
+    renew_interval,
+    retry_delay,
+)
+from relay.settings import Settings, redact_url
+from relay.store import AckResult, Claim, ClaimedEvent, Store
+
+BACKOFF_BASE = 0.5
+QUICK_ATTEMPTS = 3
+MIN_EMPTY_PASS_SPACING = 0.01  # coalesces bursts of wakes into a handful of passes
+BODY_EXCERPT = 512
+
+
+class Wake:
+    """A level-triggered, coalescing wake-up: many set() calls, one wait() return."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self, within: float) -> bool:
+        with anyio.move_on_after(within):
+            await self._event.wait()
+        fired = self._event.is_set()
+        if fired:
+            self._event = anyio.Event()
+        return fired
+
+
+@dataclass
+class LaneStats:
+    passes: int = 0
+    claimed_runs: int = 0
+    delivered: int = 0
+    posts: int = 0
+    acks: int = 0
+    ack_groups: int = 0
+    lease_lost: int = 0
+    retries: int = 0
+    failed: int = 0
+    stale_acks: int = 0
+    by_type: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _PendingAck:
+    claim: Claim
+    upto: int
+    keep: bool
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: AckResult | None = None
+    error: BaseException | None = None
+
+
+class AckGroup:
+    """Acks that finish close together share one transaction (one NOTIFY commit lock per group).
+    No timer: while one group's statement runs, the next group accumulates."""
+
+    def __init__(self, store: Store, max_group: int = 64) -> None:
+        self.store = store
+        self.max_group = max_group
+        self._send, self._recv = anyio.create_memory_object_stream[_PendingAck](10_000)
+        self.groups = 0
+
+    async def ack(self, claim: Claim, upto: int, *, keep: bool = False) -> AckResult:
+        item = _PendingAck(claim, upto, keep)
+        await self._send.send(item)
+        await item.done.wait()
+        if item.error is not None:
+            raise item.error
+        assert item.result is not None
+        return item.result
+
+    async def run(self) -> None:
+        while True:
+            first = await self._recv.receive()
+            group = [first]
+            while len(group) < self.max_group:
+                try:
+                    group.append(self._recv.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            try:
+                results = await self.store.ack([(p.claim, p.upto, p.keep) for p in group])
+            except BaseException as exc:
+                for p in group:
+                    p.error = exc
+                    p.done.set()
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            self.groups += 1
+            for p, r in zip(group, results, strict=True):
+                p.result = r
+                p.done.set()
+
+
+class Lane:
+    def __init__(
+        self,
+        name: str,
+        settings: Settings,
+        store: Store,
+        ingress: IngressClient,
+        concurrency: int,
+        *,
+        on_ready_change: Callable[[bool], None] = lambda ok: None,
+    ) -> None:
+        self.name = name
+        self.settings = settings
+        self.store = store
+        self.ingress = ingress
+        self.concurrency = concurrency
+        self.acks = AckGroup(store)
+        self.wake = Wake()
+        self.slot_freed = Wake()
+        self.targets: list[str] = []  # runs to drain now (critical lane)
+        self.wanted: set[str] = set()  # terminal runs we could not claim yet
+        self.inflight: dict[str, Claim] = {}
+        self.stats = LaneStats()
+        self.stopping = False
+        self.paused_until = 0.0
+        self.misconfigured = 0
+        self.on_ready_change = on_ready_change
+        self._last_empty_pass = -1.0
+        self._deliveries: TaskGroup | None = None
+
+    # -- wakes ------------------------------------------------------------------------------
+
+    def drain(self, run_id: str) -> None:
+        """A targeted drain: claim this run at once, without waiting for a discovery pass."""
+        if run_id not in self.inflight and run_id not in self.targets:
+            self.targets.append(run_id)
+        self.wake.set()
+
+    def delivered_elsewhere(self, run_id: str) -> None:
+        if run_id in self.wanted:
+            self.wanted.discard(run_id)
+            self.drain(run_id)
+
+    # -- discovery ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The lane's loop; returns after stop() once in-flight work is finished or released."""
+        async with anyio.create_task_group() as deliveries:
+            self._deliveries = deliveries
+            deliveries.start_soon(self.acks.run)
+            failures = 0
+            while not self.stopping:
+                try:
+                    busy = await self._pass()
+                    failures = 0
+                except (psycopg.Error, OSError, TimeoutError) as exc:
+                    failures += 1
+                    delay = random.uniform(
+                        0, min(self.settings.poll_interval * 5, 0.05 * 2**failures)
+                    )
+                    logs.warning(
+                        "claim_failed",
+                        lane=self.name,
+                        error=f"{type(exc).__name__}: {str(exc).strip()[:200]}",
+                        retry_in=round(delay, 3),
+                    )
+                    await anyio.sleep(delay)
+                    continue
+                if busy:
+                    continue
+                await self.wake.wait(self.settings.poll_interval)
+            await self._finish_inflight()
+            deliveries.cancel_scope.cancel()
+
+    async def _pass(self) -> bool:
+        """One discovery step. Returns True when the next one should start at once."""
+        now = anyio.current_time()
+        if now < self.paused_until:
+            await self.wake.wait(min(self.paused_until - now, self.settings.poll_interval))
+            return False
+        if len(self.inflight) >= self.concurrency:
+            await self.slot_freed.wait(self.settings.poll_interval)
+            return True
+        if self.targets:
+            run_id = self.targets.pop(0)
+            claims = await self.store.claim(self.name, 1, run_id)
+            if not claims and run_id not in self.inflight:
+                self.wanted.add(run_id)  # leased elsewhere or backing off; retried on delivery
+            self._start(claims)
+            return True
+        # Space out passes that find nothing, so a burst of wakes costs a handful of passes.
+        since = now - self._last_empty_pass
+        if since < MIN_EMPTY_PASS_SPACING:
+            await anyio.sleep(MIN_EMPTY_PASS_SPACING - since)
+        want = min(self.concurrency - len(self.inflight), self.settings.claim_runs)
+        self.stats.passes += 1
+        claims = await self.store.claim(self.name, want)
+        self._start(claims)
+        if len(claims) < want:
+            self._last_empty_pass = anyio.current_time()
+            return False
+        return True
+
+    def _start(self, claims: list[Claim]) -> None:
+        assert self._deliveries is not None
+        for claim in claims:
+            self.stats.claimed_runs += 1
+            self.inflight[claim.run_id] = claim
+            self.wanted.discard(claim.run_id)
+            logs.debug(
+                "claimed",
+                lane=self.name,
+                run_id=claim.run_id,
+                epoch=claim.epoch,
+                first_seq=claim.first_seq,
+                last_seq=claim.last_seq,
+                events=len(claim.events),
+                critical=claim.critical,
+                attempt=claim.attempts,
+                lease_owner=self.store.owner,
+            )
+            self._deliveries.start_soon(self._deliver_guarded, claim)
+
+    async def _finish_inflight(self) -> None:
+        with anyio.move_on_after(self.settings.shutdown_timeout):
+            while self.inflight:
+                await self.slot_freed.wait(0.05)
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake.set()
+        self.slot_freed.set()
+
+    # -- delivery ---------------------------------------------------------------------------
+
+    async def _deliver_guarded(self, claim: Claim) -> None:
+        settled = False
+        try:
+            settled = await self._deliver(claim)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            logs.error(
+                "delivery_error",
+                lane=self.name,
+                run_id=claim.run_id,
+                epoch=claim.epoch,
+                error=f"{type(exc).__name__}: {str(exc).strip()[:300]}",
+            )
+        finally:
+            if not settled:
+                # Shutdown, an error, or a lost ack: hand the lease back so another replica takes
+                # over at once rather than after the TTL. Fenced by token: harmless when stale.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    try:
+                        await self.store.release(claim)
+                    except Exception:
+                        pass
+            self.inflight.pop(claim.run_id, None)
+            self.slot_freed.set()
+            if claim.critical or self.name == "critical":
+                self.wake.set()
+
+    async def _deliver(self, claim: Claim) -> bool:
+        """Deliver one claim. Returns True when the lease was settled (acked, released or lost)."""
+        if not claim.trust.allows_post(anyio.current_time(), self.settings.http_timeout):
+            if claim.run_id not in await self.store.renew([claim]):
+                self._lease_lost(claim, "renew_before_post")
+                return True
+        events = claim.events
+        answer = await self._post_renewing(claim, events)
+        if answer is None:
+            return True  # lease lost mid-flight: abandoned, no ack
+        return await self._act(claim, events, answer)
+
+    async def _post_renewing(
+        self, claim: Claim, events: list[ClaimedEvent]
+    ) -> Answer | TransportFailure | None:
+        """POST with quick retries while a sibling task renews the lease every ttl/3; a failed
+        renewal cancels the request. Returns None when the lease was lost."""
+        lost = False
+        result: Answer | TransportFailure | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def renewer() -> None:
+                nonlocal lost
+                interval = renew_interval(self.settings.lease_ttl)
+                while True:
+                    await anyio.sleep(interval)
+                    try:
+                        ok = claim.run_id in await self.store.renew([claim])
+                    except (psycopg.Error, OSError, TimeoutError):
+                        # Unknown: keep going only while the current window still holds.
+                        ok = claim.trust.remaining(anyio.current_time()) > interval
+                    if not ok:
+                        lost = True
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(renewer)
+            try:
+                result = await self._post_quick_retries(claim, events)
+            except TransportFailure as exc:
+                result = exc
+            tg.cancel_scope.cancel()
+        if lost:
+            self._lease_lost(claim, "renewal_failed")
+            return None
+        return result
+
+    async def _post_quick_retries(self, claim: Claim, events: list[ClaimedEvent]) -> Answer:
+        timeout = self.settings.http_timeout
+
+        class trust_low(stop_base):
+            def __call__(self, retry_state: RetryCallState) -> bool:
+                return not claim.trust.allows_post(anyio.current_time(), timeout)
+
+        def quick_retryable(answer: Answer) -> bool:
+            return classify(answer.status) is Outcome.TRANSIENT and answer.retry_after is None
+
+        retrying = AsyncRetrying(
+            stop=stop_any(stop_after_attempt(QUICK_ATTEMPTS), trust_low()),
+            wait=wait_random_exponential(multiplier=0.05, max=0.4),
+            retry=retry_if_exception_type(TransportFailure) | retry_if_result(quick_retryable),
+            retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
+            reraise=True,
+        )
+        answer: Answer = await retrying(self._post_once, claim, events)
+        return answer
+
+    async def _post_once(self, claim: Claim, events: list[ClaimedEvent]) -> Answer:
+        self.stats.posts += 1
+        return await self.ingress.post(claim, events)
+
+    async def _act(
+        self, claim: Claim, events: list[ClaimedEvent], answer: Answer | TransportFailure
+    ) -> bool:
+        if isinstance(answer, TransportFailure):
+            return await self._reschedule(claim, None, str(answer), None)
+        outcome = classify(answer.status)
+        if outcome is Outcome.ACCEPTED:
+            self._ingress_ok()
+            k = accepted_count(answer.status, answer.body, len(events))
+            if k == 0:
+                return await self._reschedule(
+                    claim, answer.status, "ingress accepted 0 events", None
+                )
+            return await self._ack(claim, events[:k], answer)
+        if outcome is Outcome.TRANSIENT:
+            return await self._reschedule(
+                claim, answer.status, _excerpt(answer.body), answer.retry_after
+            )
+        if outcome is Outcome.MISCONFIGURED:
+            return await self._misconfigured(claim, answer)
+        return await self._poison(claim, events, answer)
+
+    async def _ack(
+        self, claim: Claim, acked: list[ClaimedEvent], answer: Answer, *, keep: bool = False
+    ) -> bool:
+        result = await self.acks.ack(claim, acked[-1].seq, keep=keep)
+        if result.status == "stale":
+            self.stats.stale_acks += 1
+            self._lease_lost(claim, "ack_fenced")
+            return True
+        if result.status == "failed":
+            self.stats.failed += 1
+            logs.error(
+                "run_blocked",
+                lane=self.name,
+                run_id=claim.run_id,
+                epoch=claim.epoch,
+                reason="ack_failed",
+                error=result.error,
+            )
+        self.stats.acks += 1
+        self.stats.delivered += result.acked
+        for e in acked[: result.acked]:
+            self.stats.by_type[e.event_type] = self.stats.by_type.get(e.event_type, 0) + 1
+        logs.info(
+            "delivered",
+            lane=self.name,
+            run_id=claim.run_id,
+            epoch=claim.epoch,
+            first_seq=acked[0].seq,
+            last_seq=result.last_seq,
+            events=result.acked,
+            status=answer.status,
+            attempt=claim.attempts,
+            lease_owner=self.store.owner,
+            http_ms=round(answer.seconds * 1000, 2),
+            lag_ms=round((result.lag_seconds or 0.0) * 1000, 2),
+            trace_id=_trace_id(acked[0].traceparent),
+        )
+        return True
+
+    async def _reschedule(
+        self, claim: Claim, status: int | None, error: str, retry_after: str | None
+    ) -> bool:
+        delay = retry_delay(
+            claim.attempts,
+            retry_after=parse_retry_after(
+                retry_after, datetime.now(UTC), maximum=self.settings.max_backoff
+            ),
+            base=BACKOFF_BASE,
+            cap=self.settings.max_backoff,
+            rand=random.random(),
+        )
+        self.stats.retries += 1
+        released = await self.store.release(claim, delay, error=error or "no answer", status=status)
+        logs.log(
+            "retry_scheduled",
+            logging.WARNING,
+            lane=self.name,
+            run_id=claim.run_id,
+            epoch=claim.epoch,
+            first_seq=claim.first_seq,
+            last_seq=claim.last_seq,
+            status=status,
+            attempt=claim.attempts + 1,
+            retry_in=round(delay, 3),
+            error=error[:200],
+            fenced=not released,
+        )
+        return True
+
+    async def _misconfigured(self, claim: Claim, answer: Answer) -> bool:
+        self.misconfigured += 1
+        delay = misconfigured_backoff(self.misconfigured, cap=self.settings.max_backoff)
+        self.paused_until = anyio.current_time() + delay
+        self.on_ready_change(False)
+        await self.store.release(claim, delay)  # not an attempt: the events are not at fault
+        logs.error(
+            "ingress_misconfigured",
+            lane=self.name,
+            status=answer.status,
+            url=redact_url(self.settings.ingress_url),
+            run_id=claim.run_id,
+            pause_s=round(delay, 3),
+            body=_excerpt(answer.body),
+        )
+        return True
+
+    def _ingress_ok(self) -> None:
+        if self.misconfigured:
+            self.misconfigured = 0
+            self.on_ready_change(True)
+            logs.info("ingress_recovered", lane=self.name)
+
+    async def _poison(self, claim: Claim, events: list[ClaimedEvent], answer: Answer) -> bool:
+        """Narrow a rejected batch to the event that causes it: resend one event at a time under
+        the same lease, acking each accepted one (keeping the lease), until one is rejected."""
+        if len(events) > 1:
+            for i, event in enumerate(events):
+                single = await self._post_renewing(claim, [event])
+                if single is None:
+                    return True
+                if (
+                    isinstance(single, TransportFailure)
+                    or classify(single.status) is not Outcome.ACCEPTED
+                ):
+                    if isinstance(single, Answer) and classify(single.status) is Outcome.POISON:
+                        return await self._block(claim, event, single)
+                    return await self._act(claim, [event], single)
+                last = i == len(events) - 1
+                await self._ack(claim, [event], single, keep=not last)
+            return True
+        return await self._block(claim, events[0], answer)
+
+    async def _block(self, claim: Claim, event: ClaimedEvent, answer: Answer) -> bool:
+        error = f"ingress answered {answer.status}: {_excerpt(answer.body)}"
+        await self.store.fail_event(claim, event.seq, answer.status, error)
+        self.stats.failed += 1
+        logs.error(
+            "run_blocked",
+            lane=self.name,
+            run_id=claim.run_id,
+            epoch=claim.epoch,
+            event_id=event.event_id,
+            seq=event.seq,
+            status=answer.status,
+            error=error[:300],
+        )
+        return True
+
+    def _lease_lost(self, claim: Claim, where: str) -> None:
+        self.stats.lease_lost += 1
+        logs.warning(
+            "lease_lost",
+            lane=self.name,
+            run_id=claim.run_id,
+            epoch=claim.epoch,
+            first_seq=claim.first_seq,
+            last_seq=claim.last_seq,
+            lease_owner=self.store.owner,
+            where=where,
+        )
+
+
+def _excerpt(body: bytes) -> str:
+    return body[:BODY_EXCERPT].decode("utf-8", "replace")
+
+
+def _trace_id(traceparent: str | None) -> str | None:
+    return traceparent.split("-")[1] if traceparent else None

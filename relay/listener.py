@@ -1,0 +1,130 @@
+"""The LISTEN connection (DESIGN §4.1): one dedicated connection, never through a pooler.
+
+It turns notifications into wakes: a terminal commit becomes a targeted drain of that run on
+the critical lane, anything on `absurd_wake` (or unknown) a discovery pass. It never delivers
+anything itself, so while it is down the relay goes on by polling. A dead server is noticed
+within bounded time (TCP keepalives plus a `select 1` with a deadline whenever the connection
+has been quiet for `check_interval`), and it reconnects with capped exponential backoff. Every
+(re)connect triggers a full discovery pass, because NOTIFY is not durable.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import orjson
+import psycopg
+from psycopg import sql
+
+from relay import logs
+from relay.store import CONNECT_KWARGS
+
+MAX_PAYLOAD = 8000
+
+
+class Listener:
+    def __init__(
+        self,
+        conninfo: str,
+        terminal_channel: str,
+        *,
+        on_terminal: Callable[[str], None],
+        on_delivered: Callable[[str], None],
+        on_wake: Callable[[], None],
+        on_connected: Callable[[], None],
+        check_interval: float = 5.0,
+        check_timeout: float = 5.0,
+        max_backoff: float = 10.0,
+    ) -> None:
+        self.conninfo = conninfo
+        self.terminal_channel = terminal_channel
+        self.on_terminal = on_terminal
+        self.on_delivered = on_delivered
+        self.on_wake = on_wake
+        self.on_connected = on_connected
+        self.check_interval = check_interval
+        self.check_timeout = check_timeout
+        self.max_backoff = max_backoff
+        self.up = False
+        self.reconnects = 0
+        self.received = 0
+        self.malformed = 0
+        self.backend_pid: int | None = None
+
+    async def run(self) -> None:
+        failures = 0
+        while True:
+            try:
+                await self._session()
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                was_up = self.up
+                self.up = False
+                self.backend_pid = None
+                failures += 1
+                delay = random.uniform(0, min(self.max_backoff, 0.1 * 2 ** min(failures, 10)))
+                logs.warning(
+                    "listen_lost" if was_up else "listen_connect_failed",
+                    error=f"{type(exc).__name__}: {str(exc).strip()[:200]}",
+                    retry_in=round(delay, 3),
+                )
+                await anyio.sleep(delay)
+            else:  # pragma: no cover - _session only returns by raising
+                failures = 0
+
+    async def _session(self) -> None:
+        with anyio.fail_after(self.check_timeout + 5):
+            conn = await psycopg.AsyncConnection.connect(self.conninfo, **CONNECT_KWARGS)
+        async with conn:
+            with anyio.fail_after(self.check_timeout):
+                for channel in (self.terminal_channel, "absurd_wake"):
+                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            self.backend_pid = conn.info.backend_pid
+            if self.reconnects or self.up:
+                logs.info("listen_reconnected", backend_pid=self.backend_pid)
+            self.reconnects += 1
+            self.up = True
+            # NOTIFY is not durable: whatever was sent while we were away is found by a full pass.
+            self.on_connected()
+            while True:
+                async for note in conn.notifies(timeout=self.check_interval):
+                    self.dispatch(note.channel, note.payload)
+                # Quiet for check_interval: prove the server is still there.
+                with anyio.fail_after(self.check_timeout):
+                    await conn.execute("select 1")
+
+    def dispatch(self, channel: str, payload: str) -> None:
+        self.received += 1
+        if channel != self.terminal_channel:
+            self.on_wake()
+            return
+        msg = self._parse(payload)
+        if msg is None:
+            self.malformed += 1
+            logs.warning("notification_ignored", channel=channel, payload=payload[:200])
+            self.on_wake()
+            return
+        kind, run_id = msg
+        if kind == "terminal_committed":
+            self.on_terminal(run_id)
+        elif kind == "outbox_delivered":
+            self.on_delivered(run_id)
+        else:
+            self.on_wake()
+
+    @staticmethod
+    def _parse(payload: str) -> tuple[str, str] | None:
+        if len(payload) > MAX_PAYLOAD:
+            return None
+        try:
+            msg: Any = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(msg, dict):
+            return None
+        kind, run_id = msg.get("kind"), msg.get("run_id")
+        if not isinstance(kind, str) or not isinstance(run_id, str) or not run_id:
+            return None
+        return kind, run_id

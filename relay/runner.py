@@ -1,0 +1,205 @@
+"""The orchestrator: wires store, listener, lanes and retention into one anyio task group.
+
+Usable as a library (`async with Relay(settings).running(): ...` or `await relay.run()` inside
+the application's own task group, with its own httpx transport) and by `relay run`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+import httpx
+import psycopg
+from anyio.abc import TaskStatus
+from psycopg_pool import AsyncConnectionPool
+
+from relay import logs
+from relay.ingress import IngressClient, make_client
+from relay.lanes import Lane
+from relay.listener import Listener
+from relay.migrate import SchemaError, version_problem
+from relay.settings import Settings, redact_url
+from relay.store import CONNECT_KWARGS, Pool, Store
+
+PRUNE_BATCH = 1000
+
+
+@dataclass
+class Health:
+    ready: bool = False
+    ingress_ok: bool = True
+    last_progress: float = 0.0
+
+
+class Relay:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        prune_interval: float = 60.0,
+    ) -> None:
+        self.settings = settings
+        self.transport = transport
+        self.prune_interval = prune_interval
+        self.health = Health()
+        self.lanes: dict[str, Lane] = {}
+        self.listener: Listener | None = None
+        self._stop = anyio.Event()
+        self._started = anyio.Event()
+
+    # -- public ------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Graceful shutdown: stop claiming, finish or release in-flight work, return."""
+        if not self._stop.is_set():
+            logs.info("shutdown_requested", replica=self.settings.replica_id)
+        self._stop.set()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Relay]:
+        """Run in the background for the duration of the block; stops gracefully on exit."""
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.run)
+            try:
+                yield self
+            finally:
+                self.stop()
+
+    async def run(self, *, task_status: TaskStatus[Relay] = anyio.TASK_STATUS_IGNORED) -> None:
+        s = self.settings
+        url = s.database_url.reveal()
+        pools = [
+            self._pool(url, "ordinary", s.concurrency + 2),
+            self._pool(url, "critical", s.critical_concurrency + 2),
+        ]
+        try:
+            for pool in pools:
+                await pool.open(wait=True, timeout=s.statement_timeout + 5)
+        except Exception as exc:
+            for pool in pools:
+                await pool.close()
+            raise ConnectionError(
+                f"cannot connect to the database at {redact_url(url)}: {type(exc).__name__}"
+            ) from None
+        ordinary_pool, critical_pool = pools
+        try:
+            ordinary_store = self._store(ordinary_pool)
+            problem = version_problem(await ordinary_store.schema_version(), s.schema)
+            if problem:
+                raise SchemaError(problem)
+            async with (
+                make_client(s, s.concurrency, self.transport) as ordinary_http,
+                make_client(s, s.critical_concurrency, self.transport) as critical_http,
+            ):
+                critical = Lane(
+                    "critical",
+                    s,
+                    self._store(critical_pool),
+                    IngressClient(s, critical_http),
+                    s.critical_concurrency,
+                    on_ready_change=self._ingress_ready,
+                )
+                ordinary = Lane(
+                    "ordinary",
+                    s,
+                    ordinary_store,
+                    IngressClient(s, ordinary_http),
+                    s.concurrency,
+                    on_ready_change=self._ingress_ready,
+                )
+                self.lanes = {"critical": critical, "ordinary": ordinary}
+                self.listener = Listener(
+                    url,
+                    s.terminal_channel,
+                    on_terminal=critical.drain,
+                    on_delivered=critical.delivered_elsewhere,
+                    on_wake=self._wake_all,
+                    on_connected=self._wake_all,
+                )
+                await self._serve(ordinary_store, task_status)
+        finally:
+            for pool in pools:
+                await pool.close()
+            logs.info("shutdown", replica=s.replica_id)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _serve(self, store: Store, task_status: TaskStatus[Relay]) -> None:
+        assert self.listener is not None
+        async with anyio.create_task_group() as background:
+            background.start_soon(self.listener.run)
+            if self.settings.retention > 0:
+                background.start_soon(self._retention, store)
+            async with anyio.create_task_group() as lanes:
+                for lane in self.lanes.values():
+                    lanes.start_soon(lane.run)
+                self.health.ready = True
+                logs.info(
+                    "started",
+                    replica=self.settings.replica_id,
+                    schema=self.settings.schema,
+                    ingress=redact_url(self.settings.ingress_url),
+                    concurrency=self.settings.concurrency,
+                    critical_concurrency=self.settings.critical_concurrency,
+                    batch_size=self.settings.batch_size,
+                )
+                self._started.set()
+                task_status.started(self)
+                await self._stop.wait()
+                self.health.ready = False
+                for lane in self.lanes.values():
+                    lane.stop()
+            # Lanes are done (in-flight work finished or released): stop the rest.
+            background.cancel_scope.cancel()
+
+    def _pool(self, url: str, name: str, size: int) -> Pool:
+        return AsyncConnectionPool(
+            url,
+            min_size=1,
+            max_size=size,
+            kwargs=dict(CONNECT_KWARGS),
+            name=f"relay-{name}",
+            open=False,
+            timeout=self.settings.statement_timeout,
+            check=AsyncConnectionPool.check_connection,
+        )
+
+    def _store(self, pool: Pool) -> Store:
+        s = self.settings
+        return Store(
+            pool,
+            s.schema,
+            lease_ttl=s.lease_ttl,
+            batch_size=s.batch_size,
+            owner=s.replica_id,
+            statement_timeout=s.statement_timeout,
+        )
+
+    def _wake_all(self) -> None:
+        for lane in self.lanes.values():
+            lane.wake.set()
+
+    def _ingress_ready(self, ok: bool) -> None:
+        self.health.ingress_ok = ok
+
+    async def _retention(self, store: Store) -> None:
+        """Prune delivered events in small batches, off the delivery path (DESIGN §4.4)."""
+        while True:
+            await anyio.sleep(self.prune_interval * random.uniform(0.5, 1.0))
+            try:
+                total = 0
+                while True:
+                    n = await store.prune(self.settings.retention, PRUNE_BATCH)
+                    total += n
+                    if n < PRUNE_BATCH:
+                        break
+                    await anyio.sleep(0.05)  # leave room for delivery between batches
+                if total:
+                    logs.info("pruned", events=total)
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                logs.warning("prune_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}")

@@ -1,0 +1,309 @@
+"""Configuration (DESIGN §7): every option is a CLI flag and an environment variable RELAY_<NAME>;
+secrets also accept RELAY_<NAME>_FILE and systemd credentials ($CREDENTIALS_DIRECTORY/<name>).
+
+Parsing is pure: `load(flags, environ)` returns Settings or raises ConfigError with one line
+naming the option. Secrets are wrapped in `Secret` so they never print.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from relay.migrate import validate_schema_name
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the option."""
+
+
+class Secret:
+    """A string that does not print."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """'30s', '500ms', '5m', '24h', '1d' or plain seconds ('1.5') -> seconds."""
+    m = _DURATION_RE.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a duration (e.g. 500ms, 30s, 5m, 24h)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def redact_url(url: str) -> str:
+    """A URL with any password (and the userinfo of http URLs) replaced by ***."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None and not (parts.username and parts.scheme.startswith("http")):
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    user = parts.username or ""
+    if parts.scheme.startswith("http"):
+        netloc = f"***@{host}"
+    else:
+        netloc = f"{user}:***@{host}" if parts.password is not None else f"{user}@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _default_replica_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: Secret
+    ingress_url: str
+    schema: str = "relay"
+    ingress_batch_url: str | None = None
+    ingress_token: Secret | None = None
+    signing_secret: tuple[Secret, ...] = ()
+    batch_size: int = 100
+    lease_ttl: float = 30.0
+    concurrency: int = 8
+    critical_concurrency: int = 4
+    claim_runs: int = 16
+    poll_interval: float = 1.0
+    http_timeout: float = 10.0
+    max_backoff: float = 300.0
+    shutdown_timeout: float = 20.0
+    retention: float = 86400.0
+    statement_timeout: float = 10.0
+    metrics_addr: str | None = None
+    log_format: str = "json"
+    log_level: str = "info"
+    replica_id: str = field(default_factory=_default_replica_id)
+
+    @property
+    def terminal_channel(self) -> str:
+        return f"{self.schema}_terminal"
+
+
+SECRET_OPTIONS = frozenset({"database_url", "ingress_token", "signing_secret"})
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"must be an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise ValueError(f"must be between {lo} and {hi}, got {value}")
+        return value
+
+    return parse
+
+
+def _duration_in(lo: float, hi: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = parse_duration(text)
+        if not lo <= value <= hi:
+            raise ValueError(f"must be between {lo:g}s and {hi:g}s, got {value:g}s")
+        return value
+
+    return parse
+
+
+def _http_url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http(s) URL, got {redact_url(text)!r}")
+    return text
+
+
+def _ingress_template(text: str) -> str:
+    _http_url(text)
+    if "{run_id}" not in text:
+        raise ValueError(
+            "must contain {run_id}, e.g. https://ingress.internal/runs/{run_id}/events"
+        )
+    try:
+        text.format(run_id="x")
+    except (KeyError, IndexError, ValueError):
+        raise ValueError("may contain no placeholder other than {run_id}") from None
+    return text
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.lower() not in options:
+            raise ValueError(f"must be one of {', '.join(options)}, got {text!r}")
+        return text.lower()
+
+    return parse
+
+
+def _database_url(text: str) -> Secret:
+    if not text.strip():
+        raise ValueError("must not be empty")
+    return Secret(text)
+
+
+def _signing_secrets(text: str) -> tuple[Secret, ...]:
+    out = []
+    for item in text.replace(",", " ").split():
+        if not item.startswith("whsec_"):
+            raise ValueError("each secret must start with whsec_ (Standard Webhooks)")
+        import base64
+        import binascii
+
+        try:
+            base64.b64decode(item[len("whsec_") :], validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("a whsec_ secret must be base64 after the prefix") from None
+        out.append(Secret(item))
+    return tuple(out)
+
+
+def _schema(text: str) -> str:
+    return validate_schema_name(text)
+
+
+def _addr(text: str) -> str:
+    _host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"must be HOST:PORT, got {text!r}")
+    return text
+
+
+PARSERS: dict[str, Callable[[str], Any]] = {
+    "database_url": _database_url,
+    "ingress_url": _ingress_template,
+    "schema": _schema,
+    "ingress_batch_url": _http_url,
+    "ingress_token": lambda t: Secret(t.strip()),
+    "signing_secret": _signing_secrets,
+    "batch_size": _int_in(1, 10_000),
+    "lease_ttl": _duration_in(1.0, 3600.0),
+    "concurrency": _int_in(1, 1024),
+    "critical_concurrency": _int_in(1, 256),
+    "claim_runs": _int_in(1, 1000),
+    "poll_interval": _duration_in(0.01, 3600.0),
+    "http_timeout": _duration_in(0.05, 600.0),
+    "max_backoff": _duration_in(0.1, 86400.0),
+    "shutdown_timeout": _duration_in(0.0, 3600.0),
+    "retention": _duration_in(0.0, 365 * 86400.0),
+    "statement_timeout": _duration_in(0.1, 600.0),
+    "metrics_addr": _addr,
+    "log_format": _choice("json", "text"),
+    "log_level": _choice("debug", "info", "warning", "error"),
+    "replica_id": lambda t: t,
+}
+
+REQUIRED = ("database_url", "ingress_url")
+
+
+def env_name(option: str) -> str:
+    return f"RELAY_{option.upper()}"
+
+
+def flag_name(option: str) -> str:
+    return "--" + option.replace("_", "-")
+
+
+def _raw_value(
+    option: str, flags: Mapping[str, str | None], environ: Mapping[str, str]
+) -> str | None:
+    """Flag, then RELAY_<NAME>, then (secrets) RELAY_<NAME>_FILE, then systemd credentials."""
+    value = flags.get(option)
+    if value is not None:
+        return value
+    value = environ.get(env_name(option))
+    if value is not None:
+        return value
+    if option in SECRET_OPTIONS:
+        path = environ.get(env_name(option) + "_FILE")
+        if path:
+            try:
+                return Path(path).read_text().strip()
+            except OSError as exc:
+                raise ConfigError(
+                    f"{env_name(option)}_FILE: cannot read {path}: {exc.strerror}"
+                ) from None
+        creds = environ.get("CREDENTIALS_DIRECTORY")
+        if creds:
+            cred = Path(creds) / option
+            if cred.is_file():
+                return cred.read_text().strip()
+    return None
+
+
+def load(flags: Mapping[str, str | None], environ: Mapping[str, str] | None = None) -> Settings:
+    """Build Settings from parsed flags (option name -> raw string or None) and the environment."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for option, parse in PARSERS.items():
+        raw = _raw_value(option, flags, env)
+        if raw is None:
+            if option in REQUIRED:
+                raise ConfigError(
+                    f"{option}: required; set {flag_name(option)} or {env_name(option)}"
+                )
+            continue
+        try:
+            values[option] = parse(raw)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{option} ({flag_name(option)} / {env_name(option)}): {exc}"
+            ) from None
+    settings = Settings(**values)
+    return _check_relations(settings)
+
+
+def _check_relations(s: Settings) -> Settings:
+    from relay.policy import lease_margin
+
+    if s.lease_ttl <= s.http_timeout + lease_margin(s.lease_ttl):
+        raise ConfigError(
+            f"lease_ttl ({s.lease_ttl:g}s) must exceed http_timeout ({s.http_timeout:g}s) plus its "
+            f"safety margin ({lease_margin(s.lease_ttl):g}s): raise lease_ttl or lower http_timeout"
+        )
+    return s
+
+
+def describe(s: Settings) -> dict[str, Any]:
+    """The settings as printable values, secrets masked (for `relay check` and logs)."""
+    out: dict[str, Any] = {}
+    for f in fields(s):
+        value = getattr(s, f.name)
+        if f.name in SECRET_OPTIONS:
+            if f.name == "database_url":
+                value = redact_url(value.reveal())
+            elif value:
+                value = "***"
+            else:
+                value = None
+        out[f.name] = value
+    return out

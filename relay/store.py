@@ -1,0 +1,226 @@
+"""The store: the relay's only way to its database tables (psycopg async pools).
+
+Each call is one round trip in pipeline mode: BEGIN, transaction-local bounds (statement and
+lock timeouts, generic plans), the call, COMMIT. The bounds are `set_config(..., true)`, never a
+session SET, so a transaction-mode pooler cannot leak them. An application deadline wraps every
+round trip because a silent network blackhole is not noticed by the socket for many seconds; a
+connection whose round trip timed out is closed (its state is unknown) and the pool replaces it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import anyio
+import orjson
+import psycopg
+from psycopg import sql
+from psycopg.rows import TupleRow
+from psycopg_pool import AsyncConnectionPool
+
+from relay.migrate import read_version
+from relay.policy import Trust, lease_margin
+
+Pool = AsyncConnectionPool[psycopg.AsyncConnection[TupleRow]]
+
+CONNECT_KWARGS: dict[str, Any] = {
+    "autocommit": True,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 3,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 15000,
+    "application_name": "ledger-relay",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedEvent:
+    seq: int
+    event_id: str
+    event_type: str
+    payload: str  # jsonb as text: embedded in the POST body with orjson.Fragment, never decoded
+    terminal: bool
+    created_at: datetime
+    traceparent: str | None
+    wake_queue: str | None
+
+
+@dataclass(slots=True)
+class Claim:
+    """A run's prefix under this replica's lease."""
+
+    run_id: str
+    epoch: int
+    token: uuid.UUID
+    attempts: int
+    critical: bool
+    claimed_at: datetime  # database clock
+    trust: Trust
+    events: list[ClaimedEvent] = field(default_factory=list)
+
+    @property
+    def first_seq(self) -> int:
+        return self.events[0].seq
+
+    @property
+    def last_seq(self) -> int:
+        return self.events[-1].seq
+
+
+@dataclass(frozen=True, slots=True)
+class AckResult:
+    run_id: str
+    status: str  # acked | stale | failed
+    acked: int
+    last_seq: int | None
+    lag_seconds: float | None
+    error: str | None
+
+
+class Store:
+    def __init__(
+        self,
+        pool: Pool,
+        schema: str,
+        *,
+        lease_ttl: float,
+        batch_size: int,
+        owner: str,
+        statement_timeout: float = 10.0,
+        lock_timeout: float = 2.0,
+    ) -> None:
+        self.pool = pool
+        self.schema = schema
+        self.lease_ttl = lease_ttl
+        self.batch_size = batch_size
+        self.owner = owner
+        self.statement_timeout = statement_timeout
+        self.deadline = statement_timeout + 2.0
+        s = sql.Identifier(schema)
+        self._bounds = (
+            "select set_config('statement_timeout', %s, true),"
+            " set_config('lock_timeout', %s, true),"
+            " set_config('plan_cache_mode', 'force_generic_plan', true)"
+        )
+        self._bound_args = (f"{int(statement_timeout * 1000)}ms", f"{int(lock_timeout * 1000)}ms")
+        self._claim = sql.SQL(
+            "select * from {}.claim(%s, %s, %s, make_interval(secs => %s), %s, %s)"
+        ).format(s)
+        self._renew = sql.SQL(
+            "select * from {}.renew(%s::text[], %s::uuid[], make_interval(secs => %s))"
+        ).format(s)
+        self._release = sql.SQL(
+            "select {}.release(%s, %s, make_interval(secs => %s), %s, %s, %s, %s)"
+        ).format(s)
+        self._fail = sql.SQL("select {}.fail_event(%s, %s, %s, %s, %s)").format(s)
+        self._ack = sql.SQL("select * from {}.ack(%s::jsonb)").format(s)
+        self._prune = sql.SQL("select {}.prune(make_interval(secs => %s), %s)").format(s)
+
+    async def _call(self, query: sql.Composed, params: Sequence[Any]) -> list[TupleRow]:
+        async with self.pool.connection() as conn:
+            try:
+                with anyio.fail_after(self.deadline):
+                    async with conn.pipeline():
+                        async with conn.transaction():
+                            await conn.execute(self._bounds, self._bound_args)
+                            cur = await conn.execute(query, params)
+                    rows: list[TupleRow] = await cur.fetchall()
+                    return rows
+            except BaseException:
+                # Unknown connection state (deadline, cancellation mid-protocol, broken socket):
+                # close it so the pool replaces it rather than hand it out again.
+                if not conn.closed and conn.info.transaction_status != 0:  # 0 = IDLE
+                    await conn.close()
+                raise
+
+    async def claim(self, lane: str, n_runs: int, run_id: str | None = None) -> list[Claim]:
+        sent = anyio.current_time()
+        rows = await self._call(
+            self._claim, (self.owner, n_runs, self.batch_size, self.lease_ttl, lane, run_id)
+        )
+        trust = Trust(started=sent, ttl=self.lease_ttl, margin=lease_margin(self.lease_ttl))
+        claims: dict[str, Claim] = {}
+        for r in rows:
+            run = r[0]
+            claim = claims.get(run)
+            if claim is None:
+                claim = claims[run] = Claim(
+                    run_id=run,
+                    epoch=r[1],
+                    token=r[2],
+                    attempts=r[4],
+                    critical=r[5],
+                    claimed_at=r[14],
+                    trust=trust,
+                )
+            claim.events.append(ClaimedEvent(r[6], r[7], r[8], r[9], r[10], r[11], r[12], r[13]))
+        return list(claims.values())
+
+    async def renew(self, claims: Sequence[Claim]) -> set[str]:
+        """Extends the leases of `claims` (fenced by token); returns the run ids renewed and
+        moves their trust windows forward."""
+        if not claims:
+            return set()
+        sent = anyio.current_time()
+        rows = await self._call(
+            self._renew,
+            ([c.run_id for c in claims], [c.token for c in claims], self.lease_ttl),
+        )
+        renewed = {r[0] for r in rows}
+        trust = Trust(started=sent, ttl=self.lease_ttl, margin=lease_margin(self.lease_ttl))
+        for c in claims:
+            if c.run_id in renewed:
+                c.trust = trust
+        return renewed
+
+    async def release(
+        self,
+        claim: Claim,
+        delay: float = 0.0,
+        *,
+        error: str | None = None,
+        status: int | None = None,
+    ) -> bool:
+        rows = await self._call(
+            self._release,
+            (
+                claim.run_id,
+                claim.token,
+                delay,
+                error,
+                status,
+                claim.first_seq if claim.events else None,
+                claim.last_seq if claim.events else None,
+            ),
+        )
+        return bool(rows and rows[0][0])
+
+    async def fail_event(self, claim: Claim, seq: int, status: int | None, error: str) -> bool:
+        rows = await self._call(self._fail, (claim.run_id, claim.token, seq, status, error))
+        return bool(rows and rows[0][0])
+
+    async def ack(self, items: Sequence[tuple[Claim, int, bool]]) -> list[AckResult]:
+        """Acknowledges each (claim, upto_seq, keep_lease) in one transaction (grouped ack,
+        DESIGN §6)."""
+        payload = orjson.dumps(
+            [
+                {"run_id": c.run_id, "token": str(c.token), "upto": upto, "keep": keep}
+                for c, upto, keep in items
+            ]
+        ).decode()
+        rows = await self._call(self._ack, (payload,))
+        return [AckResult(*r) for r in rows]
+
+    async def prune(self, retention: float, limit: int) -> int:
+        rows = await self._call(self._prune, (retention, limit))
+        return int(rows[0][0]) if rows else 0
+
+    async def schema_version(self) -> int:
+        async with self.pool.connection() as conn:
+            with anyio.fail_after(self.deadline):
+                return await read_version(conn, self.schema)
