@@ -16,6 +16,7 @@ _HELP = {
     "database_url": "PostgreSQL URL (secret; also RELAY_DATABASE_URL_FILE)",
     "ingress_url": "ingress URL template containing {run_id}",
     "schema": "schema of the outbox tables and functions (default relay)",
+    "listen_database_url": "direct (never pooled) URL for LISTEN; default database_url (secret)",
     "ingress_batch_url": "optional multi-run batch endpoint",
     "ingress_token": "bearer token for the ingress (secret)",
     "signing_secret": "Standard Webhooks whsec_ secret(s), comma separated (secret)",
@@ -124,17 +125,23 @@ def cmd_run(args: argparse.Namespace) -> int:
             await relay.run()
             tg.cancel_scope.cancel()
 
+    code = 0
     try:
         anyio.run(main)
-    except SchemaError as exc:
-        logs.error("refused_to_start", reason=str(exc))
-        print(f"relay run: {exc}", file=sys.stderr)
-        return 3
-    except ConnectionError as exc:
-        logs.error("refused_to_start", reason=str(exc))
-        print(f"relay run: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    except* SchemaError as group:
+        code = _refused(group, 3)
+    except* ConnectionError as group:
+        code = _refused(group, 2)
+    return code
+
+
+def _refused(group: BaseExceptionGroup[BaseException], code: int) -> int:
+    exc = group.exceptions[0]
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    logs.error("refused_to_start", reason=str(exc))
+    print(f"relay run: {exc}", file=sys.stderr)
+    return code
 
 
 def cmd_sink(argv: list[str]) -> int:

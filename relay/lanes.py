@@ -116,6 +116,13 @@ class AckGroup:
         return item.result
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            self._send.close()
+            self._recv.close()
+
+    async def _run(self) -> None:
         while True:
             first = await self._recv.receive()
             group = [first]

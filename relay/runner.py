@@ -113,8 +113,9 @@ class Relay:
                     on_ready_change=self._ingress_ready,
                 )
                 self.lanes = {"critical": critical, "ordinary": ordinary}
+                listen_url = s.listen_database_url or s.database_url
                 self.listener = Listener(
-                    url,
+                    listen_url.reveal(),
                     s.terminal_channel,
                     on_terminal=critical.drain,
                     on_delivered=critical.delivered_elsewhere,

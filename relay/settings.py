@@ -86,6 +86,7 @@ class Settings:
     database_url: Secret
     ingress_url: str
     schema: str = "relay"
+    listen_database_url: Secret | None = None
     ingress_batch_url: str | None = None
     ingress_token: Secret | None = None
     signing_secret: tuple[Secret, ...] = ()
@@ -110,7 +111,9 @@ class Settings:
         return f"{self.schema}_terminal"
 
 
-SECRET_OPTIONS = frozenset({"database_url", "ingress_token", "signing_secret"})
+SECRET_OPTIONS = frozenset(
+    {"database_url", "listen_database_url", "ingress_token", "signing_secret"}
+)
 
 
 def _int_in(lo: int, hi: int) -> Callable[[str], int]:
@@ -201,6 +204,7 @@ def _addr(text: str) -> str:
 PARSERS: dict[str, Callable[[str], Any]] = {
     "database_url": _database_url,
     "ingress_url": _ingress_template,
+    "listen_database_url": _database_url,
     "schema": _schema,
     "ingress_batch_url": _http_url,
     "ingress_token": lambda t: Secret(t.strip()),
@@ -299,7 +303,7 @@ def describe(s: Settings) -> dict[str, Any]:
     for f in fields(s):
         value = getattr(s, f.name)
         if f.name in SECRET_OPTIONS:
-            if f.name == "database_url":
+            if f.name in ("database_url", "listen_database_url") and value is not None:
                 value = redact_url(value.reveal())
             elif value:
                 value = "***"

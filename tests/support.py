@@ -1,0 +1,93 @@
+"""Helpers shared by the integration tests: settings, waiting on conditions, bulk backlogs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import psycopg
+from psycopg import sql
+
+from relay.settings import Settings, load
+
+
+def settings(pg_url: str, schema: str, sink_url: str, **overrides: Any) -> Settings:
+    flags: dict[str, str | None] = {
+        "database_url": pg_url,
+        "schema": schema,
+        "ingress_url": sink_url + "/runs/{run_id}/events",
+        "poll_interval": "0.2",
+        "log_level": "warning",
+        "retention": "0",
+    }
+    flags.update({k: str(v) for k, v in overrides.items()})
+    return load(flags, environ={})
+
+
+async def wait_for(
+    predicate: Callable[[], bool | Awaitable[bool]],
+    *,
+    timeout: float = 60.0,  # noqa: ASYNC109 - a deadline for waiting, not an I/O timeout
+    interval: float = 0.02,
+    what: str = "condition",
+) -> None:
+    """Wait until `predicate()` holds; fail with `what` after `timeout` (a deadline, not a
+    performance threshold: generous on purpose)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if not isinstance(got, bool):
+            got = await got
+        if got:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await anyio.sleep(interval)
+
+
+def q(schema: str, text: str) -> sql.Composed:
+    """`text` with `{s}` replaced by the quoted schema."""
+    return sql.SQL(text).format(s=sql.Identifier(schema))
+
+
+def count(conn: psycopg.Connection[Any], schema: str, where: str = "true") -> int:
+    row = conn.execute(q(schema, "select count(*) from {s}.events where " + where)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def bulk_backlog(
+    conn: psycopg.Connection[Any], schema: str, runs: int, per_run: int, prefix: str = "b"
+) -> int:
+    """A large pending backlog written straight into the tables (the same rows enqueue writes,
+    without 10^5 function calls): fixture set-up for tests about the relay, not the producer."""
+    with conn.transaction():
+        conn.execute(
+            q(
+                schema,
+                "insert into {s}.run_seqs (run_id, last_seq)"
+                " select %s || r, %s from generate_series(1, %s) r",
+            ),
+            (prefix, per_run, runs),
+        )
+        conn.execute(
+            q(
+                schema,
+                "insert into {s}.runs (run_id, next_attempt_at)"
+                " select %s || r, clock_timestamp() from generate_series(1, %s) r",
+            ),
+            (prefix, runs),
+        )
+        conn.execute(
+            q(
+                schema,
+                "insert into {s}.events (run_id, seq, event_id, event_type, payload)"
+                " select %s || r, i, %s || r || '-' || i, 'step', jsonb_build_object('i', i)"
+                " from generate_series(1, %s) r, generate_series(1, %s) i",
+            ),
+            (prefix, prefix, runs, per_run),
+        )
+    conn.execute(q(schema, "analyze {s}.events, {s}.runs"))
+    return runs * per_run

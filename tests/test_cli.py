@@ -1,0 +1,228 @@
+"""Acceptance tests: the real `relay` command in subprocesses, the real sink over sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+from anyio.abc import Process
+
+from relay.sink import Sink, serve_sink
+from tests.support import count, q, wait_for
+from tests.test_relay import enqueue_runs
+
+pytestmark = pytest.mark.anyio
+
+RELAY = [sys.executable, "-m", "relay.cli"]
+
+
+def relay_env(
+    pg_url: str, schema: str, sink_url: str | None = None, **extra: str
+) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    env.update(
+        RELAY_DATABASE_URL=pg_url,
+        RELAY_SCHEMA=schema,
+        RELAY_POLL_INTERVAL="0.2",
+        RELAY_LOG_LEVEL="info",
+        RELAY_SHUTDOWN_TIMEOUT="5s",
+    )
+    if sink_url:
+        env["RELAY_INGRESS_URL"] = sink_url + "/runs/{run_id}/events"
+    env.update(extra)
+    return env
+
+
+@asynccontextmanager
+async def replicas(n: int, env: dict[str, str], log_dir: Path) -> AsyncIterator[list[Process]]:
+    procs = []
+    logs = []
+    try:
+        for i in range(n):
+            log = (log_dir / f"replica{i}.log").open("wb")  # noqa: ASYNC230 - a local file
+            logs.append(log)
+            procs.append(
+                await anyio.open_process(
+                    [*RELAY, "run"],
+                    env={**env, "RELAY_REPLICA_ID": f"replica-{i}"},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        yield procs
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+        for log in logs:
+            log.close()
+
+
+async def stop_all(procs: list[Process]) -> list[int]:
+    for p in procs:
+        if p.returncode is None:
+            p.send_signal(signal.SIGTERM)
+    codes = []
+    with anyio.fail_after(60):
+        for p in procs:
+            codes.append(await p.wait())
+    return codes
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[tuple[Sink, str]]:
+    s = Sink()
+    async with serve_sink(s) as url:
+        yield s, url
+
+
+async def test_four_replicas_deliver_everything_in_order(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str],
+    tmp_path: Path,
+) -> None:
+    s, url = sink
+    enqueue_runs(conn, schema, 100, 6, prefix="a")
+    async with replicas(4, relay_env(pg_url, schema, url), tmp_path) as procs:
+        enqueue_runs(conn, schema, 100, 6, prefix="b")  # the rest while they run
+        await wait_for(lambda: len(s.state.deliveries) == 1200, timeout=120, what="1200 events")
+        await wait_for(lambda: count(conn, schema, "state <> 'delivered'") == 0, what="acks")
+        codes = await stop_all(procs)
+    assert codes == [0, 0, 0, 0], [
+        (tmp_path / f"replica{i}.log").read_text()[-2000:] for i in range(4)
+    ]
+    assert s.state.order_violations == 0
+    for prefix in "ab":
+        for r in range(100):
+            assert s.state.first_order[f"{prefix}{r}"] == [1, 2, 3, 4, 5, 6]
+    owners = conn.execute(q(schema, "select count(*) from {s}.runs where lease_owner is not null"))
+    assert owners.fetchone() == (0,)
+    # The work was shared: more than one replica logged deliveries.
+    delivering = [
+        i for i in range(4) if '"event":"delivered"' in (tmp_path / f"replica{i}.log").read_text()
+    ]
+    assert len(delivering) >= 2
+
+
+async def test_sigkill_of_one_replica_loses_nothing(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str],
+    tmp_path: Path,
+) -> None:
+    s, url = sink
+    s.faults.delay(0.02, times=100_000)  # slow enough that the kill lands mid-run
+    enqueue_runs(conn, schema, 150, 4)
+    env = relay_env(pg_url, schema, url, RELAY_LEASE_TTL="3s", RELAY_HTTP_TIMEOUT="1s")
+    async with replicas(2, env, tmp_path) as procs:
+        await wait_for(lambda: len(s.state.deliveries) >= 60, timeout=60, what="some delivery")
+        procs[0].kill()  # SIGKILL: no release, leases must expire
+        await wait_for(
+            lambda: count(conn, schema, "state <> 'delivered'") == 0, timeout=120, what="drain"
+        )
+        codes = await stop_all(procs[1:])
+    assert codes == [0]
+    assert len(s.state.deliveries) == 600
+    assert s.state.order_violations == 0
+
+
+async def test_sigterm_exits_zero_and_hands_back_leases(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str],
+    tmp_path: Path,
+) -> None:
+    s, url = sink
+    s.faults.delay(60.0, times=10)  # POSTs hang: SIGTERM arrives with work in flight
+    enqueue_runs(conn, schema, 3, 2, terminal=False)
+    env = relay_env(pg_url, schema, url, RELAY_SHUTDOWN_TIMEOUT="0.5s", RELAY_HTTP_TIMEOUT="30s",
+                    RELAY_LEASE_TTL="60s")  # fmt: skip
+    async with replicas(1, env, tmp_path) as procs:
+        await wait_for(lambda: len(s.state.received) >= 0 and _leased(conn, schema) == 3,
+                       what="three leases")  # fmt: skip
+        codes = await stop_all(procs)
+    assert codes == [0]
+    assert _leased(conn, schema) == 0
+    text = (tmp_path / "replica0.log").read_text()
+    assert '"event":"shutdown_requested"' in text and '"event":"shutdown"' in text
+
+
+def _leased(conn: psycopg.Connection[Any], schema: str) -> int:
+    row = conn.execute(q(schema, "select count(lease_token) from {s}.runs")).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*RELAY, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_run_refuses_a_missing_older_or_newer_schema(pg_url: str, schema: str) -> None:
+    env = relay_env(pg_url, "t_missing_schema", "http://127.0.0.1:9")
+    got = run_cli("run", env=env)
+    assert got.returncode == 3 and "run `relay migrate`" in got.stderr
+
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        c.execute(q(schema, "insert into {s}.schema_migrations values (99, 'future', 'x')"))
+    got = run_cli("run", env=relay_env(pg_url, schema, "http://127.0.0.1:9"))
+    assert got.returncode == 3 and "upgrade the relay" in got.stderr
+
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        c.execute(q(schema, "delete from {s}.schema_migrations"))
+        c.execute(q(schema, "insert into {s}.schema_migrations values (0, 'old', 'x')"))
+    got = run_cli("run", env=relay_env(pg_url, schema, "http://127.0.0.1:9"))
+    assert got.returncode == 3 and "run `relay migrate`" in got.stderr
+
+
+def test_migrate_cli_from_many_processes_at_once(pg_url: str) -> None:
+    name = "t_cli_migrate_" + os.urandom(4).hex()
+    env = relay_env(pg_url, name)
+    procs = [
+        subprocess.Popen(
+            [*RELAY, "migrate"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(5)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 5, outs
+    applied = [o[0].decode() for o in outs if "applied: 1" in o[0].decode()]
+    assert len(applied) == 1  # exactly one process applied version 1; the others found it done
+    with psycopg.connect(pg_url, autocommit=True) as c:
+        rows = c.execute(q(name, "select version from {s}.schema_migrations")).fetchall()
+        assert rows == [(1,)]
+        c.execute(q(name, "drop schema {s} cascade"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"RELAY_BATCH_SIZE": "lots"}, "batch_size"),
+        ({"RELAY_LEASE_TTL": "-3"}, "lease_ttl"),
+        ({"RELAY_INGRESS_URL": "http://x/no-placeholder"}, "ingress_url"),
+        ({"RELAY_SCHEMA": "Bad-Name"}, "schema"),
+    ],
+)
+def test_invalid_configuration_fails_with_one_clear_line(
+    pg_url: str, extra: dict[str, str], needle: str
+) -> None:
+    env = relay_env(pg_url, "relay", "http://127.0.0.1:9", **extra)
+    got = run_cli("run", env=env)
+    assert got.returncode == 2
+    lines = got.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], got.stderr

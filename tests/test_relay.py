@@ -1,0 +1,303 @@
+"""The relay loop end to end, in process: real PostgreSQL, real HTTP sink over real sockets."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+
+import relay
+from relay.runner import Relay
+from relay.sink import Sink, serve_sink
+from tests.support import bulk_backlog, count, q, settings, wait_for
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[tuple[Sink, str]]:
+    s = Sink()
+    async with serve_sink(s) as url:
+        yield s, url
+
+
+def enqueue_runs(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    runs: int,
+    per_run: int,
+    *,
+    prefix: str = "r",
+    queue: str | None = None,
+    terminal: bool = True,
+) -> list[str]:
+    ids = []
+    with conn.transaction():
+        for r in range(runs):
+            run_id = f"{prefix}{r}"
+            ids.append(run_id)
+            events = []
+            for i in range(per_run):
+                wake = None
+                if i == 0 and queue:
+                    wake = (queue, f"run-created:{schema}:{run_id}")
+                events.append(
+                    relay.Event(
+                        event_id=f"{run_id}-{i}",
+                        event_type="run_created" if i == 0 else "step",
+                        payload={"i": i, "run": run_id},
+                        terminal=terminal and i == per_run - 1,
+                        wake_queue=wake[0] if wake else None,
+                        wake_event=wake[1] if wake else None,
+                    )
+                )
+            relay.enqueue_many(conn, run_id, events, schema=schema)
+    return ids
+
+
+def engine_events(conn: psycopg.Connection[Any], queue: str) -> list[tuple[str, Any]]:
+    return [
+        (r[0], r[1])
+        for r in conn.execute(
+            psycopg.sql.SQL("select event_name, payload from absurd.{} order by 1").format(
+                psycopg.sql.Identifier(f"e_{queue}")
+            )
+        ).fetchall()
+    ]
+
+
+async def test_delivers_every_event_in_order_and_wakes_engine(
+    pg_url: str, schema: str, queue: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    runs = enqueue_runs(conn, schema, 30, 6, queue=queue)
+    async with Relay(settings(pg_url, schema, url)).running() as r:
+        await wait_for(lambda: len(s.state.deliveries) == 180, what="180 deliveries")
+        await wait_for(lambda: count(conn, schema, "state <> 'delivered'") == 0, what="all acked")
+        stats = {name: lane.stats for name, lane in r.lanes.items()}
+    assert s.state.order_violations == 0
+    for run_id in runs:
+        assert s.state.first_order[run_id] == [1, 2, 3, 4, 5, 6]
+    # Wake iff ack: one engine event per run_created, carrying the delivered event's id.
+    wakes = engine_events(conn, queue)
+    assert [name for name, _ in wakes] == sorted(f"run-created:{schema}:{x}" for x in runs)
+    assert all(payload["event_id"] == payload["run_id"] + "-0" for _, payload in wakes)
+    assert sum(st.delivered for st in stats.values()) == 180
+    # Every run ends idle and unleased.
+    rows = conn.execute(q(schema, "select bool_and(idle), count(lease_token) from {s}.runs"))
+    assert rows.fetchone() == (True, 0)
+
+
+async def test_request_matches_ingress_contract(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    with conn.transaction():
+        relay.enqueue(
+            conn,
+            "run/../x?%",
+            "e1",
+            "step",
+            {"k": "v"},
+            traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            schema=schema,
+        )
+    async with Relay(settings(pg_url, schema, url, ingress_token="tok")).running():
+        await wait_for(lambda: "e1" in s.state.deliveries, what="delivery")
+    req = s.state.received[0]
+    assert req["run_id"] == "run/../x?%"  # decoded from the URL path by the sink: not traversed
+    h = req["headers"]
+    assert h["content-type"] == "application/json"
+    assert h["user-agent"].startswith("ledger-relay/")
+    assert h["relay-lease-epoch"] == str(req["epoch"])
+    assert h["authorization"] == "Bearer tok"
+    assert h["traceparent"].startswith("00-0af7651916cd43dd8448eb211c80319c-")
+
+
+async def test_transient_answers_are_retried_and_nothing_is_dropped(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    s.faults.fail(503, times=4)
+    s.faults.drop_reply(times=1)
+    enqueue_runs(conn, schema, 1, 3, terminal=False)
+    async with Relay(settings(pg_url, schema, url)).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 3, what="delivery")
+    assert s.state.first_order["r0"] == [1, 2, 3]
+    attempts = conn.execute(q(schema, "select max(attempts) from {s}.events")).fetchone()
+    assert attempts is not None and attempts[0] >= 2  # failed attempts are counted per event
+
+
+async def test_409_counts_as_accepted_and_partial_acceptance_retries_the_rest(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    s.faults.accept_only(2, run_id="r0")
+    s.faults.fail(409, run_id="r1")
+    enqueue_runs(conn, schema, 2, 5, terminal=False)
+    async with Relay(settings(pg_url, schema, url)).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 10, what="delivery")
+    # r0: only the first two were acked by the first answer; the rest came next, in order.
+    r0 = [req["seqs"] for req in s.state.received if req["run_id"] == "r0"]
+    assert r0[0] == [1, 2, 3, 4, 5] and r0[1] == [3, 4, 5]
+    assert s.state.first_order["r0"] == [1, 2, 3, 4, 5]
+    # r1: the 409 was taken as "already have them" — acked without a second POST.
+    assert [req["status"] for req in s.state.received if req["run_id"] == "r1"] == [409]
+
+
+async def test_stale_lease_ack_is_rejected_and_wakes_once(
+    pg_url: str, schema: str, queue: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """A lease that expires during a slow POST: another replica redelivers, the stale ack is
+    rejected, and the engine wake happens exactly once — from the ack that held the lease."""
+    s, url = sink
+    s.state.reject_stale_epochs = False  # let the zombie's late POST through to its ack
+    enqueue_runs(conn, schema, 1, 2, queue=queue, terminal=False)
+    s.faults.delay(3.0, run_id="r0")  # the first POST hangs
+    first = Relay(settings(pg_url, schema, url, replica_id="first", lease_ttl="30s"))
+    async with first.running():
+        await wait_for(lambda: bool(first.lanes["ordinary"].inflight), what="first claim")
+        # The lease runs out under the first replica (as if it had stalled past the TTL).
+        conn.execute(
+            q(schema, "update {s}.runs set lease_expires_at = clock_timestamp(),"
+                      " next_attempt_at = clock_timestamp()")
+        )  # fmt: skip
+        second = Relay(settings(pg_url, schema, url, replica_id="second"))
+        async with second.running():
+            await wait_for(
+                lambda: count(conn, schema, "state = 'delivered'") == 2, what="redelivery"
+            )
+            await wait_for(
+                lambda: first.lanes["ordinary"].stats.stale_acks == 1,
+                what="the first replica's ack to be fenced",
+            )
+    epochs = sorted({req["epoch"] for req in s.state.received if req["run_id"] == "r0"})
+    assert len(epochs) == 2  # two leases, two epochs
+    wakes = engine_events(conn, queue)
+    assert len(wakes) == 1
+    delivered_by = conn.execute(
+        q(schema, "select delivered_at from {s}.events where seq = 1")
+    ).fetchone()
+    assert delivered_by is not None
+    # The one engine event is the second replica's ack (the stale one changed nothing).
+    assert wakes[0][1]["delivered_at"] is not None
+
+
+async def test_terminal_event_overtakes_a_large_backlog(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """A terminal event committed while 50,000 ordinary events are pending reaches the ingress
+    before that backlog drains."""
+    s, url = sink
+    backlog = bulk_backlog(conn, schema, 5000, 10)
+    assert backlog == 50_000
+    s.faults.delay(0.05, times=10_000)  # a slow ingress: the ordinary lane stays saturated
+    cfg = settings(pg_url, schema, url, concurrency=4, critical_concurrency=2)
+    async with Relay(cfg).running():
+        await wait_for(lambda: len(s.state.deliveries) >= 500, what="backlog delivery to start")
+        relay.enqueue(
+            conn, "urgent", "urgent-end", "run_finished", {}, terminal=True, schema=schema
+        )
+        await wait_for(lambda: "urgent-end" in s.state.deliveries, what="terminal delivery")
+        pending_then = count(conn, schema, "state = 'pending'")
+    assert pending_then > 0
+    seen_at = s.state.first_seen_at
+    before_terminal = [
+        e for e, t in seen_at.items() if e.startswith("b") and t <= seen_at["urgent-end"]
+    ]
+    assert len(before_terminal) < backlog / 2, len(before_terminal)
+
+
+async def test_burst_of_notifications_coalesces(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    _, url = sink
+    async with Relay(settings(pg_url, schema, url, poll_interval="30s")).running() as r:
+        assert r.listener is not None
+        listener = r.listener
+        await wait_for(lambda: listener.up, what="LISTEN up")
+        ordinary = r.lanes["ordinary"]
+        await wait_for(lambda: ordinary.stats.passes >= 1, what="first pass")
+        before_passes, before_received = ordinary.stats.passes, listener.received
+        conn.execute("select pg_notify('absurd_wake', g::text) from generate_series(1, 10000) g")
+        await wait_for(lambda: listener.received - before_received >= 10_000, what="10k notes")
+        await anyio.sleep(0.1)  # let any pass triggered by the tail run
+        passes = ordinary.stats.passes - before_passes
+    assert 1 <= passes <= 50, passes
+
+
+async def test_listen_connection_killed_reconnects_and_keeps_delivering(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    async with Relay(settings(pg_url, schema, url, poll_interval="30s")).running() as r:
+        assert r.listener is not None
+        listener = r.listener
+        await wait_for(lambda: listener.up, what="LISTEN up")
+        old_pid = listener.backend_pid
+        # Events committed while the listener is gone are found by the full pass on reconnect
+        # (the safety-net poll is 30 s here, so only the reconnect pass can find them in time).
+        conn.execute("select pg_terminate_backend(%s)", (old_pid,))
+        enqueue_runs(conn, schema, 3, 2, prefix="during", terminal=False)
+        await wait_for(
+            lambda: listener.up and listener.backend_pid not in (None, old_pid), what="reconnect"
+        )
+        await wait_for(lambda: len(s.state.deliveries) == 6, what="delivery after reconnect")
+        enqueue_runs(conn, schema, 1, 1, prefix="after")
+        await wait_for(lambda: "after0-0" in s.state.deliveries, what="delivery by NOTIFY")
+
+
+async def test_delivers_by_polling_while_listen_is_down(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    cfg = settings(
+        pg_url,
+        schema,
+        url,
+        listen_database_url="postgresql://127.0.0.1:1/none",
+        poll_interval="0.1",
+    )
+    async with Relay(cfg).running() as r:
+        assert r.listener is not None
+        enqueue_runs(conn, schema, 4, 3)
+        await wait_for(lambda: len(s.state.deliveries) == 12, what="delivery by polling")
+        assert not r.listener.up
+
+
+async def test_graceful_stop_releases_in_flight_leases(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    s.faults.delay(30.0, times=5)
+    enqueue_runs(conn, schema, 2, 2, terminal=False)
+    cfg = settings(pg_url, schema, url, shutdown_timeout="0.3", http_timeout="20s", lease_ttl="60s")
+    async with Relay(cfg).running() as r:
+        await wait_for(lambda: len(r.lanes["ordinary"].inflight) == 2, what="two POSTs in flight")
+    # Stopped within shutdown_timeout, nothing acked, every lease handed back at once.
+    row = conn.execute(q(schema, "select count(lease_token) from {s}.runs")).fetchone()
+    assert row == (0,)
+    assert count(conn, schema, "state = 'pending'") == 4
+
+
+async def test_poison_event_blocks_only_its_run(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    enqueue_runs(conn, schema, 3, 3, terminal=False)
+    s.faults.fail(422, times=2, run_id="r1", body={"error": "bad payload"})
+    async with Relay(settings(pg_url, schema, url)).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 6, what="others")
+        await wait_for(lambda: count(conn, schema, "state = 'failed'") == 1, what="poison")
+    row = conn.execute(
+        q(schema, "select event_id, last_status, last_error from {s}.events where state='failed'")
+    ).fetchone()
+    assert row is not None and row[0] == "r1-0" and row[1] == 422 and "bad payload" in row[2]
+    blocked = conn.execute(
+        q(schema, "select run_id, blocked_seq from {s}.runs where blocked_seq is not null")
+    )
+    assert blocked.fetchall() == [("r1", 1)]
+    assert "r1-1" not in s.state.deliveries  # nothing after the failed event
