@@ -48,7 +48,7 @@ async def replicas(n: int, env: dict[str, str], log_dir: Path) -> AsyncIterator[
     logs = []
     try:
         for i in range(n):
-            log = (log_dir / f"replica{i}.log").open("wb")  # noqa: ASYNC230 - a local file
+            log = (log_dir / f"replica{i}.log").open("wb")
             logs.append(log)
             procs.append(
                 await anyio.open_process(
