@@ -90,7 +90,12 @@ class EmbeddedPostgres:
             kwargs["group"] = self._ids[1]
             kwargs["extra_groups"] = []
         subprocess.run(
-            args, check=True, capture_output=True, timeout=timeout, cwd="/", **kwargs  # type: ignore[call-overload]
+            args,
+            check=True,
+            capture_output=True,
+            timeout=timeout,
+            cwd="/",
+            **kwargs,  # type: ignore[call-overload]
         )
 
     def start(self) -> str:

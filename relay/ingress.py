@@ -41,8 +41,13 @@ class TransportFailure(Exception):
 
 
 def render_url(template: str, run_id: str) -> str:
-    # safe="" encodes '/' too: a run id can never change the path.
-    return template.replace("{run_id}", quote(run_id, safe=""))
+    # safe="" encodes '/' too: a run id can never change the path. quote() leaves '.' alone,
+    # and httpx removes "." and ".." segments (RFC 3986 dot-segment removal), so an id made
+    # only of dots has them percent-encoded too.
+    segment = quote(run_id, safe="")
+    if segment and not segment.strip("."):
+        segment = segment.replace(".", "%2E")
+    return template.replace("{run_id}", segment)
 
 
 def encode_body(claim: Claim, events: Sequence[ClaimedEvent]) -> bytes:
@@ -120,11 +125,16 @@ class IngressClient:
                 async with self.client.stream("POST", url, content=body, headers=headers) as resp:
                     chunks: list[bytes] = []
                     size = 0
-                    async for chunk in resp.aiter_raw():
-                        chunks.append(chunk)
-                        size += len(chunk)
-                        if size >= MAX_BODY:
-                            break
+                    if resp.is_stream_consumed:
+                        # An app-owned transport (e.g. httpx.MockTransport) may hand back a
+                        # response built from bytes, already read: aiter_raw() would raise.
+                        chunks.append(resp.content[:MAX_BODY])
+                    else:
+                        async for chunk in resp.aiter_raw():
+                            chunks.append(chunk)
+                            size += len(chunk)
+                            if size >= MAX_BODY:
+                                break
                     return Answer(
                         resp.status_code,
                         b"".join(chunks)[:MAX_BODY],

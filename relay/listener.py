@@ -116,7 +116,10 @@ class Listener:
 
     @staticmethod
     def _parse(payload: str) -> tuple[str, str] | None:
+        # PostgreSQL's NOTIFY limit is in bytes; a str of 3000 '€' is 9000 of them.
         if len(payload) > MAX_PAYLOAD:
+            return None
+        if len(payload.encode("utf-8", "surrogatepass")) > MAX_PAYLOAD:
             return None
         try:
             msg: Any = orjson.loads(payload)

@@ -39,10 +39,10 @@ class Migration:
 def validate_schema_name(name: str) -> str:
     """Schema names are plain lowercase identifiers (the terminal channel is `<schema>_terminal`,
     which must fit PostgreSQL's 63-byte identifier limit)."""
-    if not SCHEMA_NAME_RE.fullmatch(name):
+    if not SCHEMA_NAME_RE.fullmatch(name) or name.startswith("pg_"):
         raise ValueError(
             f"schema {name!r} is not valid: use 1-54 characters of a-z, 0-9 and _, "
-            "not starting with a digit"
+            "not starting with a digit or pg_"
         )
     return name
 
@@ -88,10 +88,9 @@ def _lock_key(schema: str) -> int:
 
 
 _FINGERPRINT = """
-select coalesce(md5(string_agg(p.proname || '(' || pg_get_function_identity_arguments(p.oid)
-                                || ')' || p.prosrc, E'\\n' order by p.proname, p.oid)), '')
+select coalesce(md5(string_agg(pg_get_functiondef(p.oid), E'\\n' order by p.proname, p.oid)), '')
 from pg_proc p join pg_namespace n on n.oid = p.pronamespace
-where n.nspname = %s
+where n.nspname = %s and p.prokind <> 'a'
 """
 
 
@@ -176,7 +175,9 @@ def _sync_functions(conn: psycopg.Connection, schema: str, ident: sql.Identifier
     if row is not None and row[0] == shipped and row[1] == fingerprint:
         return False
     with conn.transaction():
-        conn.execute(sql.SQL("set local search_path = {}, pg_catalog").format(ident))
+        # pg_temp last (the functions pin this path): otherwise a caller's temporary table named
+        # like one of ours (`events`, `settings`) would shadow it and swallow outbox rows.
+        conn.execute(sql.SQL("set local search_path = {}, pg_catalog, pg_temp").format(ident))
         conn.execute(functions_sql().encode())
         conn.execute(
             sql.SQL(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import email.utils
 import enum
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import orjson
 
@@ -79,15 +79,19 @@ def parse_retry_after(
     if not value:
         return None
     seconds: float
-    if value.isdigit():
-        seconds = float(int(value))
+    if value.isascii() and value.isdigit():
+        # RFC 9110 delta-seconds is ASCII 1*DIGIT (str.isdigit alone admits '²', which int()
+        # refuses); float() never hits int()'s 4300-digit limit and overflows to inf, clamped.
+        seconds = float(value)
     else:
         try:
             when = email.utils.parsedate_to_datetime(value)
         except (TypeError, ValueError, IndexError):
             return None
         if when.tzinfo is None:
-            return None
+            # RFC 9110 §5.6.7: every HTTP-date is UTC; the obsolete asctime form (which
+            # recipients must accept) carries no zone at all.
+            when = when.replace(tzinfo=UTC)
         seconds = (when - now).total_seconds()
     return max(minimum, min(maximum, seconds))
 

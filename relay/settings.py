@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from relay.migrate import validate_schema_name
 
@@ -58,23 +58,43 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
+_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
+# A `password=` parameter of a URL query (libpq URIs accept one) ...
+_QUERY_PASSWORD_RE = re.compile(r"(?i)([?&]password=)[^&]*")
+# ... and of a libpq key=value conninfo: a quoted value with backslash escapes, or a bare one
+# up to whitespace (a backslash escapes a space there too).
+_DSN_PASSWORD_RE = re.compile(
+    r"(?i)((?<!\S)password\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|(?:\\.|[^\s\\])*\\?)", re.S
+)
+
+
 def redact_url(url: str) -> str:
-    """A URL with any password (and the userinfo of http URLs) replaced by ***."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    if parts.password is None and not (parts.username and parts.scheme.startswith("http")):
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    user = parts.username or ""
-    if parts.scheme.startswith("http"):
-        netloc = f"***@{host}"
-    else:
-        netloc = f"{user}:***@{host}" if parts.password is not None else f"{user}@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    """A database URL or key=value conninfo, or an http URL, with any password (and the whole
+    userinfo of http URLs) replaced by ***.
+
+    Text-based rather than `urlsplit`: libpq takes everything up to the first '/' after
+    `scheme://` as the authority (so an unencoded '?' or '#' in a password is still the
+    password) and accepts several comma-separated host:port pairs, which `urlsplit` can
+    neither split right nor give a port for.
+    """
+    m = _SCHEME_RE.match(url)
+    if m is None:
+        return _DSN_PASSWORD_RE.sub(r"\1***", url)
+    head, rest = m.group(0), url[m.end() :]
+    http = head.lower().startswith("http")
+    end = len(rest)
+    for stop in "/?#" if http else "/":
+        i = rest.find(stop)
+        if i != -1:
+            end = min(end, i)
+    authority, tail = rest[:end], rest[end:]
+    userinfo, at, hosts = authority.rpartition("@")
+    if at:
+        if http:
+            authority = f"***@{hosts}"
+        elif ":" in userinfo:
+            authority = f"{userinfo.partition(':')[0]}:***@{hosts}"
+    return _QUERY_PASSWORD_RE.sub(r"\1***", head + authority + tail)
 
 
 def _default_replica_id() -> str:
@@ -152,10 +172,10 @@ def _ingress_template(text: str) -> str:
         raise ValueError(
             "must contain {run_id}, e.g. https://ingress.internal/runs/{run_id}/events"
         )
-    try:
-        text.format(run_id="x")
-    except (KeyError, IndexError, ValueError):
-        raise ValueError("may contain no placeholder other than {run_id}") from None
+    # render_url substitutes the literal text "{run_id}" (not str.format): any other brace,
+    # including "{run_id.x}", "{run_id[0]}" or an escaped "{{run_id}}", would reach the URL.
+    if "{" in text.replace("{run_id}", "") or "}" in text.replace("{run_id}", ""):
+        raise ValueError("may contain no placeholder other than {run_id}")
     return text
 
 
@@ -250,18 +270,23 @@ def _raw_value(
     if option in SECRET_OPTIONS:
         path = environ.get(env_name(option) + "_FILE")
         if path:
-            try:
-                return Path(path).read_text().strip()
-            except OSError as exc:
-                raise ConfigError(
-                    f"{env_name(option)}_FILE: cannot read {path}: {exc.strerror}"
-                ) from None
+            return _read_secret(Path(path), f"{env_name(option)}_FILE")
         creds = environ.get("CREDENTIALS_DIRECTORY")
         if creds:
             cred = Path(creds) / option
             if cred.is_file():
-                return cred.read_text().strip()
+                return _read_secret(cred, f"{option} (CREDENTIALS_DIRECTORY)")
     return None
+
+
+def _read_secret(path: Path, source: str) -> str:
+    # Neither error may carry the file's content: UnicodeDecodeError's message quotes a byte.
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: cannot read {path}: not UTF-8 text") from None
 
 
 def load(flags: Mapping[str, str | None], environ: Mapping[str, str] | None = None) -> Settings:
@@ -309,5 +334,7 @@ def describe(s: Settings) -> dict[str, Any]:
                 value = "***"
             else:
                 value = None
+        elif f.name in ("ingress_url", "ingress_batch_url") and value is not None:
+            value = redact_url(value)  # userinfo in an http URL is a credential too
         out[f.name] = value
     return out

@@ -1,7 +1,7 @@
 -- ledger-relay SQL functions. Re-applied by `relay migrate` whenever the shipped text or the
--- bodies in the database drift. Applied with search_path = <schema>, pg_catalog; every function
--- pins that path (`set search_path from current`), so the schema name is configurable without
--- templating and no caller's search_path can redirect it.
+-- bodies in the database drift. Applied with search_path = <schema>, pg_catalog, pg_temp; every
+-- function pins that path (`set search_path from current`), so the schema name is configurable
+-- without templating and no caller's search_path (or temporary table) can redirect it.
 --
 -- Error messages start with "relay." and name the offending argument; SQLSTATEs:
 --   22023 invalid_parameter_value   bad input (nothing inserted)
@@ -473,7 +473,12 @@ begin
                 if not v_wake.wake_queue = any(v_queues) then
                     v_queues := v_queues || v_wake.wake_queue;
                 end if;
-            exception when others then
+            exception
+                when lock_not_available or transaction_rollback or insufficient_resources then
+                    -- Transient (a lock wait under the caller's lock_timeout, a deadlock, ...):
+                    -- not a rejection. Fail the whole ack; the batch is delivered again later.
+                    raise;
+                when others then
                 v_failed_seq := v_wake.seq;
                 v_err := 'engine wake failed: ' || sqlerrm;
                 exit;

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# What CI runs, and what a developer runs: lint, format check, strict types, tests.
+# Creates .venv and installs the project when needed. Arguments go to pytest.
+# Runs every check even after one fails; exits non-zero if any failed.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+# The install is skipped while pyproject.toml is unchanged since the last one (hash stamp).
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+stamp=.venv/.ledger-relay-installed
+want="$(.venv/bin/python -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest())' pyproject.toml)"
+if [ ! -x .venv/bin/relay ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    .venv/bin/python -m pip install -q -e '.[dev]'
+    echo "$want" > "$stamp"
+fi
+
+failed=()
+check() {  # check LABEL COMMAND...
+    local label="$1"
+    shift
+    echo "==> $label: $*"
+    if ! "$@"; then
+        failed+=("$label")
+    fi
+}
+check "ruff check" .venv/bin/ruff check .
+check "ruff format" .venv/bin/ruff format --check .
+check "mypy" .venv/bin/mypy
+check "pytest" .venv/bin/python -m pytest "$@"
+
+if [ ${#failed[@]} -gt 0 ]; then
+    (IFS=,; echo "FAILED: ${failed[*]}" >&2)
+    exit 1
+fi
+echo "all checks passed"

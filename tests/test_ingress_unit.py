@@ -1,0 +1,427 @@
+"""Unit tests for the pure parts of relay.ingress (DESIGN §5): URL rendering, the body, the
+Standard Webhooks id and signature, and the request headers. No network: the one request test
+goes through an in-process httpx.MockTransport."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from urllib.parse import unquote, urlsplit
+
+import anyio
+import httpx
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+from relay import __version__
+from relay.ingress import (
+    MAX_BODY,
+    USER_AGENT,
+    IngressClient,
+    encode_body,
+    render_url,
+    sign,
+    webhook_id,
+)
+from relay.policy import Trust
+from relay.settings import Secret, Settings, load
+from relay.store import Claim, ClaimedEvent
+
+TEMPLATE = "https://ingress.internal/runs/{run_id}/events"
+CLAIMED_AT = datetime(2024, 5, 17, 12, 0, 0, tzinfo=UTC)
+WHSEC = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def event(
+    seq: int,
+    *,
+    payload: str = '{"n": 1}',
+    terminal: bool = False,
+    traceparent: str | None = None,
+    event_type: str = "step.finished",
+) -> ClaimedEvent:
+    return ClaimedEvent(
+        seq=seq,
+        event_id=f"ev-{seq}",
+        event_type=event_type,
+        payload=payload,
+        terminal=terminal,
+        created_at=CLAIMED_AT - timedelta(seconds=100 - seq, microseconds=123),
+        traceparent=traceparent,
+        wake_queue=None,
+    )
+
+
+def claim(
+    run_id: str = "run-1",
+    events: list[ClaimedEvent] | None = None,
+    *,
+    epoch: int = 3,
+    started: float = 0.0,
+) -> Claim:
+    return Claim(
+        run_id=run_id,
+        epoch=epoch,
+        token=uuid.uuid4(),
+        attempts=0,
+        critical=False,
+        claimed_at=CLAIMED_AT,
+        trust=Trust(started=started, ttl=30.0, margin=6.0),
+        events=events if events is not None else [event(1), event(2)],
+    )
+
+
+def settings(**env: str) -> Settings:
+    return load(
+        {},
+        {
+            "RELAY_DATABASE_URL": "postgresql://app:pw@db/ledger",
+            "RELAY_INGRESS_URL": TEMPLATE,
+            **env,
+        },
+    )
+
+
+# --- render_url ---------------------------------------------------------------------------------
+
+HOSTILE_RUN_IDS = [
+    "run-1",
+    "a/b",
+    "/",
+    "../../admin",
+    "..",
+    ".",
+    "...",
+    "a/../b",
+    "%2F",
+    "%",
+    "100%",
+    "a?b=c",
+    "?",
+    "a#frag",
+    "#",
+    "a;b",
+    "a&b=c",
+    "'\"`",
+    "a b",
+    " ",
+    "+",
+    "\\..\\",
+    "é",
+    "日本語",
+    "🚀",
+    "\x00",
+    "a\x01\x1f\x7fb",
+    "line\r\nHost: evil",
+    "\t",
+    "@evil.example",
+    "{run_id}",
+    "~user",
+]
+
+
+def run_id_from(url: str, template: str = TEMPLATE) -> str:
+    """The run id back out of a rendered URL, checking nothing else of the URL moved."""
+    expected = urlsplit(template.replace("{run_id}", "X"))
+    parts = urlsplit(url)
+    assert (parts.scheme, parts.netloc, parts.query, parts.fragment) == (
+        expected.scheme,
+        expected.netloc,
+        expected.query,
+        expected.fragment,
+    )
+    segments = parts.path.split("/")
+    assert len(segments) == len(expected.path.split("/"))
+    i = expected.path.split("/").index("X")
+    assert [s for j, s in enumerate(segments) if j != i] == [
+        s for j, s in enumerate(expected.path.split("/")) if j != i
+    ]
+    return unquote(segments[i], errors="strict")
+
+
+@pytest.mark.parametrize("run_id", HOSTILE_RUN_IDS)
+def test_render_url_never_changes_the_path(run_id: str) -> None:
+    url = render_url(TEMPLATE, run_id)
+    assert url.isascii()
+    assert not any(c in url for c in " \t\r\n\x00\x7f")
+    assert run_id_from(url) == run_id
+
+
+@pytest.mark.parametrize("run_id", HOSTILE_RUN_IDS)
+def test_httpx_sends_the_path_unchanged(run_id: str) -> None:
+    # httpx removes "." and ".." segments (RFC 3986 §5.2.4): a run id may never be one.
+    url = httpx.URL(render_url(TEMPLATE, run_id))
+    assert url.host == "ingress.internal"
+    raw = url.raw_path.decode("ascii")
+    assert raw.startswith("/runs/")
+    assert raw.endswith("/events")
+    assert unquote(raw[len("/runs/") : -len("/events")], errors="strict") == run_id
+
+
+@hsettings(deadline=None)  # no wall-clock threshold: the machine may be busy
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=30))
+def test_render_url_roundtrips_any_run_id(run_id: str) -> None:
+    url = render_url(TEMPLATE, run_id)
+    assert run_id_from(url) == run_id
+    raw = httpx.URL(url).raw_path.decode("ascii")
+    assert unquote(raw[len("/runs/") : -len("/events")], errors="strict") == run_id
+
+
+def test_render_url_keeps_plain_ids_readable() -> None:
+    assert render_url(TEMPLATE, "run-42_a.b~c") == (
+        "https://ingress.internal/runs/run-42_a.b~c/events"
+    )
+
+
+def test_render_url_fills_every_placeholder() -> None:
+    url = render_url("https://i/runs/{run_id}/events?run={run_id}", "a/b")
+    assert url == "https://i/runs/a%2Fb/events?run=a%2Fb"
+
+
+# --- encode_body --------------------------------------------------------------------------------
+
+
+def test_body_has_the_design_shape_in_seq_order() -> None:
+    events = [event(5), event(6), event(7, terminal=True, event_type="run.completed")]
+    c = claim("run-9", events, epoch=12)
+    body = orjson.loads(encode_body(c, events))
+    assert list(body) == ["run_id", "epoch", "events"]
+    assert body["run_id"] == "run-9"
+    assert body["epoch"] == 12
+    assert [e["seq"] for e in body["events"]] == [5, 6, 7]
+    for got, sent in zip(body["events"], events, strict=True):
+        assert list(got) == ["event_id", "seq", "type", "terminal", "payload", "created_at"]
+        assert got["event_id"] == sent.event_id
+        assert got["type"] == sent.event_type
+        assert got["terminal"] is sent.terminal
+        assert got["payload"] == {"n": 1}
+        assert datetime.fromisoformat(got["created_at"]) == sent.created_at
+    assert body["events"][-1]["terminal"] is True
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "{}",
+        '{"n": 1}',
+        '{"a": [1, 2.50, 1e400], "b": {"c": null}}',  # numbers jsonb keeps, Python would not
+        '{"text": "é \\u00e9 \\ud83d\\ude80 \\"q\\" \\n"}',
+        '{"big": 123456789012345678901234567890}',
+        '{"z": 1, "a": 2}',
+    ],
+)
+def test_payload_is_embedded_verbatim(payload: str) -> None:
+    events = [event(1, payload=payload)]
+    body = encode_body(claim(events=events), events)
+    assert b'"payload":' + payload.encode() + b',"created_at"' in body
+
+
+def test_body_is_stable_for_a_retry() -> None:
+    events = [event(1), event(2)]
+    assert encode_body(claim(events=events), events) == encode_body(claim(events=events), events)
+
+
+def test_body_run_id_is_plain_json_text() -> None:
+    run_id = 'a/"b"\\\n\x00é'
+    events = [event(1)]
+    assert orjson.loads(encode_body(claim(run_id, events), events))["run_id"] == run_id
+
+
+# --- webhook_id ---------------------------------------------------------------------------------
+
+
+def test_webhook_id_is_stable_across_retries_of_the_same_batch() -> None:
+    a = claim("run-1", [event(3), event(4)], epoch=1)
+    b = claim("run-1", [event(3, payload='{"x": 2}'), event(4)], epoch=2, started=99.0)
+    assert webhook_id(a, a.events) == webhook_id(b, b.events)
+    assert webhook_id(a, a.events).startswith("msg_")
+
+
+@pytest.mark.parametrize(
+    ("run_id", "seqs"),
+    [("run-2", [3, 4]), ("run-1", [3]), ("run-1", [4]), ("run-1", [2, 4]), ("run-1", [3, 5])],
+)
+def test_webhook_id_differs_for_another_run_or_seq_range(run_id: str, seqs: list[int]) -> None:
+    base = claim("run-1", [event(3), event(4)])
+    other = claim(run_id, [event(s) for s in seqs])
+    assert webhook_id(other, other.events) != webhook_id(base, base.events)
+
+
+@hsettings(deadline=None)  # no wall-clock threshold: the machine may be busy
+@given(
+    st.tuples(st.text(max_size=8), st.integers(0, 99), st.integers(0, 99)),
+    st.tuples(st.text(max_size=8), st.integers(0, 99), st.integers(0, 99)),
+)
+def test_webhook_id_is_injective(
+    a: tuple[str, int, int],
+    b: tuple[str, int, int],
+) -> None:
+    # Separators inside run ids ("\x1f") must not make two batches share an id.
+    ca = claim(a[0], [event(a[1]), event(a[2])])
+    cb = claim(b[0], [event(b[1]), event(b[2])])
+    assert (webhook_id(ca, ca.events) == webhook_id(cb, cb.events)) == (a == b)
+
+
+# --- sign: Standard Webhooks --------------------------------------------------------------------
+
+
+def test_sign_reproduces_the_standard_webhooks_test_vector() -> None:
+    # From the Standard Webhooks specification and its reference libraries.
+    signature = sign(
+        [Secret(WHSEC)], "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, b'{"test": 2432232314}'
+    )
+    assert signature == "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+
+
+def test_sign_with_two_secrets_gives_two_signatures() -> None:
+    other = "whsec_" + base64.b64encode(b"a rotated-in key, 32 bytes long!").decode()
+    args = ("msg_1", 1700000000, b'{"run_id":"r"}')
+    both = sign([Secret(WHSEC), Secret(other)], *args)
+    first, second = both.split(" ")
+    assert first == sign([Secret(WHSEC)], *args)
+    assert second == sign([Secret(other)], *args)
+    assert first != second
+    expected = hmac.new(
+        base64.b64decode(other.removeprefix("whsec_")),
+        b'msg_1.1700000000.{"run_id":"r"}',
+        hashlib.sha256,
+    ).digest()
+    assert second == "v1," + base64.b64encode(expected).decode()
+
+
+def test_sign_without_secrets_is_empty() -> None:
+    assert sign([], "msg_1", 1, b"{}") == ""
+
+
+# --- IngressClient.headers ----------------------------------------------------------------------
+
+
+def test_user_agent_carries_the_version() -> None:
+    assert USER_AGENT == f"ledger-relay/{__version__}"
+
+
+@pytest.mark.anyio
+async def test_headers_minimal() -> None:
+    async with httpx.AsyncClient() as http:
+        client = IngressClient(settings(), http)
+        events = [event(1), event(2, traceparent=TRACEPARENT)]
+        c = claim(events=events, epoch=41)
+        h = client.headers(c, events, encode_body(c, events))
+    assert h == {
+        "content-type": "application/json",
+        "user-agent": f"ledger-relay/{__version__}",
+        "relay-lease-epoch": "41",
+    }  # no authorization, no traceparent (only the first event's counts), no webhook-*
+
+
+@pytest.mark.anyio
+async def test_headers_with_token_traceparent_and_signature() -> None:
+    async with httpx.AsyncClient() as http:
+        client = IngressClient(
+            settings(RELAY_INGRESS_TOKEN="tok-123", RELAY_SIGNING_SECRET=WHSEC), http
+        )
+        events = [event(1, traceparent=TRACEPARENT), event(2)]
+        # The claim's trust window starts in the future of the monotonic clock: no time has
+        # been held, so the timestamp is exactly the claim's database time.
+        c = claim(events=events, epoch=2, started=anyio.current_time() + 3600.0)
+        body = encode_body(c, events)
+        h = client.headers(c, events, body)
+    assert h["authorization"] == "Bearer tok-123"
+    assert h["traceparent"] == TRACEPARENT
+    assert h["relay-lease-epoch"] == "2"
+    assert h["webhook-id"] == webhook_id(c, events)
+    ts = int(CLAIMED_AT.timestamp())
+    assert h["webhook-timestamp"] == str(ts)
+    assert h["webhook-signature"] == sign([Secret(WHSEC)], h["webhook-id"], ts, body)
+    key = base64.b64decode(WHSEC.removeprefix("whsec_"))
+    mac = hmac.new(key, f"{h['webhook-id']}.{ts}.".encode() + body, hashlib.sha256).digest()
+    assert h["webhook-signature"] == "v1," + base64.b64encode(mac).decode()
+
+
+@pytest.mark.anyio
+async def test_webhook_timestamp_advances_with_the_time_held() -> None:
+    async with httpx.AsyncClient() as http:
+        client = IngressClient(settings(RELAY_SIGNING_SECRET=WHSEC), http)
+        events = [event(1)]
+        c = claim(events=events, started=anyio.current_time() - 120.0)
+        h = client.headers(c, events, encode_body(c, events))
+    assert int(h["webhook-timestamp"]) >= int(CLAIMED_AT.timestamp()) + 120
+
+
+@pytest.mark.anyio
+async def test_headers_token_only() -> None:
+    async with httpx.AsyncClient() as http:
+        client = IngressClient(settings(RELAY_INGRESS_TOKEN="tok-123"), http)
+        events = [event(1)]
+        c = claim(events=events)
+        h = client.headers(c, events, encode_body(c, events))
+    assert h["authorization"] == "Bearer tok-123"
+    assert not any(k.startswith("webhook-") for k in h)
+
+
+# --- one request, in process --------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_post_sends_the_rendered_url_body_and_headers() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        request.read()
+        seen.append(request)
+        return httpx.Response(200, json={"accepted": 1}, headers={"retry-after": "5"})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        client = IngressClient(settings(RELAY_INGRESS_TOKEN="tok-123"), http)
+        events = [event(1), event(2)]
+        c = claim("..", events)
+        answer = await client.post(c, events)
+    assert answer.status == 200
+    assert orjson.loads(answer.body) == {"accepted": 1}
+    assert answer.retry_after == "5"
+    (request,) = seen
+    assert request.method == "POST"
+    assert request.url.raw_path == b"/runs/%2E%2E/events"
+    assert request.content == encode_body(c, events)
+    assert request.headers["authorization"] == "Bearer tok-123"
+    assert request.headers["relay-lease-epoch"] == "3"
+
+
+class _Drip(httpx.AsyncByteStream):
+    """A streamed answer far longer than the relay will read."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for _ in range(1000):
+            self.sent += 1
+            yield b"x" * 1024
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_post_reads_at_most_max_body(streamed: bool) -> None:
+    drip = _Drip()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if streamed:
+            return httpx.Response(400, stream=drip)
+        return httpx.Response(400, content=b"y" * (MAX_BODY * 4))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        client = IngressClient(settings(), http)
+        events = [event(1)]
+        answer = await client.post(claim(events=events), events)
+    assert answer.status == 400
+    assert len(answer.body) == MAX_BODY
+    if streamed:
+        assert drip.sent < 1000  # stopped reading, did not drain the rest
