@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import anyio
+import orjson
 import psycopg
 from anyio.abc import TaskGroup
 from tenacity import (
@@ -133,17 +134,39 @@ class AckGroup:
                     break
             try:
                 results = await self.store.ack([(p.claim, p.upto, p.keep) for p in group])
-            except BaseException as exc:
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                # The outcome may be unknown (connection lost during COMMIT): find out by
+                # re-reading the rows, never by guessing.
+                logs.warning("ack_outcome_unknown", batches=len(group), error=_error(exc))
+                for p in group:
+                    await self._resolve(p, exc)
+                continue
+            except BaseException as exc:  # every waiter must hear about it
                 for p in group:
                     p.error = exc
                     p.done.set()
-                if not isinstance(exc, Exception):
-                    raise
-                continue
+                raise
             self.groups += 1
             for p, r in zip(group, results, strict=True):
                 p.result = r
                 p.done.set()
+
+    async def _resolve(self, p: _PendingAck, cause: BaseException) -> None:
+        for attempt in range(5):
+            try:
+                committed = await self.store.ack_committed(p.claim.run_id, p.upto)
+            except (psycopg.Error, OSError, TimeoutError):
+                await anyio.sleep(min(2.0, 0.1 * 2**attempt))
+                continue
+            status = "acked" if committed else "not_committed"
+            logs.info("ack_outcome_resolved", run_id=p.claim.run_id, upto=p.upto, outcome=status)
+            p.result = AckResult(
+                p.claim.run_id, status, 0, p.upto if committed else None, None, None
+            )
+            p.done.set()
+            return
+        p.error = cause  # still unknown: the lease is handed back or expires; a redelivery is a
+        p.done.set()  # duplicate at worst, never a loss
 
 
 class Lane:
@@ -179,6 +202,11 @@ class Lane:
         self.on_ready_change = on_ready_change
         self._last_empty_pass = -1.0
         self._deliveries: TaskGroup | None = None
+        # Operations hooks (relay/health.py, relay/metrics.py): loop turns for /healthz and the
+        # systemd watchdog, and an observer of each acknowledgement for the lag histogram.
+        self.turns = 0
+        self.turned_at = 0.0
+        self.observe_ack: Callable[[AckResult], None] = lambda result: None
 
     # -- wakes ------------------------------------------------------------------------------
 
@@ -202,6 +230,8 @@ class Lane:
             deliveries.start_soon(self.acks.run)
             failures = 0
             while not self.stopping:
+                self.turns += 1  # liveness (relay/health.py)
+                self.turned_at = anyio.current_time()
                 try:
                     busy = await self._pass()
                     failures = 0
@@ -400,6 +430,8 @@ class Lane:
                 return await self._reschedule(
                     claim, answer.status, "ingress accepted 0 events", None
                 )
+            # Not settled unless it committed: the caller then hands the lease back (fenced by
+            # token, so a no-op when the ack released it or the lease was lost).
             return await self._ack(claim, events[:k], answer)
         if outcome is Outcome.TRANSIENT:
             return await self._reschedule(
@@ -412,11 +444,16 @@ class Lane:
     async def _ack(
         self, claim: Claim, acked: list[ClaimedEvent], answer: Answer, *, keep: bool = False
     ) -> bool:
+        """Ack `acked` (a prefix of the claim). Returns True when the ack committed and the run
+        is still ours (when `keep`), False when the lease was lost or the ack failed."""
         result = await self.acks.ack(claim, acked[-1].seq, keep=keep)
+        if result.status == "not_committed":
+            return False  # not settled: the caller's cleanup releases the lease for a redelivery
         if result.status == "stale":
             self.stats.stale_acks += 1
             self._lease_lost(claim, "ack_fenced")
-            return True
+            return False
+        self.observe_ack(result)  # metrics: commit-to-ack lag
         if result.status == "failed":
             self.stats.failed += 1
             logs.error(
@@ -446,7 +483,7 @@ class Lane:
             lag_ms=round((result.lag_seconds or 0.0) * 1000, 2),
             trace_id=_trace_id(acked[0].traceparent),
         )
-        return True
+        return result.status == "acked"
 
     async def _reschedule(
         self, claim: Claim, status: int | None, error: str, retry_after: str | None
@@ -479,9 +516,13 @@ class Lane:
         return True
 
     async def _misconfigured(self, claim: Claim, answer: Answer) -> bool:
-        self.misconfigured += 1
-        delay = misconfigured_backoff(self.misconfigured, cap=self.settings.max_backoff)
-        self.paused_until = anyio.current_time() + delay
+        now = anyio.current_time()
+        if now >= self.paused_until:
+            # Requests that were already in flight when the pause began don't escalate it.
+            self.misconfigured += 1
+            delay = misconfigured_backoff(self.misconfigured, cap=self.settings.max_backoff)
+            self.paused_until = now + delay
+        delay = self.paused_until - now
         self.on_ready_change(False)
         await self.store.release(claim, delay)  # not an attempt: the events are not at fault
         logs.error(
@@ -502,24 +543,60 @@ class Lane:
             logs.info("ingress_recovered", lane=self.name)
 
     async def _poison(self, claim: Claim, events: list[ClaimedEvent], answer: Answer) -> bool:
-        """Narrow a rejected batch to the event that causes it: resend one event at a time under
-        the same lease, acking each accepted one (keeping the lease), until one is rejected."""
-        if len(events) > 1:
-            for i, event in enumerate(events):
-                single = await self._post_renewing(claim, [event])
-                if single is None:
+        """Narrow a rejected batch to the event that causes it. When the ingress names it
+        (`{"rejected_event_id": ...}`) the events before it are resent as one batch (the rejection
+        accepted none of them) and acked, and the named one is failed; otherwise the batch is
+        resent one event at a time under the same lease, acking each accepted event (keeping the
+        lease), until one is rejected. Events after the bad one stay pending: its run is blocked,
+        every other run keeps flowing. Nothing is acked without a 2xx for it."""
+        named = rejected_event_id(answer.body)
+        index = next((i for i, e in enumerate(events) if e.event_id == named), None)
+        if index is not None:
+            if index > 0:
+                before = events[:index]
+                head = await self._post_renewing(claim, before)
+                if head is None:
                     return True
                 if (
-                    isinstance(single, TransportFailure)
-                    or classify(single.status) is not Outcome.ACCEPTED
+                    isinstance(head, TransportFailure)
+                    or classify(head.status) is not Outcome.ACCEPTED
                 ):
-                    if isinstance(single, Answer) and classify(single.status) is Outcome.POISON:
-                        return await self._block(claim, event, single)
-                    return await self._act(claim, [event], single)
-                last = i == len(events) - 1
-                await self._ack(claim, [event], single, keep=not last)
-            return True
-        return await self._block(claim, events[0], answer)
+                    return await self._act(claim, before, head)
+                k = accepted_count(head.status, head.body, len(before))
+                if k < len(before):
+                    return await self._act(claim, before, head)  # acks k, retries the rest
+                if not await self._ack(claim, before, head, keep=True):
+                    return True
+            return await self._block(claim, events[index], answer)
+        if len(events) == 1:
+            return await self._block(claim, events[0], answer)
+        logs.warning(
+            "poison_narrowing",
+            lane=self.name,
+            run_id=claim.run_id,
+            epoch=claim.epoch,
+            first_seq=claim.first_seq,
+            last_seq=claim.last_seq,
+            status=answer.status,
+        )
+        for i, event in enumerate(events):
+            single = await self._post_renewing(claim, [event])
+            if single is None:
+                return True  # lease lost: abandoned
+            if isinstance(single, TransportFailure):
+                return await self._act(claim, [event], single)
+            outcome = classify(single.status)
+            if outcome is Outcome.POISON:
+                return await self._block(claim, event, single)
+            if (
+                outcome is not Outcome.ACCEPTED
+                or accepted_count(single.status, single.body, 1) == 0
+            ):
+                return await self._act(claim, [event], single)
+            last = i == len(events) - 1
+            if not await self._ack(claim, [event], single, keep=not last):
+                return True
+        return True
 
     async def _block(self, claim: Claim, event: ClaimedEvent, answer: Answer) -> bool:
         error = f"ingress answered {answer.status}: {_excerpt(answer.body)}"
@@ -549,6 +626,23 @@ class Lane:
             lease_owner=self.store.owner,
             where=where,
         )
+
+
+def rejected_event_id(body: bytes) -> str | None:
+    """The event an ingress names in a rejection body `{"rejected_event_id": "..."}`."""
+    try:
+        parsed = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(parsed, dict):
+        named = parsed.get("rejected_event_id")
+        if isinstance(named, str):
+            return named
+    return None
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip()[:200]}"
 
 
 def _excerpt(body: bytes) -> str:

@@ -75,7 +75,11 @@ def migrations() -> tuple[Migration, ...]:
 
 @cache
 def functions_sql() -> str:
-    return (sql_dir() / FUNCTIONS_FILE).read_text()
+    """`functions.sql` then every other `functions_*.sql`, in name order: re-applied as one."""
+    paths = sorted(
+        sql_dir().glob("functions*.sql"), key=lambda p: (p.name != FUNCTIONS_FILE, p.name)
+    )
+    return "\n".join(p.read_text() for p in paths)
 
 
 def code_version() -> int:

@@ -154,6 +154,7 @@ class Faults:
         self._lock = threading.Lock()
         self._queue: deque[Fault] = deque()
         self.default_status: int | None = None
+        self.poisoned: dict[str, tuple[int, bool]] = {}  # event_id -> (status, name it?)
 
     def fail(
         self,
@@ -185,6 +186,24 @@ class Faults:
             raise ValueError("accept_only needs k >= 0")
         self._push(Fault("accept_only", times, run_id, k=k))
 
+    def poison(self, event_id: str, status: int = 422, *, name: bool = False) -> None:
+        """Reject every batch that contains `event_id` with `status` (a poison event) until
+        cleared; with `name`, the body says which event: `{"rejected_event_id": ...}`."""
+        with self._lock:
+            self.poisoned[event_id] = (status, name)
+
+    def poison_in(self, events: list[JSON]) -> tuple[int, JSON] | None:
+        with self._lock:
+            for event in events:
+                hit = self.poisoned.get(event["event_id"])
+                if hit is not None:
+                    status, name = hit
+                    body: JSON = {"error": f"event rejected ({status})"}
+                    if name:
+                        body["rejected_event_id"] = event["event_id"]
+                    return status, body
+        return None
+
     def set_default(self, status: int | None) -> None:
         """Answer every ingress request with `status` (e.g. 503: ingress down) until None."""
         self.default_status = status
@@ -192,6 +211,7 @@ class Faults:
     def clear(self) -> None:
         with self._lock:
             self._queue.clear()
+            self.poisoned.clear()
             self.default_status = None
 
     def pending(self) -> int:
@@ -347,6 +367,9 @@ class Sink:
         if fault is not None and fault.kind == "fail":
             self.state.note(run_id, epoch, events, headers, fault.status, "fail")
             return Reply(fault.status, fault.body, fault.headers)
+        if (poisoned := self.faults.poison_in(events)) is not None:
+            self.state.note(run_id, epoch, events, headers, poisoned[0], "poison")
+            return json_reply(*poisoned)
         status, result = await self._process(fault, run_id, epoch, events)
         self.state.note(run_id, epoch, events, headers, status, fault.kind if fault else None)
         return json_reply(status, result, drop=fault is not None and fault.kind == "drop_reply")

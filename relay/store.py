@@ -123,6 +123,10 @@ class Store:
         ).format(s)
         self._fail = sql.SQL("select {}.fail_event(%s, %s, %s, %s, %s)").format(s)
         self._ack = sql.SQL("select * from {}.ack(%s::jsonb)").format(s)
+        self._ack_committed = sql.SQL(
+            "select not exists (select 1 from {}.events"
+            " where run_id = %s and seq <= %s and state = 'pending')"
+        ).format(s)
         self._prune = sql.SQL("select {}.prune(make_interval(secs => %s), %s)").format(s)
 
     async def _call(self, query: sql.Composed, params: Sequence[Any]) -> list[TupleRow]:
@@ -227,6 +231,12 @@ class Store:
         ).decode()
         rows = await self._call(self._ack, (payload,))
         return [AckResult(*r) for r in rows]
+
+    async def ack_committed(self, run_id: str, upto: int) -> bool:
+        """After an ack whose COMMIT outcome is unknown (connection lost): did it commit? It did
+        iff no event of the run up to `upto` is still pending (the ack marks them all, or none)."""
+        rows = await self._call(self._ack_committed, (run_id, upto))
+        return bool(rows and rows[0][0])
 
     async def prune(self, retention: float, limit: int) -> int:
         rows = await self._call(self._prune, (retention, limit))

@@ -291,15 +291,17 @@ begin
             limit p_runs
             for update skip locked
         ), all_picked as (
-            select * from picked union all select * from critical_picked
-            union all select * from ordinary_picked
+            select u.run_id, clock_timestamp() + p_ttl as expires
+            from (select * from picked union all select * from critical_picked
+                  union all select * from ordinary_picked) u
         )
         update runs u
         set epoch = u.epoch + 1,
             lease_owner = p_owner,
             lease_token = gen_random_uuid(),
-            lease_expires_at = clock_timestamp() + p_ttl,
-            next_attempt_at = clock_timestamp() + p_ttl,
+            -- One reading of the clock: while leased, next_attempt_at is exactly the expiry.
+            lease_expires_at = all_picked.expires,
+            next_attempt_at = all_picked.expires,
             updated_at = clock_timestamp()
         from all_picked
         where u.run_id = all_picked.run_id
@@ -337,9 +339,10 @@ language sql volatile
 set search_path from current
 as $$
     update runs r
-    set lease_expires_at = clock_timestamp() + p_ttl,
-        next_attempt_at = clock_timestamp() + p_ttl
-    from unnest(p_run_ids, p_tokens) as t(run_id, token)
+    set lease_expires_at = t.expires,
+        next_attempt_at = t.expires
+    from (select u.run_id, u.token, clock_timestamp() + p_ttl as expires
+          from unnest(p_run_ids, p_tokens) as u(run_id, token)) as t
     where r.run_id = t.run_id and r.lease_token = t.token
       and r.lease_expires_at > clock_timestamp()
     returning r.run_id, r.lease_expires_at
@@ -551,10 +554,14 @@ begin
     get diagnostics v_n = row_count;
     -- Forget idle runs with no events left (their seq counter stays in run_seqs). One run at a
     -- time under its advisory lock, checked in a fresh statement, so a producer that is
-    -- enqueueing into it can never find its runs row gone.
+    -- enqueueing into it can never find its runs row gone. Only finished runs (terminal event
+    -- enqueued): a recreated row would restart the epoch, which the ingress takes as a fencing
+    -- token, while a finished run can never be claimed again.
     for v_run in
         select y.run_id from runs y
         where y.idle and y.updated_at < clock_timestamp() - p_retention
+          and exists (select 1 from run_seqs f
+                      where f.run_id = y.run_id and f.terminal_seq is not null)
         order by y.updated_at
         limit p_limit
     loop

@@ -1,0 +1,332 @@
+"""DESIGN §5's answer table, row by row, against a real HTTP server that gives that answer:
+what reached the ingress, the rows' states, and the log line. Plus poison isolation, Retry-After,
+and acks that fail or whose outcome is unknown."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from typing import Any
+
+import orjson
+import psycopg
+import pytest
+
+import relay
+from relay import logs
+from relay.runner import Relay
+from relay.sink import Sink, serve_sink
+from relay.store import AckResult, Store
+from tests.support import count, q, settings, wait_for
+from tests.test_relay import enqueue_runs
+
+pytestmark = pytest.mark.anyio
+
+LogLines = Callable[[], list[dict[str, Any]]]
+
+
+@pytest.fixture
+def log_lines() -> Iterator[LogLines]:
+    """The relay's JSON log lines, as dicts."""
+    stream = io.StringIO()
+    logs.configure("json", "info", stream)
+
+    def read() -> list[dict[str, Any]]:
+        return [orjson.loads(line) for line in stream.getvalue().splitlines() if line]
+
+    yield read
+    logs.configure("json", "warning")
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[tuple[Sink, str]]:
+    s = Sink()
+    async with serve_sink(s) as url:
+        yield s, url
+
+
+def events_of(conn: psycopg.Connection[Any], schema: str, run_id: str) -> list[tuple[Any, ...]]:
+    return conn.execute(
+        q(schema, "select seq, state, attempts, last_status from {s}.events"
+                  " where run_id = %s order by seq"),
+        (run_id,),
+    ).fetchall()  # fmt: skip
+
+
+@pytest.mark.parametrize("status", [200, 201, 204])
+async def test_2xx_acks_the_batch(
+    status: int, pg_url: str, schema: str, conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str], log_lines: LogLines,
+) -> None:  # fmt: skip
+    s, url = sink
+    s.faults.fail(status, body=b"")
+    enqueue_runs(conn, schema, 1, 3, terminal=False)
+    async with Relay(settings(pg_url, schema, url)).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 3, what="ack")
+    assert [r["seqs"] for r in s.state.received] == [[1, 2, 3]]  # one POST, nothing resent
+    line = next(x for x in log_lines() if x["event"] == "delivered")
+    assert line["status"] == status and line["first_seq"] == 1 and line["last_seq"] == 3
+    assert line["run_id"] == "r0" and line["lane"] == "ordinary" and "epoch" in line
+
+
+async def test_409_acks_as_duplicates(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str],
+    log_lines: LogLines,
+) -> None:  # fmt: skip
+    s, url = sink
+    s.faults.fail(409)
+    enqueue_runs(conn, schema, 1, 2, terminal=False)
+    async with Relay(settings(pg_url, schema, url)).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 2, what="ack")
+    assert [r["status"] for r in s.state.received] == [409]
+    assert any(x["event"] == "delivered" and x["status"] == 409 for x in log_lines())
+
+
+async def test_accepted_k_acks_only_the_first_k(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str],
+) -> None:  # fmt: skip
+    s, url = sink
+    s.faults.accept_only(3)
+    enqueue_runs(conn, schema, 1, 5, terminal=False)
+    async with Relay(settings(pg_url, schema, url)).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 5, what="ack")
+    assert [r["seqs"] for r in s.state.received] == [[1, 2, 3, 4, 5], [4, 5]]
+    assert s.state.first_order["r0"] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("status", [408, 425, 429, 500, 502, 503, 504])
+async def test_transient_status_is_retried_then_rescheduled(
+    status: int, pg_url: str, schema: str, conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str], log_lines: LogLines,
+) -> None:  # fmt: skip
+    s, url = sink
+    s.faults.fail(status, times=3)  # outlasts the quick retries: rescheduled through the DB
+    enqueue_runs(conn, schema, 1, 2, terminal=False)
+    async with Relay(settings(pg_url, schema, url, max_backoff="0.3s")).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 2, what="delivery")
+    assert [r["status"] for r in s.state.received] == [status, status, status, 200]
+    assert events_of(conn, schema, "r0") == [
+        (1, "delivered", 2, status),
+        (2, "delivered", 2, status),
+    ]
+    line = next(x for x in log_lines() if x["event"] == "retry_scheduled")
+    assert line["status"] == status and line["level"] == "warning" and line["run_id"] == "r0"
+
+
+async def test_timeout_is_transient(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str],
+    log_lines: LogLines,
+) -> None:  # fmt: skip
+    s, url = sink
+    s.faults.delay(2.0, times=3)
+    enqueue_runs(conn, schema, 1, 1, terminal=False)
+    cfg = settings(pg_url, schema, url, http_timeout="0.2s", lease_ttl="5s", max_backoff="0.3s")
+    async with Relay(cfg).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="delivery")
+    line = next(x for x in log_lines() if x["event"] == "retry_scheduled")
+    assert "timed out" in line["error"] and line["status"] is None
+
+
+async def test_connection_refused_is_transient_and_nothing_is_dropped(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], log_lines: LogLines,
+) -> None:  # fmt: skip
+    enqueue_runs(conn, schema, 1, 2, terminal=False)
+    cfg = settings(pg_url, schema, "http://127.0.0.1:9", max_backoff="0.2s")
+    async with Relay(cfg).running():
+        await wait_for(
+            lambda: sum(x["event"] == "retry_scheduled" for x in log_lines()) >= 2,
+            what="two rescheduled attempts",
+        )
+    assert [r[1] for r in events_of(conn, schema, "r0")] == ["pending", "pending"]
+    assert all(r[2] >= 2 for r in events_of(conn, schema, "r0"))  # attempts counted per event
+
+
+async def test_lost_reply_is_redelivered_and_deduped_by_the_ingress(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str],
+) -> None:  # fmt: skip
+    s, url = sink
+    s.faults.drop_reply(times=3)
+    enqueue_runs(conn, schema, 1, 2, terminal=False)
+    async with Relay(settings(pg_url, schema, url, max_backoff="0.3s")).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 2, what="delivery")
+    assert s.state.deliveries == {"r0-0": 4, "r0-1": 4}  # processed 4x, replies lost 3x
+    assert s.state.duplicates == 6 and s.state.first_order["r0"] == [1, 2]
+
+
+@pytest.mark.parametrize("status", [401, 403, 404, 410, 301, 302, 307, 308])
+async def test_misconfigured_endpoint_pauses_the_lane_and_recovers(
+    status: int, pg_url: str, schema: str, conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str], log_lines: LogLines,
+) -> None:  # fmt: skip
+    s, url = sink
+    s.faults.set_default(status)
+    enqueue_runs(conn, schema, 3, 2, terminal=False)
+    with_userinfo = url.replace("http://", "http://admin:hunter2@")
+    async with Relay(settings(pg_url, schema, with_userinfo)).running() as r:
+        await wait_for(lambda: not r.health.ingress_ok, what="not ready")
+        # Nothing failed and no attempt was charged to the events: the endpoint is at fault.
+        assert count(conn, schema, "state <> 'pending'") == 0
+        assert count(conn, schema, "attempts > 0") == 0
+        requests_then = len(s.state.received)
+        s.faults.set_default(None)
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 6, what="recovery")
+        assert r.health.ingress_ok
+    # The lane backed off as a whole: each run was tried once (those requests were in flight
+    # together); none was retried while the lane was paused.
+    assert requests_then <= 3
+    assert sum(x["event"] == "ingress_misconfigured" for x in log_lines()) <= 3
+    line = next(x for x in log_lines() if x["event"] == "ingress_misconfigured")
+    assert line["level"] == "error" and line["status"] == status
+    assert "hunter2" not in line["url"] and "admin" not in line["url"]
+    assert any(x["event"] == "ingress_recovered" for x in log_lines())
+
+
+@pytest.mark.parametrize("status", [400, 413, 422])
+async def test_poison_fails_the_event_and_blocks_only_its_run(
+    status: int, pg_url: str, schema: str, conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str], log_lines: LogLines,
+) -> None:  # fmt: skip
+    s, url = sink
+    s.faults.poison("r1-1", status)
+    enqueue_runs(conn, schema, 3, 3, terminal=False)
+    async with Relay(settings(pg_url, schema, url)).running():
+        await wait_for(lambda: count(conn, schema, "state = 'failed'") == 1, what="poison")
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 7, what="others")
+    assert [r[:2] for r in events_of(conn, schema, "r1")] == [
+        (1, "delivered"), (2, "failed"), (3, "pending"),
+    ]  # fmt: skip
+    row = conn.execute(
+        q(schema, "select last_status, last_error, failed_at is not null from {s}.events"
+                  " where state = 'failed'")
+    ).fetchone()  # fmt: skip
+    assert row is not None and row[0] == status and f"({status})" in row[1] and row[2]
+    assert "r1-2" not in s.state.deliveries
+    blocked = conn.execute(
+        q(schema, "select run_id, blocked_seq from {s}.runs where blocked_seq is not null")
+    )
+    assert blocked.fetchall() == [("r1", 2)]
+    line = next(x for x in log_lines() if x["event"] == "run_blocked")
+    assert line["level"] == "error" and line["run_id"] == "r1" and line["status"] == status
+
+
+@pytest.mark.parametrize("named", [False, True])
+async def test_poison_in_the_middle_of_a_100_event_batch(
+    named: bool, pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str],
+) -> None:  # fmt: skip
+    s, url = sink
+    enqueue_runs(conn, schema, 1, 100, terminal=False)
+    s.faults.poison("r0-49", 422, name=named)  # the 50th event
+    async with Relay(settings(pg_url, schema, url)).running():
+        await wait_for(lambda: count(conn, schema, "state = 'failed'") == 1, what="poison")
+    states = [r[1] for r in events_of(conn, schema, "r0")]
+    assert states[:49] == ["delivered"] * 49  # the 49 before it delivered and acked
+    assert states[49] == "failed"
+    assert states[50:] == ["pending"] * 50  # the 50 after it held
+    assert s.state.first_order["r0"] == list(range(1, 50))
+    if named:  # the ingress named the event: no one-at-a-time narrowing was needed
+        assert [len(r["seqs"]) for r in s.state.received] == [100, 49]
+
+
+async def test_a_blocked_run_does_not_hold_up_other_runs(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str],
+) -> None:  # fmt: skip
+    s, url = sink
+    s.faults.poison("r0-0")
+    enqueue_runs(conn, schema, 40, 3, terminal=False)
+    async with Relay(settings(pg_url, schema, url, concurrency=2)).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 117, what="others")
+        blocked_requests = sum(r["run_id"] == "r0" for r in s.state.received)
+        # More discovery passes happen; the blocked run is never claimed again.
+        enqueue_runs(conn, schema, 5, 1, prefix="late", terminal=False)
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 122, what="late")
+    # Its batch, then the narrowing request for its head: and never again once blocked.
+    assert sum(r["run_id"] == "r0" for r in s.state.received) == blocked_requests == 2
+
+
+@pytest.mark.parametrize("form", ["seconds", "http-date"])
+async def test_retry_after_is_honoured(
+    form: str, pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str],
+) -> None:  # fmt: skip
+    s, url = sink
+    value = (
+        "2"
+        if form == "seconds"
+        else format_datetime(datetime.now(UTC) + timedelta(seconds=3), usegmt=True)
+    )
+    s.faults.fail(429, retry_after=value)
+    enqueue_runs(conn, schema, 1, 1, terminal=False)
+    async with Relay(settings(pg_url, schema, url)).running():
+        await wait_for(lambda: count(conn, schema, "attempts = 1") == 1, what="first failure")
+        # Scheduled by the database no sooner than the ingress asked (no quick retry either).
+        row = conn.execute(
+            q(schema, "select extract(epoch from next_attempt_at - updated_at) from {s}.runs")
+        ).fetchone()
+        assert row is not None and float(row[0]) >= 1.9
+        assert len(s.state.received) == 1
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="delivery")
+    first, second = s.state.received
+    assert first["status"] == 429 and second["status"] == 200
+
+
+async def test_engine_rejecting_a_wake_fails_the_event_instead_of_looping(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str],
+    log_lines: LogLines,
+) -> None:  # fmt: skip
+    _, url = sink
+    conn.execute("select absurd.create_queue('doomed_q')")
+    with conn.transaction():
+        relay.enqueue(conn, "w", "w-0", "step", {}, schema=schema)
+        relay.enqueue(
+            conn, "w", "w-1", "run_created", {}, wake=("doomed_q", "run-created:w"), schema=schema
+        )
+        relay.enqueue(conn, "w", "w-2", "step", {}, schema=schema)
+    conn.execute("select absurd.drop_queue('doomed_q')")  # the engine will refuse the wake
+    async with Relay(settings(pg_url, schema, url)).running():
+        await wait_for(lambda: count(conn, schema, "state = 'failed'") == 1, what="failed")
+    assert [r[1] for r in events_of(conn, schema, "w")] == ["delivered", "failed", "pending"]
+    err = conn.execute(
+        q(schema, "select last_error from {s}.events where state = 'failed'")
+    ).fetchone()
+    assert err is not None and "engine wake failed" in err[0]
+    line = next(x for x in log_lines() if x["event"] == "run_blocked")
+    assert line["reason"] == "ack_failed"
+
+
+class _LossyStore(Store):
+    """A real store whose ack loses its connection either just before or just after COMMIT."""
+
+    mode = "after_commit"
+
+    async def ack(self, items: Any) -> list[AckResult]:
+        if self.mode == "before_commit":
+            self.mode = "done"
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        result = await super().ack(items)
+        if self.mode == "after_commit":
+            self.mode = "done"
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return result
+
+
+@pytest.mark.parametrize("mode", ["after_commit", "before_commit"])
+async def test_ack_with_unknown_outcome_is_resolved_by_rereading(
+    mode: str, pg_url: str, schema: str, conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str], log_lines: LogLines, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    s, url = sink
+    _LossyStore.mode = mode
+    monkeypatch.setattr("relay.runner.Store", _LossyStore)
+    enqueue_runs(conn, schema, 1, 2, terminal=False)
+    async with Relay(settings(pg_url, schema, url)).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 2, what="delivery")
+        await wait_for(lambda: any(x["event"] == "ack_outcome_resolved" for x in log_lines()),
+                       what="resolution")  # fmt: skip
+    resolved = next(x for x in log_lines() if x["event"] == "ack_outcome_resolved")
+    if mode == "after_commit":
+        assert resolved["outcome"] == "acked"
+        assert s.state.deliveries == {"r0-0": 1, "r0-1": 1}  # not redelivered: it had committed
+    else:
+        assert resolved["outcome"] == "not_committed"
+        assert s.state.deliveries == {"r0-0": 2, "r0-1": 2}  # redelivered: a duplicate, no loss
