@@ -79,6 +79,8 @@ async def test_delivers_every_event_in_order_and_wakes_engine(
         await wait_for(lambda: count(conn, schema, "state <> 'delivered'") == 0, what="all acked")
         stats = {name: lane.stats for name, lane in r.lanes.items()}
     assert s.state.order_violations == 0
+    # No crash, no lost lease, no lost reply: no duplicate (invariant 5).
+    assert s.state.duplicates == 0
     for run_id in runs:
         assert s.state.first_order[run_id] == [1, 2, 3, 4, 5, 6]
     # Wake iff ack: one engine event per run_created, carrying the delivered event's id.

@@ -1,0 +1,113 @@
+"""The contracts, held by code that is not ours: a producer written only against DESIGN §3 (plain
+SQL, no helper) and an ingress written only against §5 (the standard library's http.server,
+not `relay sink`) work with `relay run` unchanged — with two replicas, one of them SIGKILLed
+mid-run."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import unquote
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from tests.support import wait_for
+from tests.test_cli import relay_env, replicas, stop_all
+
+pytestmark = pytest.mark.anyio
+
+
+class PlainIngress(BaseHTTPRequestHandler):
+    """An ingress per §5: idempotent on event_id, answers 2xx; records first deliveries."""
+
+    lock = threading.Lock()
+    seen: ClassVar[dict[str, int]] = {}
+    order: ClassVar[dict[str, list[int]]] = {}
+    epochs: ClassVar[dict[str, int]] = {}
+
+    def do_POST(self) -> None:
+        parts = self.path.split("/")
+        assert parts[1] == "runs" and parts[3] == "events", self.path
+        run_id = unquote(parts[2])
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        assert body["run_id"] == run_id
+        assert int(self.headers["relay-lease-epoch"]) == body["epoch"]
+        with self.lock:
+            self.epochs[run_id] = max(self.epochs.get(run_id, 0), body["epoch"])
+            for event in body["events"]:
+                assert set(event) == {
+                    "event_id",
+                    "seq",
+                    "type",
+                    "terminal",
+                    "payload",
+                    "created_at",
+                }
+                n = self.seen.get(event["event_id"], 0)
+                self.seen[event["event_id"]] = n + 1
+                if n == 0:
+                    self.order.setdefault(run_id, []).append(event["seq"])
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def plain_ingress() -> Iterator[str]:
+    PlainIngress.seen, PlainIngress.order, PlainIngress.epochs = {}, {}, {}
+    server = ThreadingHTTPServer(("127.0.0.1", 0), PlainIngress)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def plain_producer(conn: psycopg.Connection[Any], schema: str, runs: range, steps: int) -> int:
+    """Only SQL: `<schema>.enqueue(run_id, event_id, event_type, payload, terminal)` per §3."""
+    enqueue = sql.SQL("select {}.enqueue(%s, %s, %s, %s::jsonb, %s)").format(sql.Identifier(schema))
+    n = 0
+    for r in runs:
+        with conn.transaction():
+            for i in range(steps):
+                conn.execute(
+                    enqueue, (f"run {r}/x", f"ev-{r}-{i}", "step", json.dumps({"i": i}), False)
+                )
+                n += 1
+        with conn.transaction():  # the terminal event in a later transaction, as a scheduler would
+            conn.execute(enqueue, (f"run {r}/x", f"ev-{r}-end", "run_finished", "{}", True))
+            n += 1
+    return n
+
+
+async def test_foreign_producer_and_ingress_with_a_replica_killed(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], plain_ingress: str, tmp_path: Path
+) -> None:
+    sent = plain_producer(conn, schema, range(0, 80), 4)
+    env = relay_env(pg_url, schema, plain_ingress, RELAY_LEASE_TTL="3s", RELAY_HTTP_TIMEOUT="1s")
+    async with replicas(2, env, tmp_path) as procs:
+        sent += plain_producer(conn, schema, range(80, 120), 4)  # while they run
+        await wait_for(lambda: len(PlainIngress.seen) >= 150, timeout=60, what="some delivery")
+        procs[0].kill()  # SIGKILL mid-run: its leases expire and the survivor takes over
+        sent += plain_producer(conn, schema, range(120, 160), 4)
+        await wait_for(lambda: len(PlainIngress.seen) == sent, timeout=120, what="every event")
+        codes = await stop_all(procs[1:])
+    assert codes == [0]
+    assert sent == 160 * 5
+    for r in range(160):
+        assert PlainIngress.order[f"run {r}/x"] == [1, 2, 3, 4, 5]  # first deliveries in order
+    pending = conn.execute(
+        sql.SQL("select count(*) from {}.events where state <> 'delivered'").format(
+            sql.Identifier(schema)
+        )
+    ).fetchone()
+    assert pending == (0,)
