@@ -84,6 +84,7 @@ class LaneStats:
     retries: int = 0
     failed: int = 0
     stale_acks: int = 0
+    renewed_before_post: int = 0
     by_type: dict[str, int] = field(default_factory=dict)
 
 
@@ -349,6 +350,8 @@ class Lane:
     async def _deliver(self, claim: Claim) -> bool:
         """Deliver one claim. Returns True when the lease was settled (acked, released or lost)."""
         if not claim.trust.allows_post(anyio.current_time(), self.settings.http_timeout):
+            # Waited in the local queue too long to finish a whole request inside the lease.
+            self.stats.renewed_before_post += 1
             if claim.run_id not in await self.store.renew([claim]):
                 self._lease_lost(claim, "renew_before_post")
                 return True

@@ -303,3 +303,20 @@ async def test_poison_event_blocks_only_its_run(
     )
     assert blocked.fetchall() == [("r1", 1)]
     assert "r1-1" not in s.state.deliveries  # nothing after the failed event
+
+
+async def test_a_claim_that_waited_too_long_renews_before_its_post(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """No POST starts unless the trusted lease outlives the whole request: with one POST slot
+    and a slow first request, the claims queued behind it renew before they are sent."""
+    s, url = sink
+    s.faults.delay(1.0, run_id="r0")
+    enqueue_runs(conn, schema, 3, 1, terminal=False)
+    # Trust window 3 s - 0.6 s margin; a POST needs 2 s of it: a claim queued > 0.4 s renews.
+    cfg = settings(pg_url, schema, url, concurrency=1, lease_ttl="3s", http_timeout="2s")
+    async with Relay(cfg).running() as r:
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 3, what="delivery")
+        lane = r.lanes["ordinary"]
+    assert lane.stats.renewed_before_post >= 1
+    assert lane.stats.lease_lost == 0 and s.state.duplicates == 0 and lane.stats.posts == 3
