@@ -91,3 +91,14 @@ def bulk_backlog(
         )
     conn.execute(q(schema, "analyze {s}.events, {s}.runs"))
     return runs * per_run
+
+
+def assert_acked_only_if_received(
+    conn: psycopg.Connection[Any], schema: str, received: dict[str, int]
+) -> None:
+    """Invariant 1's other half: never acknowledged without a 2xx — every event the outbox marks
+    delivered was received (processed) by the ingress."""
+    rows = conn.execute(q(schema, "select event_id from {s}.events where state = 'delivered'"))
+    acked = {r[0] for r in rows.fetchall()}
+    missing = acked - set(received)
+    assert not missing, f"acknowledged but never received by the ingress: {sorted(missing)[:10]}"

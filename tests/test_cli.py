@@ -18,7 +18,7 @@ from anyio.abc import Process
 
 from relay.migrate import code_version
 from relay.sink import Sink, serve_sink
-from tests.support import count, q, wait_for
+from tests.support import assert_acked_only_if_received, count, q, wait_for
 from tests.test_relay import enqueue_runs
 
 pytestmark = pytest.mark.anyio
@@ -138,6 +138,7 @@ async def test_sigkill_of_one_replica_loses_nothing(
     assert codes == [0]
     assert len(s.state.deliveries) == 600
     assert s.state.order_violations == 0
+    assert_acked_only_if_received(conn, schema, s.state.deliveries)
 
 
 async def test_sigterm_exits_zero_and_hands_back_leases(

@@ -19,7 +19,7 @@ from relay import logs
 from relay.runner import Relay
 from relay.sink import Sink, serve_sink
 from relay.store import AckResult, Store
-from tests.support import count, q, settings, wait_for
+from tests.support import assert_acked_only_if_received, count, q, settings, wait_for
 from tests.test_relay import enqueue_runs
 
 pytestmark = pytest.mark.anyio
@@ -107,6 +107,7 @@ async def test_transient_status_is_retried_then_rescheduled(
     async with Relay(settings(pg_url, schema, url, max_backoff="0.3s")).running():
         await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 2, what="delivery")
     assert [r["status"] for r in s.state.received] == [status, status, status, 200]
+    assert_acked_only_if_received(conn, schema, s.state.deliveries)
     assert events_of(conn, schema, "r0") == [
         (1, "delivered", 2, status),
         (2, "delivered", 2, status),
@@ -153,6 +154,7 @@ async def test_lost_reply_is_redelivered_and_deduped_by_the_ingress(
         await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 2, what="delivery")
     assert s.state.deliveries == {"r0-0": 4, "r0-1": 4}  # processed 4x, replies lost 3x
     assert s.state.duplicates == 6 and s.state.first_order["r0"] == [1, 2]
+    assert_acked_only_if_received(conn, schema, s.state.deliveries)
 
 
 @pytest.mark.parametrize("status", [401, 403, 404, 410, 301, 302, 307, 308])
@@ -203,6 +205,7 @@ async def test_poison_fails_the_event_and_blocks_only_its_run(
     ).fetchone()  # fmt: skip
     assert row is not None and row[0] == status and f"({status})" in row[1] and row[2]
     assert "r1-2" not in s.state.deliveries
+    assert_acked_only_if_received(conn, schema, s.state.deliveries)
     blocked = conn.execute(
         q(schema, "select run_id, blocked_seq from {s}.runs where blocked_seq is not null")
     )
@@ -225,6 +228,7 @@ async def test_poison_in_the_middle_of_a_100_event_batch(
     assert states[49] == "failed"
     assert states[50:] == ["pending"] * 50  # the 50 after it held
     assert s.state.first_order["r0"] == list(range(1, 50))
+    assert_acked_only_if_received(conn, schema, s.state.deliveries)
     if named:  # the ingress named the event: no one-at-a-time narrowing was needed
         assert [len(r["seqs"]) for r in s.state.received] == [100, 49]
 
