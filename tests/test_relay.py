@@ -320,3 +320,22 @@ async def test_a_claim_that_waited_too_long_renews_before_its_post(
         lane = r.lanes["ordinary"]
     assert lane.stats.renewed_before_post >= 1
     assert lane.stats.lease_lost == 0 and s.state.duplicates == 0 and lane.stats.posts == 3
+
+
+async def test_runs_as_a_library_with_an_app_owned_transport(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any]
+) -> None:
+    """DESIGN §1: an application runs the relay in its own task group and hands it its own httpx
+    transport (here an in-process ASGI app: no socket at all)."""
+    import httpx
+
+    app = Sink()
+    enqueue_runs(conn, schema, 2, 2)
+    transport = httpx.ASGITransport(app=app)
+    cfg = settings(pg_url, schema, "http://ingress.internal")
+    async with anyio.create_task_group() as tg:
+        r = Relay(cfg, transport=transport)
+        await tg.start(r.run)
+        await wait_for(lambda: len(app.state.deliveries) == 4, what="delivery via the transport")
+        r.stop()
+    assert app.state.first_order == {"r0": [1, 2], "r1": [1, 2]}
