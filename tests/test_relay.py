@@ -339,3 +339,50 @@ async def test_runs_as_a_library_with_an_app_owned_transport(
         await wait_for(lambda: len(app.state.deliveries) == 4, what="delivery via the transport")
         r.stop()
     assert app.state.first_order == {"r0": [1, 2], "r1": [1, 2]}
+
+
+async def test_lease_is_renewed_while_a_post_is_in_flight(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    s.faults.delay(2.0, run_id="r0")
+    enqueue_runs(conn, schema, 1, 1, terminal=False)
+    cfg = settings(pg_url, schema, url, lease_ttl="3s", http_timeout="2.3s")
+    expiry = q(schema, "select lease_expires_at from {s}.runs where run_id = 'r0'")
+    async with Relay(cfg).running() as r:
+        lane = r.lanes["ordinary"]
+        await wait_for(lambda: bool(lane.inflight), what="claim")
+        first = conn.execute(expiry).fetchone()
+        assert first is not None and first[0] is not None
+        # Renewed every ttl/3 while the POST hangs: the expiry moves forward before it returns.
+        await wait_for(
+            lambda: (
+                (conn.execute(expiry).fetchone() or (None,))[0] not in (None, first[0])
+                and not s.state.deliveries
+            ),
+            timeout=10,
+            what="a renewal during the POST",
+        )
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="ack")
+    assert lane.stats.lease_lost == 0
+
+
+async def test_a_failed_renewal_abandons_the_batch_without_an_ack(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    s.faults.delay(2.0, run_id="r0")
+    enqueue_runs(conn, schema, 1, 1, terminal=False)
+    cfg = settings(pg_url, schema, url, lease_ttl="3s", http_timeout="2.3s")
+    async with Relay(cfg).running() as r:
+        lane = r.lanes["ordinary"]
+        await wait_for(lambda: bool(lane.inflight), what="claim")
+        # Another owner takes the run (as after an expiry): the next renewal fails.
+        conn.execute(
+            q(schema, "update {s}.runs set lease_token = gen_random_uuid(), lease_owner = 'thief'")
+        )
+        await wait_for(lambda: lane.stats.lease_lost == 1, what="renewal failure")
+        assert lane.stats.acks == 0
+        assert count(conn, schema, "state = 'pending'") == 1  # abandoned: nothing acked
+        # The thief's lease runs out; the event is delivered by a later claim.
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="redelivery")
