@@ -118,7 +118,29 @@ class IngressClient:
     async def post(self, claim: Claim, events: Sequence[ClaimedEvent]) -> Answer:
         body = encode_body(claim, events)
         url = render_url(self.settings.ingress_url, claim.run_id)
-        headers = self.headers(claim, events, body)
+        return await self._send(url, body, self.headers(claim, events, body))
+
+    async def post_group(self, claims: Sequence[Claim]) -> Answer:
+        """One POST carrying several runs' batches to `ingress_batch_url` (DESIGN §5)."""
+        assert self.settings.ingress_batch_url is not None
+        body = encode_group(claims)
+        h = {"content-type": "application/json", "user-agent": USER_AGENT}
+        if self.settings.ingress_token is not None:
+            h["authorization"] = f"Bearer {self.settings.ingress_token.reveal()}"
+        tp = next((c.events[0].traceparent for c in claims if c.events[0].traceparent), None)
+        if tp:
+            h["traceparent"] = tp
+        if self.settings.signing_secret:
+            first = claims[0]
+            held = anyio.current_time() - first.trust.started
+            ts = int((first.claimed_at + timedelta(seconds=max(0.0, held))).timestamp())
+            msg_id = group_webhook_id(claims)
+            h["webhook-id"] = msg_id
+            h["webhook-timestamp"] = str(ts)
+            h["webhook-signature"] = sign(self.settings.signing_secret, msg_id, ts, body)
+        return await self._send(self.settings.ingress_batch_url, body, h)
+
+    async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
         started = anyio.current_time()
         try:
             with anyio.fail_after(self.settings.http_timeout):
@@ -145,6 +167,46 @@ class IngressClient:
             raise TransportFailure(f"timed out after {self.settings.http_timeout:g}s") from exc
         except httpx.HTTPError as exc:
             raise TransportFailure(f"{type(exc).__name__}: {exc}") from exc
+
+
+def encode_group(claims: Sequence[Claim]) -> bytes:
+    """The multi-run body of `ingress_batch_url`: `{"batches": [<one run's body>, ...]}`."""
+    return b'{"batches":[' + b",".join(encode_body(c, c.events) for c in claims) + b"]}"
+
+
+def group_webhook_id(claims: Sequence[Claim]) -> str:
+    key = "\x1e".join(f"{c.run_id}\x1f{c.first_seq}\x1f{c.last_seq}" for c in claims).encode()
+    return "msg_" + hashlib.sha256(key).hexdigest()[:32]
+
+
+def split_results(answer: Answer, claims: Sequence[Claim]) -> dict[str, Answer | TransportFailure]:
+    """Per-run answers from a 2xx multi-run reply `{"results": [{"run_id", "status",
+    "accepted"?}, ...]}`; a run the reply does not mention was not answered (transient)."""
+    out: dict[str, Answer | TransportFailure] = {}
+    try:
+        parsed = orjson.loads(answer.body)
+        results = parsed.get("results") if isinstance(parsed, dict) else None
+    except orjson.JSONDecodeError:
+        results = None
+    wanted = {c.run_id for c in claims}
+    for item in results if isinstance(results, list) else []:
+        if not isinstance(item, dict):
+            continue
+        run_id, status = item.get("run_id"), item.get("status")
+        if run_id not in wanted or run_id in out or isinstance(status, bool):
+            continue
+        if not isinstance(status, int) or not 100 <= status <= 599:
+            continue
+        body = b""
+        if isinstance(item.get("accepted"), int):
+            body = orjson.dumps({"accepted": item["accepted"]})
+        elif "rejected_event_id" in item:
+            body = orjson.dumps({"rejected_event_id": item["rejected_event_id"]})
+        out[run_id] = Answer(status, body, None, answer.seconds)
+    for c in claims:
+        if c.run_id not in out:
+            out[c.run_id] = TransportFailure("the multi-run reply had no result for this run")
+    return out
 
 
 def make_client(

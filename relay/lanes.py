@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -35,9 +35,10 @@ from tenacity import (
 from tenacity.stop import stop_base
 
 from relay import logs
-from relay.ingress import Answer, IngressClient, TransportFailure
+from relay.ingress import Answer, IngressClient, TransportFailure, split_results
 from relay.policy import (
     Outcome,
+    Trust,
     accepted_count,
     classify,
     misconfigured_backoff,
@@ -303,7 +304,11 @@ class Lane:
                 attempt=claim.attempts,
                 lease_owner=self.store.owner,
             )
-            self._deliveries.start_soon(self._deliver_guarded, claim)
+        for group in plan_groups(claims, self.settings):
+            if len(group) == 1:
+                self._deliveries.start_soon(self._deliver_guarded, group[0])
+            else:
+                self._deliveries.start_soon(self._deliver_group_guarded, group)
 
     async def _finish_inflight(self) -> None:
         with anyio.move_on_after(self.settings.shutdown_timeout):
@@ -346,6 +351,104 @@ class Lane:
             self.slot_freed.set()
             if claim.critical or self.name == "critical":
                 self.wake.set()
+
+    async def _deliver_group_guarded(self, group: list[Claim]) -> None:
+        """Several small runs in one POST to `ingress_batch_url`; each run's answer is then
+        handled exactly like a single-run answer."""
+        settled: dict[str, bool] = {}
+        try:
+            async with self.posting:
+                if not self.stopping:
+                    settled = await self._deliver_group(group)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            logs.error("delivery_error", lane=self.name, runs=len(group), error=_error(exc))
+        finally:
+            for claim in group:
+                if not settled.get(claim.run_id):
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                        try:
+                            await self.store.release(claim)
+                        except Exception:
+                            pass
+                self.inflight.pop(claim.run_id, None)
+            self.slot_freed.set()
+            if self.name == "critical" or any(c.critical for c in group):
+                self.wake.set()
+
+    async def _deliver_group(self, group: list[Claim]) -> dict[str, bool]:
+        settled: dict[str, bool] = {}
+        timeout = self.settings.http_timeout
+        now = anyio.current_time()
+        waited = [c for c in group if not c.trust.allows_post(now, timeout)]
+        if waited:
+            self.stats.renewed_before_post += len(waited)
+            renewed = await self.store.renew(waited)
+            for c in waited:
+                if c.run_id not in renewed:
+                    self._lease_lost(c, "renew_before_post")
+                    settled[c.run_id] = True
+            group = [c for c in group if c.run_id not in settled]
+        if not group:
+            return settled
+        live = {c.run_id for c in group}
+        result: Answer | TransportFailure | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def renewer() -> None:
+                # A run whose renewal fails stays in the request (it cannot be unsent); its ack
+                # is fenced. Only when every lease is gone is the request cancelled.
+                interval = renew_interval(self.settings.lease_ttl)
+                while True:
+                    await anyio.sleep(interval)
+                    held = [c for c in group if c.run_id in live]
+                    try:
+                        ok = await self.store.renew(held)
+                    except (psycopg.Error, OSError, TimeoutError):
+                        ok = {
+                            c.run_id
+                            for c in held
+                            if c.trust.remaining(anyio.current_time()) > interval
+                        }
+                    live.intersection_update(ok)
+                    if not live:
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(renewer)
+            try:
+                result = await self._quick_retries(
+                    lambda: self._post_group_once(group),
+                    lambda: min((c.trust for c in group), key=lambda t: t.until),
+                )
+            except TransportFailure as exc:
+                result = exc
+            tg.cancel_scope.cancel()
+        for c in group:
+            if c.run_id not in live:
+                self._lease_lost(c, "renewal_failed")
+                settled[c.run_id] = True
+        group = [c for c in group if c.run_id in live]
+        if result is None or not group:
+            return settled
+        if isinstance(result, Answer) and 200 <= result.status < 300:
+            per_run = split_results(result, group)
+        else:
+            per_run = {c.run_id: result for c in group}  # the whole request failed
+
+        async def act(c: Claim) -> None:
+            settled[c.run_id] = await self._act(c, c.events, per_run[c.run_id])
+
+        # Concurrently, so the acks of the group share one transaction in the ack group.
+        async with anyio.create_task_group() as acting:
+            for c in group:
+                acting.start_soon(act, c)
+        return settled
+
+    async def _post_group_once(self, group: list[Claim]) -> Answer:
+        self.stats.posts += 1
+        return await self.ingress.post_group(group)
 
     async def _deliver(self, claim: Claim) -> bool:
         """Deliver one claim. Returns True when the lease was settled (acked, released or lost)."""
@@ -397,11 +500,20 @@ class Lane:
         return result
 
     async def _post_quick_retries(self, claim: Claim, events: list[ClaimedEvent]) -> Answer:
+        return await self._quick_retries(
+            lambda: self._post_once(claim, events), lambda: claim.trust
+        )
+
+    async def _quick_retries(
+        self, post: Callable[[], Awaitable[Answer]], trust: Callable[[], Trust]
+    ) -> Answer:
+        """Quick retries for blips (tenacity: bounded, short, full jitter), only while the lease
+        is trusted for a whole request; longer outages are rescheduled through the database."""
         timeout = self.settings.http_timeout
 
         class trust_low(stop_base):
             def __call__(self, retry_state: RetryCallState) -> bool:
-                return not claim.trust.allows_post(anyio.current_time(), timeout)
+                return not trust().allows_post(anyio.current_time(), timeout)
 
         def quick_retryable(answer: Answer) -> bool:
             return classify(answer.status) is Outcome.TRANSIENT and answer.retry_after is None
@@ -413,7 +525,11 @@ class Lane:
             retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
             reraise=True,
         )
-        answer: Answer = await retrying(self._post_once, claim, events)
+
+        async def attempt() -> Answer:  # a coroutine function, so tenacity awaits it
+            return await post()
+
+        answer: Answer = await retrying(attempt)
         return answer
 
     async def _post_once(self, claim: Claim, events: list[ClaimedEvent]) -> Answer:
@@ -465,6 +581,8 @@ class Lane:
                 run_id=claim.run_id,
                 epoch=claim.epoch,
                 reason="ack_failed",
+                attempt=claim.attempts,  # DESIGN §8.2 fields
+                lease_owner=self.store.owner,
                 error=result.error,
             )
         self.stats.acks += 1
@@ -512,6 +630,7 @@ class Lane:
             last_seq=claim.last_seq,
             status=status,
             attempt=claim.attempts + 1,
+            lease_owner=self.store.owner,  # DESIGN §8.2 fields
             retry_in=round(delay, 3),
             error=error[:200],
             fenced=not released,
@@ -612,6 +731,8 @@ class Lane:
             epoch=claim.epoch,
             event_id=event.event_id,
             seq=event.seq,
+            attempt=claim.attempts,  # DESIGN §8.2 fields
+            lease_owner=self.store.owner,
             status=answer.status,
             error=error[:300],
         )
@@ -626,9 +747,37 @@ class Lane:
             epoch=claim.epoch,
             first_seq=claim.first_seq,
             last_seq=claim.last_seq,
+            attempt=claim.attempts,  # DESIGN §8.2 fields
             lease_owner=self.store.owner,
             where=where,
         )
+
+
+SMALL_RUN_EVENTS = 10  # runs at most this long share a multi-run POST when the ingress offers one
+
+
+def plan_groups(claims: list[Claim], settings: Settings) -> list[list[Claim]]:
+    """Which claims go out together. Without `ingress_batch_url`, one POST per run. With it,
+    small runs (where one POST each would cap the relay near the HTTP client's request rate)
+    share POSTs of up to `batch_size` events; larger runs still go alone."""
+    if not settings.ingress_batch_url:
+        return [[c] for c in claims]
+    groups: list[list[Claim]] = []
+    current: list[Claim] = []
+    size = 0
+    for c in claims:
+        n = len(c.events)
+        if n > SMALL_RUN_EVENTS:
+            groups.append([c])
+            continue
+        if current and size + n > settings.batch_size:
+            groups.append(current)
+            current, size = [], 0
+        current.append(c)
+        size += n
+    if current:
+        groups.append(current)
+    return groups
 
 
 def rejected_event_id(body: bytes) -> str | None:

@@ -407,6 +407,10 @@ class Sink:
                 self.state.note(run_id, epoch, events, headers, fault.status, kind)
                 results.append({"run_id": run_id, "status": fault.status})
                 continue
+            if (poisoned := self.faults.poison_in(events)) is not None:
+                self.state.note(run_id, epoch, events, headers, poisoned[0], "poison")
+                results.append({"run_id": run_id, "status": poisoned[0], **poisoned[1]})
+                continue
             status, result = await self._process(fault, run_id, epoch, events)
             self.state.note(run_id, epoch, events, headers, status, kind)
             results.append({"run_id": run_id, "status": status, **result})

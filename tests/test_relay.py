@@ -12,7 +12,7 @@ import pytest
 import relay
 from relay.runner import Relay
 from relay.sink import Sink, serve_sink
-from tests.support import bulk_backlog, count, q, settings, wait_for
+from tests.support import assert_acked_only_if_received, bulk_backlog, count, q, settings, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -386,3 +386,25 @@ async def test_a_failed_renewal_abandons_the_batch_without_an_ack(
         assert count(conn, schema, "state = 'pending'") == 1  # abandoned: nothing acked
         # The thief's lease runs out; the event is delivered by a later claim.
         await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="redelivery")
+
+
+async def test_small_runs_share_posts_through_the_batch_endpoint(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """With `ingress_batch_url`, runs of one or two events share requests; each run's answer
+    is handled like a single answer (here: one run transient, one poison, the rest accepted)."""
+    s, url = sink
+    enqueue_runs(conn, schema, 40, 2, terminal=False)
+    s.faults.fail(503, run_id="r3")  # only r3's part of a multi-run request
+    s.faults.poison("r7-1")
+    cfg = settings(pg_url, schema, url, ingress_batch_url=url + "/batch")
+    async with Relay(cfg).running() as r:
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 79, what="delivery")
+        await wait_for(lambda: count(conn, schema, "state = 'failed'") == 1, what="poison")
+        lane = r.lanes["ordinary"]
+    assert lane.stats.posts < 40  # fewer requests than runs
+    assert s.state.order_violations == 0 and s.state.first_order["r3"] == [1, 2]
+    assert s.state.first_order["r7"] == [1]  # r7-1 failed, nothing after it
+    failed = conn.execute(q(schema, "select event_id from {s}.events where state = 'failed'"))
+    assert failed.fetchall() == [("r7-1",)]
+    assert_acked_only_if_received(conn, schema, s.state.deliveries)
