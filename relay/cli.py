@@ -157,6 +157,12 @@ def cmd_demo(argv: list[str]) -> int:
     return code
 
 
+def cmd_bench(argv: list[str]) -> int:
+    from relay.bench import main as bench_main
+
+    return bench_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relay", description="ledger-relay: outbox → HTTP ingress")
     sub = p.add_subparsers(dest="command", required=True)
@@ -170,12 +176,25 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--migrate", action="store_true", help="migrate first (development)")
     r.set_defaults(func=cmd_run)
 
+    # -- operator tools: status, inspect, retry, skip (relay/ops.py) ----------------------------
+    from relay.ops import add_commands as add_ops_commands
+
+    add_ops_commands(sub, _add_settings, _database_url, _schema)
+    # -- end operator tools ---------------------------------------------------------------------
+
+    # -- relay check (relay/checks.py) ----------------------------------------------------------
+    from relay.checks import add_command as add_check_command
+
+    add_check_command(sub, _add_settings, _settings)
+    # -- end relay check ------------------------------------------------------------------------
+
     sub.add_parser("sink", help="run the reference ingress", add_help=False)
     sub.add_parser("demo", help="run the demo", add_help=False)
+    sub.add_parser("bench", help="run the benchmarks (relay bench --help)", add_help=False)
     return p
 
 
-PASSTHROUGH = {"sink": cmd_sink, "demo": cmd_demo}
+PASSTHROUGH = {"sink": cmd_sink, "demo": cmd_demo, "bench": cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -141,6 +141,10 @@ class IngressClient:
         return await self._send(self.settings.ingress_batch_url, body, h)
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
+        if self.settings.ingress_token is not None and "@" in url:
+            # httpx would turn the URL's userinfo into Basic auth, replacing the configured
+            # bearer token: the token wins, the userinfo is dropped.
+            url = str(httpx.URL(url).copy_with(userinfo=b""))
         started = anyio.current_time()
         try:
             with anyio.fail_after(self.settings.http_timeout):

@@ -17,7 +17,7 @@ import psycopg
 from anyio.abc import TaskStatus
 from psycopg_pool import AsyncConnectionPool
 
-from relay import logs
+from relay import health, logs, sdnotify
 from relay.ingress import IngressClient, make_client
 from relay.lanes import Lane
 from relay.listener import Listener
@@ -51,6 +51,7 @@ class Relay:
         self.listener: Listener | None = None
         self._stop = anyio.Event()
         self._started = anyio.Event()
+        self.endpoints: health.Endpoints | None = None  # /metrics etc., when metrics_addr is set
 
     # -- public ------------------------------------------------------------------------------
 
@@ -59,6 +60,13 @@ class Relay:
         if not self._stop.is_set():
             logs.info("shutdown_requested", replica=self.settings.replica_id)
         self._stop.set()
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    async def wait_stop_requested(self) -> None:
+        await self._stop.wait()
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Relay]:
@@ -136,6 +144,12 @@ class Relay:
             background.start_soon(self.listener.run)
             if self.settings.retention > 0:
                 background.start_soon(self._retention, store)
+            # Operations (relay/health.py, relay/sdnotify.py), each only when configured.
+            if self.settings.metrics_addr:
+                self.endpoints = await background.start(health.serve, self, store)
+            notifier = sdnotify.from_environ()
+            if notifier is not None:
+                background.start_soon(sdnotify.supervise, self, notifier)
             async with anyio.create_task_group() as lanes:
                 for lane in self.lanes.values():
                     lanes.start_soon(lane.run)

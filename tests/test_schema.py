@@ -89,6 +89,10 @@ EXPECTED_COLUMNS = {
         ("failed_at", "timestamp with time zone", False),
         ("skipped_by", "text", False),
         ("skip_reason", "text", False),
+        # 0002_ops: the audit trail of `relay retry`
+        ("retried_by", "text", False),
+        ("retried_at", "timestamp with time zone", False),
+        ("retries", "integer", True),
     ],
     "schema_migrations": [
         ("version", "integer", True),
@@ -150,6 +154,17 @@ EXPECTED_FUNCTIONS = {
     "fail_event": "p_run_id text, p_token uuid, p_seq bigint, p_status integer, p_error text",
     "ack": "p_batches jsonb",
     "prune": "p_retention interval, p_limit integer",
+    # functions_ops.sql: the operator tools
+    "unblock_run": "p_run_id text",
+    "check_operator": "p_fn text, p_by text",
+    "lock_failed_event": "p_fn text, p_verb text, p_event_id text, OUT o_run_id text,"
+    " OUT o_seq bigint",
+    "retry_event": "p_event_id text, p_by text",
+    "retry_run": "p_run_id text, p_by text",
+    "skip_event": "p_event_id text, p_by text, p_reason text",
+    "inspect_run": "p_run_id text, p_from_seq bigint, p_limit integer",
+    "inspect_run_summary": "p_run_id text",
+    "status": "p_blocked_limit integer",
 }
 
 EXPECTED_SETTINGS = {

@@ -1,0 +1,266 @@
+"""`/metrics`, `/healthz` and `/readyz` on `metrics_addr` (DESIGN §8.2).
+
+- `/healthz` answers whether the relay's loops are turning: every lane went round its loop
+  within `stall_limit`. It never depends on the database (a database outage must not make an
+  orchestrator restart every replica at once; the lanes keep turning, failing and backing off,
+  while it is down). Kubernetes' liveness probe and the systemd watchdog use this.
+- `/readyz` answers whether this replica can do its job now: the relay started and is not
+  stopping, the database answered the last probe, the LISTEN connection is up, the schema
+  version matches the code, and the ingress is not answering "misconfigured" (401/403/404/...).
+  The body says which check failed.
+- `/metrics` is the Prometheus exposition of relay/metrics.py.
+
+A background task probes the database every `refresh_interval` (reads the schema version and
+refreshes the backlog gauges with the `backlog()` SQL function): scrapes and probes never query
+the database themselves.
+
+The server is the lightest that is correct: an anyio TCP listener with h11 (already under
+httpx), one request per connection, bounded in time, no keep-alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import h11
+import orjson
+import psycopg
+from anyio.abc import SocketAttribute, SocketStream, TaskStatus
+from psycopg import sql
+
+from relay import logs
+from relay.metrics import Metrics
+from relay.migrate import read_version, version_problem
+from relay.settings import Settings
+
+if TYPE_CHECKING:
+    from relay.runner import Relay
+    from relay.store import Store
+
+REQUEST_DEADLINE = 10.0
+MAX_REQUEST = 16 * 1024
+
+
+# -- pure decisions ---------------------------------------------------------------------------
+
+
+def stall_limit(s: Settings) -> float:
+    """How long one turn of a lane's loop may legitimately take before the relay counts as
+    stuck: a claim that waits for a pool connection (statement_timeout) and then for its round
+    trip (statement_timeout + 2 s deadline), a failure backoff (at most 5 poll intervals) and a
+    wait for a wake (one poll interval), plus slack. Generous on purpose: a false "stuck" gets
+    the process killed."""
+    return 2 * s.statement_timeout + 2.0 + 6 * s.poll_interval + 10.0
+
+
+def refresh_interval(s: Settings) -> float:
+    """Probe and backlog refresh period: five poll intervals, between 1 s and 15 s."""
+    return min(15.0, max(1.0, 5 * s.poll_interval))
+
+
+def loops_alive(turned_at: Sequence[float], since: float, now: float, limit: float) -> bool:
+    """Every loop turned within `limit` seconds (a loop that has not turned yet counts from
+    `since`, when the relay started serving)."""
+    return all(now - max(t, since) <= limit for t in turned_at)
+
+
+def readiness(
+    *,
+    started: bool,
+    database: bool,
+    schema_problem: str | None,
+    listen_up: bool,
+    ingress_ok: bool,
+) -> tuple[bool, dict[str, Any]]:
+    checks: dict[str, Any] = {
+        "started": started,
+        "database": database,
+        "schema": schema_problem or True,
+        "listen": listen_up,
+        "ingress": ingress_ok,
+    }
+    ok = started and database and schema_problem is None and listen_up and ingress_ok
+    return ok, checks
+
+
+def split_addr(addr: str) -> tuple[str | None, int]:
+    """'HOST:PORT' (HOST may be empty for every interface, or a [v6] address)."""
+    host, _, port = addr.rpartition(":")
+    host = host.strip("[]")
+    return (host or None), int(port)
+
+
+# -- the endpoints ----------------------------------------------------------------------------
+
+
+class Endpoints:
+    def __init__(self, relay: Relay, store: Store, metrics: Metrics) -> None:
+        self.relay = relay
+        self.store = store
+        self.metrics = metrics
+        self.settings = relay.settings
+        self.since = anyio.current_time()
+        self.database = False
+        self.schema_problem: str | None = "not checked yet"
+        self.probes = 0
+        self.port = 0
+
+    # liveness and readiness
+
+    def alive(self) -> bool:
+        if self.relay.stop_requested:
+            return True  # draining, bounded by shutdown_timeout
+        turned = [lane.turned_at for lane in self.relay.lanes.values()]
+        return loops_alive(turned, self.since, anyio.current_time(), stall_limit(self.settings))
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        listener = self.relay.listener
+        ok, checks = readiness(
+            started=self.relay.health.ready and not self.relay.stop_requested,
+            database=self.database,
+            schema_problem=self.schema_problem,
+            listen_up=listener is not None and listener.up,
+            ingress_ok=self.relay.health.ingress_ok,
+        )
+        self.metrics.ready.set(1.0 if ok else 0.0)
+        return ok, checks
+
+    # the database probe
+
+    async def probe_loop(self) -> None:
+        interval = refresh_interval(self.settings)
+        while True:
+            await self.probe()
+            await anyio.sleep(interval)
+
+    async def probe(self) -> None:
+        """Read the schema version and refresh the backlog gauges; record reachability."""
+        was = self.database
+        try:
+            with anyio.fail_after(self.store.deadline):
+                async with self.store.pool.connection() as conn:
+                    version = await read_version(conn, self.store.schema)
+                    self.database = True
+                    self.schema_problem = version_problem(version, self.store.schema)
+                    if self.schema_problem is None:
+                        await self._refresh_backlog(conn)
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            self.database = False
+            if was or self.probes == 0:
+                logs.warning("database_unreachable", error=_error(exc))
+        else:
+            if not was and self.probes > 0:
+                logs.info("database_reachable")
+        self.probes += 1
+
+    async def _refresh_backlog(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        try:
+            async with conn.transaction():
+                await conn.execute(
+                    "select set_config('statement_timeout', %s, true)",
+                    (f"{int(self.store.statement_timeout * 1000)}ms",),
+                )
+                cur = await conn.execute(
+                    sql.SQL(
+                        "select lane, runs, events, oldest_age_seconds from {}.backlog()"
+                    ).format(sql.Identifier(self.store.schema))
+                )
+                rows = await cur.fetchall()
+        except psycopg.errors.UndefinedFunction:
+            # The functions were shipped after this database's last `relay migrate`.
+            logs.warning("backlog_unavailable", hint="run `relay migrate`")
+            return
+        self.metrics.set_backlog((str(r[0]), int(r[1]), int(r[2]), float(r[3])) for r in rows)
+        self.metrics.backlog_refreshed.set_to_current_time()
+
+    # HTTP
+
+    def route(self, method: str, path: str, accept: str) -> tuple[int, str, bytes]:
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain; charset=utf-8", b"method not allowed\n"
+        if path == "/metrics":
+            body, content_type = self.metrics.exposition(accept)
+            return 200, content_type, body
+        if path == "/healthz":
+            if self.alive():
+                return 200, "text/plain; charset=utf-8", b"ok\n"
+            return 503, "text/plain; charset=utf-8", b"stalled\n"
+        if path == "/readyz":
+            ok, checks = self.ready()
+            body = orjson.dumps({"ready": ok, "checks": checks}) + b"\n"
+            return (200 if ok else 503), "application/json", body
+        return 404, "text/plain; charset=utf-8", b"not found\n"
+
+    async def handle(self, stream: SocketStream) -> None:
+        async with stream:
+            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST)
+            with anyio.move_on_after(REQUEST_DEADLINE):
+                try:
+                    request = await _read_request(conn, stream)
+                except (h11.RemoteProtocolError, anyio.EndOfStream, anyio.BrokenResourceError):
+                    return
+                if request is None:
+                    return
+                path = request.target.decode("latin-1").split("?", 1)[0]
+                accept = dict(request.headers).get(b"accept", b"").decode("latin-1")
+                method = request.method.decode("latin-1")
+                status, content_type, body = self.route(method, path, accept)
+                headers = [
+                    ("content-type", content_type),
+                    ("content-length", str(len(body))),
+                    ("cache-control", "no-store"),
+                    ("connection", "close"),
+                ]
+                try:
+                    await stream.send(conn.send(h11.Response(status_code=status, headers=headers)))
+                    if method != "HEAD":
+                        await stream.send(conn.send(h11.Data(data=body)))
+                    await stream.send(conn.send(h11.EndOfMessage()))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    return
+
+
+async def _read_request(conn: h11.Connection, stream: SocketStream) -> h11.Request | None:
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            data = await stream.receive(65536)
+            conn.receive_data(data)
+            continue
+        if isinstance(event, h11.Request):
+            return event
+        return None
+
+
+async def serve(
+    relay: Relay, store: Store, *, task_status: TaskStatus[Endpoints] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """Instrument the relay's lanes and listener, then serve the endpoints until cancelled."""
+    addr = relay.settings.metrics_addr
+    assert addr is not None
+    metrics = Metrics()
+    metrics.instrument(relay.lanes, relay.listener)
+    endpoints = Endpoints(relay, store, metrics)
+    host, port = split_addr(addr)
+    try:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    except OSError as exc:
+        raise ConnectionError(f"cannot listen on metrics_addr {addr}: {exc.strerror}") from None
+    async with listener, anyio.create_task_group() as tg:
+        endpoints.port = listener.listeners[0].extra(SocketAttribute.local_port)
+        logs.info("endpoints_listening", addr=f"{host or ''}:{endpoints.port}")
+        await endpoints.probe()
+        tg.start_soon(_probe_after, endpoints)
+        task_status.started(endpoints)
+        await listener.serve(endpoints.handle, task_group=tg)
+
+
+async def _probe_after(endpoints: Endpoints) -> None:
+    await anyio.sleep(refresh_interval(endpoints.settings))
+    await endpoints.probe_loop()
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip()[:200]}"

@@ -1,0 +1,261 @@
+"""Prometheus metrics (DESIGN §8.2), all named `ledger_relay_*`, served on `metrics_addr`.
+
+Three sources, none of which puts an id in a label:
+- counters the lanes and the listener already keep (`Lane.stats`, `Listener.reconnects`), read
+  by a collector at scrape time, so the delivery path does no extra work for them;
+- observations that need a value per decision: the commit-to-ack lag of each acknowledged
+  batch (from the ack's own result, database clock) and each ingress request's status class
+  and duration (a thin wrapper around the lane's ingress client);
+- gauges of the database's backlog, refreshed by a background task (`health.probe_loop`) from
+  the `backlog()` SQL function, never inside a scrape.
+
+Each Relay has its own registry, so several relays in one process (tests, embedding apps)
+never collide in the global one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+from relay.ingress import Answer, IngressClient, TransportFailure
+from relay.store import AckResult
+
+if TYPE_CHECKING:
+    from relay.lanes import Lane
+    from relay.listener import Listener
+
+PREFIX = "ledger_relay_"
+LANES = ("critical", "ordinary")
+# Event types are a producer's vocabulary (a handful of names), so they are a label; a producer
+# that put ids in event_type would blow up the series count, so past this many distinct types
+# per lane the rest are counted as "other" (the logs still carry the real type).
+MAX_TYPES = 64
+LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+def status_class(status: int | None) -> str:
+    """'2xx' .. '5xx' for an HTTP answer, 'error' for no answer (timeout, connection error)."""
+    if status is None or not 100 <= status <= 599:
+        return "error"
+    return f"{status // 100}xx"
+
+
+def type_labels(by_type: Mapping[str, int], limit: int = MAX_TYPES) -> dict[str, int]:
+    """Counts per event type with at most `limit` distinct labels; the rest fold into 'other'.
+    Which types keep their own label is stable (sorted names), so a series never changes
+    meaning between scrapes once the limit is reached."""
+    names = sorted(by_type)
+    out = {name: by_type[name] for name in names[:limit]}
+    rest = sum(by_type[name] for name in names[limit:])
+    if rest:
+        out["other"] = out.get("other", 0) + rest
+    return out
+
+
+class _StatsCollector(Collector):
+    """Counters the relay keeps anyway, read at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        lanes: Sequence[Lane] = list(self.metrics.lanes.values())
+        delivered = CounterMetricFamily(
+            PREFIX + "delivered_events",
+            "Events acknowledged after the ingress accepted them, by lane and event type.",
+            labels=["lane", "type"],
+        )
+        leases_lost = CounterMetricFamily(
+            PREFIX + "leases_lost",
+            "Batches abandoned because their lease was lost (renewal failed or the ack was "
+            "fenced); each one is delivered again by the new owner.",
+            labels=["lane"],
+        )
+        blocked = CounterMetricFamily(
+            PREFIX + "runs_blocked",
+            "Runs this process blocked: an event was rejected as poison or its engine wake failed.",
+            labels=["lane"],
+        )
+        retries = CounterMetricFamily(
+            PREFIX + "retries_scheduled",
+            "Batches handed back with a backoff after a transient ingress failure.",
+            labels=["lane"],
+        )
+        claimed = CounterMetricFamily(
+            PREFIX + "claimed_runs", "Run prefixes claimed under a lease.", labels=["lane"]
+        )
+        inflight = GaugeMetricFamily(
+            PREFIX + "inflight_runs", "Claims held by this process right now.", labels=["lane"]
+        )
+        for lane in lanes:
+            for event_type, n in type_labels(lane.stats.by_type).items():
+                delivered.add_metric([lane.name, event_type], n)
+            leases_lost.add_metric([lane.name], lane.stats.lease_lost)
+            blocked.add_metric([lane.name], lane.stats.failed)
+            retries.add_metric([lane.name], lane.stats.retries)
+            claimed.add_metric([lane.name], lane.stats.claimed_runs)
+            inflight.add_metric([lane.name], len(lane.inflight))
+        yield from (delivered, leases_lost, blocked, retries, claimed, inflight)
+
+        listener = self.metrics.listener
+        reconnects = CounterMetricFamily(
+            PREFIX + "listen_reconnects",
+            "Times the LISTEN connection was re-established after it was lost.",
+        )
+        listen_up = GaugeMetricFamily(
+            PREFIX + "listen_up", "1 while the LISTEN connection is established."
+        )
+        notes = CounterMetricFamily(
+            PREFIX + "notifications_received", "Notifications received on the LISTEN connection."
+        )
+        if listener is not None:
+            # `reconnects` counts every successful connect, the first one included.
+            reconnects.add_metric([], max(0, listener.reconnects - 1))
+            listen_up.add_metric([], 1.0 if listener.up else 0.0)
+            notes.add_metric([], listener.received)
+        else:
+            reconnects.add_metric([], 0)
+            listen_up.add_metric([], 0.0)
+            notes.add_metric([], 0)
+        yield from (reconnects, listen_up, notes)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.lanes: dict[str, Lane] = {}
+        self.listener: Listener | None = None
+        r = self.registry
+        self.lag = Histogram(
+            PREFIX + "delivery_lag_seconds",
+            "Commit-to-ack lag of the oldest event of each acknowledged batch (database clock).",
+            ["lane"],
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            PREFIX + "ingress_requests",
+            "POSTs to the ingress by HTTP status class ('error': no answer).",
+            ["lane", "status_class"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            PREFIX + "ingress_request_duration_seconds",
+            "Duration of POSTs to the ingress, answered or not.",
+            ["lane"],
+            buckets=HTTP_BUCKETS,
+            registry=r,
+        )
+        self.backlog_events = Gauge(
+            PREFIX + "backlog_events",
+            "Pending events of runs that are not blocked, by lane (whole database).",
+            ["lane"],
+            registry=r,
+        )
+        self.backlog_runs = Gauge(
+            PREFIX + "backlog_runs",
+            "Runs with pending events that are not blocked, by lane (whole database).",
+            ["lane"],
+            registry=r,
+        )
+        self.oldest_pending = Gauge(
+            PREFIX + "oldest_pending_age_seconds",
+            "Age of the oldest pending event of an unblocked run, by lane (database clock).",
+            ["lane"],
+            registry=r,
+        )
+        self.blocked_runs = Gauge(
+            PREFIX + "blocked_runs",
+            "Runs blocked behind a failed event, waiting for an operator (whole database).",
+            registry=r,
+        )
+        self.failed_events = Gauge(
+            PREFIX + "failed_events",
+            "Failed events waiting for an operator to retry or skip them (whole database).",
+            registry=r,
+        )
+        self.oldest_failed = Gauge(
+            PREFIX + "oldest_failed_age_seconds",
+            "Age of the oldest failed event (database clock); 0 when none.",
+            registry=r,
+        )
+        self.backlog_refreshed = Gauge(
+            PREFIX + "backlog_refresh_timestamp_seconds",
+            "Unix time of the last successful refresh of the backlog gauges.",
+            registry=r,
+        )
+        self.ready = Gauge(PREFIX + "ready", "1 while /readyz answers 200.", registry=r)
+        for lane in LANES:
+            self.lag.labels(lane)
+            self.request_seconds.labels(lane)
+        r.register(_StatsCollector(self))
+
+    # -- wiring ------------------------------------------------------------------------------
+
+    def instrument(self, lanes: Mapping[str, Lane], listener: Listener | None) -> None:
+        """Observe these lanes and this listener (before they start running)."""
+        self.lanes = dict(lanes)
+        self.listener = listener
+        for lane in lanes.values():
+            lane.ingress = MeteredIngress(lane.ingress, self, lane.name)
+            lane.observe_ack = self._ack_observer(lane.name)
+
+    def _ack_observer(self, lane: str) -> Callable[[AckResult], None]:
+        histogram = self.lag.labels(lane)
+
+        def observe(result: AckResult) -> None:
+            if result.acked and result.lag_seconds is not None:
+                histogram.observe(max(0.0, result.lag_seconds))
+
+        return observe
+
+    # -- observations ------------------------------------------------------------------------
+
+    def observe_request(self, lane: str, status: int | None, seconds: float) -> None:
+        self.requests.labels(lane, status_class(status)).inc()
+        self.request_seconds.labels(lane).observe(seconds)
+
+    def set_backlog(self, rows: Iterable[tuple[str, int, int, float]]) -> None:
+        """Rows of `backlog()`: (lane, runs, events, oldest_age_seconds)."""
+        for lane, runs, events, oldest in rows:
+            if lane == "blocked":
+                self.blocked_runs.set(runs)
+                self.failed_events.set(events)
+                self.oldest_failed.set(oldest)
+            else:
+                self.backlog_runs.labels(lane).set(runs)
+                self.backlog_events.labels(lane).set(events)
+                self.oldest_pending.labels(lane).set(oldest)
+
+    def exposition(self, accept: str = "") -> tuple[bytes, str]:
+        """The scrape body and its content type (OpenMetrics when the scraper asks for it)."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
+
+
+class MeteredIngress(IngressClient):
+    """The lane's ingress client, counting every POST (single-run and multi-run) by status
+    class and timing it, at the one place both send from."""
+
+    def __init__(self, inner: IngressClient, metrics: Metrics, lane: str) -> None:
+        super().__init__(inner.settings, inner.client)
+        self.metrics = metrics
+        self.lane = lane
+
+    async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
+        started = anyio.current_time()
+        try:
+            answer = await super()._send(url, body, headers)
+        except TransportFailure:
+            self.metrics.observe_request(self.lane, None, anyio.current_time() - started)
+            raise
+        self.metrics.observe_request(self.lane, answer.status, answer.seconds)
+        return answer

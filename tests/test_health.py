@@ -1,0 +1,228 @@
+"""/healthz and /readyz (DESIGN §8.2) while the database is up, down (cut by a TCP fault proxy)
+and back; the pure decisions behind them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import httpx
+import psycopg
+import pytest
+from anyio.abc import SocketStream, TaskGroup
+
+from relay.health import loops_alive, readiness, refresh_interval, split_addr, stall_limit
+from relay.runner import Relay
+from relay.sink import Sink, serve_sink
+from tests.support import q, settings, wait_for
+from tests.test_metrics import get, relay_port
+
+# -- pure -----------------------------------------------------------------------------------
+
+
+def test_loops_alive() -> None:
+    assert loops_alive([10.0, 11.0], since=0.0, now=12.0, limit=5.0)
+    assert not loops_alive([10.0, 2.0], since=0.0, now=12.0, limit=5.0)
+    # A loop that has not turned yet counts from when serving started.
+    assert loops_alive([0.0], since=9.0, now=12.0, limit=5.0)
+    assert not loops_alive([0.0], since=1.0, now=12.0, limit=5.0)
+
+
+def test_readiness_names_what_is_missing() -> None:
+    ok, checks = readiness(
+        started=True, database=True, schema_problem=None, listen_up=True, ingress_ok=True
+    )
+    assert ok and all(v is True for v in checks.values())
+    ok, checks = readiness(
+        started=True, database=True, schema_problem="run `relay migrate`", listen_up=False,
+        ingress_ok=True,
+    )  # fmt: skip
+    assert not ok
+    assert checks["schema"] == "run `relay migrate`" and checks["listen"] is False
+
+
+def test_bounds_follow_the_settings() -> None:
+    cfg = settings("postgresql://x@h/db", "relay", "http://sink")
+    assert stall_limit(cfg) > 2 * cfg.statement_timeout + cfg.poll_interval
+    assert 1.0 <= refresh_interval(cfg) <= 15.0
+    assert split_addr("127.0.0.1:9100") == ("127.0.0.1", 9100)
+    assert split_addr(":9100") == (None, 9100)
+    assert split_addr("[::1]:0") == ("::1", 0)
+
+
+# -- a TCP fault proxy in front of PostgreSQL ---------------------------------------------------
+
+
+class Proxy:
+    """Forwards TCP to PostgreSQL; `cut()` drops every connection and refuses new ones (closes
+    them at once) until `restore()`."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.open = True
+        self.port = 0
+        self._scopes: set[anyio.CancelScope] = set()
+
+    async def start(self, tg: TaskGroup) -> None:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        self.port = listener.extra(anyio.abc.SocketAttribute.local_port)
+
+        async def serve() -> None:
+            async with listener:
+                await listener.serve(self._handle)
+
+        tg.start_soon(serve)
+
+    def cut(self) -> None:
+        self.open = False
+        for scope in list(self._scopes):
+            scope.cancel()
+
+    def restore(self) -> None:
+        self.open = True
+
+    async def _handle(self, client: SocketStream) -> None:
+        async with client:
+            if not self.open:
+                return
+            with anyio.CancelScope() as scope:
+                self._scopes.add(scope)
+                try:
+                    upstream = await anyio.connect_tcp(*self.target)
+                    async with upstream, anyio.create_task_group() as tg:
+                        tg.start_soon(_pipe, client, upstream, tg)
+                        tg.start_soon(_pipe, upstream, client, tg)
+                finally:
+                    self._scopes.discard(scope)
+
+
+async def _pipe(src: SocketStream, dst: SocketStream, tg: TaskGroup) -> None:
+    try:
+        async for chunk in src:
+            await dst.send(chunk)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass
+    tg.cancel_scope.cancel()
+
+
+def via(url: str, port: int) -> str:
+    parts = urlsplit(url)
+    netloc = parts.netloc.rsplit("@", 1)
+    user = netloc[0] + "@" if len(netloc) == 2 else ""
+    return urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{port}"))
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[tuple[Sink, str]]:
+    s = Sink()
+    async with serve_sink(s) as url:
+        yield s, url
+
+
+@pytest.mark.anyio
+async def test_health_while_the_database_is_up_down_and_back(
+    pg_url: str, schema: str, sink: tuple[Sink, str]
+) -> None:
+    _, url = sink
+    target = urlsplit(pg_url)
+    assert target.hostname and target.port, "the test needs PostgreSQL over TCP"
+    async with anyio.create_task_group() as tg:
+        proxy = Proxy(target.hostname, target.port)
+        await proxy.start(tg)
+        cfg = settings(
+            via(pg_url, proxy.port),
+            schema,
+            url,
+            metrics_addr="127.0.0.1:0",
+            statement_timeout="1s",
+            poll_interval="0.2",
+        )
+        async with Relay(cfg).running() as r:
+            port = relay_port(r)
+            assert r.endpoints is not None and r.listener is not None
+            endpoints, listener = r.endpoints, r.listener
+
+            async def status(path: str) -> int:
+                return (await get(port, path)).status_code
+
+            async def ready() -> bool:
+                return await status("/readyz") == 200
+
+            await wait_for(ready, what="ready")
+            assert await status("/healthz") == 200
+            assert await status("/metrics") == 200
+            assert await status("/nope") == 404
+            async with httpx.AsyncClient() as client:
+                posted = await client.post(f"http://127.0.0.1:{port}/healthz")
+            assert posted.status_code == 405
+
+            # Down: not ready (database, LISTEN), but alive: the loops keep turning.
+            proxy.cut()
+            await wait_for(lambda: not listener.up, what="LISTEN to notice")
+            await endpoints.probe()
+            body = (await get(port, "/readyz")).json()
+            assert body["ready"] is False
+            assert body["checks"]["database"] is False and body["checks"]["listen"] is False
+            turns = {name: lane.turns for name, lane in r.lanes.items()}
+            await wait_for(
+                lambda: all(lane.turns > turns[n] + 1 for n, lane in r.lanes.items()),
+                what="lanes to turn while the database is down",
+            )
+            assert await status("/healthz") == 200
+
+            # Back: ready again without a restart.
+            proxy.restore()
+            await wait_for(lambda: listener.up, what="LISTEN back")
+            await endpoints.probe()
+            await wait_for(ready, what="ready again")
+            assert await status("/healthz") == 200
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_readyz_reports_a_wrong_schema_version(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    _, url = sink
+    cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0")
+    async with Relay(cfg).running() as r:
+        port = relay_port(r)
+        assert r.endpoints is not None
+        endpoints = r.endpoints
+
+        async def ready() -> bool:
+            return (await get(port, "/readyz")).status_code == 200
+
+        await wait_for(ready, what="ready")
+        # Someone migrated the database past this relay's code (a newer release rolled out).
+        conn.execute(q(schema, "insert into {s}.schema_migrations values (99, 'future', 'x')"))
+        await endpoints.probe()
+        got = await get(port, "/readyz")
+        assert got.status_code == 503
+        assert "upgrade the relay" in got.json()["checks"]["schema"]
+        assert (await get(port, "/healthz")).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_metrics_addr_in_use_is_a_clear_refusal(
+    pg_url: str, schema: str, sink: tuple[Sink, str]
+) -> None:
+    _, url = sink
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    async with listener:
+        taken = listener.extra(anyio.abc.SocketAttribute.local_port)
+        cfg = settings(pg_url, schema, url, metrics_addr=f"127.0.0.1:{taken}")
+        relay = Relay(cfg)
+        with pytest.raises(BaseException) as info:
+            async with relay.running():
+                pass
+    for lane in relay.lanes.values():  # built but never run: their ack queues are still open
+        lane.acks._send.close()
+        lane.acks._recv.close()
+    exc: BaseException = info.value
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    assert isinstance(exc, ConnectionError)
+    assert f"metrics_addr 127.0.0.1:{taken}" in str(exc)

@@ -1,0 +1,231 @@
+"""Metrics (DESIGN §8.2): names and labels, the backlog SQL function, and a real scrape of a
+running relay over a real socket."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from relay.metrics import Metrics, status_class, type_labels
+from relay.runner import Relay
+from relay.sink import Sink, serve_sink
+from tests.support import bulk_backlog, count, q, settings, wait_for
+from tests.test_relay import enqueue_runs
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[tuple[Sink, str]]:
+    s = Sink()
+    async with serve_sink(s) as url:
+        yield s, url
+
+
+async def get(port: int, path: str) -> httpx.Response:
+    async with httpx.AsyncClient() as client:
+        return await client.get(f"http://127.0.0.1:{port}{path}", timeout=10)
+
+
+async def scrape(port: int) -> Samples:
+    resp = await get(port, "/metrics")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/plain")
+    return parse(resp.text)
+
+
+def parse(text: str) -> Samples:
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    want = set(labels.items())
+    return sum(v for (n, lb), v in samples.items() if n == name and want <= set(lb))
+
+
+def relay_port(r: Relay) -> int:
+    assert r.endpoints is not None
+    return r.endpoints.port
+
+
+# -- pure -----------------------------------------------------------------------------------
+
+
+def test_status_classes() -> None:
+    assert [status_class(s) for s in (200, 204, 301, 409, 422, 503)] == [
+        "2xx",
+        "2xx",
+        "3xx",
+        "4xx",
+        "4xx",
+        "5xx",
+    ]
+    assert status_class(None) == "error"
+    assert status_class(42) == "error"
+
+
+def test_event_type_labels_are_capped_and_stable() -> None:
+    by_type = {f"t{i:03}": 1 for i in range(100)}
+    labels = type_labels(by_type, limit=10)
+    assert len(labels) == 11 and labels["other"] == 90
+    assert sorted(k for k in labels if k != "other") == [f"t{i:03}" for i in range(10)]
+    assert type_labels({"a": 2}) == {"a": 2}
+
+
+def test_every_metric_has_the_prefix_and_a_help_text() -> None:
+    m = Metrics()
+    body, content_type = m.exposition()
+    assert content_type.startswith("text/plain")
+    families = list(text_string_to_metric_families(body.decode()))
+    assert families
+    for family in families:
+        assert family.name.startswith("ledger_relay_"), family.name
+        assert family.documentation
+    names = {f.name for f in families}
+    # Counters end in _total, durations in _seconds (Prometheus naming rules).
+    assert {
+        "ledger_relay_delivered_events",
+        "ledger_relay_leases_lost",
+        "ledger_relay_runs_blocked",
+        "ledger_relay_ingress_requests",
+        "ledger_relay_listen_reconnects",
+        "ledger_relay_delivery_lag_seconds",
+        "ledger_relay_ingress_request_duration_seconds",
+        "ledger_relay_backlog_events",
+        "ledger_relay_oldest_pending_age_seconds",
+        "ledger_relay_blocked_runs",
+    } <= names
+    samples = parse(body.decode())
+    assert ("ledger_relay_leases_lost_total", ()) not in samples  # no lanes yet: no series
+    assert ("ledger_relay_listen_reconnects_total", ()) in samples
+
+
+# -- the backlog function ---------------------------------------------------------------------
+
+
+def backlog_rows(conn: psycopg.Connection[Any], schema: str) -> dict[str, tuple[int, int, float]]:
+    rows = conn.execute(q(schema, "select * from {s}.backlog()")).fetchall()
+    return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+
+def test_backlog_function_counts_pending_work_per_lane(
+    schema: str, conn: psycopg.Connection[Any]
+) -> None:
+    empty = backlog_rows(conn, schema)
+    assert empty == {"blocked": (0, 0, 0.0), "critical": (0, 0, 0.0), "ordinary": (0, 0, 0.0)}
+
+    bulk_backlog(conn, schema, 4, 5, prefix="o")
+    enqueue_runs(conn, schema, 2, 3, prefix="t")  # each ends with a terminal event: critical
+    # Block o4 behind a failed head (what fail_event leaves behind).
+    conn.execute(
+        q(
+            schema,
+            "update {s}.events set state = 'failed', failed_at = clock_timestamp()"
+            " where run_id = 'o4' and seq = 1",
+        )
+    )
+    conn.execute(q(schema, "update {s}.runs set blocked_seq = 1 where run_id = 'o4'"))
+    got = backlog_rows(conn, schema)
+    assert got["critical"][:2] == (2, 6)
+    assert got["ordinary"][:2] == (3, 15)
+    assert got["blocked"][:2] == (1, 1)
+    assert all(age > 0 for _, _, age in got.values())
+
+
+# -- a running relay --------------------------------------------------------------------------
+
+pytestmark_anyio = pytest.mark.anyio
+
+
+@pytestmark_anyio
+async def test_scrape_of_a_running_relay(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    s.faults.fail(503, times=1)  # one transient answer, retried
+    runs = enqueue_runs(conn, schema, 5, 3, prefix="m")  # run_created, step, step (terminal)
+    cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0")
+    async with Relay(cfg).running() as r:
+        await wait_for(lambda: count(conn, schema, "state <> 'delivered'") == 0, what="acks")
+        port = relay_port(r)
+        samples = await scrape(port)
+        acks = sum(lane.stats.acks for lane in r.lanes.values())
+        posts = sum(lane.stats.posts for lane in r.lanes.values())
+
+    assert total(samples, "ledger_relay_delivered_events_total") == 15
+    assert total(samples, "ledger_relay_delivered_events_total", type="run_created") == 5
+    assert total(samples, "ledger_relay_delivered_events_total", type="step") == 10
+    assert total(samples, "ledger_relay_delivery_lag_seconds_count") == acks
+    assert total(samples, "ledger_relay_delivery_lag_seconds_sum") > 0
+    assert total(samples, "ledger_relay_ingress_requests_total", status_class="5xx") == 1
+    assert total(samples, "ledger_relay_ingress_requests_total", status_class="2xx") == posts - 1
+    assert total(samples, "ledger_relay_ingress_request_duration_seconds_count") == posts
+    assert total(samples, "ledger_relay_listen_up") == 1
+    assert total(samples, "ledger_relay_listen_reconnects_total") == 0
+    assert total(samples, "ledger_relay_leases_lost_total") == 0
+    # Ids never become labels: no run id or event id in any label value.
+    ids = set(runs) | {f"{run}-{i}" for run in runs for i in range(3)}
+    values = {v for (_, labels) in samples for _, v in labels}
+    assert not values & ids, values & ids
+    assert {k for (_, labels) in samples for k, _ in labels} <= {
+        "lane",
+        "type",
+        "status_class",
+        "le",
+    }
+
+
+@pytestmark_anyio
+async def test_backlog_gauges_and_misconfigured_ingress(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    s.faults.set_default(401)  # endpoint misconfigured: the lane backs off, nothing fails
+    enqueue_runs(conn, schema, 2, 2, prefix="g", terminal=False)
+    cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0", max_backoff="0.5s")
+    async with Relay(cfg).running() as r:
+        port = relay_port(r)
+        await wait_for(lambda: not r.health.ingress_ok, what="ingress reported misconfigured")
+        ready = await get(port, "/readyz")
+        assert ready.status_code == 503
+        assert ready.json()["checks"]["ingress"] is False
+        assert r.endpoints is not None
+        await r.endpoints.probe()  # the background refresh, now rather than in a few seconds
+        samples = await scrape(port)
+        assert total(samples, "ledger_relay_backlog_events", lane="ordinary") == 4
+        assert total(samples, "ledger_relay_backlog_runs", lane="ordinary") == 2
+        assert total(samples, "ledger_relay_backlog_events", lane="critical") == 0
+        assert total(samples, "ledger_relay_oldest_pending_age_seconds", lane="ordinary") > 0
+        assert total(samples, "ledger_relay_ingress_requests_total", status_class="4xx") >= 1
+        assert total(samples, "ledger_relay_ready") == 0
+        assert count(conn, schema, "state = 'failed'") == 0
+
+        s.faults.set_default(None)  # fixed: delivery resumes, readiness comes back
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 4, what="delivery")
+        await wait_for(lambda: r.health.ingress_ok, what="ingress recovered")
+        await r.endpoints.probe()
+        ready = await get(port, "/readyz")
+        assert ready.status_code == 200, ready.text
+        samples = await scrape(port)
+        assert total(samples, "ledger_relay_backlog_events") == 0
+        assert total(samples, "ledger_relay_oldest_pending_age_seconds", lane="ordinary") == 0
+        assert total(samples, "ledger_relay_ready") == 1
+        assert total(samples, "ledger_relay_backlog_refresh_timestamp_seconds") > 0
+
+
+def test_label_names_match_prometheus_rules() -> None:
+    body, _ = Metrics().exposition()
+    for line in body.decode().splitlines():
+        if line.startswith("#") or not line:
+            continue
+        assert re.match(r"^ledger_relay_[a-z_]+(\{.*\})? ", line), line

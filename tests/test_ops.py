@@ -1,0 +1,661 @@
+"""Operator tools (issue 3, DESIGN §3 and §8.1): the SQL functions of functions_ops.sql against a
+real PostgreSQL, the `relay status|inspect|retry|skip` commands in subprocesses, and retry and
+skip on a live relay that blocked a run on a poison event."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+from psycopg import errors, sql
+from psycopg.rows import dict_row
+
+import relay
+from relay import ops
+from relay.runner import Relay
+from relay.sink import Sink, serve_sink
+from tests.support import count, q, settings, wait_for
+from tests.test_relay import enqueue_runs
+
+RELAY = [sys.executable, "-m", "relay.cli"]
+Conn = psycopg.Connection[Any]
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def call(conn: Conn, schema: str, name: str, *args: Any) -> list[dict[str, Any]]:
+    placeholders = sql.SQL(", ").join(sql.Placeholder() * len(args))
+    query = sql.SQL("select * from {}({})").format(sql.Identifier(schema, name), placeholders)
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(query, args).fetchall()
+
+
+def snapshot(conn: Conn, schema: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of the outbox tables: an operator error must leave all of them as they were."""
+    return {
+        table: conn.execute(q(schema, f"select * from {{s}}.{table} order by {order}")).fetchall()
+        for table, order in (("events", "run_id, seq"), ("runs", "run_id"), ("run_seqs", "run_id"))
+    }
+
+
+def add_run(conn: Conn, schema: str, run_id: str, n: int, *, terminal: bool = False) -> None:
+    with conn.transaction():
+        for i in range(1, n + 1):
+            relay.enqueue(
+                conn, run_id, f"{run_id}-{i}", "step", {"i": i},
+                terminal=terminal and i == n, schema=schema,
+            )  # fmt: skip
+
+
+def claim(conn: Conn, schema: str, run_id: str, owner: str = "replica-a") -> list[dict[str, Any]]:
+    return call(conn, schema, "claim", owner, 1, 100, timedelta(seconds=60), "ordinary", run_id)
+
+
+def deliver(conn: Conn, schema: str, run_id: str, upto: int) -> None:
+    """What a relay does for a 2xx: claim the run and ack its events up to `upto`."""
+    rows = claim(conn, schema, run_id)
+    assert rows, f"{run_id} not claimable"
+    batch = [{"run_id": run_id, "token": str(rows[0]["lease_token"]), "upto": upto}]
+    acked = call(conn, schema, "ack", json.dumps(batch))
+    assert acked[0]["status"] == "acked"
+
+
+def block(
+    conn: Conn, schema: str, run_id: str, seq: int, status: int = 422, error: str = "bad payload"
+) -> None:
+    """What a relay does for a poison answer: the event fails and its run is blocked."""
+    if seq > 1:
+        deliver(conn, schema, run_id, seq - 1)
+    assert call(conn, schema, "fail_event", run_id, None, seq, status, error)[0]["fail_event"]
+
+
+def blocked_run(conn: Conn, schema: str, run_id: str, n: int = 3, seq: int = 1) -> None:
+    add_run(conn, schema, run_id, n)
+    block(conn, schema, run_id, seq)
+
+
+def run_row(conn: Conn, schema: str, run_id: str) -> dict[str, Any]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(q(schema, "select * from {s}.runs where run_id = %s"), (run_id,))
+        got = row.fetchone()
+    assert got is not None
+    return got
+
+
+def event_row(conn: Conn, schema: str, event_id: str) -> dict[str, Any]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(q(schema, "select * from {s}.events where event_id = %s"), (event_id,))
+        got = row.fetchone()
+    assert got is not None
+    return got
+
+
+def next_prefix(conn: Conn, schema: str, run_id: str) -> list[int]:
+    """The seqs a relay's next claim of the run would POST, in order (lease given back)."""
+    rows = claim(conn, schema, run_id, owner="probe")
+    if rows:
+        token = rows[0]["lease_token"]
+        assert call(conn, schema, "release", run_id, token)[0]["release"]
+    return [r["seq"] for r in rows]
+
+
+# -- retry -------------------------------------------------------------------------------------
+
+
+def test_retry_event_puts_the_failed_event_back_and_unblocks_its_run(
+    pg_url: str, schema: str, conn: Conn
+) -> None:
+    blocked_run(conn, schema, "r1", n=4, seq=2)
+    failed = event_row(conn, schema, "r1-2")
+    assert next_prefix(conn, schema, "r1") == []  # blocked: the relay takes nothing
+
+    with psycopg.connect(pg_url, autocommit=True) as listener:
+        listener.execute(sql.SQL("listen {}").format(sql.Identifier(f"{schema}_terminal")))
+        got = call(conn, schema, "retry_event", "r1-2", "alice@ops")
+        notes = list(listener.notifies(timeout=10, stop_after=1))
+
+    assert len(got) == 1
+    row = got[0]
+    assert (row["run_id"], row["seq"], row["event_id"], row["state"]) == (
+        "r1",
+        2,
+        "r1-2",
+        "pending",
+    )
+    assert row["retried_by"] == "alice@ops" and row["retries"] == 1
+    assert row["blocked_seq"] is None
+    event = event_row(conn, schema, "r1-2")
+    assert event["state"] == "pending"
+    assert event["attempts"] == failed["attempts"] == 1  # kept: the history of the event
+    assert event["last_status"] == 422 and event["last_error"] == "bad payload"
+    assert event["failed_at"] == failed["failed_at"]
+    assert event["retried_by"] == "alice@ops" and event["retried_at"] == row["retried_at"]
+    run = run_row(conn, schema, "r1")
+    assert run["blocked_seq"] is None and run["attempts"] == 0 and run["last_error"] is None
+    assert not run["idle"] and run["lease_token"] is None
+    db_now = conn.execute("select clock_timestamp()").fetchone()
+    assert db_now is not None and run["next_attempt_at"] <= db_now[0]  # due now
+    # A relay is woken, and its next claim takes the retried event first, then the rest.
+    assert [json.loads(n.payload) for n in notes] == [{"kind": "run_unblocked", "run_id": "r1"}]
+    assert next_prefix(conn, schema, "r1") == [2, 3, 4]
+
+
+def test_retry_run_retries_the_event_that_blocks_it(schema: str, conn: Conn) -> None:
+    blocked_run(conn, schema, "r1", n=3, seq=3)
+    row = call(conn, schema, "retry_run", "r1", "bob")[0]
+    assert (row["event_id"], row["seq"], row["state"], row["retried_by"]) == (
+        "r1-3", 3, "pending", "bob",
+    )  # fmt: skip
+    assert run_row(conn, schema, "r1")["blocked_seq"] is None
+    assert next_prefix(conn, schema, "r1") == [3]
+
+
+def test_retry_twice_counts_both(schema: str, conn: Conn) -> None:
+    blocked_run(conn, schema, "r1", n=2)
+    call(conn, schema, "retry_event", "r1-1", "alice")
+    block(conn, schema, "r1", 1, status=400, error="still bad")
+    row = call(conn, schema, "retry_event", "r1-1", "bob")[0]
+    assert (row["retries"], row["retried_by"], row["attempts"]) == (2, "bob", 2)
+
+
+def test_a_run_stays_blocked_while_an_earlier_event_is_failed(schema: str, conn: Conn) -> None:
+    """Defensive: should a run ever hold two failed events, retrying the later one leaves it
+    blocked at the earlier one (nothing after a failed event is delivered)."""
+    add_run(conn, schema, "r1", 3)
+    call(conn, schema, "fail_event", "r1", None, 3, 422, "late")
+    call(conn, schema, "fail_event", "r1", None, 1, 422, "early")
+    row = call(conn, schema, "retry_event", "r1-3", "alice")[0]
+    assert row["blocked_seq"] == 1
+    assert run_row(conn, schema, "r1")["blocked_seq"] == 1
+    assert next_prefix(conn, schema, "r1") == []
+    assert call(conn, schema, "retry_run", "r1", "alice")[0]["blocked_seq"] is None
+    assert next_prefix(conn, schema, "r1") == [1, 2, 3]
+
+
+# -- skip --------------------------------------------------------------------------------------
+
+
+def test_skip_event_records_who_why_and_when_and_unblocks_its_run(schema: str, conn: Conn) -> None:
+    blocked_run(conn, schema, "r1", n=4, seq=2)
+    row = call(conn, schema, "skip_event", "r1-2", "carol@ops", "schema v1 payload, superseded")[0]
+    assert (row["event_id"], row["state"], row["skipped_by"], row["skip_reason"]) == (
+        "r1-2", "skipped", "carol@ops", "schema v1 payload, superseded",
+    )  # fmt: skip
+    assert row["blocked_seq"] is None and row["skipped_at"] is not None
+    event = event_row(conn, schema, "r1-2")
+    assert event["state"] == "skipped" and event["done_at"] == row["skipped_at"]
+    assert event["delivered_at"] is None  # never sent
+    assert run_row(conn, schema, "r1")["blocked_seq"] is None
+    # The relay delivers the rest in order, without the skipped event.
+    assert next_prefix(conn, schema, "r1") == [3, 4]
+
+
+def test_skipping_the_last_event_lets_the_run_settle(schema: str, conn: Conn) -> None:
+    blocked_run(conn, schema, "r1", n=2, seq=2)
+    call(conn, schema, "skip_event", "r1-2", "carol", "bad")
+    assert next_prefix(conn, schema, "r1") == []  # claim finds nothing, settles the run
+    assert run_row(conn, schema, "r1")["idle"] is True
+
+
+# -- errors: clear, and nothing changes --------------------------------------------------------
+
+
+def _states(conn: Conn, schema: str) -> None:
+    """One run per event state (and an unblocked run) to aim the errors at."""
+    blocked_run(conn, schema, "failed", n=2)  # failed-1 failed, failed-2 pending (held)
+    add_run(conn, schema, "pending", 1)
+    add_run(conn, schema, "delivered", 1)
+    deliver(conn, schema, "delivered", 1)
+    blocked_run(conn, schema, "skipped", n=1)
+    call(conn, schema, "skip_event", "skipped-1", "carol", "superseded")
+
+
+ERRORS = [
+    # (function, args, SQLSTATE class, words the message must contain)
+    ("retry_event", ("nope", "alice"), errors.NoDataFound, "no event with event_id nope"),
+    ("retry_event", ("pending-1", "alice"), errors.ObjectNotInPrerequisiteState, "is pending"),
+    ("retry_event", ("failed-2", "alice"), errors.ObjectNotInPrerequisiteState, "is pending"),
+    ("retry_event", ("delivered-1", "alice"), errors.ObjectNotInPrerequisiteState, "is delivered"),
+    ("retry_event", ("skipped-1", "alice"), errors.ObjectNotInPrerequisiteState, "is skipped"),
+    ("retry_event", ("failed-1", ""), errors.InvalidParameterValue, "who acts"),
+    ("retry_event", ("failed-1", None), errors.InvalidParameterValue, "who acts"),
+    ("retry_event", ("", "alice"), errors.InvalidParameterValue, "event_id"),
+    ("retry_run", ("nope", "alice"), errors.NoDataFound, "no run nope"),
+    ("retry_run", ("pending", "alice"), errors.ObjectNotInPrerequisiteState, "not blocked"),
+    ("retry_run", ("delivered", "alice"), errors.ObjectNotInPrerequisiteState, "not blocked"),
+    ("retry_run", ("failed", " "), errors.InvalidParameterValue, "who acts"),
+    ("skip_event", ("nope", "carol", "r"), errors.NoDataFound, "no event with event_id nope"),
+    ("skip_event", ("pending-1", "carol", "r"), errors.ObjectNotInPrerequisiteState, "is pending"),
+    ("skip_event", ("delivered-1", "c", "r"), errors.ObjectNotInPrerequisiteState, "is delivered"),
+    ("skip_event", ("skipped-1", "carol", "r"), errors.ObjectNotInPrerequisiteState, "is skipped"),
+    ("skip_event", ("failed-1", "carol", ""), errors.InvalidParameterValue, "reason is required"),
+    ("skip_event", ("failed-1", "carol", "  "), errors.InvalidParameterValue, "reason"),
+    ("skip_event", ("failed-1", "carol", None), errors.InvalidParameterValue, "reason"),
+    ("skip_event", ("failed-1", "carol", "x" * 2001), errors.InvalidParameterValue, "2000"),
+    ("skip_event", ("failed-1", "", "r"), errors.InvalidParameterValue, "who acts"),
+    ("inspect_run", ("nope",), errors.NoDataFound, "no run nope"),
+    ("inspect_run_summary", ("nope",), errors.NoDataFound, "no run nope"),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "error", "words"), ERRORS)
+def test_operator_errors_are_clear_and_change_nothing(
+    schema: str, conn: Conn, name: str, args: tuple[Any, ...], error: type[Exception], words: str
+) -> None:
+    _states(conn, schema)
+    before = snapshot(conn, schema)
+    with pytest.raises(error) as raised:
+        call(conn, schema, name, *args)
+    message = str(raised.value)
+    assert message.startswith(f"relay.{name}: ") and words in message, message
+    assert snapshot(conn, schema) == before
+
+
+def test_a_second_retry_or_a_skip_after_retry_is_refused(schema: str, conn: Conn) -> None:
+    blocked_run(conn, schema, "r1", n=2)
+    call(conn, schema, "retry_event", "r1-1", "alice")
+    before = snapshot(conn, schema)
+    with pytest.raises(errors.ObjectNotInPrerequisiteState):
+        call(conn, schema, "retry_event", "r1-1", "alice")
+    with pytest.raises(errors.ObjectNotInPrerequisiteState):
+        call(conn, schema, "skip_event", "r1-1", "alice", "changed my mind")
+    with pytest.raises(errors.ObjectNotInPrerequisiteState):
+        call(conn, schema, "retry_run", "r1", "alice")
+    assert snapshot(conn, schema) == before
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+
+def test_inspect_shows_every_event_its_audit_and_the_lease(schema: str, conn: Conn) -> None:
+    add_run(conn, schema, "r1", 4, terminal=True)
+    block(conn, schema, "r1", 1, status=400, error="missing field")
+    call(conn, schema, "retry_event", "r1-1", "alice")
+    block(conn, schema, "r1", 2, status=422, error="bad payload")  # r1-1 delivered on the way
+    call(conn, schema, "skip_event", "r1-2", "bob", "superseded by r1-3")
+    lease = claim(conn, schema, "r1", owner="replica-a")  # a relay is now delivering 3 and 4
+
+    events = call(conn, schema, "inspect_run", "r1")
+    assert [(e["seq"], e["event_id"], e["state"]) for e in events] == [
+        (1, "r1-1", "delivered"), (2, "r1-2", "skipped"), (3, "r1-3", "pending"),
+        (4, "r1-4", "pending"),
+    ]  # fmt: skip
+    first, second = events[0], events[1]
+    assert first["retried_by"] == "alice" and first["retries"] == 1
+    assert first["retried_at"] is not None and first["delivered_at"] is not None
+    assert first["last_status"] == 400 and first["failed_at"] is not None  # history kept
+    assert first["attempts"] == 2  # the failed attempt and the delivery
+    assert (second["skipped_by"], second["skip_reason"]) == ("bob", "superseded by r1-3")
+    assert second["skipped_at"] is not None and second["last_status"] == 422
+    assert second["last_error"] == "bad payload" and second["delivered_at"] is None
+    assert [e["terminal"] for e in events] == [False, False, False, True]
+
+    run = call(conn, schema, "inspect_run_summary", "r1")[0]
+    assert run["lease_owner"] == "replica-a" and run["lease_live"] is True
+    assert run["lease_expires_at"] == lease[0]["lease_expires_at"]
+    assert run["epoch"] == lease[0]["epoch"]
+    assert run["blocked_seq"] is None and run["critical"] is True
+    assert (run["events_total"], run["pending"], run["delivered"], run["skipped"]) == (4, 2, 1, 1)
+    assert (run["last_seq"], run["terminal_seq"]) == (4, 4)
+    assert "lease_token" not in run
+
+    window = call(conn, schema, "inspect_run", "r1", 2, 2)
+    assert [e["seq"] for e in window] == [2, 3]
+
+
+def test_inspect_summary_of_a_blocked_run(schema: str, conn: Conn) -> None:
+    blocked_run(conn, schema, "r1", n=3, seq=2)
+    run = call(conn, schema, "inspect_run_summary", "r1")[0]
+    assert (run["blocked_seq"], run["blocked_event_id"], run["failed"]) == (2, "r1-2", 1)
+    assert run["last_error"] == "bad payload" and run["lease_live"] is False
+    assert ops.run_state(run).startswith("BLOCKED at seq 2")
+
+
+# -- status ------------------------------------------------------------------------------------
+
+
+def test_status_figures_of_a_known_state(schema: str, conn: Conn) -> None:
+    add_run(conn, schema, "crit", 2, terminal=True)  # critical: 1 run, 2 events
+    add_run(conn, schema, "ord1", 3)  # ordinary: 2 runs, 4 events
+    add_run(conn, schema, "ord2", 1)
+    blocked_run(conn, schema, "blk", n=3)  # blocked at seq 1, 2 events held
+    add_run(conn, schema, "done", 4)
+    deliver(conn, schema, "done", 4)
+    conn.execute(
+        q(
+            schema,
+            "update {s}.events set done_at = done_at - interval '2 minutes'"
+            " where event_id = 'done-1'",
+        )
+    )  # delivered, but not in the last minute
+    conn.execute(
+        q(
+            schema,
+            "update {s}.events set created_at = clock_timestamp() - interval '10 minutes'"
+            " where run_id = 'ord1'",
+        )
+    )
+    conn.execute(
+        q(
+            schema,
+            "update {s}.events set created_at = clock_timestamp() - interval '5 minutes'"
+            " where run_id = 'crit'",
+        )
+    )
+    claim(conn, schema, "ord1", owner="replica-a")
+    claim(conn, schema, "ord2", owner="replica-b")
+    claim(conn, schema, "crit", owner="replica-b")
+    conn.execute(
+        q(
+            schema,
+            "update {s}.runs set lease_expires_at = clock_timestamp() - interval '1 second'"
+            " where run_id = 'crit'",
+        )
+    )  # an expired lease: claimable, not live
+
+    got = call(conn, schema, "status")[0]["status"]
+
+    lanes = {lane["lane"]: lane for lane in got["lanes"]}
+    assert (lanes["critical"]["runs"], lanes["critical"]["events"]) == (1, 2)
+    assert (lanes["ordinary"]["runs"], lanes["ordinary"]["events"]) == (2, 4)
+    assert lanes["ordinary"]["oldest_pending_age_seconds"] >= 600
+    assert 300 <= lanes["critical"]["oldest_pending_age_seconds"] < 600
+    assert got["blocked"] == {
+        "runs": 1, "events": 1, "held_events": 2,
+        "oldest_failure_age_seconds": got["blocked"]["oldest_failure_age_seconds"],
+    }  # fmt: skip
+    [b] = got["blocked_runs"]
+    assert (b["run_id"], b["seq"], b["event_id"], b["last_status"], b["last_error"]) == (
+        "blk", 1, "blk-1", 422, "bad payload",
+    )  # fmt: skip
+    assert b["held_events"] == 2 and b["attempts"] == 1
+    assert [(x["owner"], x["runs"]) for x in got["leases"]] == [("replica-a", 1), ("replica-b", 1)]
+    assert got["expired_leases"] == 1
+    assert got["delivered_last_minute"] == 3
+    assert got["tables"]["events"] > 0 and got["tables"]["runs"] > 0
+    assert got["tables"]["run_seqs"] > 0
+
+    assert call(conn, schema, "status", 0)[0]["status"]["blocked_runs"] == []
+
+
+def test_status_lists_at_most_the_limit_oldest_failure_first(schema: str, conn: Conn) -> None:
+    for i in range(3):
+        blocked_run(conn, schema, f"b{i}", n=1)
+    got = call(conn, schema, "status", 2)[0]["status"]
+    assert [b["run_id"] for b in got["blocked_runs"]] == ["b0", "b1"]
+    assert got["blocked"]["runs"] == 3
+
+
+def test_status_of_an_empty_outbox(schema: str, conn: Conn) -> None:
+    got = call(conn, schema, "status")[0]["status"]
+    assert [(x["lane"], x["runs"], x["events"]) for x in got["lanes"]] == [
+        ("critical", 0, 0), ("ordinary", 0, 0),
+    ]  # fmt: skip
+    assert got["blocked"]["runs"] == 0 and got["blocked_runs"] == [] and got["leases"] == []
+    assert got["delivered_last_minute"] == 0
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+
+
+def test_clean_defuses_terminal_escapes_and_shortens() -> None:
+    assert ops.clean("a\nb\x1b[31mc\u202ed") == "a\\nb\\x1b[31mc\\u202ed"
+    assert ops.clean("héllo [bold]x[/bold]") == "héllo [bold]x[/bold]"
+    assert ops.clean("abcdef", 4) == "abc…"
+
+
+def test_default_operator_and_exit_codes() -> None:
+    assert ops.default_operator({"USER": "alice"}, "host1") == "alice@host1"
+    assert ops.default_operator({"LOGNAME": "bob"}, "h") == "bob@h"
+    assert ops.exit_code("P0002") == ops.NOT_FOUND
+    assert ops.exit_code("55000") == ops.WRONG_STATE
+    assert ops.exit_code("55P03") == ops.exit_code("57014") == ops.TIMED_OUT
+    assert ops.exit_code("22023") == ops.USAGE
+    assert ops.exit_code("XX000") == ops.exit_code(None) == ops.DB_ERROR
+
+
+def test_formatting() -> None:
+    assert ops.fmt_age(0.25) == "250 ms"
+    assert ops.fmt_age(75) == "1m 15s"
+    assert ops.fmt_age(3 * 3600 + 120) == "3h 02m"
+    assert ops.fmt_age(3 * 86400) == "3d 00h"
+    assert ops.fmt_bytes(512) == "512 B" and ops.fmt_bytes(3 * 1024 * 1024) == "3.0 MiB"
+    assert ops.fmt_time("2026-01-02T03:04:05.678+01:00") == "2026-01-02 02:04:05.678Z"
+
+
+# -- the CLI, in subprocesses ------------------------------------------------------------------
+
+
+def cli_env(pg_url: str, schema: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    env.update(RELAY_DATABASE_URL=pg_url, RELAY_SCHEMA=schema, USER="tester")
+    return env
+
+
+def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*RELAY, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def cli_json(env: dict[str, str], *args: str) -> Any:
+    got = cli(env, *args, "--json")
+    assert got.returncode == 0, got.stderr
+    return json.loads(got.stdout)
+
+
+def test_cli_status_inspect_retry_skip(pg_url: str, schema: str, conn: Conn) -> None:
+    env = cli_env(pg_url, schema)
+    blocked_run(conn, schema, "r1", n=3)
+    blocked_run(conn, schema, "r2", n=3, seq=2)
+    blocked_run(conn, schema, "r3", n=2)
+
+    status = cli_json(env, "status")
+    assert sorted(b["run_id"] for b in status["blocked_runs"]) == ["r1", "r2", "r3"]
+    assert status["blocked"]["held_events"] == 4
+
+    inspect = cli_json(env, "inspect", "r2")
+    assert inspect["run"]["blocked_seq"] == 2
+    assert [(e["seq"], e["state"]) for e in inspect["events"]] == [
+        (1, "delivered"), (2, "failed"), (3, "pending"),
+    ]  # fmt: skip
+    assert inspect["events"][1]["last_error"] == "bad payload"
+
+    retried = cli_json(env, "retry", "r1-1", "--by", "alice")
+    assert (retried["event_id"], retried["state"], retried["retried_by"]) == (
+        "r1-1", "pending", "alice",
+    )  # fmt: skip
+    assert retried["unblocked"] is True
+    by_run = cli_json(env, "retry", "--run", "r2")
+    assert (by_run["event_id"], by_run["retried_by"]) == ("r2-2", "tester@" + socket.gethostname())
+    skipped = cli_json(env, "skip", "r3-1", "--reason", "superseded", "--by", "carol")
+    assert (skipped["state"], skipped["skipped_by"], skipped["skip_reason"]) == (
+        "skipped", "carol", "superseded",
+    )  # fmt: skip
+    assert cli_json(env, "status")["blocked_runs"] == []
+
+    # Human tables: the audit trail is visible in inspect.
+    text = cli(env, "inspect", "r3")
+    assert text.returncode == 0, text.stderr
+    assert "skipped by carol" in text.stdout and "superseded" in text.stdout
+    text = cli(env, "inspect", "r1")
+    assert "retried by alice" in text.stdout and "bad payload" in text.stdout
+
+
+def test_cli_human_tables(pg_url: str, schema: str, conn: Conn) -> None:
+    env = cli_env(pg_url, schema)
+    blocked_run(conn, schema, "r1", n=2)
+    conn.execute(
+        q(schema, "update {s}.events set last_error = %s where event_id = 'r1-1'"),
+        ("ingress said \x1b[2J\x1b[31mboom [bold]x[/bold]",),
+    )
+    status = cli(env, "status")
+    assert status.returncode == 0, status.stderr
+    for words in ("Backlog", "critical", "ordinary", "Blocked runs", "r1-1", "422", "Outbox size"):
+        assert words in status.stdout, status.stdout
+    assert "\x1b" not in status.stdout  # an ingress body cannot drive the operator's terminal
+    assert "\\x1b[2J" in status.stdout and "[bold]x[/bold]" in status.stdout  # shown, not run
+    retry = cli(env, "retry", "r1-1")
+    assert retry.returncode == 0 and "unblocked" in retry.stdout and "tester@" in retry.stdout
+    skip_env = dict(env)
+    blocked_run(conn, schema, "r2", n=1)
+    skip = cli(skip_env, "skip", "r2-1", "--reason", "duplicate of r1")
+    assert skip.returncode == 0 and "duplicate of r1" in skip.stdout
+
+
+CLI_ERRORS = [
+    (("retry", "nope"), ops.NOT_FOUND, "no event with event_id nope"),
+    (("retry", "r1-2"), ops.WRONG_STATE, "is pending, not failed"),
+    (("retry", "--run", "ok"), ops.WRONG_STATE, "not blocked"),
+    (("retry", "--run", "nope"), ops.NOT_FOUND, "no run nope"),
+    (("retry",), ops.USAGE, "either EVENT_ID or --run"),
+    (("retry", "r1-1", "--run", "r1"), ops.USAGE, "either EVENT_ID or --run"),
+    (("retry", "r1-1", "--by", " "), ops.USAGE, "--by"),
+    (("skip", "r1-1"), ops.USAGE, "--reason is required"),
+    (("skip", "r1-1", "--reason", " "), ops.USAGE, "--reason is required"),
+    (("skip", "r1-2", "--reason", "x"), ops.WRONG_STATE, "is pending, not failed"),
+    (("skip", "ok-1", "--reason", "x"), ops.WRONG_STATE, "is delivered, not failed"),
+    (("inspect", "nope"), ops.NOT_FOUND, "no run nope"),
+    (("status", "--schema", "t_not_migrated"), ops.UNAVAILABLE, "run `relay migrate`"),
+    (("status", "--schema", "Bad-Name"), ops.USAGE, "schema"),
+]
+
+
+@pytest.mark.parametrize(("args", "code", "words"), CLI_ERRORS)
+def test_cli_errors_are_one_line_with_their_exit_code_and_change_nothing(
+    pg_url: str, schema: str, conn: Conn, args: tuple[str, ...], code: int, words: str
+) -> None:
+    blocked_run(conn, schema, "r1", n=2)
+    add_run(conn, schema, "ok", 1)
+    deliver(conn, schema, "ok", 1)
+    before = snapshot(conn, schema)
+    for json_flag in ((), ("--json",)):
+        got = cli(cli_env(pg_url, schema), *args, *json_flag)
+        assert got.returncode == code, (got.returncode, got.stderr)
+        lines = got.stderr.strip().splitlines()
+        assert len(lines) == 1 and words in lines[0], got.stderr
+        assert got.stdout == ""
+    assert snapshot(conn, schema) == before
+
+
+def test_cli_never_prints_the_database_password(pg_url: str, schema: str, conn: Conn) -> None:
+    password = "s3cret-pw-41"
+    info = psycopg.conninfo.conninfo_to_dict(pg_url)
+    with_password = psycopg.conninfo.make_conninfo(pg_url, password=password)
+    env = cli_env(with_password, schema)  # the test server trusts, so the password is unused
+    blocked_run(conn, schema, "r1", n=1)
+    outputs = [
+        cli(env, "status"), cli(env, "status", "--json"), cli(env, "inspect", "r1"),
+        cli(env, "inspect", "nope"), cli(env, "retry", "nope"),
+    ]  # fmt: skip
+    unreachable = f"postgresql://{info.get('user', 'postgres')}:{password}@127.0.0.1:1/db"
+    down = cli(cli_env(unreachable, schema), "status")
+    outputs.append(down)
+    assert down.returncode == ops.UNAVAILABLE
+    assert "cannot connect" in down.stderr and ":***@127.0.0.1:1" in down.stderr
+    garbled = cli(cli_env(f"postgresql://u:{password}@x@127.0.0.1:1/db", schema), "status")
+    outputs.append(garbled)
+    assert garbled.returncode == ops.USAGE and "%40" in garbled.stderr
+    for out in outputs:
+        assert password not in out.stdout + out.stderr
+
+
+def test_cli_usage_errors_come_before_connecting(schema: str) -> None:
+    env = cli_env("postgresql://u@127.0.0.1:1/db", schema)  # nothing listens there
+    for args in (("retry",), ("skip", "e1"), ("retry", "e1", "--by", "")):
+        got = cli(env, *args)
+        assert got.returncode == ops.USAGE, got.stderr
+        assert "cannot connect" not in got.stderr
+    got = cli(env, "inspect", "r1", "--limit", "-1")
+    assert got.returncode == ops.USAGE and "non_negative" in got.stderr
+
+
+def test_cli_shows_markup_in_ids_as_text(pg_url: str, schema: str, conn: Conn) -> None:
+    blocked_run(conn, schema, "[red]r1[/red]", n=1)
+    got = cli(cli_env(pg_url, schema), "inspect", "[red]r1[/red]")
+    assert got.returncode == 0, got.stderr
+    assert "Run [red]r1[/red]" in got.stdout
+    got = cli(cli_env(pg_url, schema), "retry", "[red]r1[/red]-1")
+    assert got.returncode == 0 and "retried event [red]r1[/red]-1" in got.stdout
+
+
+# -- on a live relay ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[tuple[Sink, str]]:
+    s = Sink()
+    async with serve_sink(s) as url:
+        yield s, url
+
+
+async def _cli_async(env: dict[str, str], *args: str) -> Any:
+    """The CLI in a subprocess without blocking the event loop the relay runs on."""
+    got = await anyio.run_process([*RELAY, *args, "--json"], env=env, check=False)
+    assert got.returncode == 0, got.stderr.decode()
+    return json.loads(got.stdout)
+
+
+async def _blocked_on_poison(conn: Conn, schema: str, s: Sink) -> None:
+    """Runs r0..r2 of 4 events each; the ingress rejects r1's batches (422) until cleared."""
+    s.faults.fail(422, times=1000, run_id="r1", body={"error": "schema violation"})
+    enqueue_runs(conn, schema, 3, 4)
+    await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 8, what="r0 and r2")
+    await wait_for(lambda: count(conn, schema, "state = 'failed'") == 1, what="r1 blocked")
+    assert event_row(conn, schema, "r1-0")["state"] == "failed"
+    assert run_row(conn, schema, "r1")["blocked_seq"] == 1
+    assert not any(k.startswith("r1-") for k in s.state.deliveries)  # nothing after it
+    s.faults.clear()
+
+
+@pytest.mark.anyio
+async def test_retry_on_a_live_relay_delivers_the_rest_of_the_run_in_order(
+    pg_url: str, schema: str, conn: Conn, sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    async with Relay(settings(pg_url, schema, url)).running():
+        await _blocked_on_poison(conn, schema, s)
+        got = await _cli_async(cli_env(pg_url, schema), "retry", "r1-0", "--by", "alice")
+        assert got["unblocked"] is True
+        await wait_for(lambda: count(conn, schema, "state <> 'delivered'") == 0, what="r1")
+    assert s.state.first_order["r1"] == [1, 2, 3, 4]
+    assert s.state.order_violations == 0
+    inspect = await _cli_async(cli_env(pg_url, schema), "inspect", "r1")
+    first = inspect["events"][0]
+    assert (first["state"], first["retried_by"], first["last_status"]) == (
+        "delivered", "alice", 422,
+    )  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_skip_on_a_live_relay_never_sends_the_event_and_delivers_the_rest(
+    pg_url: str, schema: str, conn: Conn, sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    async with Relay(settings(pg_url, schema, url)).running():
+        await _blocked_on_poison(conn, schema, s)
+        got = await _cli_async(
+            cli_env(pg_url, schema), "skip", "r1-0", "--reason", "bad schema", "--by", "bob"
+        )
+        assert got["unblocked"] is True
+        await wait_for(lambda: count(conn, schema, "state = 'pending'") == 0, what="the rest of r1")
+    assert s.state.first_order["r1"] == [2, 3, 4]
+    assert "r1-0" not in s.state.deliveries
+    assert s.state.order_violations == 0
+    inspect = await _cli_async(cli_env(pg_url, schema), "inspect", "r1")
+    assert [(e["seq"], e["state"]) for e in inspect["events"]] == [
+        (1, "skipped"), (2, "delivered"), (3, "delivered"), (4, "delivered"),
+    ]  # fmt: skip
+    assert (inspect["events"][0]["skipped_by"], inspect["events"][0]["skip_reason"]) == (
+        "bob", "bad schema",
+    )  # fmt: skip
