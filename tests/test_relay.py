@@ -408,3 +408,19 @@ async def test_small_runs_share_posts_through_the_batch_endpoint(
     failed = conn.execute(q(schema, "select event_id from {s}.events where state = 'failed'"))
     assert failed.fetchall() == [("r7-1",)]
     assert_acked_only_if_received(conn, schema, s.state.deliveries)
+
+
+async def test_delivered_events_are_pruned_after_retention(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """DESIGN §4.4: the relay itself prunes delivered events after `retention`; failed ones stay
+    until an operator acts."""
+    s, url = sink
+    s.faults.poison("r1-0")
+    enqueue_runs(conn, schema, 3, 2, terminal=False)
+    cfg = settings(pg_url, schema, url, retention="1s")
+    async with Relay(cfg, prune_interval=0.2).running():
+        await wait_for(lambda: count(conn, schema, "state = 'failed'") == 1, what="poison")
+        await wait_for(lambda: count(conn, schema) == 2, what="delivered events pruned")
+    left = conn.execute(q(schema, "select event_id, state from {s}.events order by 1"))
+    assert left.fetchall() == [("r1-0", "failed"), ("r1-1", "pending")]
