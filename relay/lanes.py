@@ -35,6 +35,7 @@ from tenacity import (
 from tenacity.stop import stop_base
 
 from relay import logs
+from relay.ack import AckGroup
 from relay.ingress import Answer, IngressClient, TransportFailure, split_results
 from relay.policy import (
     Outcome,
@@ -87,88 +88,6 @@ class LaneStats:
     stale_acks: int = 0
     renewed_before_post: int = 0
     by_type: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class _PendingAck:
-    claim: Claim
-    upto: int
-    keep: bool
-    done: anyio.Event = field(default_factory=anyio.Event)
-    result: AckResult | None = None
-    error: BaseException | None = None
-
-
-class AckGroup:
-    """Acks that finish close together share one transaction (one NOTIFY commit lock per group).
-    No timer: while one group's statement runs, the next group accumulates."""
-
-    def __init__(self, store: Store, max_group: int = 64) -> None:
-        self.store = store
-        self.max_group = max_group
-        self._send, self._recv = anyio.create_memory_object_stream[_PendingAck](10_000)
-        self.groups = 0
-
-    async def ack(self, claim: Claim, upto: int, *, keep: bool = False) -> AckResult:
-        item = _PendingAck(claim, upto, keep)
-        await self._send.send(item)
-        await item.done.wait()
-        if item.error is not None:
-            raise item.error
-        assert item.result is not None
-        return item.result
-
-    async def run(self) -> None:
-        try:
-            await self._run()
-        finally:
-            self._send.close()
-            self._recv.close()
-
-    async def _run(self) -> None:
-        while True:
-            first = await self._recv.receive()
-            group = [first]
-            while len(group) < self.max_group:
-                try:
-                    group.append(self._recv.receive_nowait())
-                except anyio.WouldBlock:
-                    break
-            try:
-                results = await self.store.ack([(p.claim, p.upto, p.keep) for p in group])
-            except (psycopg.Error, OSError, TimeoutError) as exc:
-                # The outcome may be unknown (connection lost during COMMIT): find out by
-                # re-reading the rows, never by guessing.
-                logs.warning("ack_outcome_unknown", batches=len(group), error=_error(exc))
-                for p in group:
-                    await self._resolve(p, exc)
-                continue
-            except BaseException as exc:  # every waiter must hear about it
-                for p in group:
-                    p.error = exc
-                    p.done.set()
-                raise
-            self.groups += 1
-            for p, r in zip(group, results, strict=True):
-                p.result = r
-                p.done.set()
-
-    async def _resolve(self, p: _PendingAck, cause: BaseException) -> None:
-        for attempt in range(5):
-            try:
-                committed = await self.store.ack_committed(p.claim.run_id, p.upto)
-            except (psycopg.Error, OSError, TimeoutError):
-                await anyio.sleep(min(2.0, 0.1 * 2**attempt))
-                continue
-            status = "acked" if committed else "not_committed"
-            logs.info("ack_outcome_resolved", run_id=p.claim.run_id, upto=p.upto, outcome=status)
-            p.result = AckResult(
-                p.claim.run_id, status, 0, p.upto if committed else None, None, None
-            )
-            p.done.set()
-            return
-        p.error = cause  # still unknown: the lease is handed back or expires; a redelivery is a
-        p.done.set()  # duplicate at worst, never a loss
 
 
 class Lane:
