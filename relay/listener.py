@@ -63,7 +63,8 @@ class Listener:
                 was_up = self.up
                 self.up = False
                 self.backend_pid = None
-                failures += 1
+                # A session that came up resets the backoff: only consecutive failures grow it.
+                failures = 1 if was_up else failures + 1
                 delay = random.uniform(0, min(self.max_backoff, 0.1 * 2 ** min(failures, 10)))
                 logs.warning(
                     "listen_lost" if was_up else "listen_connect_failed",
@@ -71,8 +72,6 @@ class Listener:
                     retry_in=round(delay, 3),
                 )
                 await anyio.sleep(delay)
-            else:  # pragma: no cover - _session only returns by raising
-                failures = 0
 
     async def _session(self) -> None:
         with anyio.fail_after(self.check_timeout + 5):

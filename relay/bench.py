@@ -1,0 +1,464 @@
+"""`relay bench`: measured scenarios on one machine, printed side by side and as JSON.
+
+It starts what it needs (an embedded PostgreSQL unless `--database-url`/RELAY_DATABASE_URL,
+a fresh relay schema, the Absurd schema, the reference sink in process) and runs the selected
+scenarios (`--only a,b`; all by default). Everything it creates is dropped at the end.
+
+Scenarios live in `SCENARIOS`: a name, a one-line summary, its own command-line options, and
+an async function from the shared `Env` to a `Result` (a table of rows plus notes). Adding a
+scenario is adding one entry.
+
+- `wake`: ack-to-task-resumed latency of an Absurd task sleeping on `run-created:<run_id>`,
+  with absurd-sdk's stock polling worker and with `relay.engine.WakeWorker`, same poll
+  interval, in one run. Latency = the task's `clock_timestamp()` just after `await_event`
+  returns minus the event's `delivered_at` (set by the ack), both on the database clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import psycopg
+from psycopg import sql
+from rich.console import Console
+from rich.table import Table
+
+from relay import __version__, logs
+from relay.demo import ABSURD_INSTALL_LOCK, percentile
+from relay.engine import WakeWorker
+from relay.migrate import migrate
+from relay.producer import enqueue_async
+from relay.runner import Relay
+from relay.settings import Settings, load, redact_url
+from relay.sink import Sink, serve_sink
+
+
+class BenchFailed(Exception):
+    pass
+
+
+@dataclass
+class Env:
+    """What every scenario gets: a migrated schema, Absurd, a running reference sink."""
+
+    url: str
+    schema: str
+    sink: Sink
+    ingress_url: str
+    console: Console
+    queues: list[str] = field(default_factory=list)
+
+    def settings(self, **overrides: str) -> Settings:
+        flags: dict[str, str | None] = {
+            "database_url": self.url,
+            "schema": self.schema,
+            "ingress_url": self.ingress_url,
+            "log_level": "warning",
+            "retention": "0",
+            **overrides,
+        }
+        return load(flags, environ={})
+
+    def new_queue(self, suffix: str) -> str:
+        name = f"{self.schema}_{suffix}"
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            conn.execute("select absurd.create_queue(%s)", (name,))
+        self.queues.append(name)
+        return name
+
+
+@dataclass
+class Result:
+    columns: list[str]
+    rows: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)  # extra machine-readable detail
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    summary: str
+    run: Callable[[Env, argparse.Namespace], Awaitable[Result]]
+    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None
+
+
+# -- scenario: wake ----------------------------------------------------------------------------
+
+TASK = "bench-await-run-created"
+
+
+def _positive(kind: Callable[[str], float]) -> Callable[[str], Any]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
+def _wake_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("wake")
+    g.add_argument("--tasks", type=_positive(int), default=100, help="tasks per mode (100)")
+    g.add_argument(
+        "--poll-interval", type=_positive(float), default=0.25, help="worker poll (0.25 s)"
+    )
+    g.add_argument("--seed", type=int, default=None, help="seed of the commit pauses")
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 2)
+
+
+def _latency_row(mode: str, samples: Samples, resumed_by_wake: str) -> dict[str, Any]:
+    latencies = samples.resumed
+    return {
+        "mode": mode,
+        "tasks": len(latencies),
+        "claimed_p50_ms": _ms(percentile(samples.claimed, 50)),
+        "p50_ms": _ms(percentile(latencies, 50)),
+        "p99_ms": _ms(percentile(latencies, 99)),
+        "max_ms": _ms(max(latencies, default=None)),
+        "mean_ms": _ms(sum(latencies) / len(latencies) if latencies else None),
+        "resumed_by_wake": resumed_by_wake,
+    }
+
+
+@dataclass
+class Samples:
+    resumed: list[float]  # ack -> the task's code runs again (s)
+    claimed: list[float]  # ack -> the worker's claim of the woken run (s)
+    by_wake: int  # resumes claimed by the wake path
+
+
+def _worker_id(mode: str) -> str:
+    return f"bench-{mode}"
+
+
+async def _absurd_worker(url: str, queue: str, mode: str, poll_interval: float) -> None:
+    """The worker process of one mode: absurd-sdk's stock worker ("poll") or WakeWorker
+    ("wake"). Prints "ready" once it can be measured; exits when its stdin closes."""
+    from absurd_sdk import AsyncAbsurd, AsyncTaskContext
+
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as clock:
+        worker = AsyncAbsurd(url, queue_name=queue)
+
+        @worker.register_task(TASK)
+        async def await_run_created(params: dict[str, Any], ctx: AsyncTaskContext) -> Any:
+            await ctx.await_event(f"run-created:{params['run_id']}")
+            row = await (await clock.execute("select clock_timestamp()")).fetchone()
+            assert row is not None
+            return {"resumed_at": row[0].isoformat()}
+
+        wake = WakeWorker(url, queue, worker_id=_worker_id(mode), poll_interval=poll_interval)
+        async with anyio.create_task_group() as tg:
+            if mode == "wake":
+                tg.start_soon(wake.run, worker)
+                while not wake.listener.up:  # noqa: ASYNC110 - a flag of the listener's loop
+                    await anyio.sleep(0.01)
+            else:
+                tg.start_soon(
+                    partial(worker.start_worker, _worker_id(mode), 120, 1, None, poll_interval)
+                )
+            print("ready", flush=True)
+            await anyio.to_thread.run_sync(sys.stdin.read)
+            tg.cancel_scope.cancel()
+        await worker.close()
+
+
+def worker_main(argv: Sequence[str]) -> None:
+    """Entry point of a worker process (`_wake_mode` starts it)."""
+    url, queue, mode, poll = argv
+    anyio.run(_absurd_worker, url, queue, mode, float(poll))
+
+
+@asynccontextmanager
+async def _worker_process(env: Env, queue: str, mode: str, poll: float) -> AsyncIterator[None]:
+    """An Absurd worker in its own process, as in production: neither the relay nor the
+    bench's own waiting shares its event loop."""
+    code = "import sys; from relay.bench import worker_main; worker_main(sys.argv[1:])"
+    args = [sys.executable, "-c", code, env.url, queue, mode, str(poll)]
+    proc = await anyio.open_process(
+        args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        with anyio.fail_after(60):
+            line = await proc.stdout.receive()
+        if not line.startswith(b"ready"):
+            raise BenchFailed(f"the {mode} worker did not start: {line[:200]!r}")
+        yield
+        await proc.stdin.aclose()
+        with anyio.move_on_after(10):
+            await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _wake_mode(env: Env, a: argparse.Namespace, mode: str, rng: random.Random) -> Samples:
+    """One mode ("poll": absurd-sdk's start_worker; "wake": WakeWorker): N tasks sleep on
+    their events, whose acks come one at a time."""
+    try:
+        from absurd_sdk import AsyncAbsurd
+    except ImportError:
+        raise BenchFailed("the wake scenario needs absurd-sdk: pip install absurd-sdk") from None
+    queue = env.new_queue(mode)
+    t = sql.Identifier("absurd", f"t_{queue}")
+    r = sql.Identifier("absurd", f"r_{queue}")
+    async with AsyncExitStack() as stack:
+        producer = await psycopg.AsyncConnection.connect(env.url, autocommit=True)
+        stack.push_async_callback(producer.close)
+        spawner = AsyncAbsurd(producer, queue_name=queue)
+        await stack.enter_async_context(_worker_process(env, queue, mode, a.poll_interval))
+        await stack.enter_async_context(Relay(env.settings()).running())
+        runs = [f"{mode}-{i}" for i in range(a.tasks)]
+        tasks = {}
+        for run_id in runs:
+            spawned = await spawner.spawn(TASK, {"run_id": run_id}, queue=queue)
+            tasks[run_id] = str(spawned["task_id"])
+        sleeping = sql.SQL("select count(*) = %s from {} where state = 'sleeping'").format(t)
+        await _until(producer, sleeping, (a.tasks,), 60, "every task to sleep on its event")
+        done = sql.SQL("select state = 'completed' from {} where task_id = %s").format(t)
+        with env.console.status(f"wake: {mode}…") as status:
+            for i, run_id in enumerate(runs):
+                # An independent producer commits at any phase of the worker's poll: without a
+                # pause the polling worker would always have just begun its sleep.
+                await anyio.sleep(rng.uniform(0, a.poll_interval))
+                async with producer.transaction():
+                    await enqueue_async(
+                        producer,
+                        run_id,
+                        f"{run_id}-created",
+                        "run_created",
+                        {"run_id": run_id},
+                        wake=(queue, f"run-created:{run_id}"),
+                        schema=env.schema,
+                    )
+                await _until(producer, done, (tasks[run_id],), 30, f"{run_id}'s task to resume")
+                status.update(f"wake: {mode} {i + 1}/{a.tasks}")
+        cur = await producer.execute(
+            sql.SQL(
+                "select e.delivered_at, (t.completed_payload ->> 'resumed_at')::timestamptz,"
+                " r.started_at, r.claimed_by from {}.events e"
+                " join {} t on t.params ->> 'run_id' = e.run_id"
+                " join {} r on r.run_id = t.last_attempt_run where e.event_type = 'run_created'"
+                " and t.task_id = any(%s::uuid[])"
+            ).format(sql.Identifier(env.schema), t, r),
+            (list(tasks.values()),),
+        )
+        rows = await cur.fetchall()
+    woken_by = f"{_worker_id(mode)}/wake"
+    return Samples(
+        resumed=[(resumed - acked).total_seconds() for acked, resumed, _, _ in rows],
+        claimed=[(claimed - acked).total_seconds() for acked, _, claimed, _ in rows],
+        by_wake=sum(1 for *_, who in rows if who == woken_by),
+    )
+
+
+async def _until(
+    conn: psycopg.AsyncConnection[Any],
+    query: sql.Composed,
+    params: Sequence[Any],
+    timeout: float,  # noqa: ASYNC109 - a deadline for waiting, not an I/O timeout
+    what: str,
+) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        row = await (await conn.execute(query, params)).fetchone()
+        if row and row[0]:
+            return
+        if time.monotonic() > deadline:
+            raise BenchFailed(f"timed out after {timeout:g}s waiting for {what}")
+        await anyio.sleep(0.002)
+
+
+async def wake_scenario(env: Env, a: argparse.Namespace) -> Result:
+    rng = random.Random(a.seed)
+    polled = await _wake_mode(env, a, "poll", rng)
+    woken = await _wake_mode(env, a, "wake", rng)
+    polling = _latency_row("stock polling", polled, "—")
+    listener = _latency_row("wake listener", woken, f"{woken.by_wake}/{len(woken.resumed)}")
+    ratio: dict[str, Any] = {"mode": "ratio polling / listener"}
+    for key in ("claimed_p50_ms", "p50_ms", "p99_ms", "max_ms", "mean_ms"):
+        p, w = polling[key], listener[key]
+        ratio[key] = f"{p / w:.0f}×" if p is not None and w else None
+    p50 = listener["p50_ms"]
+    verdict = "met" if p50 is not None and p50 < 10 else "NOT met"
+    return Result(
+        columns=[
+            "mode",
+            "tasks",
+            "claimed_p50_ms",
+            "p50_ms",
+            "p99_ms",
+            "max_ms",
+            "mean_ms",
+            "resumed_by_wake",
+        ],
+        rows=[polling, listener, ratio],
+        notes=[
+            f"poll interval {a.poll_interval:g} s in both modes; {a.tasks} tasks each; "
+            f"commit pauses seeded {a.seed}",
+            "latency: the task's clock_timestamp() after await_event returns minus the event's "
+            "delivered_at (its ack), both on the database clock; claimed: the worker's claim of "
+            "the woken run (Absurd's started_at) minus delivered_at",
+            f"target wake listener p50 < 10 ms: {verdict} ({p50} ms)",
+        ],
+        data={
+            "poll": {"resumed": polled.resumed, "claimed": polled.claimed},
+            "wake": {"resumed": woken.resumed, "claimed": woken.claimed},
+        },
+    )
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in [
+        Scenario(
+            "wake",
+            "ack-to-task-resumed latency: stock Absurd polling vs the wake listener",
+            wake_scenario,
+            _wake_arguments,
+        ),
+    ]
+}
+
+
+# -- the shell ---------------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def environment(url: str | None, console: Console) -> AsyncIterator[Env]:
+    """Database (embedded unless `url`), fresh schema, Absurd, the sink; all gone afterwards."""
+    async with AsyncExitStack() as stack:
+        if not url:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # pgserver's platformdirs about XDG_RUNTIME_DIR
+                from relay.embedded import EmbeddedPostgres
+
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="relay-bench-"))
+                server = EmbeddedPostgres(Path(tmp) / "pg", durable=True)
+            with console.status("starting an embedded PostgreSQL…"):
+                url = await anyio.to_thread.run_sync(server.start)
+            stack.callback(server.stop)
+            console.print(f"embedded PostgreSQL at {url}")
+        else:
+            console.print(f"PostgreSQL at {redact_url(url)}")
+        schema = f"bench_{secrets.token_hex(4)}"
+        await anyio.to_thread.run_sync(migrate, url, schema)
+        _install_absurd(url)
+        sink = Sink()
+        sink.state.keep_received = False
+        base = await stack.enter_async_context(serve_sink(sink))
+        env = Env(url, schema, sink, base + "/runs/{run_id}/events", console)
+        stack.callback(_drop, env)
+        yield env
+
+
+def _install_absurd(url: str) -> None:
+    import absurdctl
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("select pg_advisory_lock(%s)", (ABSURD_INSTALL_LOCK,))
+        try:
+            row = conn.execute("select to_regclass('absurd.queues') is null").fetchone()
+            if row and row[0]:
+                conn.execute(absurdctl.BUNDLED_SCHEMA_SQL)
+        finally:
+            conn.execute("select pg_advisory_unlock(%s)", (ABSURD_INSTALL_LOCK,))
+
+
+def _drop(env: Env) -> None:
+    with psycopg.connect(env.url, autocommit=True) as conn:
+        for queue in env.queues:
+            conn.execute("select absurd.drop_queue(%s)", (queue,))
+        conn.execute(sql.SQL("drop schema if exists {} cascade").format(sql.Identifier(env.schema)))
+
+
+def render(name: str, result: Result) -> Table:
+    table = Table(title=f"relay bench: {name} — {SCENARIOS[name].summary}", title_justify="left")
+    for col in result.columns:
+        table.add_column(col.replace("_ms", " (ms)").replace("_", " "), justify="right")
+    for row in result.rows:
+        table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in result.columns))
+    if result.notes:
+        table.caption = "\n".join(result.notes)
+        table.caption_justify = "left"
+    return table
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="relay bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(SCENARIOS), help=f"of: {', '.join(SCENARIOS)}")
+    p.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
+    p.add_argument(
+        "--database-url",
+        default=os.environ.get("RELAY_DATABASE_URL"),
+        help="use this PostgreSQL instead of an embedded one [RELAY_DATABASE_URL]",
+    )
+    for s in SCENARIOS.values():
+        s.add_arguments(p)
+    a = p.parse_args(argv)
+    a.only = [n.strip() for n in a.only.split(",") if n.strip()]
+    unknown = [n for n in a.only if n not in SCENARIOS]
+    if unknown or not a.only:
+        p.error(f"--only: unknown scenario {unknown}; choose from {', '.join(SCENARIOS)}")
+    if a.seed is None:
+        a.seed = random.randrange(2**31)
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(list(sys.argv[1:] if argv is None else argv))
+    console = Console(highlight=False)
+    logs.configure("text", "warning")
+    results: dict[str, Result] = {}
+
+    async def run_all() -> None:
+        async with environment(a.database_url, console) as env:
+            for name in a.only:
+                results[name] = await SCENARIOS[name].run(env, a)
+                console.print(render(name, results[name]))
+
+    failure: BaseException | None = None
+    try:
+        anyio.run(run_all)
+    except* (BenchFailed, psycopg.OperationalError) as group:
+        failure = group
+        while isinstance(failure, BaseExceptionGroup):
+            failure = failure.exceptions[0]
+    if failure is not None:
+        console.print(f"[bold red]relay bench failed:[/bold red] {failure}")
+        return 1
+    if a.json_path is not None:
+        out = {
+            "relay_version": __version__,
+            "at": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "scenarios": {
+                n: {"rows": r.rows, "notes": r.notes, "samples_s": r.data}
+                for n, r in results.items()
+            },
+        }
+        a.json_path.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2) + b"\n")
+        console.print(f"results written to {a.json_path}")
+    return 0
