@@ -213,15 +213,11 @@ class Lane:
             self.wanted.discard(claim.run_id)
             logs.debug(
                 "claimed",
-                lane=self.name,
-                run_id=claim.run_id,
-                epoch=claim.epoch,
+                **self._who(claim),
                 first_seq=claim.first_seq,
                 last_seq=claim.last_seq,
                 events=len(claim.events),
                 critical=claim.critical,
-                attempt=claim.attempts,
-                lease_owner=self.store.owner,
             )
         for group in plan_groups(claims, self.settings):
             if len(group) == 1:
@@ -252,9 +248,7 @@ class Lane:
         except Exception as exc:
             logs.error(
                 "delivery_error",
-                lane=self.name,
-                run_id=claim.run_id,
-                epoch=claim.epoch,
+                **self._who(claim),
                 error=f"{type(exc).__name__}: {str(exc).strip()[:300]}",
             )
         finally:
@@ -496,12 +490,8 @@ class Lane:
             self.stats.failed += 1
             logs.error(
                 "run_blocked",
-                lane=self.name,
-                run_id=claim.run_id,
-                epoch=claim.epoch,
+                **self._who(claim),
                 reason="ack_failed",
-                attempt=claim.attempts,  # DESIGN §8.2 fields
-                lease_owner=self.store.owner,
                 error=result.error,
             )
         self.stats.acks += 1
@@ -510,15 +500,11 @@ class Lane:
             self.stats.by_type[e.event_type] = self.stats.by_type.get(e.event_type, 0) + 1
         logs.info(
             "delivered",
-            lane=self.name,
-            run_id=claim.run_id,
-            epoch=claim.epoch,
+            **self._who(claim),
             first_seq=acked[0].seq,
             last_seq=result.last_seq,
             events=result.acked,
             status=answer.status,
-            attempt=claim.attempts,
-            lease_owner=self.store.owner,
             http_ms=round(answer.seconds * 1000, 2),
             lag_ms=round((result.lag_seconds or 0.0) * 1000, 2),
             trace_id=_trace_id(acked[0].traceparent),
@@ -542,14 +528,10 @@ class Lane:
         logs.log(
             "retry_scheduled",
             logging.WARNING,
-            lane=self.name,
-            run_id=claim.run_id,
-            epoch=claim.epoch,
+            **{**self._who(claim), "attempt": claim.attempts + 1},
             first_seq=claim.first_seq,
             last_seq=claim.last_seq,
             status=status,
-            attempt=claim.attempts + 1,
-            lease_owner=self.store.owner,  # DESIGN §8.2 fields
             retry_in=round(delay, 3),
             error=error[:200],
             fenced=not released,
@@ -613,9 +595,7 @@ class Lane:
             return await self._block(claim, events[0], answer)
         logs.warning(
             "poison_narrowing",
-            lane=self.name,
-            run_id=claim.run_id,
-            epoch=claim.epoch,
+            **self._who(claim),
             first_seq=claim.first_seq,
             last_seq=claim.last_seq,
             status=answer.status,
@@ -645,29 +625,31 @@ class Lane:
         self.stats.failed += 1
         logs.error(
             "run_blocked",
-            lane=self.name,
-            run_id=claim.run_id,
-            epoch=claim.epoch,
+            **self._who(claim),
             event_id=event.event_id,
             seq=event.seq,
-            attempt=claim.attempts,  # DESIGN §8.2 fields
-            lease_owner=self.store.owner,
             status=answer.status,
             error=error[:300],
         )
         return True
 
+    def _who(self, claim: Claim) -> dict[str, object]:
+        """The fields every decision about a claim logs (DESIGN §8.2)."""
+        return {
+            "lane": self.name,
+            "run_id": claim.run_id,
+            "epoch": claim.epoch,
+            "attempt": claim.attempts,
+            "lease_owner": self.store.owner,
+        }
+
     def _lease_lost(self, claim: Claim, where: str) -> None:
         self.stats.lease_lost += 1
         logs.warning(
             "lease_lost",
-            lane=self.name,
-            run_id=claim.run_id,
-            epoch=claim.epoch,
+            **self._who(claim),
             first_seq=claim.first_seq,
             last_seq=claim.last_seq,
-            attempt=claim.attempts,  # DESIGN §8.2 fields
-            lease_owner=self.store.owner,
             where=where,
         )
 
