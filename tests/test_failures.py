@@ -336,3 +336,35 @@ async def test_ack_with_unknown_outcome_is_resolved_by_rereading(
     else:
         assert resolved["outcome"] == "not_committed"
         assert s.state.deliveries == {"r0-0": 2, "r0-1": 2}  # redelivered: a duplicate, no loss
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+async def test_every_decision_logs_its_fields(
+    fmt: str, pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """DESIGN §8.2: claimed and delivered lines carry run id, seq range, lane, epoch, attempt,
+    lease owner, status, durations and lag; `--log-format text` renders the same as key=value."""
+    _, url = sink
+    stream = io.StringIO()
+    logs.configure(fmt, "debug", stream)
+    try:
+        enqueue_runs(conn, schema, 1, 2)
+        async with Relay(settings(pg_url, schema, url, replica_id="replica-x")).running():
+            await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 2, what="ack")
+    finally:
+        logs.configure("json", "warning")
+    text = stream.getvalue()
+    fields = ("run_id", "lane", "epoch", "attempt", "lease_owner", "first_seq", "last_seq")
+    if fmt == "json":
+        lines = [orjson.loads(line) for line in text.splitlines()]
+        claimed = next(x for x in lines if x["event"] == "claimed")
+        delivered = next(x for x in lines if x["event"] == "delivered")
+        for key in fields:
+            assert key in claimed and key in delivered, key
+        assert delivered["lease_owner"] == "replica-x" and delivered["status"] == 200
+        assert {"http_ms", "lag_ms"} <= set(delivered)
+    else:
+        line = next(x for x in text.splitlines() if " delivered " in x)
+        for key in (*fields, "http_ms", "lag_ms"):
+            assert f" {key}=" in line, key
+        assert "lease_owner=replica-x" in line
