@@ -87,6 +87,8 @@ class LaneStats:
     failed: int = 0
     stale_acks: int = 0
     renewed_before_post: int = 0
+    adopted: int = 0  # critical runs taken over from the ordinary lane's queue
+    widened: int = 0  # events added to a claim before its first POST
     by_type: dict[str, int] = field(default_factory=dict)
 
 
@@ -116,6 +118,7 @@ class Lane:
         # its commit) between one run and the next: what makes runs of one event fast.
         self.inflight: dict[str, Claim] = {}
         self.posting = anyio.Semaphore(concurrency)
+        self.posting_runs: set[str] = set()  # claims past their slot wait (POST started)
         self.stats = LaneStats()
         self.stopping = False
         self.paused_until = 0.0
@@ -123,6 +126,9 @@ class Lane:
         self.on_ready_change = on_ready_change
         self._last_empty_pass = -1.0
         self._deliveries: TaskGroup | None = None
+        # The ordinary lane hands a critical run it cannot POST at once to the critical lane
+        # (set by the runner): a terminal event never waits in the ordinary queue.
+        self.handoff: Callable[[Claim], bool] = lambda claim: False
         # Operations hooks (relay/health.py, relay/metrics.py): loop turns for /healthz and the
         # systemd watchdog, and an observer of each acknowledgement for the lag histogram.
         self.turns = 0
@@ -237,12 +243,47 @@ class Lane:
 
     # -- delivery ---------------------------------------------------------------------------
 
+    def promote(self, run_id: str) -> None:
+        """A terminal event was committed for a run this lane holds but has not started: mark it
+        critical and widen it before its POST; a queued one is handed to the critical lane."""
+        claim = self.inflight.get(run_id)
+        if claim is not None and run_id not in self.posting_runs:
+            claim.critical = True
+            claim.widen = True
+            self.slot_freed.set()  # wake the queued task so it can hand itself over
+
+    def adopt(self, claim: Claim) -> bool:
+        """Take over a claim another lane holds but cannot start yet, if there is room."""
+        if self.stopping or self._deliveries is None or len(self.inflight) >= self.concurrency:
+            return False
+        self.inflight[claim.run_id] = claim
+        self.stats.adopted += 1
+        self._deliveries.start_soon(self._deliver_guarded, claim)
+        return True
+
+    async def _take_slot(self, claim: Claim) -> str:
+        """Wait for a POST slot: "posting" once it has one, "stopping" on shutdown, "handed_off"
+        when a critical claim that would wait went to the critical lane instead (a terminal
+        event never queues behind ordinary work)."""
+        while not self.stopping:
+            try:
+                self.posting.acquire_nowait()
+                self.posting_runs.add(claim.run_id)
+                return "posting"
+            except anyio.WouldBlock:
+                pass
+            if claim.critical and self.handoff(claim):
+                return "handed_off"
+            await self.slot_freed.wait(self.settings.poll_interval)
+        return "stopping"
+
     async def _deliver_guarded(self, claim: Claim) -> None:
+        slot = "waiting"
         settled = False
         try:
-            async with self.posting:
-                if not self.stopping:
-                    settled = await self._deliver(claim)
+            slot = await self._take_slot(claim)
+            if slot == "posting":
+                settled = await self._deliver(claim)
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:
@@ -252,18 +293,23 @@ class Lane:
                 error=f"{type(exc).__name__}: {str(exc).strip()[:300]}",
             )
         finally:
-            if not settled:
-                # Shutdown, an error, or a lost ack: hand the lease back so another replica takes
-                # over at once rather than after the TTL. Fenced by token: harmless when stale.
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-                    try:
-                        await self.store.release(claim)
-                    except Exception:
-                        pass
             self.inflight.pop(claim.run_id, None)
+            if slot != "handed_off":  # else the critical lane owns the claim now
+                if not settled:
+                    # Shutdown, an error, or a lost ack: hand the lease back so another replica
+                    # takes over at once rather than after the TTL. Fenced by token: harmless
+                    # when stale.
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                        try:
+                            await self.store.release(claim)
+                        except Exception:
+                            pass
+                if slot == "posting":
+                    self.posting_runs.discard(claim.run_id)
+                    self.posting.release()
+                if claim.critical or self.name == "critical":
+                    self.wake.set()
             self.slot_freed.set()
-            if claim.critical or self.name == "critical":
-                self.wake.set()
 
     async def _deliver_group_guarded(self, group: list[Claim]) -> None:
         """Several small runs in one POST to `ingress_batch_url`; each run's answer is then
@@ -365,6 +411,9 @@ class Lane:
 
     async def _deliver(self, claim: Claim) -> bool:
         """Deliver one claim. Returns True when the lease was settled (acked, released or lost)."""
+        if claim.widen:
+            claim.widen = False
+            self.stats.widened += await self.store.widen(claim)
         if not claim.trust.allows_post(anyio.current_time(), self.settings.http_timeout):
             # Waited in the local queue too long to finish a whole request inside the lease.
             self.stats.renewed_before_post += 1

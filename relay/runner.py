@@ -120,12 +120,13 @@ class Relay:
                     s.concurrency,
                     on_ready_change=self._ingress_ready,
                 )
+                ordinary.handoff = critical.adopt
                 self.lanes = {"critical": critical, "ordinary": ordinary}
                 listen_url = s.listen_database_url or s.database_url
                 self.listener = Listener(
                     listen_url.reveal(),
                     s.terminal_channel,
-                    on_terminal=critical.drain,
+                    on_terminal=self._on_terminal,
                     on_delivered=critical.delivered_elsewhere,
                     on_wake=self._wake_all,
                     on_connected=self._wake_all,
@@ -194,6 +195,10 @@ class Relay:
             owner=s.replica_id,
             statement_timeout=s.statement_timeout,
         )
+
+    def _on_terminal(self, run_id: str) -> None:
+        self.lanes["ordinary"].promote(run_id)  # if the ordinary lane holds it, hand it over
+        self.lanes["critical"].drain(run_id)
 
     def _wake_all(self) -> None:
         for lane in self.lanes.values():

@@ -66,6 +66,8 @@ class Claim:
     claimed_at: datetime  # database clock
     trust: Trust
     events: list[ClaimedEvent] = field(default_factory=list)
+    # A terminal event was committed after the claim: widen the prefix before the first POST.
+    widen: bool = False
 
     @property
     def first_seq(self) -> int:
@@ -124,6 +126,13 @@ class Store:
         ).format(s)
         self._fail = sql.SQL("select {}.fail_event(%s, %s, %s, %s, %s)").format(s)
         self._ack = sql.SQL("select * from {}.ack(%s::jsonb)").format(s)
+        self._widen = sql.SQL(
+            "select e.seq, e.event_id, e.event_type, e.payload::text, e.terminal, e.created_at,"
+            " e.traceparent, e.wake_queue"
+            " from {0}.events e join {0}.runs r on r.run_id = e.run_id"
+            " where e.run_id = %s and r.lease_token = %s and e.state = 'pending' and e.seq > %s"
+            " order by e.seq limit %s"
+        ).format(s)
         self._ack_committed = sql.SQL(
             "select not exists (select 1 from {}.events"
             " where run_id = %s and seq <= %s and state = 'pending')"
@@ -232,6 +241,18 @@ class Store:
         ).decode()
         rows = await self._call(self._ack, (payload,))
         return [AckResult(*r) for r in rows]
+
+    async def widen(self, claim: Claim) -> int:
+        """Append events of the claim's run committed since the claim (up to the batch size),
+        while the lease is still ours. Returns how many were added."""
+        room = self.batch_size - len(claim.events)
+        if room <= 0 or not claim.events:
+            return 0
+        rows = await self._call(self._widen, (claim.run_id, claim.token, claim.last_seq, room))
+        claim.events.extend(ClaimedEvent(*r) for r in rows)
+        if any(e.terminal for e in claim.events):
+            claim.critical = True
+        return len(rows)
 
     async def ack_committed(self, run_id: str, upto: int) -> bool:
         """After an ack whose COMMIT outcome is unknown (connection lost): did it commit? It did

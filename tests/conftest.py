@@ -80,3 +80,17 @@ def conn(pg_url: str) -> Iterator[psycopg.Connection[Any]]:
 async def aconn(pg_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
     async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as c:
         yield c
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The fault report (tests/faults/report.py): a table of every fault scenario that ran,
+    also written as JSON."""
+    from tests.faults import report
+
+    if not report.ROWS:
+        return
+    target = report.path(config.rootpath)
+    report.write(report.ROWS, target)
+    terminalreporter.section("fault report")
+    terminalreporter.write(report.table(report.ROWS))
+    terminalreporter.write_line(f"fault report JSON: {target}")

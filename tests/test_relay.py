@@ -424,3 +424,29 @@ async def test_delivered_events_are_pruned_after_retention(
         await wait_for(lambda: count(conn, schema) == 2, what="delivered events pruned")
     left = conn.execute(q(schema, "select event_id, state from {s}.events order by 1"))
     assert left.fetchall() == [("r1-0", "failed"), ("r1-1", "pending")]
+
+
+async def test_a_terminal_committed_for_a_queued_run_is_handed_to_the_critical_lane(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """The ordinary lane holds a run (claimed before its terminal event existed) queued behind
+    slow requests. When the terminal event commits, the claim is widened with it and handed
+    to the critical lane: it does not wait out the ordinary queue (invariant 6)."""
+    s, url = sink
+    for i in range(10):
+        s.faults.delay(0.5, run_id=f"b{i}")
+    enqueue_runs(conn, schema, 10, 1, prefix="b", terminal=False)
+    enqueue_runs(conn, schema, 1, 1, prefix="t", terminal=False)  # t0: one step, no terminal yet
+    cfg = settings(pg_url, schema, url, concurrency=1)
+    async with Relay(cfg).running() as r:
+        ordinary, critical = r.lanes["ordinary"], r.lanes["critical"]
+        await wait_for(lambda: len(ordinary.inflight) == 11, what="all runs held by ordinary")
+        relay.enqueue(conn, "t0", "t0-end", "run_finished", {}, terminal=True, schema=schema)
+        await wait_for(lambda: "t0-end" in s.state.deliveries, what="terminal delivery")
+        delivered_b_then = sum(e.startswith("b") for e in s.state.deliveries)
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 12, timeout=90,
+                       what="the rest")  # fmt: skip
+    assert delivered_b_then < 10  # it did not wait for the ordinary backlog
+    assert critical.stats.adopted == 1 and critical.stats.widened == 1
+    assert s.state.first_order["t0"] == [1, 2]  # one POST carried the step and the terminal
+    assert [len(x["seqs"]) for x in s.state.received if x["run_id"] == "t0"] == [2]

@@ -1,0 +1,29 @@
+"""The fault suite's harness (issue 7, DESIGN §9): real `relay run` replicas, a PostgreSQL the
+harness owns, the reference ingress, a nemesis, and a Jepsen-style queue checker.
+
+- `proxy.py`: a TCP fault proxy (latency, reset, silent blackhole, cut after N bytes).
+- `harness.py`: `Lab`, one scenario's world: schema, engine queue, sink, replicas, producer,
+  and the nemesis' levers (kill, stop/cont, kill after a 2xx, terminate backends, crash
+  PostgreSQL).
+- `checker.py`: the report row of one scenario, computed from the sink, the outbox, the engine
+  and the replicas' logs.
+- `report.py`: the session's rows, printed as a table and written as JSON.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def scale() -> float:
+    """`RELAY_FAULTS_SCALE` (default 1): multiplies workloads and fault repetitions."""
+    return max(0.1, float(os.environ.get("RELAY_FAULTS_SCALE", "1")))
+
+
+def scaled(n: int) -> int:
+    return max(1, round(n * scale()))
+
+
+def soak_seconds() -> float:
+    """`RELAY_FAULTS_SOAK_SECONDS` (default 0: no soak)."""
+    return float(os.environ.get("RELAY_FAULTS_SOAK_SECONDS", "0") or 0)
