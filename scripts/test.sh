@@ -16,6 +16,14 @@ if [ ! -x .venv/bin/relay ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; the
     echo "$want" > "$stamp"
 fi
 
+# The skewed-clock fault scenario needs libfaketime (Debian `faketime`). Best effort, as root
+# with apt: without it that one scenario is skipped with its reason, nothing else changes.
+if ! command -v faketime >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    timeout 60 apt-get install -y -q faketime >/dev/null 2>&1 \
+        || { timeout 120 apt-get update -q >/dev/null 2>&1 && timeout 60 apt-get install -y -q faketime >/dev/null 2>&1; } \
+        || echo "note: faketime could not be installed; the skewed-clock scenario will be skipped"
+fi
+
 failed=()
 check() {  # check LABEL COMMAND...
     local label="$1"
