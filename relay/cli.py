@@ -20,6 +20,7 @@ _HELP = {
     "ingress_batch_url": "optional multi-run batch endpoint",
     "ingress_token": "bearer token for the ingress (secret)",
     "signing_secret": "Standard Webhooks whsec_ secret(s), comma separated (secret)",
+    "ingress_ca_file": "PEM CA bundle to verify the ingress's TLS certificate (default: system)",
     "batch_size": "events per POST (default 100)",
     "lease_ttl": "lease time to live, e.g. 30s",
     "concurrency": "ordinary lane: runs in flight (default 8)",
@@ -81,21 +82,55 @@ def _schema(args: argparse.Namespace) -> str:
         raise ConfigError(f"schema (--schema / RELAY_SCHEMA): {exc}") from None
 
 
+def _reason(exc: Exception, url: str) -> str:
+    """The first line of a database error, with the URL's password masked should libpq ever
+    echo it."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
+    try:
+        password = conninfo_to_dict(url).get("password")
+    except psycopg.ProgrammingError:
+        password = None
+    return reason.replace(str(password), "***") if password else reason
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
+    import psycopg
+
     from relay.migrate import SchemaError, migrate
 
     url = _database_url(args)
     schema = _schema(args)
+    roles = None
+    if args.grant_roles:
+        from relay.roles import Roles
+
+        try:
+            roles = Roles.for_schema(schema, args.producer_role, args.relay_role)
+        except ValueError as exc:
+            raise ConfigError(f"--producer-role / --relay-role: {exc}") from None
+    elif args.producer_role or args.relay_role:
+        raise ConfigError("--producer-role / --relay-role: only with --grant-roles")
     try:
-        result = migrate(url, schema)
+        result = migrate(url, schema, roles=roles)
     except SchemaError as exc:
         print(f"relay migrate: {exc}", file=sys.stderr)
+        return 1
+    except psycopg.Error as exc:  # cannot connect, lock timeout, permission denied, ...
+        print(f"relay migrate: database at {redact_url(url)}: {_reason(exc, url)}", file=sys.stderr)
         return 1
     applied = ", ".join(map(str, result.applied)) or "none"
     print(
         f"schema {schema} at version {result.version} (applied: {applied}; functions "
         f"{'re-created' if result.functions_reapplied else 'unchanged'})"
     )
+    if result.granted is not None:
+        print(
+            f"roles granted: producer {result.granted.producer} (enqueue only), relay "
+            f"{result.granted.relay} (relay run); NOLOGIN, no password: grant them to login roles"
+        )
     return 0
 
 
@@ -169,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("migrate", help="create or upgrade the schema")
     _add_settings(m, ["database_url", "schema"])
+    m.add_argument(
+        "--grant-roles",
+        action="store_true",
+        help="create (NOLOGIN, no password) the producer and relay roles when missing and grant"
+        " each exactly its privileges (docs/security.md)",
+    )
+    m.add_argument("--producer-role", help="producer role name (default <schema>_producer)")
+    m.add_argument("--relay-role", help="relay role name (default <schema>_relay)")
     m.set_defaults(func=cmd_migrate)
 
     r = sub.add_parser("run", help="run the relay")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -216,9 +217,14 @@ def split_results(answer: Answer, claims: Sequence[Claim]) -> dict[str, Answer |
 def make_client(
     settings: Settings, connections: int, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
+    # TLS is verified always: against `ingress_ca_file` when given, else the system's CAs.
+    verify: ssl.SSLContext | bool = True
+    if settings.ingress_ca_file:
+        verify = ssl.create_default_context(cafile=settings.ingress_ca_file)
     return httpx.AsyncClient(
         timeout=httpx.Timeout(settings.http_timeout),
         limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
         follow_redirects=False,
+        verify=verify,
         transport=transport,
     )

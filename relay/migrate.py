@@ -16,6 +16,9 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
+from relay import roles as role_grants
+from relay.roles import Roles
+
 SCHEMA_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,53}$")
 _MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 FUNCTIONS_FILE = "functions.sql"
@@ -103,6 +106,7 @@ class MigrateResult:
     applied: list[int]
     functions_reapplied: bool
     version: int
+    granted: Roles | None = None  # the roles given privileges (--grant-roles)
 
 
 def migrate(
@@ -111,8 +115,11 @@ def migrate(
     *,
     lock_timeout: str = "60s",
     statement_timeout: str = "5min",
+    roles: Roles | None = None,
 ) -> MigrateResult:
-    """Bring `schema` to the code's version. Safe to run from many processes at once."""
+    """Bring `schema` to the code's version. Safe to run from many processes at once. With
+    `roles`, also create them when missing and grant each exactly its privileges
+    (relay/roles.py)."""
     validate_schema_name(schema)
     ident = sql.Identifier(schema)
     with psycopg.connect(conninfo, autocommit=True) as conn:
@@ -120,7 +127,11 @@ def migrate(
         conn.execute("select set_config('statement_timeout', %s, false)", (statement_timeout,))
         conn.execute("select pg_advisory_lock(%s)", (_lock_key(schema),))
         try:
-            return _migrate_locked(conn, schema, ident)
+            result = _migrate_locked(conn, schema, ident)
+            if roles is not None:
+                role_grants.grant(conn, schema, roles)
+                result.granted = roles
+            return result
         finally:
             conn.execute("select pg_advisory_unlock(%s)", (_lock_key(schema),))
 
@@ -183,6 +194,10 @@ def _sync_functions(conn: psycopg.Connection, schema: str, ident: sql.Identifier
         # like one of ours (`events`, `settings`) would shadow it and swallow outbox rows.
         conn.execute(sql.SQL("set local search_path = {}, pg_catalog, pg_temp").format(ident))
         conn.execute(functions_sql().encode())
+        # New functions are executable by PUBLIC, and a function that is new or was re-created
+        # has lost the roles' grants: take the one back and give the others again.
+        role_grants.revoke_public(conn, schema)
+        role_grants.regrant(conn, schema)
         conn.execute(
             sql.SQL(
                 "insert into {}.schema_functions (shipped_sha256, db_fingerprint) values (%s, %s)"

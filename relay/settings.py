@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -101,7 +102,7 @@ def _default_replica_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Settings:
     database_url: Secret
     ingress_url: str
@@ -110,6 +111,7 @@ class Settings:
     ingress_batch_url: str | None = None
     ingress_token: Secret | None = None
     signing_secret: tuple[Secret, ...] = ()
+    ingress_ca_file: str | None = None
     batch_size: int = 100
     lease_ttl: float = 30.0
     concurrency: int = 8
@@ -129,6 +131,12 @@ class Settings:
     @property
     def terminal_channel(self) -> str:
         return f"{self.schema}_terminal"
+
+    def __repr__(self) -> str:
+        # Through describe(): secrets masked and an ingress URL's userinfo redacted, so a
+        # Settings in a traceback or a debugger prints nothing secret.
+        shown = ", ".join(f"{k}={v!r}" for k, v in describe(self).items())
+        return f"Settings({shown})"
 
 
 SECRET_OPTIONS = frozenset(
@@ -210,6 +218,18 @@ def _signing_secrets(text: str) -> tuple[Secret, ...]:
     return tuple(out)
 
 
+def _ca_file(text: str) -> str:
+    """A PEM file of CA certificates the ingress's certificate must chain to (instead of the
+    system's): loaded once here so a missing or broken file fails at start."""
+    try:
+        ssl.create_default_context(cafile=text)
+    except FileNotFoundError:
+        raise ValueError(f"{text!r} does not exist") from None
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"{text!r} is not a readable PEM file of CA certificates: {exc}") from None
+    return text
+
+
 def _schema(text: str) -> str:
     return validate_schema_name(text)
 
@@ -229,6 +249,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "ingress_batch_url": _http_url,
     "ingress_token": lambda t: Secret(t.strip()),
     "signing_secret": _signing_secrets,
+    "ingress_ca_file": _ca_file,
     "batch_size": _int_in(1, 10_000),
     "lease_ttl": _duration_in(1.0, 3600.0),
     "concurrency": _int_in(1, 1024),
@@ -287,6 +308,20 @@ def _read_secret(path: Path, source: str) -> str:
         raise ConfigError(f"{source}: cannot read {path}: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{source}: cannot read {path}: not UTF-8 text") from None
+
+
+def option_value(
+    option: str, flags: Mapping[str, str | None], environ: Mapping[str, str]
+) -> Any | None:
+    """One option read and parsed the way `load` does (flag, environment, secret file,
+    credentials), for commands that need only it (`relay sink --signing-secret`)."""
+    raw = _raw_value(option, flags, environ)
+    if raw is None:
+        return None
+    try:
+        return PARSERS[option](raw)
+    except ValueError as exc:
+        raise ConfigError(f"{option} ({flag_name(option)} / {env_name(option)}): {exc}") from None
 
 
 def load(flags: Mapping[str, str | None], environ: Mapping[str, str] | None = None) -> Settings:

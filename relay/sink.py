@@ -8,20 +8,37 @@ a background thread, for blocking code) or `main` (the `relay sink` command).
 
 Faults are taken in FIFO order, one per request. A fault without `run_id` applies to a whole
 HTTP request; on `POST /batch` a fault with `run_id` applies to that run's part of the request.
+
+With signing secrets configured, both ingress routes verify Standard Webhooks signatures first
+(`verify_signature`, the rules the relay signs by) and answer 401 to anything that does not
+verify, before any fault or bookkeeping: an unsigned request never reaches the outbox's state.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import binascii
 import contextlib
+import hashlib
+import hmac
+import os
 import signal
 import socket
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    MutableMapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import unquote_to_bytes
@@ -30,6 +47,8 @@ import anyio
 import orjson
 import uvicorn
 from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from relay.settings import ConfigError, Secret, option_value
 
 JSON = dict[str, Any]
 Scope = MutableMapping[str, Any]
@@ -63,6 +82,7 @@ class SinkState:
         self.max_receipts = 0
         self.order_violations = 0
         self.stale_epochs = 0
+        self.unauthorized: dict[str, int] = {}  # reason -> requests answered 401
         self._top_seq: dict[str, int] = {}
 
     def record(self, run_id: str, epoch: int, events: list[JSON]) -> tuple[int, JSON]:
@@ -129,6 +149,8 @@ class SinkState:
             "order_violations": self.order_violations,
             "stale_epochs": self.stale_epochs,
             "runs": len(self.first_order),
+            "unauthorized": sum(self.unauthorized.values()),
+            "unauthorized_by_reason": dict(self.unauthorized),
         }
 
 
@@ -288,15 +310,77 @@ def json_reply(status: int, obj: Any, *, drop: bool = False) -> Reply:
     return Reply(status, orjson.dumps(obj), [JSON_TYPE], drop=drop)
 
 
+SIGNATURE_TOLERANCE = 300.0  # seconds either side of now, as in the Standard Webhooks libraries
+
+
+def signing_keys(secrets: Iterable[str | Secret]) -> tuple[bytes, ...]:
+    """The HMAC keys of `whsec_...` secrets (the prefix is optional, as in the reference
+    libraries); raises ValueError on a secret that is not base64."""
+    keys = []
+    for secret in secrets:
+        text = secret.reveal() if isinstance(secret, Secret) else secret
+        try:
+            key = base64.b64decode(text.strip().removeprefix("whsec_"), validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("a signing secret must be whsec_ followed by base64") from None
+        if not key:
+            raise ValueError("a signing secret must not be empty")
+        keys.append(key)
+    return tuple(keys)
+
+
+def verify_signature(
+    keys: Sequence[bytes], headers: dict[str, str], body: bytes, now: float, tolerance: float
+) -> str | None:
+    """Standard Webhooks verification, the rules `relay.ingress.sign` signs by: the three
+    `webhook-*` headers present, the timestamp within `tolerance` seconds of `now`, and any
+    `v1,` signature of the space-separated list equal (constant-time) to the HMAC-SHA256 of
+    `{id}.{timestamp}.{body}` under any key. Returns None when it verifies, else the reason."""
+    msg_id = headers.get("webhook-id")
+    stamp = headers.get("webhook-timestamp")
+    given = headers.get("webhook-signature")
+    if not msg_id or not stamp or not given:
+        return "missing_headers"
+    try:
+        timestamp = int(stamp.strip())
+    except ValueError:
+        return "bad_timestamp"
+    if abs(now - timestamp) > tolerance:
+        return "timestamp_out_of_tolerance"
+    signed = f"{msg_id}.{timestamp}.".encode() + body
+    expected = [base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()) for key in keys]
+    ok = False
+    for item in given.split():
+        version, _, signature = item.partition(",")
+        if version != "v1":
+            continue
+        candidate = signature.encode("utf-8", "surrogatepass")
+        for want in expected:
+            # No early exit: every comparison runs, so timing says nothing about which matched.
+            ok |= hmac.compare_digest(candidate, want)
+    return None if ok else "bad_signature"
+
+
 class Sink:
     """The ASGI app: routes of DESIGN §5 plus `/_sink/*` controls for a sink in another process.
 
     `POST /batch` does not check `relay-lease-epoch` (one request carries several runs' epochs).
     """
 
-    def __init__(self, state: SinkState | None = None, faults: Faults | None = None) -> None:
+    def __init__(
+        self,
+        state: SinkState | None = None,
+        faults: Faults | None = None,
+        *,
+        signing_secrets: Iterable[str | Secret] = (),
+        tolerance: float = SIGNATURE_TOLERANCE,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.state = state if state is not None else SinkState()
         self.faults = faults if faults is not None else Faults()
+        self.signing_keys = signing_keys(signing_secrets)  # none: signatures are not checked
+        self.tolerance = tolerance
+        self.clock = clock
         self._closing: anyio.Event | None = None  # set by serve_sink; ends injected delays
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -335,9 +419,14 @@ class Sink:
                 run_id = unquote_to_bytes(path[6:-7]).decode()
             except UnicodeDecodeError:
                 return json_reply(400, {"error": "run id in the URL is not UTF-8"})
+            if (denied := self._unauthorized(body, headers)) is not None:
+                self.state.note(run_id, None, [], headers, 401, "unauthorized")
+                return denied
             return await self._run_events(run_id, body, headers)
         match method, path:
             case "POST", b"/batch":
+                if (denied := self._unauthorized(body, headers)) is not None:
+                    return denied
                 return await self._batch(body, headers)
             case "GET", b"/_sink/stats":
                 return json_reply(200, self.state.stats())
@@ -349,6 +438,16 @@ class Sink:
             case "GET", b"/healthz":
                 return json_reply(200, {"ok": True})
         return json_reply(404, {"error": "no such route"})
+
+    def _unauthorized(self, body: bytes, headers: dict[str, str]) -> Reply | None:
+        """A 401 reply when signatures are checked and this request's does not verify."""
+        if not self.signing_keys:
+            return None
+        reason = verify_signature(self.signing_keys, headers, body, self.clock(), self.tolerance)
+        if reason is None:
+            return None
+        self.state.unauthorized[reason] = self.state.unauthorized.get(reason, 0) + 1
+        return json_reply(401, {"error": f"signature verification failed: {reason}"})
 
     async def _run_events(self, url_run_id: str, body: bytes, headers: dict[str, str]) -> Reply:
         try:
@@ -597,8 +696,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--accept-stale-epochs", action="store_true", help="count stale epochs, answer 200"
     )
+    parser.add_argument(
+        "--signing-secret",
+        metavar="SIGNING_SECRET",
+        help="verify Standard Webhooks signatures with these whsec_ secret(s), comma separated;"
+        " also RELAY_SIGNING_SECRET, RELAY_SIGNING_SECRET_FILE, $CREDENTIALS_DIRECTORY",
+    )
+    parser.add_argument(
+        "--signature-tolerance",
+        type=float,
+        default=SIGNATURE_TOLERANCE,
+        metavar="SECONDS",
+        help=f"accepted clock skew of webhook-timestamp (default {SIGNATURE_TOLERANCE:g})",
+    )
     args = parser.parse_args(argv)
-    sink = Sink()
+    try:
+        secrets: tuple[Secret, ...] = (
+            option_value("signing_secret", {"signing_secret": args.signing_secret}, os.environ)
+            or ()
+        )
+    except ConfigError as exc:
+        parser.exit(2, f"relay sink: invalid configuration: {exc}\n")
+    sink = Sink(signing_secrets=secrets, tolerance=args.signature_tolerance)
     sink.state.reject_stale_epochs = not args.accept_stale_epochs
     sink.state.keep_received = False  # nothing outside the process can read it
 

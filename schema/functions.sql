@@ -3,6 +3,13 @@
 -- function pins that path (`set search_path from current`), so the schema name is configurable
 -- without templating and no caller's search_path (or temporary table) can redirect it.
 --
+-- Least privilege (docs/security.md): the functions producers call (enqueue, enqueue_many) and
+-- the ones `relay run` calls (claim, renew, release, fail_event, ack, prune, backlog) are
+-- `security definer`: they run as the schema's owner, so the producer and relay roles need
+-- EXECUTE on them and no privilege on any table. That is safe only because every one of them
+-- pins search_path with pg_temp last and builds no SQL from its arguments. `relay migrate`
+-- revokes EXECUTE on every function here from PUBLIC each time it (re-)applies them.
+--
 -- Error messages start with "relay." and name the offending argument; SQLSTATEs:
 --   22023 invalid_parameter_value   bad input (nothing inserted)
 --   23505 unique_violation          same event_id, different content
@@ -39,6 +46,7 @@ create or replace function enqueue(
 ) returns bigint
 language plpgsql volatile
 set search_path from current
+security definer
 as $$
 declare
     v_max_id int := setting('max_id_bytes')::int;
@@ -182,6 +190,7 @@ $$;
 create or replace function enqueue_many(p_run_id text, p_events jsonb) returns bigint[]
 language plpgsql volatile
 set search_path from current
+security definer
 as $$
 declare
     v_item jsonb;
@@ -261,6 +270,7 @@ create or replace function claim(
 )
 language plpgsql volatile
 set search_path from current
+security definer
 as $$
 declare
     v_run runs%rowtype;
@@ -337,6 +347,7 @@ create or replace function renew(p_run_ids text[], p_tokens uuid[], p_ttl interv
 returns table (run_id text, lease_expires_at timestamptz)
 language sql volatile
 set search_path from current
+security definer
 as $$
     update runs r
     set lease_expires_at = t.expires,
@@ -358,6 +369,7 @@ create or replace function release(
 ) returns boolean
 language plpgsql volatile
 set search_path from current
+security definer
 as $$
 begin
     update runs
@@ -388,6 +400,7 @@ create or replace function fail_event(
 ) returns boolean
 language plpgsql volatile
 set search_path from current
+security definer
 as $$
 begin
     update runs
@@ -421,6 +434,7 @@ returns table (run_id text, status text, acked int, last_seq bigint, lag_seconds
                error text)
 language plpgsql volatile
 set search_path from current
+security definer
 as $$
 declare
     v_b jsonb;
@@ -540,6 +554,7 @@ $$;
 create or replace function prune(p_retention interval, p_limit int) returns int
 language plpgsql volatile
 set search_path from current
+security definer
 as $$
 declare
     v_n int;

@@ -18,6 +18,7 @@ create or replace function backlog()
 returns table (lane text, runs bigint, events bigint, oldest_age_seconds double precision)
 language sql volatile
 set search_path from current
+security definer
 as $$
     with active as (
         select r.run_id,

@@ -115,9 +115,10 @@ async def test_canary_in_process(
             max_backoff="0.5s",
             log_level="debug",
         )
-        # describe() is what `relay check`/status print. (repr(Settings) still shows an ingress
-        # URL's userinfo: nothing prints it, and the URL is only ever logged redacted.)
+        # describe() is what `relay check`/status print; repr() is what a traceback shows.
         assert_clean(str(describe(cfg)), "describe(settings)")
+        assert_clean(repr(cfg) + str(cfg), "repr(settings)")
+        assert "ingress_url=" in repr(cfg) and "***" in repr(cfg)
         async with Relay(cfg).running() as r:
             await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 4, what="4")
             await wait_for(lambda: count(conn, schema, "state = 'failed'") == 1, what="poison")
@@ -209,6 +210,9 @@ async def test_canary_in_subprocesses(
     assert '"event":"delivered"' in outputs["run"]
 
     assert await cli("check ok", good, "check", "--timeout", "3") == 0
+    assert await cli("status", good, "status") == 0
+    assert await cli("status json", good, "status", "--json") == 0
+    assert await cli("status failing login", bad, "status") != 0
     assert await cli("check failing login", bad, "check", "--timeout", "3") != 0
     assert await cli("run failing login", bad, "run") == 2
     assert await cli("migrate failing login", bad, "migrate") != 0
@@ -216,6 +220,9 @@ async def test_canary_in_subprocesses(
     assert await cli("invalid configuration", invalid, "run") == 2
     # The failing login did reach the server and fail, and said so.
     assert "FAIL database" in outputs["check failing login"]
+    for name in ("migrate failing login", "status failing login"):
+        assert "Traceback" not in outputs[name], outputs[name]
+        assert "does not exist" in outputs[name] or "authentication" in outputs[name], name
     for name, text in outputs.items():
         assert text.strip(), name
         assert_clean(text, f"`relay {name}` output")

@@ -85,6 +85,8 @@ async def test_counts_duplicates(ingress: Ingress) -> None:
         "order_violations": 0,
         "stale_epochs": 0,
         "runs": 1,
+        "unauthorized": 0,
+        "unauthorized_by_reason": {},
     }
 
 
