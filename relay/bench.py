@@ -25,9 +25,9 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -40,86 +40,26 @@ from psycopg import sql
 from rich.console import Console
 from rich.table import Table
 
-from relay import __version__, logs
+from relay import __version__, bench_latency, bench_throughput, logs
+from relay.bench_kit import BenchFailed, BenchSink, Env, Result, Scenario, positive
 from relay.demo import ABSURD_INSTALL_LOCK, percentile
 from relay.engine import WakeWorker
 from relay.migrate import migrate
 from relay.producer import enqueue_async
 from relay.runner import Relay
-from relay.settings import Settings, load, redact_url
-from relay.sink import Sink, serve_sink
-
-
-class BenchFailed(Exception):
-    pass
-
-
-@dataclass
-class Env:
-    """What every scenario gets: a migrated schema, Absurd, a running reference sink."""
-
-    url: str
-    schema: str
-    sink: Sink
-    ingress_url: str
-    console: Console
-    queues: list[str] = field(default_factory=list)
-
-    def settings(self, **overrides: str) -> Settings:
-        flags: dict[str, str | None] = {
-            "database_url": self.url,
-            "schema": self.schema,
-            "ingress_url": self.ingress_url,
-            "log_level": "warning",
-            "retention": "0",
-            **overrides,
-        }
-        return load(flags, environ={})
-
-    def new_queue(self, suffix: str) -> str:
-        name = f"{self.schema}_{suffix}"
-        with psycopg.connect(self.url, autocommit=True) as conn:
-            conn.execute("select absurd.create_queue(%s)", (name,))
-        self.queues.append(name)
-        return name
-
-
-@dataclass
-class Result:
-    columns: list[str]
-    rows: list[dict[str, Any]]
-    notes: list[str] = field(default_factory=list)
-    data: dict[str, Any] = field(default_factory=dict)  # extra machine-readable detail
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    summary: str
-    run: Callable[[Env, argparse.Namespace], Awaitable[Result]]
-    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None
-
+from relay.settings import redact_url
+from relay.sink import serve_sink
 
 # -- scenario: wake ----------------------------------------------------------------------------
 
 TASK = "bench-await-run-created"
 
 
-def _positive(kind: Callable[[str], float]) -> Callable[[str], Any]:
-    def parse(text: str) -> float:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    return parse
-
-
 def _wake_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("wake")
-    g.add_argument("--tasks", type=_positive(int), default=100, help="tasks per mode (100)")
+    g.add_argument("--tasks", type=positive(int), default=100, help="tasks per mode (100)")
     g.add_argument(
-        "--poll-interval", type=_positive(float), default=0.25, help="worker poll (0.25 s)"
+        "--poll-interval", type=positive(float), default=0.25, help="worker poll (0.25 s)"
     )
     g.add_argument("--seed", type=int, default=None, help="seed of the commit pauses")
 
@@ -334,14 +274,74 @@ async def wake_scenario(env: Env, a: argparse.Namespace) -> Result:
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
+        *bench_throughput.SCENARIOS,
+        *bench_latency.SCENARIOS,
         Scenario(
             "wake",
             "ack-to-task-resumed latency: stock Absurd polling vs the wake listener",
             wake_scenario,
             _wake_arguments,
+            {"tasks": 5},
         ),
     ]
 }
+
+
+# -- targets (issue 6): ratios from one run ------------------------------------------------------
+
+
+def targets(m: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of issue 6 that this run's metrics can judge: its measured ratio and verdict."""
+    out: list[dict[str, Any]] = []
+
+    def add(target: str, have: Any, need: float, ok: bool) -> None:
+        out.append(
+            {
+                "target": target,
+                "measured": round(have, 3),
+                "needed": round(need, 3),
+                "verdict": "met" if ok else "MISSED",
+            }
+        )
+
+    def has(*keys: str) -> bool:
+        return all(isinstance(m.get(k), int | float) and m[k] > 0 for k in keys)
+
+    if has("e2e_eps", "db_limit_eps", "http_limit_eps"):
+        floor = min(m["db_limit_eps"], m["http_limit_eps"])
+        r = m["e2e_eps"] / floor
+        add("e2e_eps ≥ 0.5 × min(db_limit_eps, http_limit_eps)", r, 0.5, r >= 0.5)
+    if has("e2e_eps", "naive_eps"):
+        r = m["e2e_eps"] / m["naive_eps"]
+        add("e2e_eps ≥ 10 × naive_eps", r, 10, r >= 10)
+    if has("e2e_eps", "peer_eps"):
+        r = m["e2e_eps"] / m["peer_eps"]
+        add("e2e_eps > peer_eps", r, 1, r > 1)
+    if has("e2e_eps", "tiny_runs_eps"):
+        r = m["tiny_runs_eps"] / m["e2e_eps"]
+        add("tiny_runs_eps ≥ 0.25 × e2e_eps", r, 0.25, r >= 0.25)
+    if has("e2e_eps", "tiny_runs_eps_batched"):
+        r = m["tiny_runs_eps_batched"] / m["e2e_eps"]
+        add("tiny_runs_eps_batched ≥ 0.25 × e2e_eps", r, 0.25, r >= 0.25)
+    if has("claim_eps_1m_pending", "claim_eps_10k_pending"):
+        r = m["claim_eps_1m_pending"] / m["claim_eps_10k_pending"]
+        add("claim_eps_1m_pending ≥ 0.8 × claim_eps_10k_pending", r, 0.8, r >= 0.8)
+    if has("terminal_p99_ms_backlog", "terminal_p99_ms_idle"):
+        need = 2 * m["terminal_p99_ms_idle"] + 10
+        have = m["terminal_p99_ms_backlog"]
+        add("terminal_p99_ms_backlog ≤ 2 × terminal_p99_ms_idle + 10 ms", have, need, have <= need)
+    if has("terminal_p50_ms_idle"):
+        have = m["terminal_p50_ms_idle"]
+        add("terminal_p50_ms_idle ≤ 5 ms", have, 5, have <= 5)
+    if has("peak_rss_mb"):
+        have = m["peak_rss_mb"]
+        add(
+            f"peak_rss_mb ≤ 150 (at {m.get('rss_events', 1_000_000):,} events)",
+            have,
+            150,
+            have <= 150,
+        )
+    return out
 
 
 # -- the shell ---------------------------------------------------------------------------------
@@ -351,13 +351,13 @@ SCENARIOS: dict[str, Scenario] = {
 async def environment(url: str | None, console: Console) -> AsyncIterator[Env]:
     """Database (embedded unless `url`), fresh schema, Absurd, the sink; all gone afterwards."""
     async with AsyncExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="relay-bench-")))
         if not url:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # pgserver's platformdirs about XDG_RUNTIME_DIR
                 from relay.embedded import EmbeddedPostgres
 
-                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="relay-bench-"))
-                server = EmbeddedPostgres(Path(tmp) / "pg", durable=True)
+                server = EmbeddedPostgres(tmp / "pg", durable=True)
             with console.status("starting an embedded PostgreSQL…"):
                 url = await anyio.to_thread.run_sync(server.start)
             stack.callback(server.stop)
@@ -367,10 +367,10 @@ async def environment(url: str | None, console: Console) -> AsyncIterator[Env]:
         schema = f"bench_{secrets.token_hex(4)}"
         await anyio.to_thread.run_sync(migrate, url, schema)
         _install_absurd(url)
-        sink = Sink()
+        sink = BenchSink()
         sink.state.keep_received = False
         base = await stack.enter_async_context(serve_sink(sink))
-        env = Env(url, schema, sink, base + "/runs/{run_id}/events", console)
+        env = Env(url, schema, sink, base + "/runs/{run_id}/events", console, tmp, stack)
         stack.callback(_drop, env)
         yield env
 
@@ -407,10 +407,76 @@ def render(name: str, result: Result) -> Table:
     return table
 
 
+def _flat(metrics: dict[str, Any]) -> list[tuple[str, float]]:
+    out = []
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            out += [(f"{key}[{k}]", v) for k, v in value.items()]
+        else:
+            out.append((key, value))
+    return out
+
+
+def summary(metrics: dict[str, Any], judged: list[dict[str, Any]]) -> list[Table]:
+    table = Table(title="relay bench: summary", title_justify="left")
+    table.add_column("key")
+    table.add_column("value", justify="right")
+    for key, value in _flat(metrics):
+        table.add_row(key, f"{value:,.2f}" if isinstance(value, float) else str(value))
+    checks = Table(title="relay bench: targets (ratios from this run)", title_justify="left")
+    for col in ("target", "measured", "needed", "verdict"):
+        checks.add_column(col, justify="left" if col == "target" else "right")
+    for t in judged:
+        checks.add_row(t["target"], str(t["measured"]), str(t["needed"]), t["verdict"])
+    return [table, checks]
+
+
+def plot(path: Path, metrics: dict[str, Any]) -> None:
+    """Throughput (events or transactions per second) and latency (ms) per scenario, as PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BenchFailed("--plot needs matplotlib: pip install 'ledger-relay[bench]'") from None
+    flat = _flat(metrics)
+    rates = [(k, v) for k, v in flat if "_eps" in k or "_tps" in k]
+    lat = [(k, v) for k, v in flat if "_ms" in k]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 6.5))
+    for ax, items, title, unit in (
+        (left, rates, "throughput", "per second"),
+        (right, lat, "latency (commit → ingress)", "ms"),
+    ):
+        names = [k for k, _ in items]
+        values = [v for _, v in items]
+        bars = ax.barh(names, values, color="#4477aa")
+        ax.invert_yaxis()
+        ax.set_title(title)
+        ax.set_xlabel(unit)
+        if title == "latency (commit → ingress)" and values and max(values) > 50 * min(values):
+            ax.set_xscale("log")
+        ax.bar_label(
+            bars,
+            labels=[f"{v:,.0f}" if v >= 100 else f"{v:.1f}" for v in values],
+            fontsize=8,
+            padding=2,
+        )
+    fig.suptitle(f"relay bench {__version__} — {os.cpu_count()} CPUs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="relay bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", default=",".join(SCENARIOS), help=f"of: {', '.join(SCENARIOS)}")
     p.add_argument("--json", dest="json_path", type=Path, help="also write the results here")
+    p.add_argument("--plot", dest="plot_path", type=Path, help="write a PNG chart here")
+    p.add_argument("--reps", type=positive(int), default=3, help="repetitions per figure (3)")
+    p.add_argument(
+        "--smoke", action="store_true", help="a tiny version of every scenario (seconds)"
+    )
     p.add_argument(
         "--database-url",
         default=os.environ.get("RELAY_DATABASE_URL"),
@@ -423,6 +489,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     unknown = [n for n in a.only if n not in SCENARIOS]
     if unknown or not a.only:
         p.error(f"--only: unknown scenario {unknown}; choose from {', '.join(SCENARIOS)}")
+    if a.smoke:
+        a.reps = 1
+        for s in SCENARIOS.values():
+            for option, value in s.smoke.items():
+                setattr(a, option, value)
     if a.seed is None:
         a.seed = random.randrange(2**31)
     return a
@@ -433,12 +504,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console(highlight=False)
     logs.configure("text", "warning")
     results: dict[str, Result] = {}
+    failed: dict[str, str] = {}
 
     async def run_all() -> None:
         async with environment(a.database_url, console) as env:
-            for name in a.only:
-                results[name] = await SCENARIOS[name].run(env, a)
+            for i, name in enumerate(a.only):
+                console.rule(f"[{i + 1}/{len(a.only)}] {name}: {SCENARIOS[name].summary}")
+                started = time.monotonic()
+                try:
+                    results[name] = await SCENARIOS[name].run(env, a)
+                except Exception as exc:
+                    # One scenario's failure does not lose the others' figures.
+                    failed[name] = f"{type(exc).__name__}: {exc}"
+                    console.print(f"[bold red]{name} failed:[/bold red] {failed[name]}")
+                    continue
                 console.print(render(name, results[name]))
+                console.print(f"({time.monotonic() - started:.0f} s)")
 
     failure: BaseException | None = None
     try:
@@ -450,10 +531,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failure is not None:
         console.print(f"[bold red]relay bench failed:[/bold red] {failure}")
         return 1
+    metrics: dict[str, Any] = {}
+    for r in results.values():
+        metrics.update(r.metrics)
+    if "peak_rss" in results:
+        metrics["rss_events"] = a.rss_events
+    judged = targets(metrics)
+    metrics.pop("rss_events", None)
+    for table in summary(metrics, judged):
+        console.print(table)
     if a.json_path is not None:
         out = {
             "relay_version": __version__,
             "at": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
+            "reps": a.reps,
+            "smoke": a.smoke,
+            "metrics": metrics,
+            "targets": judged,
+            "failed": failed,
             "scenarios": {
                 n: {"rows": r.rows, "notes": r.notes, "samples_s": r.data}
                 for n, r in results.items()
@@ -461,4 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         a.json_path.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2) + b"\n")
         console.print(f"results written to {a.json_path}")
-    return 0
+    if a.plot_path is not None:
+        plot(a.plot_path, metrics)
+        console.print(f"chart written to {a.plot_path}")
+    return 1 if failed else 0

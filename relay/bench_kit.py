@@ -1,0 +1,344 @@
+"""What every `relay bench` scenario shares: the environment, results, and the moving parts
+(bulk backlogs, `relay sink` and `relay run` subprocesses, waiting for delivery, medians).
+
+The relay and the reference ingress run as their own processes in the throughput scenarios, so
+the bench process (which only builds backlogs and polls counters) is never the bottleneck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import httpx
+import psycopg
+from psycopg import sql
+from rich.console import Console
+
+from relay.settings import Settings, load
+from relay.sink import JSON, Sink
+
+Metrics = dict[str, Any]  # JSON key -> number, or {label: number} (e2e_eps_by_replicas)
+
+
+class BenchFailed(Exception):
+    pass
+
+
+class BenchSink(Sink):
+    """The reference ingress, plus one knob of its own: requests for runs whose id starts with
+    `slow_prefix` wait `slow_seconds` first (a slow ingress for the ordinary backlog only, so
+    terminal events of other runs show what the critical lane is worth)."""
+
+    slow_prefix: str | None = None
+    slow_seconds: float = 0.0
+
+    async def _run_events(self, url_run_id: str, body: bytes, headers: dict[str, str]) -> Any:
+        if self.slow_prefix and url_run_id.startswith(self.slow_prefix):
+            await self._delay(self.slow_seconds)
+        return await super()._run_events(url_run_id, body, headers)
+
+
+@dataclass
+class Env:
+    """What every scenario gets: a migrated schema, Absurd, a running reference sink in process
+    (`sink`, `ingress_url`) and, on demand, one in its own process (`external_sink()`)."""
+
+    url: str
+    schema: str
+    sink: BenchSink
+    ingress_url: str
+    console: Console
+    workdir: Path
+    stack: AsyncExitStack
+    queues: list[str] = field(default_factory=list)
+    _external: str | None = None
+
+    def settings(self, **overrides: str) -> Settings:
+        flags: dict[str, str | None] = {
+            "database_url": self.url,
+            "schema": self.schema,
+            "ingress_url": self.ingress_url,
+            "log_level": "warning",
+            "retention": "0",
+            **overrides,
+        }
+        return load(flags, environ={})
+
+    def new_queue(self, suffix: str) -> str:
+        name = f"{self.schema}_{suffix}"
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            conn.execute("select absurd.create_queue(%s)", (name,))
+        self.queues.append(name)
+        return name
+
+    def q(self, text: str) -> sql.Composed:
+        """`text` with `{s}` replaced by the quoted schema."""
+        return sql.SQL(text).format(s=sql.Identifier(self.schema))
+
+    async def external_sink(self) -> str:
+        """Base URL of a `relay sink` subprocess (started on first use, reset by `reset`)."""
+        if self._external is None:
+            self._external = await self.stack.enter_async_context(sink_process(self.workdir))
+        return self._external
+
+
+@dataclass
+class Result:
+    columns: list[str]
+    rows: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)  # extra machine-readable detail
+    metrics: Metrics = field(default_factory=dict)  # the issue's JSON keys
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    summary: str
+    run: Callable[[Env, argparse.Namespace], Awaitable[Result]]
+    add_arguments: Callable[[argparse.ArgumentParser], None] = lambda p: None
+    smoke: dict[str, Any] = field(default_factory=dict)  # option -> its value under --smoke
+    keys: tuple[str, ...] = ()  # the JSON keys it fills
+
+
+def positive(kind: Callable[[str], float]) -> Callable[[str], Any]:
+    def parse(text: str) -> float:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
+def median(values: Sequence[float]) -> float:
+    return round(statistics.median(values), 2) if values else 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- the database ---------------------------------------------------------------------------
+
+
+async def reset(env: Env) -> None:
+    """Empty the outbox between repetitions (and the external sink's memory)."""
+    async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
+        await conn.execute(env.q("truncate {s}.events, {s}.runs, {s}.run_seqs"))
+        await conn.execute(
+            env.q("update {s}.settings set value = 'on' where key = 'notify_ordinary'")
+        )
+    env.sink.state.reset()
+    if env._external is not None:
+        async with httpx.AsyncClient() as client:
+            await client.post(env._external + "/_sink/reset")
+
+
+async def backlog(
+    env: Env, runs: int, per_run: int, prefix: str = "b", *, notify: bool = True
+) -> float:
+    """A pending backlog written straight into the tables with generate_series (the rows
+    `enqueue` writes, without 10^6 function calls; as tests/support.py `bulk_backlog`), in one
+    transaction that also wakes the relay like one producer commit would. Returns the
+    monotonic time of its commit."""
+    async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
+        async with conn.transaction():
+            await conn.execute(
+                env.q(
+                    "insert into {s}.run_seqs (run_id, last_seq)"
+                    " select %s || r, %s from generate_series(1, %s) r"
+                ),
+                (prefix, per_run, runs),
+            )
+            await conn.execute(
+                env.q(
+                    "insert into {s}.runs (run_id, next_attempt_at)"
+                    " select %s || r, clock_timestamp() from generate_series(1, %s) r"
+                ),
+                (prefix, runs),
+            )
+            await conn.execute(
+                env.q(
+                    "insert into {s}.events (run_id, seq, event_id, event_type, payload)"
+                    " select %s || r, i, %s || r || '-' || i, 'step',"
+                    " jsonb_build_object('run', %s || r, 'step', i, 'note', 'benchmark event')"
+                    " from generate_series(1, %s) r, generate_series(1, %s) i"
+                ),
+                (prefix, prefix, prefix, runs, per_run),
+            )
+            await conn.execute(env.q("analyze {s}.events, {s}.runs"))
+            if notify:
+                await conn.execute("select pg_notify('absurd_wake', 'bench')")
+        return time.monotonic()
+
+
+async def pending(env: Env) -> int:
+    async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
+        row = await (
+            await conn.execute(env.q("select count(*) from {s}.events where state = 'pending'"))
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+def _clean_environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+
+
+async def _wait_http(url: str, proc: anyio.abc.Process, what: str, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    async with httpx.AsyncClient() as client:
+        while True:
+            if proc.returncode is not None:
+                raise BenchFailed(f"{what} exited with {proc.returncode}: {_tail(log)}")
+            try:
+                if (await client.get(url, timeout=2)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise BenchFailed(f"{what} did not become ready: {_tail(log)}")
+            await anyio.sleep(0.05)
+
+
+def _tail(log: Path) -> str:
+    try:
+        return log.read_text(errors="replace")[-600:]
+    except OSError:
+        return "(no log)"
+
+
+async def _stop(proc: anyio.abc.Process, grace: float = 20) -> None:
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+        with anyio.move_on_after(grace):
+            await proc.wait()
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
+@asynccontextmanager
+async def sink_process(workdir: Path) -> AsyncIterator[str]:
+    """`relay sink` in its own process; yields its base URL."""
+    port = free_port()
+    log = workdir / f"sink-{port}.log"
+    code = "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))"
+    with log.open("wb") as err:
+        proc = await anyio.open_process(
+            [sys.executable, "-c", code, "sink", "--port", str(port), "--accept-stale-epochs"],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=_clean_environ(),
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        await _wait_http(base + "/healthz", proc, "relay sink", log)
+        yield base
+    finally:
+        await _stop(proc)
+
+
+@dataclass
+class RelayProcess:
+    proc: anyio.abc.Process
+    metrics_url: str
+
+    def peak_rss_mb(self) -> float:
+        """VmHWM: the process's peak resident set size so far."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return 0.0
+
+
+@asynccontextmanager
+async def relay_processes(
+    env: Env, n: int, ingress: str, **settings: str
+) -> AsyncIterator[list[RelayProcess]]:
+    """`n` replicas of `relay run` (default settings unless given), ready (their /readyz
+    answers 200) when the block starts; stopped gracefully (SIGTERM) when it ends."""
+    procs: list[RelayProcess] = []
+    code = "import sys; from relay.cli import main; sys.exit(main(['run']))"
+    async with AsyncExitStack() as stack:
+        for i in range(n):
+            port = free_port()
+            environ = _clean_environ() | {
+                "RELAY_DATABASE_URL": env.url,
+                "RELAY_SCHEMA": env.schema,
+                "RELAY_INGRESS_URL": ingress + "/runs/{run_id}/events",
+                "RELAY_LOG_LEVEL": "warning",
+                "RELAY_RETENTION": "0",
+                "RELAY_METRICS_ADDR": f"127.0.0.1:{port}",
+                "RELAY_REPLICA_ID": f"bench-{i}",
+            }
+            environ |= {f"RELAY_{k.upper()}": v for k, v in settings.items()}
+            log = env.workdir / f"relay-{port}.log"
+            with log.open("wb") as err:
+                proc = await anyio.open_process(
+                    [sys.executable, "-c", code],
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    env=environ,
+                )
+            stack.push_async_callback(_stop, proc)
+            rp = RelayProcess(proc, f"http://127.0.0.1:{port}")
+            procs.append(rp)
+        for i, rp in enumerate(procs):
+            await _wait_http(rp.metrics_url + "/readyz", rp.proc, f"relay replica {i}", log)
+        yield procs
+
+
+async def sink_stats(client: httpx.AsyncClient, base: str) -> JSON:
+    stats: JSON = (await client.get(base + "/_sink/stats", timeout=10)).json()
+    return stats
+
+
+async def until_received(
+    env: Env,
+    base: str,
+    total: int,
+    what: str,
+    *,
+    on_tick: Callable[[], None] = lambda: None,
+    timeout: float = 600,  # noqa: ASYNC109 - a deadline for waiting, not an I/O timeout
+) -> float:
+    """Wait until the sink at `base` has `total` distinct events; returns the monotonic time
+    it did (to 50 ms). Shows progress."""
+    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    async with httpx.AsyncClient() as client:
+        with env.console.status(f"{what}: 0/{total}") as status:
+            while True:
+                got = int((await sink_stats(client, base))["unique_events"])
+                now = time.monotonic()
+                if got >= total:
+                    return now
+                on_tick()
+                rate = got / max(now - started, 1e-9)
+                status.update(f"{what}: {got:,}/{total:,} events ({rate:,.0f}/s)")
+                if now > deadline:
+                    raise BenchFailed(f"{what}: only {got}/{total} delivered after {timeout:g}s")
+                await anyio.sleep(0.05)

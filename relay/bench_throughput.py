@@ -1,0 +1,594 @@
+"""Throughput scenarios of `relay bench`: the machine's limits (database, HTTP), the relay end
+to end, what people write or pick instead (a naive relay, PgQueuer), claims against a deep
+backlog, and the relay's memory over a 1M-event run.
+
+Events per second are distinct events received by the ingress over the time from the commit
+of the backlog (the relay already running, idle) to the last receipt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from relay.bench_kit import (
+    BenchFailed,
+    Env,
+    Result,
+    Scenario,
+    backlog,
+    median,
+    positive,
+    relay_processes,
+    reset,
+    until_received,
+)
+from relay.ingress import IngressClient, make_client
+from relay.policy import Trust
+from relay.store import CONNECT_KWARGS, Claim, ClaimedEvent, Store
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("throughput")
+    g.add_argument("--e2e-runs", type=positive(int), default=20_000, help="runs (20k)")
+    g.add_argument("--e2e-per-run", type=positive(int), default=10, help="events per run (10)")
+    g.add_argument("--e2e-reps", type=positive(int), default=2, help="repetitions (2)")
+    g.add_argument("--replicas", default="1,2,4", help="replica counts (1,2,4)")
+    g.add_argument("--limit-runs", type=positive(int), default=10_000, help="db/http runs (10k)")
+    g.add_argument("--tiny-runs", type=positive(int), default=50_000, help="1-event runs (50k)")
+    g.add_argument("--naive-seconds", type=positive(float), default=10.0, help="(10 s)")
+    g.add_argument("--peer-events", type=positive(int), default=20_000, help="PgQueuer jobs")
+    g.add_argument("--claim-seconds", type=positive(float), default=3.0, help="per rep (3 s)")
+    g.add_argument("--claim-big", type=positive(int), default=1_000_000, help="pending (1M)")
+    g.add_argument("--rss-events", type=positive(int), default=1_000_000, help="(1M)")
+
+
+SMOKE = {
+    "e2e_runs": 200,
+    "e2e_per_run": 10,
+    "e2e_reps": 1,
+    "replicas": "1,2",
+    "limit_runs": 200,
+    "tiny_runs": 500,
+    "naive_seconds": 1.0,
+    "peer_events": 200,
+    "claim_seconds": 0.5,
+    "claim_big": 20_000,
+    "rss_events": 5_000,
+}
+
+# -- the limits -----------------------------------------------------------------------------
+
+
+async def _store(env: Env, size: int) -> tuple[AsyncConnectionPool[Any], Store]:
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        env.url, min_size=size, max_size=size, kwargs=dict(CONNECT_KWARGS), open=False
+    )
+    await pool.open(wait=True)
+    s = env.settings()
+    store = Store(
+        pool, env.schema, lease_ttl=s.lease_ttl, batch_size=s.batch_size, owner="bench-limit"
+    )
+    return pool, store
+
+
+async def db_limit(env: Env, a: argparse.Namespace) -> Result:
+    """The relay's own claim + grouped-ack SQL in a tight loop: what the database allows."""
+    loops, claim_runs = 4, env.settings().claim_runs
+    rates = []
+    for rep in range(a.reps):
+        await reset(env)
+        await backlog(env, a.limit_runs, a.e2e_per_run, f"d{rep}-", notify=False)
+        pool, store = await _store(env, loops)
+        done = 0
+
+        async def loop(store: Store) -> None:
+            nonlocal done
+            while True:
+                claims = await store.claim("ordinary", claim_runs)
+                if not claims:
+                    return
+                await store.ack([(c, c.last_seq, False) for c in claims])
+                done += sum(len(c.events) for c in claims)
+
+        try:
+            with env.console.status(f"db_limit_eps: rep {rep + 1}/{a.reps}"):
+                started = time.monotonic()
+                async with anyio.create_task_group() as tg:
+                    for _ in range(loops):
+                        tg.start_soon(loop, store)
+                rates.append(done / (time.monotonic() - started))
+        finally:
+            await pool.close()
+    eps = median(rates)
+    return Result(
+        ["key", "events_per_s", "reps"],
+        [{"key": "db_limit_eps", "events_per_s": eps, "reps": [round(r) for r in rates]}],
+        [
+            f"{loops} concurrent loops of Store.claim(ordinary, {claim_runs} runs) + one "
+            f"grouped Store.ack; {a.limit_runs} runs of {a.e2e_per_run} events; no HTTP"
+        ],
+        metrics={"db_limit_eps": eps},
+    )
+
+
+def _fake_claims(n_runs: int, per_run: int, tag: str) -> list[Claim]:
+    now = datetime.now(UTC)
+    trust = Trust(started=anyio.current_time(), ttl=30.0, margin=3.0)
+    claims = []
+    for r in range(n_runs):
+        run = f"h{tag}-{r}"
+        c = Claim(run, 1, uuid.uuid4(), 0, False, now, trust)
+        c.events = [
+            ClaimedEvent(
+                i,
+                f"{run}-{i}",
+                "step",
+                orjson.dumps({"run": run, "step": i, "note": "benchmark event"}).decode(),
+                False,
+                now,
+                None,
+                None,
+            )
+            for i in range(1, per_run + 1)
+        ]
+        claims.append(c)
+    return claims
+
+
+async def http_limit(env: Env, a: argparse.Namespace) -> Result:
+    """POSTs of the same batches (one run of `e2e_per_run` events each) to the same ingress
+    with the relay's own IngressClient and default connection budget: what HTTP allows."""
+    base = await env.external_sink()
+    s = env.settings(ingress_url=base + "/runs/{run_id}/events")
+    rates = []
+    for rep in range(a.reps):
+        await reset(env)
+        claims = _fake_claims(a.limit_runs, a.e2e_per_run, str(rep))
+        it = iter(claims)
+        done = 0
+        async with make_client(s, s.concurrency) as http:
+            client = IngressClient(s, http)
+
+            async def loop(client: IngressClient, it: Iterator[Claim]) -> None:
+                nonlocal done
+                for c in it:
+                    answer = await client.post(c, c.events)
+                    if answer.status != 200:
+                        raise BenchFailed(f"http_limit: the sink answered {answer.status}")
+                    done += len(c.events)
+
+            with env.console.status(f"http_limit_eps: rep {rep + 1}/{a.reps}"):
+                started = time.monotonic()
+                async with anyio.create_task_group() as tg:
+                    for _ in range(s.concurrency):
+                        tg.start_soon(loop, client, it)
+                rates.append(done / (time.monotonic() - started))
+    eps = median(rates)
+    return Result(
+        ["key", "events_per_s", "reps"],
+        [{"key": "http_limit_eps", "events_per_s": eps, "reps": [round(r) for r in rates]}],
+        [
+            f"{s.concurrency} concurrent IngressClient.post loops, {a.limit_runs} runs of "
+            f"{a.e2e_per_run} events each, to `relay sink` in its own process; no database"
+        ],
+        metrics={"http_limit_eps": eps},
+    )
+
+
+# -- end to end -----------------------------------------------------------------------------
+
+
+async def _e2e_once(
+    env: Env,
+    what: str,
+    replicas: int,
+    runs: int,
+    per_run: int,
+    *,
+    batched: bool = False,
+    watch_rss: bool = False,
+) -> tuple[float, float]:
+    """One repetition: replicas ready and idle, backlog committed, wait for the last receipt.
+    Returns (events/s, the first replica's peak RSS in MB)."""
+    await reset(env)
+    base = await env.external_sink()
+    extra = {"ingress_batch_url": base + "/batch"} if batched else {}
+    async with relay_processes(env, replicas, base, **extra) as procs:
+        peak = 0.0
+
+        def tick() -> None:
+            nonlocal peak
+            if watch_rss:
+                peak = max(peak, procs[0].peak_rss_mb())
+
+        committed = await backlog(env, runs, per_run, "e")
+        total = runs * per_run
+        finished = await until_received(
+            env, base, total, what, on_tick=tick, timeout=max(120, total / 200)
+        )
+        tick()
+    return total / (finished - committed), peak
+
+
+async def e2e(env: Env, a: argparse.Namespace) -> Result:
+    counts = [int(n) for n in a.replicas.split(",") if n.strip()]
+    if 1 not in counts:
+        counts.insert(0, 1)
+    rows: list[dict[str, Any]] = []
+    by: dict[str, float] = {}
+    for n in counts:
+        rates = []
+        for rep in range(a.e2e_reps):
+            eps, _ = await _e2e_once(
+                env, f"e2e {n} replica(s), rep {rep + 1}", n, a.e2e_runs, a.e2e_per_run
+            )
+            rates.append(eps)
+        by[str(n)] = median(rates)
+        rows.append({"replicas": n, "events_per_s": by[str(n)], "reps": [round(r) for r in rates]})
+    return Result(
+        ["replicas", "events_per_s", "reps"],
+        rows,
+        [
+            f"`relay run` subprocesses with default settings, `relay sink` subprocess; backlog "
+            f"{a.e2e_runs * a.e2e_per_run:,} events over {a.e2e_runs:,} runs committed while "
+            "the replicas were idle; events/s from that commit to the last receipt"
+        ],
+        metrics={"e2e_eps": by["1"], "e2e_eps_by_replicas": by},
+    )
+
+
+async def tiny_runs(env: Env, a: argparse.Namespace) -> Result:
+    rows, metrics = [], {}
+    for key, batched in (("tiny_runs_eps", False), ("tiny_runs_eps_batched", True)):
+        rates = []
+        for rep in range(a.e2e_reps):
+            eps, _ = await _e2e_once(
+                env, f"{key} rep {rep + 1}", 1, a.tiny_runs, 1, batched=batched
+            )
+            rates.append(eps)
+        metrics[key] = median(rates)
+        rows.append({"key": key, "events_per_s": metrics[key], "reps": [round(r) for r in rates]})
+    return Result(
+        ["key", "events_per_s", "reps"],
+        rows,
+        [
+            f"{a.tiny_runs:,} runs of one event, one `relay run`; batched: ingress_batch_url = "
+            "the sink's /batch (several runs per POST)"
+        ],
+        metrics=metrics,
+    )
+
+
+async def peak_rss(env: Env, a: argparse.Namespace) -> Result:
+    per_run = 10
+    runs = max(1, a.rss_events // per_run)
+    eps, peak = await _e2e_once(env, "peak_rss_mb", 1, runs, per_run, watch_rss=True)
+    peak = round(peak, 1)
+    return Result(
+        ["key", "value", "events", "events_per_s"],
+        [
+            {
+                "key": "peak_rss_mb",
+                "value": peak,
+                "events": runs * per_run,
+                "events_per_s": round(eps),
+            }
+        ],
+        ["VmHWM of the `relay run` process (read from /proc while it ran), default settings"],
+        metrics={"peak_rss_mb": peak, "e2e_eps_1m": round(eps, 2)},
+    )
+
+
+# -- naive ----------------------------------------------------------------------------------
+
+NAIVE_HEADERS = {"content-type": "application/json", "relay-lease-epoch": "1"}
+
+
+async def naive(env: Env, a: argparse.Namespace) -> Result:
+    """The hand-rolled relay people write first: poll every 100 ms, then one transaction and
+    one POST per event."""
+    base = await env.external_sink()
+    rates = []
+    for rep in range(a.reps):
+        await reset(env)
+        await backlog(env, 2000, a.e2e_per_run, "n", notify=False)
+        done = 0
+        select = env.q(
+            "select run_id, seq, event_id, event_type, payload::text, created_at"
+            " from {s}.events where state = 'pending' order by created_at, run_id, seq limit 100"
+        )
+        lock = env.q(
+            "select 1 from {s}.events where run_id = %s and seq = %s and state = 'pending'"
+            " for update skip locked"
+        )
+        mark = env.q(
+            "update {s}.events set state = 'delivered', delivered_at = clock_timestamp(),"
+            " done_at = clock_timestamp() where run_id = %s and seq = %s"
+        )
+        async with (
+            await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn,
+            httpx.AsyncClient() as http,
+        ):
+            with env.console.status(f"naive_eps: rep {rep + 1}/{a.reps}") as status:
+                started = time.monotonic()
+                end = started + a.naive_seconds
+                while time.monotonic() < end:
+                    rows = await (await conn.execute(select)).fetchall()
+                    for run_id, seq, event_id, etype, payload, created in rows:
+                        if time.monotonic() >= end:
+                            break
+                        async with conn.transaction():
+                            if not await (await conn.execute(lock, (run_id, seq))).fetchone():
+                                continue
+                            body = orjson.dumps(
+                                {
+                                    "run_id": run_id,
+                                    "epoch": 1,
+                                    "events": [
+                                        {
+                                            "event_id": event_id,
+                                            "seq": seq,
+                                            "type": etype,
+                                            "terminal": False,
+                                            "payload": orjson.Fragment(payload),
+                                            "created_at": created,
+                                        }
+                                    ],
+                                }
+                            )
+                            r = await http.post(
+                                f"{base}/runs/{run_id}/events",
+                                content=body,
+                                headers=NAIVE_HEADERS,
+                            )
+                            if r.status_code != 200:
+                                raise BenchFailed(f"naive: the sink answered {r.status_code}")
+                            await conn.execute(mark, (run_id, seq))
+                        done += 1
+                    status.update(f"naive_eps: rep {rep + 1}/{a.reps}, {done} events")
+                    await anyio.sleep(0.1)
+                rates.append(done / (time.monotonic() - started))
+    eps = median(rates)
+    return Result(
+        ["key", "events_per_s", "reps"],
+        [{"key": "naive_eps", "events_per_s": eps, "reps": [round(r) for r in rates]}],
+        [
+            f"in the bench process: poll 100 events every 100 ms, then per event BEGIN, SELECT "
+            f"FOR UPDATE SKIP LOCKED, POST (httpx), UPDATE, COMMIT; {a.naive_seconds:g} s per rep"
+        ],
+        metrics={"naive_eps": eps},
+    )
+
+
+# -- PgQueuer -------------------------------------------------------------------------------
+
+
+async def _peer_worker(url: str, sink: str, jobs: int) -> None:
+    from pgqueuer.db import PsycopgDriver
+    from pgqueuer.models import Job
+    from pgqueuer.qm import QueueManager
+    from pgqueuer.queries import Queries
+    from pgqueuer.types import QueueExecutionMode
+
+    async with (
+        await psycopg.AsyncConnection.connect(url, autocommit=True) as conn,
+        httpx.AsyncClient(limits=httpx.Limits(max_connections=8)) as http,
+    ):
+        qm = QueueManager(Queries(PsycopgDriver(conn)))
+        first: list[float] = []
+        last = [0.0]
+
+        @qm.entrypoint("post_event")
+        async def post_event(job: Job) -> None:
+            assert job.payload is not None
+            if not first:
+                first.append(time.monotonic())
+            run_id = orjson.loads(job.payload)["run_id"]
+            r = await http.post(
+                f"{sink}/runs/{run_id}/events",
+                content=job.payload,
+                headers=NAIVE_HEADERS,
+            )
+            r.raise_for_status()
+            last[0] = time.monotonic()
+
+        print("ready", flush=True)
+        started = time.monotonic()
+        await qm.run(mode=QueueExecutionMode.drain, batch_size=PEER_BATCH)
+        # From the worker's start to its last POST: its drain-mode exit check is not counted.
+        out = {"seconds": last[0] - started, "first_job_after": first[0] - started if first else 0}
+        print(orjson.dumps(out).decode(), flush=True)
+
+
+PEER_BATCH = 100  # jobs per dequeue (PgQueuer's default is 10: measured slower here)
+PEER_CODE = "import sys; from relay.bench_throughput import peer_main; peer_main(sys.argv[1:])"
+
+
+def peer_main(argv: list[str]) -> None:
+    url, sink, jobs = argv
+    anyio.run(_peer_worker, url, sink, int(jobs))
+
+
+async def peer(env: Env, a: argparse.Namespace) -> Result:
+    try:
+        from pgqueuer.db import PsycopgDriver
+        from pgqueuer.queries import Queries
+    except ImportError as exc:
+        why = f"pgqueuer is not installed ({exc}): pip install 'ledger-relay[bench]'"
+        return _peer_skipped(why)
+    base = await env.external_sink()
+    rates = []
+    for rep in range(a.reps):
+        await reset(env)
+        async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
+            queries = Queries(PsycopgDriver(conn))
+            if await queries.schema_is_installed():
+                await queries.uninstall()
+            await queries.install()
+            try:
+                now = datetime.now(UTC).isoformat()
+                payloads: list[bytes | None] = []
+                for i in range(a.peer_events):
+                    run = f"p{rep}-{i // a.e2e_per_run}"
+                    seq = i % a.e2e_per_run + 1
+                    event = {
+                        "event_id": f"{run}-{seq}",
+                        "seq": seq,
+                        "type": "step",
+                        "terminal": False,
+                        "payload": {"run": run, "step": seq, "note": "benchmark event"},
+                        "created_at": now,
+                    }
+                    payloads.append(orjson.dumps({"run_id": run, "epoch": 1, "events": [event]}))
+                with env.console.status(f"peer_eps: enqueueing {a.peer_events} jobs"):
+                    for lo in range(0, len(payloads), 5000):
+                        chunk = payloads[lo : lo + 5000]
+                        await queries.enqueue(["post_event"] * len(chunk), chunk, [0] * len(chunk))
+                code = PEER_CODE
+                proc = await anyio.open_process(
+                    [sys.executable, "-c", code, env.url, base, str(a.peer_events)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                )
+                async with proc:
+                    with env.console.status(f"peer_eps: PgQueuer worker, rep {rep + 1}/{a.reps}"):
+                        with anyio.fail_after(max(120, a.peer_events / 100)):
+                            await proc.wait()
+                    out = await proc.stdout.receive() if proc.stdout else b""
+                    lines = [ln for ln in out.decode().splitlines() if ln.startswith("{")]
+                    if proc.returncode != 0 or not lines:
+                        err = await proc.stderr.receive() if proc.stderr else b""
+                        raise BenchFailed(f"the PgQueuer worker failed: {err.decode()[-400:]}")
+                seconds = orjson.loads(lines[-1])["seconds"]
+                rates.append(a.peer_events / seconds)
+            finally:
+                await queries.uninstall()
+    eps = median(rates)
+    return Result(
+        ["key", "events_per_s", "reps"],
+        [{"key": "peer_eps", "events_per_s": eps, "reps": [round(r) for r in rates]}],
+        [
+            f"PgQueuer {_pgqueuer_version()} worker in its own process (psycopg driver, drain "
+            f"mode, batch {PEER_BATCH}), one job per event, its entrypoint POSTs it with httpx; "
+            f"{a.peer_events:,} jobs; no per-run order"
+        ],
+        metrics={"peer_eps": eps},
+    )
+
+
+def _pgqueuer_version() -> str:
+    from importlib.metadata import version
+
+    return version("pgqueuer")
+
+
+def _peer_skipped(why: str) -> Result:
+    return Result(["key", "skipped"], [{"key": "peer_eps", "skipped": why}], [why], {"why": why})
+
+
+# -- claims against a deep backlog ----------------------------------------------------------
+
+
+async def _claim_rate(env: Env, store: Store, seconds: float, label: str) -> float:
+    claim_runs = env.settings().claim_runs
+    done = 0
+    with env.console.status(label):
+        started = time.monotonic()
+        while time.monotonic() - started < seconds:
+            claims = await store.claim("ordinary", claim_runs)
+            if not claims:
+                raise BenchFailed(f"{label}: nothing to claim")
+            async with anyio.create_task_group() as tg:
+                for c in claims:
+                    tg.start_soon(store.release, c)
+            done += sum(len(c.events) for c in claims)
+        return done / (time.monotonic() - started)
+
+
+async def claims(env: Env, a: argparse.Namespace) -> Result:
+    rows, metrics = [], {}
+    for key, pending in (("claim_eps_10k_pending", 10_000), ("claim_eps_1m_pending", a.claim_big)):
+        await reset(env)
+        with env.console.status(f"{key}: writing {pending:,} pending events"):
+            await backlog(env, max(1, pending // 10), 10, "c", notify=False)
+        pool, store = await _store(env, 20)
+        try:
+            rates = [
+                await _claim_rate(env, store, a.claim_seconds, f"{key}: rep {rep + 1}/{a.reps}")
+                for rep in range(a.reps)
+            ]
+        finally:
+            await pool.close()
+        metrics[key] = median(rates)
+        rows.append({"key": key, "events_per_s": metrics[key], "reps": [round(r) for r in rates]})
+    return Result(
+        ["key", "events_per_s", "reps"],
+        rows,
+        [
+            "a loop of Store.claim(ordinary, 16 runs of 10 events) then Store.release of each "
+            f"claim (concurrently), {a.claim_seconds:g} s per rep; events claimed per second"
+        ],
+        metrics=metrics,
+    )
+
+
+SCENARIOS = [
+    Scenario(
+        "db_limit",
+        "the relay's claim + ack SQL in a tight loop, no HTTP",
+        db_limit,
+        _arguments,
+        SMOKE,
+        ("db_limit_eps",),
+    ),
+    Scenario(
+        "http_limit",
+        "POSTs of the same batches with the relay's IngressClient, no database",
+        http_limit,
+        keys=("http_limit_eps",),
+    ),
+    Scenario(
+        "e2e",
+        "the relay end to end (relay run + relay sink subprocesses), 1/2/4 replicas",
+        e2e,
+        keys=("e2e_eps", "e2e_eps_by_replicas"),
+    ),
+    Scenario(
+        "tiny_runs",
+        "runs of one event, one POST per run and with the multi-run /batch",
+        tiny_runs,
+        keys=("tiny_runs_eps", "tiny_runs_eps_batched"),
+    ),
+    Scenario(
+        "naive",
+        "a naive relay: poll, one event per POST and transaction",
+        naive,
+        keys=("naive_eps",),
+    ),
+    Scenario("peer", "PgQueuer, one job per event POSTed with httpx", peer, keys=("peer_eps",)),
+    Scenario(
+        "claim",
+        "claim throughput with 10k and with 1M pending events",
+        claims,
+        keys=("claim_eps_10k_pending", "claim_eps_1m_pending"),
+    ),
+    Scenario(
+        "peak_rss",
+        "peak RSS of `relay run` over a 1M-event backlog",
+        peak_rss,
+        keys=("peak_rss_mb",),
+    ),
+]

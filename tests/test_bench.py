@@ -1,0 +1,94 @@
+"""`relay bench --smoke`: every scenario runs in its tiny form and fills its JSON keys.
+
+No timing assertions: on a shared 2-core machine absolute numbers are noise. This keeps the
+bench working (its SQL, its subprocesses, its JSON), not fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+
+from relay.bench import SCENARIOS
+
+KEYS = [
+    "db_limit_eps",
+    "http_limit_eps",
+    "e2e_eps",
+    "e2e_eps_by_replicas",
+    "tiny_runs_eps",
+    "tiny_runs_eps_batched",
+    "naive_eps",
+    "claim_eps_10k_pending",
+    "claim_eps_1m_pending",
+    "terminal_p50_ms_idle",
+    "terminal_p99_ms_idle",
+    "terminal_p99_ms_backlog",
+    "ordinary_p50_ms_idle",
+    "ordinary_p99_ms_idle",
+    "ordinary_p50_ms_idle_notify_off",
+    "ordinary_p99_ms_idle_notify_off",
+    "producer_tps_notify_on",
+    "producer_tps_notify_off",
+    "peak_rss_mb",
+    "soak_table_mb_start",
+    "soak_table_mb_end",
+]
+HAS_PGQUEUER = importlib.util.find_spec("pgqueuer") is not None
+
+
+def _positive(key: str, value: object) -> None:
+    assert isinstance(value, int | float) and not isinstance(value, bool), (key, value)
+    assert value > 0, (key, value)
+
+
+def test_every_key_is_a_registered_scenarios(tmp_path: Path) -> None:
+    declared = {k for s in SCENARIOS.values() for k in s.keys}
+    assert set(KEYS) <= declared
+    assert "peer_eps" in declared
+
+
+def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
+    out = tmp_path / "out.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))",
+            "bench",
+            "--smoke",
+            "--database-url",
+            pg_url,
+            "--json",
+            str(out),
+        ],
+        env=env | {"COLUMNS": "120"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = orjson.loads(out.read_bytes())
+    assert report["smoke"] is True and report["failed"] == {}
+    metrics = report["metrics"]
+    for key in KEYS:
+        assert key in metrics, f"{key} missing from {sorted(metrics)}"
+        value = metrics[key]
+        if isinstance(value, dict):
+            assert value, key
+            for label, v in value.items():
+                _positive(f"{key}[{label}]", v)
+        else:
+            _positive(key, value)
+    if HAS_PGQUEUER:
+        _positive("peer_eps", metrics.get("peer_eps"))
+    else:
+        assert "pgqueuer" in str(report["scenarios"]["peer"]["rows"])
+    assert report["targets"], "no target could be judged"
+    assert "wake" in report["scenarios"]
