@@ -333,6 +333,9 @@ def targets(m: dict[str, Any]) -> list[dict[str, Any]]:
     if has("terminal_p50_ms_idle"):
         have = m["terminal_p50_ms_idle"]
         add("terminal_p50_ms_idle ≤ 5 ms", have, 5, have <= 5)
+    if has("soak_table_mb_start", "soak_table_mb_end"):
+        r = m["soak_table_mb_end"] / m["soak_table_mb_start"]
+        add("soak_table_mb_end ≤ 1.25 × soak_table_mb_start (levels off)", r, 1.25, r <= 1.25)
     if has("peak_rss_mb"):
         have = m["peak_rss_mb"]
         add(

@@ -15,7 +15,7 @@ import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from urllib.parse import quote
+from urllib.parse import quote, unquote_to_bytes
 
 import anyio
 import httpx
@@ -142,10 +142,15 @@ class IngressClient:
         return await self._send(self.settings.ingress_batch_url, body, h)
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
-        if self.settings.ingress_token is not None and "@" in url:
-            # httpx would turn the URL's userinfo into Basic auth, replacing the configured
-            # bearer token: the token wins, the userinfo is dropped.
-            url = str(httpx.URL(url).copy_with(userinfo=b""))
+        if "@" in url:
+            # Userinfo never travels in the URL: it becomes Basic auth (as httpx does), unless
+            # a bearer token is configured, which wins. Done here rather than by the client so
+            # every transport sends the same request (aiohttp refuses userinfo plus a header).
+            parsed = httpx.URL(url)
+            if parsed.userinfo:
+                if self.settings.ingress_token is None:
+                    headers = headers | {"authorization": _basic_auth(parsed)}
+                url = str(parsed.copy_with(userinfo=b""))
         started = anyio.current_time()
         try:
             with anyio.fail_after(self.settings.http_timeout):
@@ -170,8 +175,20 @@ class IngressClient:
                     )
         except TimeoutError as exc:
             raise TransportFailure(f"timed out after {self.settings.http_timeout:g}s") from exc
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, OSError) as exc:
             raise TransportFailure(f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:
+            # The aiohttp transport re-raises what it has no httpx equivalent for (e.g. a
+            # malformed answer): still a failure of this request, never of the relay.
+            if type(exc).__module__.partition(".")[0] != "aiohttp":
+                raise
+            raise TransportFailure(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _basic_auth(url: httpx.URL) -> str:
+    user, _, password = url.userinfo.partition(b":")
+    raw = unquote_to_bytes(user) + b":" + unquote_to_bytes(password)
+    return "Basic " + base64.b64encode(raw).decode()
 
 
 def encode_group(claims: Sequence[Claim]) -> bytes:
@@ -217,13 +234,21 @@ def split_results(answer: Answer, claims: Sequence[Claim]) -> dict[str, Answer |
 def make_client(
     settings: Settings, connections: int, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
+    """The lane's HTTP client: httpx's interface over aiohttp's connection pool and parser by
+    default (`http_transport`), which `relay bench` measured at about half the client CPU per
+    request of httpcore's (docs/performance.md); `httpcore` is httpx's own."""
     # TLS is verified always: against `ingress_ca_file` when given, else the system's CAs.
     verify: ssl.SSLContext | bool = True
     if settings.ingress_ca_file:
         verify = ssl.create_default_context(cafile=settings.ingress_ca_file)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    if transport is None and settings.http_transport == "aiohttp":
+        from relay.http_aiohttp import AiohttpTransport
+
+        transport = AiohttpTransport(verify=verify, connections=connections)
     return httpx.AsyncClient(
         timeout=httpx.Timeout(settings.http_timeout),
-        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        limits=limits,
         follow_redirects=False,
         verify=verify,
         transport=transport,

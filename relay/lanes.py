@@ -471,20 +471,11 @@ class Lane:
     ) -> Answer:
         """Quick retries for blips (tenacity: bounded, short, full jitter), only while the lease
         is trusted for a whole request; longer outages are rescheduled through the database."""
-        timeout = self.settings.http_timeout
-
-        class trust_low(stop_base):
-            def __call__(self, retry_state: RetryCallState) -> bool:
-                return not trust().allows_post(anyio.current_time(), timeout)
-
-        def quick_retryable(answer: Answer) -> bool:
-            return classify(answer.status) is Outcome.TRANSIENT and answer.retry_after is None
-
         retrying = AsyncRetrying(
-            stop=stop_any(stop_after_attempt(QUICK_ATTEMPTS), trust_low()),
-            wait=wait_random_exponential(multiplier=0.05, max=0.4),
-            retry=retry_if_exception_type(TransportFailure) | retry_if_result(quick_retryable),
-            retry_error_callback=lambda state: state.outcome.result() if state.outcome else None,
+            stop=stop_any(_STOP_AFTER, _TrustLow(trust, self.settings.http_timeout)),
+            wait=_QUICK_WAIT,
+            retry=_QUICK_RETRY,
+            retry_error_callback=_last_outcome,
             reraise=True,
         )
 
@@ -704,6 +695,32 @@ class Lane:
 
 
 SMALL_RUN_EVENTS = 10  # runs at most this long share a multi-run POST when the ingress offers one
+
+
+class _TrustLow(stop_base):
+    """Stop quick retries once the lease is not trusted for a whole request any more."""
+
+    def __init__(self, trust: Callable[[], Trust], timeout: float) -> None:
+        self.trust = trust
+        self.timeout = timeout
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return not self.trust().allows_post(anyio.current_time(), self.timeout)
+
+
+def _quick_retryable(answer: Answer) -> bool:
+    return classify(answer.status) is Outcome.TRANSIENT and answer.retry_after is None
+
+
+def _last_outcome(state: RetryCallState) -> Answer | None:
+    return state.outcome.result() if state.outcome else None
+
+
+# Built once: tenacity's strategies are stateless, and building them (a class per call, as
+# this once did) cost more per POST than the retry machinery itself (docs/performance.md).
+_STOP_AFTER = stop_after_attempt(QUICK_ATTEMPTS)
+_QUICK_WAIT = wait_random_exponential(multiplier=0.05, max=0.4)
+_QUICK_RETRY = retry_if_exception_type(TransportFailure) | retry_if_result(_quick_retryable)
 
 
 def plan_groups(claims: list[Claim], settings: Settings) -> list[list[Claim]]:

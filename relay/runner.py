@@ -23,9 +23,10 @@ from relay.lanes import Lane
 from relay.listener import Listener
 from relay.migrate import SchemaError, version_problem
 from relay.settings import Settings, redact_url
-from relay.store import CONNECT_KWARGS, Pool, Store
+from relay.store import CONNECT_KWARGS, IdleCheck, Pool, Store
 
 PRUNE_BATCH = 1000
+POOL_CHECK_IDLE = 1.0  # seconds idle after which a pooled connection is checked before use
 
 
 @dataclass
@@ -182,7 +183,7 @@ class Relay:
             name=f"relay-{name}",
             open=False,
             timeout=self.settings.statement_timeout,
-            check=AsyncConnectionPool.check_connection,
+            check=IdleCheck(POOL_CHECK_IDLE),
         )
 
     def _store(self, pool: Pool) -> Store:

@@ -112,6 +112,7 @@ class Settings:
     ingress_token: Secret | None = None
     signing_secret: tuple[Secret, ...] = ()
     ingress_ca_file: str | None = None
+    http_transport: str = "aiohttp"
     batch_size: int = 100
     lease_ttl: float = 30.0
     concurrency: int = 8
@@ -250,6 +251,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "ingress_token": lambda t: Secret(t.strip()),
     "signing_secret": _signing_secrets,
     "ingress_ca_file": _ca_file,
+    "http_transport": _choice("aiohttp", "httpcore"),
     "batch_size": _int_in(1, 10_000),
     "lease_ttl": _duration_in(1.0, 3600.0),
     "concurrency": _int_in(1, 1024),

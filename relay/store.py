@@ -12,7 +12,9 @@ state is unknown) and the pool replaces it.
 
 from __future__ import annotations
 
+import time
 import uuid
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -40,6 +42,28 @@ CONNECT_KWARGS: dict[str, Any] = {
     "tcp_user_timeout": 15000,
     "application_name": "ledger-relay",
 }
+
+
+class IdleCheck:
+    """The pool's check before handing out a connection: a round trip (psycopg_pool's
+    `check_connection`), but only for a connection that sat idle longer than `idle` seconds.
+    A busy connection proved itself moments ago, and checking it anyway doubled the round
+    trips of every store call (docs/performance.md). One that broke since fails its call, is
+    closed by `Store._call`, and the call's caller retries: the same path as a connection
+    that breaks mid-call."""
+
+    def __init__(self, idle: float) -> None:
+        self.idle = idle
+        self._used: weakref.WeakKeyDictionary[psycopg.AsyncConnection[Any], float] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    async def __call__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        now = time.monotonic()
+        last = self._used.get(conn)
+        if last is None or now - last > self.idle:
+            await AsyncConnectionPool.check_connection(conn)
+        self._used[conn] = now
 
 
 @dataclass(frozen=True, slots=True)

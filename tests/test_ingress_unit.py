@@ -395,6 +395,28 @@ async def test_post_sends_the_rendered_url_body_and_headers() -> None:
     assert request.headers["relay-lease-epoch"] == "3"
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("token", [None, "tok-123"])
+async def test_url_userinfo_becomes_basic_auth_unless_a_token_is_set(token: str | None) -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200)
+
+    env = {"RELAY_INGRESS_URL": "http://us%40er:p%3Ass@ingress.test/runs/{run_id}/events"}
+    if token:
+        env["RELAY_INGRESS_TOKEN"] = token
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        client = IngressClient(settings(**env), http)
+        events = [event(1)]
+        assert (await client.post(claim(events=events), events)).status == 200
+    (request,) = seen
+    assert request.url.userinfo == b""  # never in the URL sent
+    expected = "Bearer tok-123" if token else "Basic " + base64.b64encode(b"us@er:p:ss").decode()
+    assert request.headers["authorization"] == expected
+
+
 class _Drip(httpx.AsyncByteStream):
     """A streamed answer far longer than the relay will read."""
 

@@ -304,6 +304,13 @@ async def test_relay_sink_command_verifies_with_a_secret_from_a_file(tmp_path: P
 
 # --- transport ------------------------------------------------------------------------------------
 
+
+@pytest.fixture(params=["aiohttp", "httpcore"])
+def http_transport(request: pytest.FixtureRequest) -> str:
+    """Each transport test runs over both HTTP clients under httpx (`http_transport`)."""
+    return str(request.param)
+
+
 Answerer = Callable[[asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -373,13 +380,13 @@ def redirect_to(location: str, status: int) -> Answerer:
 
 @pytest.mark.parametrize("status", [302, 307, 308])
 async def test_a_redirect_is_not_followed(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any], status: int
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], http_transport: str, status: int
 ) -> None:
     async with sink_at() as (s, sink_url):
         raw = RawIngress(redirect_to(f"{sink_url}/runs/redir0/events", status))
         async with raw.serving() as url:
             enqueue_some(conn, schema, 1, 1, prefix="redir")
-            cfg = settings(pg_url, schema, url, max_backoff="0.5s")
+            cfg = settings(pg_url, schema, url, http_transport=http_transport, max_backoff="0.5s")
             async with Relay(cfg).running() as r:
                 await wait_for(lambda: not r.health.ingress_ok, what="the 3xx to be handled")
     assert raw.requests and all(m == "POST" for m, _ in raw.requests)
@@ -407,7 +414,12 @@ def endless_body(status: int, raw: list[RawIngress]) -> Answerer:
     ("status", "state"), [(200, "delivered"), (422, "failed"), (503, "pending")]
 )
 async def test_an_endless_answer_is_read_only_up_to_the_cap(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any], status: int, state: str
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    http_transport: str,
+    status: int,
+    state: str,
 ) -> None:
     """The ingress streams a body that never ends. The relay reads at most MAX_BODY of it,
     hangs up, and acts on the status: acked (2xx), failed with a short excerpt (poison 4xx),
@@ -418,7 +430,9 @@ async def test_an_endless_answer_is_read_only_up_to_the_cap(
     holder.append(raw)
     async with raw.serving() as url:
         enqueue_some(conn, schema, 1, 1, prefix="endless")
-        cfg = settings(pg_url, schema, url, http_timeout="5s", max_backoff="60s")
+        cfg = settings(
+            pg_url, schema, url, http_transport=http_transport, http_timeout="5s", max_backoff="60s"
+        )
         async with Relay(cfg).running():
             if state == "pending":
                 where = "state = 'pending' and attempts >= 1"
@@ -438,7 +452,7 @@ async def test_an_endless_answer_is_read_only_up_to_the_cap(
 
 
 async def test_a_slow_drip_is_cut_at_the_total_deadline(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any]
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], http_transport: str
 ) -> None:
     """One byte every 100 ms keeps every per-phase httpx timeout happy; only the total
     deadline ends the request: the error is the relay's own "timed out after", not a
@@ -454,7 +468,9 @@ async def test_a_slow_drip_is_cut_at_the_total_deadline(
     raw = RawIngress(drip)
     async with raw.serving() as url:
         enqueue_some(conn, schema, 1, 1, prefix="drip")
-        cfg = settings(pg_url, schema, url, http_timeout="1s", max_backoff="60s")
+        cfg = settings(
+            pg_url, schema, url, http_transport=http_transport, http_timeout="1s", max_backoff="60s"
+        )
         async with Relay(cfg).running():
             await wait_for(
                 lambda: count(conn, schema, "attempts >= 1") == 1, what="a rescheduled attempt"
@@ -474,6 +490,7 @@ async def test_tls_is_verified_and_a_ca_file_makes_a_private_ingress_trusted(
     pg_url: str,
     schema: str,
     conn: psycopg.Connection[Any],
+    http_transport: str,
     tmp_path: Path,
     tls: tuple[trustme.CA, trustme.LeafCert],
 ) -> None:
@@ -491,7 +508,9 @@ async def test_tls_is_verified_and_a_ca_file_makes_a_private_ingress_trusted(
     async with raw.serving() as url:
         enqueue_some(conn, schema, 1, 1, prefix="tls")
         # Verification is on by default: the self-signed ingress is refused (transient).
-        async with Relay(settings(pg_url, schema, url, max_backoff="0.5s")).running():
+        async with Relay(
+            settings(pg_url, schema, url, http_transport=http_transport, max_backoff="0.5s")
+        ).running():
             await wait_for(
                 lambda: count(conn, schema, "attempts >= 1") == 1, what="a refused attempt"
             )
@@ -500,7 +519,9 @@ async def test_tls_is_verified_and_a_ca_file_makes_a_private_ingress_trusted(
         assert "CERTIFICATE_VERIFY_FAILED" in row[1]
         assert raw.requests == []  # no request went out over the unverified connection
         conn.execute(q(schema, "update {s}.runs set next_attempt_at = clock_timestamp()"))
-        cfg = settings(pg_url, schema, url, ingress_ca_file=str(ca_file))
+        cfg = settings(
+            pg_url, schema, url, http_transport=http_transport, ingress_ca_file=str(ca_file)
+        )
         async with Relay(cfg).running():
             await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="ack")
     assert raw.requests == [("POST", "/runs/tls0/events")]
@@ -518,11 +539,17 @@ def test_ingress_ca_file_is_checked_at_start(tmp_path: Path) -> None:
 
 async def test_make_client_verifies_without_a_ca_file_too(
     tls: tuple[trustme.CA, trustme.LeafCert],
+    http_transport: str,
 ) -> None:
     """The client itself, outside the relay loop: the default refuses a certificate from an
     unknown CA, and follows no redirect."""
     cfg = relay.settings.load(
-        {"database_url": "postgresql://x/y", "ingress_url": "https://i/runs/{run_id}"}, {}
+        {
+            "database_url": "postgresql://x/y",
+            "ingress_url": "https://i/runs/{run_id}",
+            "http_transport": http_transport,
+        },
+        {},
     )
     _ca, cert = tls
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
