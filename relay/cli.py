@@ -84,17 +84,16 @@ def _schema(args: argparse.Namespace) -> str:
 
 
 def _reason(exc: Exception, url: str) -> str:
-    """The first line of a database error, with the URL's password masked should libpq ever
-    echo it."""
     import psycopg
     from psycopg.conninfo import conninfo_to_dict
 
-    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
+    from relay.ops import db_error_reason
+
     try:
         password = conninfo_to_dict(url).get("password")
     except psycopg.ProgrammingError:
         password = None
-    return reason.replace(str(password), "***") if password else reason
+    return db_error_reason(exc, str(password) if password else None)
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

@@ -77,16 +77,18 @@ def webhook_id(claim: Claim, events: Sequence[ClaimedEvent]) -> str:
     return "msg_" + hashlib.sha256(key).hexdigest()[:32]
 
 
-def sign(secrets: Sequence[Secret], msg_id: str, timestamp: int, body: bytes) -> str:
-    """Standard Webhooks `webhook-signature`: space-separated `v1,<base64 HMAC-SHA256>` over
-    `{id}.{timestamp}.{body}`, one per secret (rotation)."""
+def signature(key: bytes, msg_id: str, timestamp: int, body: bytes) -> bytes:
+    """One Standard Webhooks signature: base64 HMAC-SHA256 over `{id}.{timestamp}.{body}`
+    (the signer here and the verifier in relay/sink.py share it)."""
     signed = f"{msg_id}.{timestamp}.".encode() + body
-    out = []
-    for secret in secrets:
-        key = base64.b64decode(secret.reveal().removeprefix("whsec_"))
-        digest = hmac.new(key, signed, hashlib.sha256).digest()
-        out.append("v1," + base64.b64encode(digest).decode())
-    return " ".join(out)
+    return base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest())
+
+
+def sign(secrets: Sequence[Secret], msg_id: str, timestamp: int, body: bytes) -> str:
+    """Standard Webhooks `webhook-signature`: space-separated `v1,<signature>`, one per secret
+    (rotation)."""
+    keys = [base64.b64decode(s.reveal().removeprefix("whsec_")) for s in secrets]
+    return " ".join("v1," + signature(k, msg_id, timestamp, body).decode() for k in keys)
 
 
 class IngressClient:

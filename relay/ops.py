@@ -178,6 +178,12 @@ def _check_url(url: str) -> str | None:
     return str(password) if password else None
 
 
+def db_error_reason(exc: BaseException, password: str | None) -> str:
+    """The first line of a database error, with the password masked should libpq echo it."""
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
+    return reason.replace(password, "***") if password else reason
+
+
 @contextmanager
 def connect(url: str, schema: str) -> Iterator[Conn]:
     """A connection to a schema at this code's version, or OpsError(UNAVAILABLE)."""
@@ -192,9 +198,7 @@ def connect(url: str, schema: str) -> Iterator[Conn]:
             application_name="ledger-relay-ops",
         )
     except psycopg.Error as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
-        if password:
-            reason = reason.replace(password, "***")
+        reason = db_error_reason(exc, password)
         raise OpsError(
             UNAVAILABLE, f"cannot connect to the database at {redact_url(url)}: {reason}"
         ) from None

@@ -21,7 +21,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import hashlib
 import hmac
 import os
 import signal
@@ -48,6 +47,7 @@ import orjson
 import uvicorn
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from relay.ingress import signature as webhook_signature
 from relay.settings import ConfigError, Secret, option_value
 
 JSON = dict[str, Any]
@@ -347,8 +347,7 @@ def verify_signature(
         return "bad_timestamp"
     if abs(now - timestamp) > tolerance:
         return "timestamp_out_of_tolerance"
-    signed = f"{msg_id}.{timestamp}.".encode() + body
-    expected = [base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()) for key in keys]
+    expected = [webhook_signature(key, msg_id, timestamp, body) for key in keys]
     ok = False
     for item in given.split():
         version, _, signature = item.partition(",")

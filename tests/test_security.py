@@ -58,6 +58,7 @@ from relay.settings import ConfigError, Secret
 from relay.sink import Receive, Scope, Send, Sink, serve_sink, signing_keys, verify_signature
 from tests.support import count, q, settings, wait_for
 from tests.test_cli import RELAY, relay_env
+from tests.test_sink import body as sink_body
 
 pytestmark = pytest.mark.anyio
 
@@ -67,18 +68,7 @@ def new_secret() -> str:
 
 
 def body_of(run_id: str, seqs: list[int], epoch: int = 1) -> bytes:
-    events = [
-        {
-            "event_id": f"{run_id}-{seq}",
-            "seq": seq,
-            "type": "step",
-            "terminal": False,
-            "payload": {"n": seq},
-            "created_at": "2025-01-01T00:00:00Z",
-        }
-        for seq in seqs
-    ]
-    return orjson.dumps({"run_id": run_id, "epoch": epoch, "events": events})
+    return orjson.dumps(sink_body(run_id, seqs, epoch))
 
 
 def enqueue_some(
