@@ -35,7 +35,7 @@ from relay.bench_kit import (
     reset,
     until_received,
 )
-from relay.ingress import IngressClient, make_client
+from relay.ingress import IngressClient, open_sender
 from relay.policy import Trust
 from relay.store import CONNECT_KWARGS, Claim, ClaimedEvent, Store
 
@@ -159,7 +159,7 @@ async def http_limit(env: Env, a: argparse.Namespace) -> Result:
         claims = _fake_claims(a.limit_runs, a.e2e_per_run, str(rep))
         it = iter(claims)
         done = 0
-        async with make_client(s, s.concurrency) as http:
+        async with open_sender(s, s.concurrency) as http:
             client = IngressClient(s, http)
 
             async def loop(client: IngressClient, it: Iterator[Claim]) -> None:

@@ -1,100 +1,83 @@
-"""An httpx transport over aiohttp's connection pool and HTTP parser (`http_transport=aiohttp`).
+"""The default way POSTs go out (`http_transport=aiohttp`): aiohttp's connection pool and C
+HTTP parser, called directly.
 
-The relay speaks httpx's interface everywhere (requests, responses, exceptions, MockTransport
-in tests); underneath, aiohttp costs about half the client CPU per POST of httpcore's pool,
-which scans every pooled connection (a `poll` per connection) on each request and on each
-release (docs/performance.md). Only what the relay uses is supported: HTTP/1.1, a bytes body,
-a streamed answer, no redirects, no proxies.
+Per POST this costs well under half the client CPU of httpx over httpcore: httpcore's pool
+scans every pooled connection (a `poll` per connection) on each request and each release, and
+httpx's client layer (URL merging, cookie extraction, auth and redirect plumbing, its request
+and response models) ran on every POST although the relay uses none of it
+(docs/performance.md). Only what the relay needs is supported: HTTP/1.1, a bytes body, at most
+`MAX_BODY` bytes of the answer read, no redirects, no cookies, no proxies.
 
-Two details matter for correctness, and are why this is not the `httpx-aiohttp` package:
+Two details matter for correctness:
 - The URL is handed over **encoded**: aiohttp would otherwise re-quote it and resolve dot
   segments, so a run id of `..` (sent as `%2E%2E`) would change the path (issue 8).
-- aiohttp's errors become httpx's (`ConnectError`, `ReadError`, `TimeoutException`, ...), so the
-  relay's "transport failure" path sees the same exceptions whichever transport is in use.
+- Every aiohttp error (refused, reset, TLS, a malformed answer, a socket timeout) becomes a
+  `TransportFailure` naming it: a failure of this request, never of the relay.
 """
 
 from __future__ import annotations
 
 import ssl
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
 
 import aiohttp
 import httpx
 from yarl import URL
 
-
-@contextmanager
-def _httpx_errors(request: httpx.Request) -> Iterator[None]:
-    try:
-        yield
-    except httpx.HTTPError:
-        raise
-    except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
-        raise httpx.TimeoutException(str(exc) or type(exc).__name__, request=request) from exc
-    except aiohttp.ClientConnectorError as exc:
-        raise httpx.ConnectError(str(exc), request=request) from exc
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-        raise httpx.ReadError(str(exc) or type(exc).__name__, request=request) from exc
-    except aiohttp.ClientResponseError as exc:  # e.g. a malformed status line or header
-        raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-    except (aiohttp.ClientError, OSError) as exc:
-        raise httpx.NetworkError(str(exc) or type(exc).__name__, request=request) from exc
+from relay.ingress import MAX_BODY, TransportFailure
 
 
-class _Body(httpx.AsyncByteStream):
-    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
-        self._response = response
-        self._request = request
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        with _httpx_errors(self._request):
-            async for chunk in self._response.content.iter_any():
-                yield chunk
-
-    async def aclose(self) -> None:
-        # Unread body left: aiohttp closes the connection instead of reusing it.
-        self._response.release()
-
-
-class AiohttpTransport(httpx.AsyncBaseTransport):
-    def __init__(self, *, verify: ssl.SSLContext | bool, connections: int) -> None:
+class AiohttpSender:
+    def __init__(self, *, verify: ssl.SSLContext | bool, connections: int, timeout: float) -> None:
         # The same context httpx would build (system CAs, or the given context as is).
         self._ssl = httpx.create_ssl_context(verify=verify)
         self._connections = connections
+        # Per phase, like httpx's; the whole request is bounded by IngressClient's deadline.
+        self._timeout = aiohttp.ClientTimeout(sock_connect=timeout, sock_read=timeout)
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
+        if self._session is None:  # built inside the event loop, on first use
             connector = aiohttp.TCPConnector(limit=self._connections, ssl=self._ssl)
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=self._timeout,
             )
         return self._session
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        timeout = request.extensions.get("timeout", {})
-        with _httpx_errors(request):
-            response = await self._client().request(
-                request.method,
-                URL(str(request.url), encoded=True),
-                headers=request.headers.multi_items(),
-                data=request.content or None,
+    async def send(
+        self, url: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None]:
+        try:
+            async with self._client().post(
+                URL(url, encoded=True),
+                headers=headers,
+                data=body,
                 allow_redirects=False,
                 compress=False,
-                timeout=aiohttp.ClientTimeout(
-                    sock_connect=timeout.get("connect"), sock_read=timeout.get("read")
-                ),
-            )
-        return httpx.Response(
-            status_code=response.status,
-            headers=response.raw_headers,
-            stream=_Body(response, request),
-            request=request,
-            extensions={"http_version": b"HTTP/1.1"},
-        )
+            ) as resp:
+                chunks: list[bytes] = []
+                size = 0
+                while size < MAX_BODY:
+                    chunk = await resp.content.readany()
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    size += len(chunk)
+                # Leaving the block with the answer unread closes the connection instead of
+                # returning it to the pool.
+                return resp.status, b"".join(chunks)[:MAX_BODY], resp.headers.get("retry-after")
+        except TimeoutError:
+            raise  # the caller names its deadline
+        except (aiohttp.ClientError, OSError) as exc:
+            raise TransportFailure(f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:
+            # Anything else aiohttp raises about an answer is still this request's failure.
+            if type(exc).__module__.partition(".")[0] != "aiohttp":
+                raise
+            raise TransportFailure(f"{type(exc).__name__}: {exc}") from exc
 
     async def aclose(self) -> None:
         if self._session is not None:

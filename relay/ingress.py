@@ -12,9 +12,11 @@ import base64
 import hashlib
 import hmac
 import ssl
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 from urllib.parse import quote, unquote_to_bytes
 
 import anyio
@@ -92,9 +94,9 @@ def sign(secrets: Sequence[Secret], msg_id: str, timestamp: int, body: bytes) ->
 
 
 class IngressClient:
-    def __init__(self, settings: Settings, client: httpx.AsyncClient) -> None:
+    def __init__(self, settings: Settings, sender: Sender | httpx.AsyncClient) -> None:
         self.settings = settings
-        self.client = client
+        self.sender = HttpxSender(sender) if isinstance(sender, httpx.AsyncClient) else sender
 
     def headers(self, claim: Claim, events: Sequence[ClaimedEvent], body: bytes) -> dict[str, str]:
         h = {
@@ -156,35 +158,57 @@ class IngressClient:
         started = anyio.current_time()
         try:
             with anyio.fail_after(self.settings.http_timeout):
-                async with self.client.stream("POST", url, content=body, headers=headers) as resp:
-                    chunks: list[bytes] = []
-                    size = 0
-                    if resp.is_stream_consumed:
-                        # An app-owned transport (e.g. httpx.MockTransport) may hand back a
-                        # response built from bytes, already read: aiter_raw() would raise.
-                        chunks.append(resp.content[:MAX_BODY])
-                    else:
-                        async for chunk in resp.aiter_raw():
-                            chunks.append(chunk)
-                            size += len(chunk)
-                            if size >= MAX_BODY:
-                                break
-                    return Answer(
-                        resp.status_code,
-                        b"".join(chunks)[:MAX_BODY],
-                        resp.headers.get("retry-after"),
-                        anyio.current_time() - started,
-                    )
+                status, answer, retry_after = await self.sender.send(url, body, headers)
         except TimeoutError as exc:
             raise TransportFailure(f"timed out after {self.settings.http_timeout:g}s") from exc
+        return Answer(status, answer, retry_after, anyio.current_time() - started)
+
+
+class Sender(Protocol):
+    """How a POST goes out: `send` returns (status, at most MAX_BODY bytes of the answer, its
+    Retry-After) or raises TransportFailure. Never follows redirects."""
+
+    async def send(
+        self, url: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HttpxSender:
+    """Through an httpx client: httpx's own pool (`http_transport=httpcore`), or a transport
+    the application owns (e.g. an in-process ASGI app, `Relay(transport=...)`)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def send(
+        self, url: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None]:
+        try:
+            async with self.client.stream("POST", url, content=body, headers=headers) as resp:
+                chunks: list[bytes] = []
+                size = 0
+                if resp.is_stream_consumed:
+                    # An app-owned transport (e.g. httpx.MockTransport) may hand back a
+                    # response built from bytes, already read: aiter_raw() would raise.
+                    chunks.append(resp.content[:MAX_BODY])
+                else:
+                    async for chunk in resp.aiter_raw():
+                        chunks.append(chunk)
+                        size += len(chunk)
+                        if size >= MAX_BODY:
+                            break
+                return (
+                    resp.status_code,
+                    b"".join(chunks)[:MAX_BODY],
+                    resp.headers.get("retry-after"),
+                )
         except (httpx.HTTPError, OSError) as exc:
             raise TransportFailure(f"{type(exc).__name__}: {exc}") from exc
-        except Exception as exc:
-            # The aiohttp transport re-raises what it has no httpx equivalent for (e.g. a
-            # malformed answer): still a failure of this request, never of the relay.
-            if type(exc).__module__.partition(".")[0] != "aiohttp":
-                raise
-            raise TransportFailure(f"{type(exc).__name__}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
 
 
 def _basic_auth(url: httpx.URL) -> str:
@@ -233,25 +257,37 @@ def split_results(answer: Answer, claims: Sequence[Claim]) -> dict[str, Answer |
     return out
 
 
-def make_client(
+@asynccontextmanager
+async def open_sender(
     settings: Settings, connections: int, transport: httpx.AsyncBaseTransport | None = None
-) -> httpx.AsyncClient:
-    """The lane's HTTP client: httpx's interface over aiohttp's connection pool and parser by
-    default (`http_transport`), which `relay bench` measured at about half the client CPU per
-    request of httpcore's (docs/performance.md); `httpcore` is httpx's own."""
+) -> AsyncIterator[Sender]:
+    """The lane's HTTP client, closed on exit: aiohttp's connection pool and C parser called
+    directly by default (`http_transport=aiohttp`), which `relay bench` measured at well under
+    half the client CPU per POST of httpx over httpcore (docs/performance.md); `httpcore` is
+    httpx's own, and an app-owned httpx transport always goes through httpx."""
     # TLS is verified always: against `ingress_ca_file` when given, else the system's CAs.
     verify: ssl.SSLContext | bool = True
     if settings.ingress_ca_file:
         verify = ssl.create_default_context(cafile=settings.ingress_ca_file)
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    sender: Sender
     if transport is None and settings.http_transport == "aiohttp":
-        from relay.http_aiohttp import AiohttpTransport
+        from relay.http_aiohttp import AiohttpSender
 
-        transport = AiohttpTransport(verify=verify, connections=connections)
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(settings.http_timeout),
-        limits=limits,
-        follow_redirects=False,
-        verify=verify,
-        transport=transport,
-    )
+        sender = AiohttpSender(
+            verify=verify, connections=connections, timeout=settings.http_timeout
+        )
+    else:
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        sender = HttpxSender(
+            httpx.AsyncClient(
+                timeout=httpx.Timeout(settings.http_timeout),
+                limits=limits,
+                follow_redirects=False,
+                verify=verify,
+                transport=transport,
+            )
+        )
+    try:
+        yield sender
+    finally:
+        await sender.aclose()

@@ -6,16 +6,16 @@ concurrency, database pool, HTTP client and ack group, so a full ordinary lane c
 the critical one.
 
 Delivery of one claim: check the lease is trusted long enough for a whole request (renew
-first if not), POST under a renewal task that cancels the request when the lease is lost, then
-act on the answer (DESIGN §5 table): ack (grouped), reschedule through the database, pause
-the lane, or isolate a poison event.
+first if not), POST while the lane's renewer keeps the lease (and cancels the request when it
+is lost), then act on the answer (DESIGN §5 table): ack (grouped), reschedule through the
+database, pause the lane, or isolate a poison event.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -74,6 +74,33 @@ class Wake:
         return fired
 
 
+class Renewal:
+    """Claims on the wire, kept by their lane's renewer (`Lane._renewer`) while the block runs;
+    the block is cancelled once none of their leases is held any more (`lost`)."""
+
+    def __init__(self, claims: list[Claim], registry: set[Renewal]) -> None:
+        self.claims = claims
+        self.live = {c.run_id for c in claims}
+        self.lost = False
+        self._registry = registry
+        self._scope = anyio.CancelScope()
+
+    def lose(self, runs: Iterable[str]) -> None:
+        self.live.difference_update(runs)
+        if not self.live and not self.lost:
+            self.lost = True
+            self._scope.cancel()
+
+    def __enter__(self) -> Renewal:
+        self._registry.add(self)
+        self._scope.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        self._registry.discard(self)
+        return bool(self._scope.__exit__(*exc))  # type: ignore[arg-type]
+
+
 @dataclass
 class LaneStats:
     passes: int = 0
@@ -126,6 +153,7 @@ class Lane:
         self.on_ready_change = on_ready_change
         self._last_empty_pass = -1.0
         self._deliveries: TaskGroup | None = None
+        self._renewals: set[Renewal] = set()  # claims on the wire (Lane._renewer)
         # The ordinary lane hands a critical run it cannot POST at once to the critical lane
         # (set by the runner): a terminal event never waits in the ordinary queue.
         self.handoff: Callable[[Claim], bool] = lambda claim: False
@@ -155,6 +183,7 @@ class Lane:
         async with anyio.create_task_group() as deliveries:
             self._deliveries = deliveries
             deliveries.start_soon(self.acks.run)
+            deliveries.start_soon(self._renewer)
             failures = 0
             while not self.stopping:
                 self.turns += 1  # liveness (relay/health.py)
@@ -351,31 +380,10 @@ class Lane:
             group = [c for c in group if c.run_id not in settled]
         if not group:
             return settled
-        live = {c.run_id for c in group}
         result: Answer | TransportFailure | None = None
-        async with anyio.create_task_group() as tg:
-
-            async def renewer() -> None:
-                # A run whose renewal fails stays in the request (it cannot be unsent); its ack
-                # is fenced. Only when every lease is gone is the request cancelled.
-                interval = renew_interval(self.settings.lease_ttl)
-                while True:
-                    await anyio.sleep(interval)
-                    held = [c for c in group if c.run_id in live]
-                    try:
-                        ok = await self.store.renew(held)
-                    except (psycopg.Error, OSError, TimeoutError):
-                        ok = {
-                            c.run_id
-                            for c in held
-                            if c.trust.remaining(anyio.current_time()) > interval
-                        }
-                    live.intersection_update(ok)
-                    if not live:
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(renewer)
+        # A run whose renewal fails stays in the request (it cannot be unsent); its ack is
+        # fenced. Only when every lease is gone is the request cancelled.
+        with self._renewing(group) as renewal:
             try:
                 result = await self._quick_retries(
                     lambda: self._post_group_once(group),
@@ -383,7 +391,7 @@ class Lane:
                 )
             except TransportFailure as exc:
                 result = exc
-            tg.cancel_scope.cancel()
+        live = renewal.live
         for c in group:
             if c.run_id not in live:
                 self._lease_lost(c, "renewal_failed")
@@ -429,37 +437,47 @@ class Lane:
     async def _post_renewing(
         self, claim: Claim, events: list[ClaimedEvent]
     ) -> Answer | TransportFailure | None:
-        """POST with quick retries while a sibling task renews the lease every ttl/3; a failed
-        renewal cancels the request. Returns None when the lease was lost."""
-        lost = False
+        """POST with quick retries while the lane's renewer keeps the lease; a failed renewal
+        cancels the request. Returns None when the lease was lost."""
         result: Answer | TransportFailure | None = None
-        async with anyio.create_task_group() as tg:
-
-            async def renewer() -> None:
-                nonlocal lost
-                interval = renew_interval(self.settings.lease_ttl)
-                while True:
-                    await anyio.sleep(interval)
-                    try:
-                        ok = claim.run_id in await self.store.renew([claim])
-                    except (psycopg.Error, OSError, TimeoutError):
-                        # Unknown: keep going only while the current window still holds.
-                        ok = claim.trust.remaining(anyio.current_time()) > interval
-                    if not ok:
-                        lost = True
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(renewer)
+        with self._renewing([claim]) as renewal:
             try:
                 result = await self._post_quick_retries(claim, events)
             except TransportFailure as exc:
                 result = exc
-            tg.cancel_scope.cancel()
-        if lost:
+        if renewal.lost:
             self._lease_lost(claim, "renewal_failed")
             return None
         return result
+
+    def _renewing(self, claims: list[Claim]) -> Renewal:
+        return Renewal(claims, self._renewals)
+
+    async def _renewer(self) -> None:
+        """Renews the leases of every claim on the wire: one task per lane, one round trip for
+        all that are due. A claim is due ttl/3 after its lease was taken or last renewed; the
+        renewer looks every ttl/12, so a renewal comes at most 5/12 of the TTL after the last
+        (the trust window is 4/5 of it). When the database cannot say (an error, a timeout),
+        a claim counts as held only while its current window outlasts another interval."""
+        interval = renew_interval(self.settings.lease_ttl)
+        while True:
+            await anyio.sleep(interval / 4)
+            now = anyio.current_time()
+            due = {
+                c.run_id: c
+                for r in self._renewals
+                for c in r.claims
+                if c.run_id in r.live and now - c.trust.started >= interval
+            }
+            if not due:
+                continue
+            try:
+                held = await self.store.renew(list(due.values()))
+            except (psycopg.Error, OSError, TimeoutError):
+                now = anyio.current_time()
+                held = {run for run, c in due.items() if c.trust.remaining(now) > interval}
+            for r in list(self._renewals):
+                r.lose(due.keys() - held)
 
     async def _post_quick_retries(self, claim: Claim, events: list[ClaimedEvent]) -> Answer:
         return await self._quick_retries(
@@ -471,6 +489,27 @@ class Lane:
     ) -> Answer:
         """Quick retries for blips (tenacity: bounded, short, full jitter), only while the lease
         is trusted for a whole request; longer outages are rescheduled through the database."""
+        first: Answer | TransportFailure
+        try:
+            answer = await post()
+        except TransportFailure as exc:
+            first = exc
+        else:
+            if not _quick_retryable(answer):
+                return answer
+            first = answer
+        # A blip. tenacity decides from here, starting from this first outcome (replayed as its
+        # attempt 1): the common case, an answer at once, never builds a retry loop.
+        replay = [first]
+
+        async def attempt() -> Answer:  # a coroutine function, so tenacity awaits it
+            if replay:
+                outcome = replay.pop()
+                if isinstance(outcome, TransportFailure):
+                    raise outcome
+                return outcome
+            return await post()
+
         retrying = AsyncRetrying(
             stop=stop_any(_STOP_AFTER, _TrustLow(trust, self.settings.http_timeout)),
             wait=_QUICK_WAIT,
@@ -478,12 +517,8 @@ class Lane:
             retry_error_callback=_last_outcome,
             reraise=True,
         )
-
-        async def attempt() -> Answer:  # a coroutine function, so tenacity awaits it
-            return await post()
-
-        answer: Answer = await retrying(attempt)
-        return answer
+        retried: Answer = await retrying(attempt)
+        return retried
 
     async def _post_once(self, claim: Claim, events: list[ClaimedEvent]) -> Answer:
         self.stats.posts += 1

@@ -246,7 +246,7 @@ class MeteredIngress(IngressClient):
     class and timing it, at the one place both send from."""
 
     def __init__(self, inner: IngressClient, metrics: Metrics, lane: str) -> None:
-        super().__init__(inner.settings, inner.client)
+        super().__init__(inner.settings, inner.sender)
         self.metrics = metrics
         self.lane = lane
 

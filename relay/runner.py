@@ -18,7 +18,7 @@ from anyio.abc import TaskStatus
 from psycopg_pool import AsyncConnectionPool
 
 from relay import health, logs, sdnotify
-from relay.ingress import IngressClient, make_client
+from relay.ingress import IngressClient, open_sender
 from relay.lanes import Lane
 from relay.listener import Listener
 from relay.migrate import SchemaError, version_problem
@@ -102,8 +102,8 @@ class Relay:
             if problem:
                 raise SchemaError(problem)
             async with (
-                make_client(s, s.concurrency, self.transport) as ordinary_http,
-                make_client(s, s.critical_concurrency, self.transport) as critical_http,
+                open_sender(s, s.concurrency, self.transport) as ordinary_http,
+                open_sender(s, s.critical_concurrency, self.transport) as critical_http,
             ):
                 critical = Lane(
                     "critical",

@@ -388,6 +388,53 @@ async def test_a_failed_renewal_abandons_the_batch_without_an_ack(
         await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="redelivery")
 
 
+async def test_a_multi_run_post_outlives_one_lost_lease_but_not_all(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """The lane's renewer keeps every lease of a multi-run POST. One run whose lease is lost
+    stays in the request (it cannot be unsent) and is not acked; the others are."""
+    s, url = sink
+    s.faults.delay(2.0)  # the whole multi-run request
+    enqueue_runs(conn, schema, 2, 1, terminal=False)
+    cfg = settings(
+        pg_url, schema, url, ingress_batch_url=url + "/batch", lease_ttl="3s", http_timeout="2.3s"
+    )
+    async with Relay(cfg).running() as r:
+        lane = r.lanes["ordinary"]
+        await wait_for(
+            lambda: len(lane.posting_runs) == 0 and len(lane.inflight) == 2, what="claim"
+        )
+        conn.execute(
+            q(schema, "update {s}.runs set lease_token = gen_random_uuid() where run_id = 'r0'")
+        )
+        await wait_for(lambda: lane.stats.lease_lost == 1, what="r0's renewal failing")
+        await wait_for(lambda: lane.stats.acks == 1, what="r1's ack")
+        assert lane.stats.posts == 1
+        row = conn.execute(q(schema, "select run_id, state from {s}.events order by run_id"))
+        assert row.fetchall() == [("r0", "pending"), ("r1", "delivered")]
+
+
+async def test_a_multi_run_post_is_cancelled_when_every_lease_is_lost(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    s.faults.delay(2.0)
+    enqueue_runs(conn, schema, 2, 1, terminal=False)
+    cfg = settings(
+        pg_url, schema, url, ingress_batch_url=url + "/batch", lease_ttl="3s", http_timeout="2.3s"
+    )
+    async with Relay(cfg).running() as r:
+        lane = r.lanes["ordinary"]
+        await wait_for(lambda: len(lane.inflight) == 2, what="claim")
+        conn.execute(q(schema, "update {s}.runs set lease_token = gen_random_uuid()"))
+        await wait_for(lambda: lane.stats.lease_lost == 2, what="both renewals failing")
+        # Cancelled, not answered: the lane let go of both before the sink's answer (it records
+        # the runs only after its 2 s delay).
+        await wait_for(lambda: not lane.inflight, what="the request cancelled")
+        assert not s.state.deliveries
+        assert lane.stats.acks == 0 and count(conn, schema, "state = 'pending'") == 2
+
+
 async def test_small_runs_share_posts_through_the_batch_endpoint(
     pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
 ) -> None:

@@ -49,7 +49,7 @@ from psycopg.conninfo import make_conninfo
 
 import relay
 from relay import logs
-from relay.ingress import MAX_BODY, make_client, sign
+from relay.ingress import MAX_BODY, TransportFailure, open_sender, sign
 from relay.listener import Listener
 from relay.migrate import migrate
 from relay.roles import Roles, validate_role_name
@@ -297,7 +297,7 @@ async def test_relay_sink_command_verifies_with_a_secret_from_a_file(tmp_path: P
 
 @pytest.fixture(params=["aiohttp", "httpcore"])
 def http_transport(request: pytest.FixtureRequest) -> str:
-    """Each transport test runs over both HTTP clients under httpx (`http_transport`)."""
+    """Each transport test runs over both HTTP clients (`http_transport`)."""
     return str(request.param)
 
 
@@ -527,12 +527,12 @@ def test_ingress_ca_file_is_checked_at_start(tmp_path: Path) -> None:
         relay.settings.load({**base, "ingress_ca_file": str(junk)}, {})
 
 
-async def test_make_client_verifies_without_a_ca_file_too(
+async def test_the_sender_verifies_without_a_ca_file_too(
     tls: tuple[trustme.CA, trustme.LeafCert],
     http_transport: str,
 ) -> None:
-    """The client itself, outside the relay loop: the default refuses a certificate from an
-    unknown CA, and follows no redirect."""
+    """The sender itself, outside the relay loop: without `ingress_ca_file` it verifies
+    against the system's CAs, so a certificate from an unknown CA is refused."""
     cfg = relay.settings.load(
         {
             "database_url": "postgresql://x/y",
@@ -549,10 +549,9 @@ async def test_make_client_verifies_without_a_ca_file_too(
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
         await writer.drain()
 
-    async with RawIngress(ok, server_ctx).serving() as url, make_client(cfg, 1) as client:
-        assert client.follow_redirects is False
-        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-            await client.post(url + "/x", content=b"{}")
+    async with RawIngress(ok, server_ctx).serving() as url, open_sender(cfg, 1) as sender:
+        with pytest.raises(TransportFailure, match="CERTIFICATE_VERIFY_FAILED"):
+            await sender.send(url + "/x", b"{}", {})
 
 
 # --- least privilege: the producer and relay roles ---------------------------------------------
