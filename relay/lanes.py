@@ -146,6 +146,7 @@ class Lane:
         self.inflight: dict[str, Claim] = {}
         self.posting = anyio.Semaphore(concurrency)
         self.posting_runs: set[str] = set()  # claims past their slot wait (POST started)
+        self._slot_waiters: dict[str, tuple[Claim, anyio.Event]] = {}  # queued, in FIFO order
         self.stats = LaneStats()
         self.stopping = False
         self.paused_until = 0.0
@@ -269,6 +270,9 @@ class Lane:
         self.stopping = True
         self.wake.set()
         self.slot_freed.set()
+        for _claim, waiter in self._slot_waiters.values():
+            waiter.set()
+        self._slot_waiters.clear()
 
     # -- delivery ---------------------------------------------------------------------------
 
@@ -279,7 +283,10 @@ class Lane:
         if claim is not None and run_id not in self.posting_runs:
             claim.critical = True
             claim.widen = True
-            self.slot_freed.set()  # wake the queued task so it can hand itself over
+            self.slot_freed.set()
+            waiter = self._slot_waiters.pop(run_id, None)
+            if waiter is not None:
+                waiter[1].set()  # the queued task hands itself over to the critical lane
 
     def adopt(self, claim: Claim) -> bool:
         """Take over a claim another lane holds but cannot start yet, if there is room."""
@@ -303,8 +310,27 @@ class Lane:
                 pass
             if claim.critical and self.handoff(claim):
                 return "handed_off"
-            await self.slot_freed.wait(self.settings.poll_interval)
+            # Queued: woken when a slot frees and this claim is next (critical ones first), when
+            # it is promoted, on shutdown, or after poll_interval to try the handoff again.
+            # One waiter per freed slot: a shared wake-up woke every queued task each time.
+            waiter = self._slot_waiters[claim.run_id] = (claim, anyio.Event())
+            try:
+                with anyio.move_on_after(self.settings.poll_interval):
+                    await waiter[1].wait()
+            finally:
+                if self._slot_waiters.get(claim.run_id) is waiter:
+                    del self._slot_waiters[claim.run_id]
         return "stopping"
+
+    def _wake_next_waiter(self) -> None:
+        """A POST slot was freed: wake the claim queued longest for one, a critical one first."""
+        if not self._slot_waiters:
+            return
+        run_id = next(
+            (r for r, (c, _) in self._slot_waiters.items() if c.critical),
+            next(iter(self._slot_waiters)),
+        )
+        self._slot_waiters.pop(run_id)[1].set()
 
     async def _deliver_guarded(self, claim: Claim) -> None:
         slot = "waiting"
@@ -336,6 +362,7 @@ class Lane:
                 if slot == "posting":
                     self.posting_runs.discard(claim.run_id)
                     self.posting.release()
+                    self._wake_next_waiter()
                 if claim.critical or self.name == "critical":
                     self.wake.set()
             self.slot_freed.set()
@@ -361,6 +388,7 @@ class Lane:
                         except Exception:
                             pass
                 self.inflight.pop(claim.run_id, None)
+            self._wake_next_waiter()
             self.slot_freed.set()
             if self.name == "critical" or any(c.critical for c in group):
                 self.wake.set()
