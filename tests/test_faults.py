@@ -8,9 +8,11 @@ fault repetitions, `RELAY_FAULTS_SOAK_SECONDS` runs a long soak with faults ever
 
 from __future__ import annotations
 
+import glob
+import json
 import random
-import shutil
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import absurdctl
@@ -206,27 +208,46 @@ async def test_many_replicas_on_one_hot_run(fault_pg: EmbeddedPostgres, tmp_path
     assert_valid(lab)
 
 
-def _faketime() -> str | None:
-    return shutil.which("faketime")
+def _libfaketime() -> str | None:
+    """libfaketime itself (Debian package `faketime`). Preloaded through `env`, which execs the
+    relay: the `faketime` wrapper forks instead, and a replica signalled through it was left
+    running (the wrapper died, its child lived on)."""
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+    return found[0] if found else None
+
+
+def _started_at(log: Path) -> datetime:
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith("{") and '"event":"started"' in line:
+            return datetime.fromisoformat(json.loads(line)["ts"])
+    raise AssertionError(f"no started line in {log}")
+
+
+def _skewed(offset: str, lib: str) -> list[str]:
+    return ["env", f"LD_PRELOAD={lib}", f"FAKETIME={offset}"]
 
 
 async def test_replica_with_a_skewed_wall_clock(fault_pg: EmbeddedPostgres, tmp_path: Path) -> None:
     """Replicas whose wall clocks are minutes off (libfaketime): leases hold because their times
     are on the database clock and trust is measured on the monotonic clock."""
-    faketime = _faketime()
-    if faketime is None:
+    lib = _libfaketime()
+    if lib is None:
         pytest.skip(
             "faketime is not installed (Debian package `faketime`, which provides libfaketime);"
             " install it to run the skewed-clock scenario"
         )
     async with Lab.open(
-        fault_pg, "skewed_clock", tmp_path, replicas=1, prefix=[faketime, "-f", "+300s"]
+        fault_pg, "skewed_clock", tmp_path, replicas=1, prefix=_skewed("+300s", lib)
     ) as skewed_ahead:
         lab = skewed_ahead
-        lab.command_prefix = [faketime, "-f", "-300s"]
+        lab.command_prefix = _skewed("-300s", lib)
         await lab.spawn(1)  # one replica five minutes ahead, one five minutes behind
         lab.command_prefix = []
         await lab.spawn(2)  # and one on time
+        # The clocks really are skewed: each replica stamps its log lines with its wall clock.
+        now = datetime.now(UTC)
+        assert (_started_at(lab.replicas[0].log) - now).total_seconds() > 250
+        assert (_started_at(lab.replicas[1].log) - now).total_seconds() < -250
         lab.sink.faults.delay(0.02, times=100_000)
         lab.produce(Workload(runs=40, spread=4).scaled())
         await lab.wait_received(60)
