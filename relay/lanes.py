@@ -146,6 +146,7 @@ class Lane:
         self.inflight: dict[str, Claim] = {}
         self.posting = anyio.Semaphore(concurrency)
         self.posting_runs: set[str] = set()  # claims past their slot wait (POST started)
+        self._slot_held: set[str] = set()  # of those, the ones still holding their POST slot
         self._slot_waiters: dict[str, tuple[Claim, anyio.Event]] = {}  # queued, in FIFO order
         self.stats = LaneStats()
         self.stopping = False
@@ -305,6 +306,7 @@ class Lane:
             try:
                 self.posting.acquire_nowait()
                 self.posting_runs.add(claim.run_id)
+                self._slot_held.add(claim.run_id)
                 return "posting"
             except anyio.WouldBlock:
                 pass
@@ -361,8 +363,7 @@ class Lane:
                             pass
                 if slot == "posting":
                     self.posting_runs.discard(claim.run_id)
-                    self.posting.release()
-                    self._wake_next_waiter()
+                    self._free_slot(claim)
                 if claim.critical or self.name == "critical":
                     self.wake.set()
             self.slot_freed.set()
@@ -460,7 +461,18 @@ class Lane:
         answer = await self._post_renewing(claim, events)
         if answer is None:
             return True  # lease lost mid-flight: abandoned, no ack
+        if isinstance(answer, Answer) and _acks_all(answer, len(events)):
+            # Pipelining: the ingress has answered and nothing but the (grouped) ack is left,
+            # so the next claim's POST need not wait for this commit. The run stays claimed
+            # (and its lease fenced) until the ack settles it.
+            self._free_slot(claim)
         return await self._act(claim, events, answer)
+
+    def _free_slot(self, claim: Claim) -> None:
+        if claim.run_id in self._slot_held:
+            self._slot_held.discard(claim.run_id)
+            self.posting.release()
+            self._wake_next_waiter()
 
     async def _post_renewing(
         self, claim: Claim, events: list[ClaimedEvent]
@@ -483,13 +495,26 @@ class Lane:
 
     async def _renewer(self) -> None:
         """Renews the leases of every claim on the wire: one task per lane, one round trip for
-        all that are due. A claim is due ttl/3 after its lease was taken or last renewed; the
-        renewer looks every ttl/12, so a renewal comes at most 5/12 of the TTL after the last
-        (the trust window is 4/5 of it). When the database cannot say (an error, a timeout),
-        a claim counts as held only while its current window outlasts another interval."""
+        all that are due. A claim is due ttl/3 after its lease was taken or last renewed
+        (DESIGN §4.2); the renewer sleeps until the first one is due, and at most ttl/12, so a
+        claim that starts its POST meanwhile is seen in time. When the database cannot say (an
+        error, a timeout), a claim counts as held only while its window outlasts another
+        interval."""
         interval = renew_interval(self.settings.lease_ttl)
+        pause = 0.0
         while True:
-            await anyio.sleep(interval / 4)
+            now = anyio.current_time()
+            first_due = min(
+                (
+                    c.trust.started + interval
+                    for r in self._renewals
+                    for c in r.claims
+                    if c.run_id in r.live
+                ),
+                default=now + interval,
+            )
+            await anyio.sleep(min(max(first_due - now, pause), interval / 4))
+            pause = 0.0
             now = anyio.current_time()
             due = {
                 c.run_id: c
@@ -504,6 +529,7 @@ class Lane:
             except (psycopg.Error, OSError, TimeoutError):
                 now = anyio.current_time()
                 held = {run for run, c in due.items() if c.trust.remaining(now) > interval}
+                pause = interval / 4  # their windows did not move: try again soon, not at once
             for r in list(self._renewals):
                 r.lose(due.keys() - held)
 
@@ -639,6 +665,10 @@ class Lane:
             error=error[:200],
             fenced=not released,
         )
+        if not released:
+            # The token had moved on (e.g. a process frozen past its lease, whose request then
+            # timed out): nothing was changed, and the new owner redelivers.
+            self._lease_lost(claim, "release_fenced")
         return True
 
     async def _misconfigured(self, claim: Claim, answer: Answer) -> bool:
@@ -724,7 +754,9 @@ class Lane:
 
     async def _block(self, claim: Claim, event: ClaimedEvent, answer: Answer) -> bool:
         error = f"ingress answered {answer.status}: {_excerpt(answer.body)}"
-        await self.store.fail_event(claim, event.seq, answer.status, error)
+        if not await self.store.fail_event(claim, event.seq, answer.status, error):
+            self._lease_lost(claim, "fail_fenced")  # not blocked: the new owner sends it again
+            return True
         self.stats.failed += 1
         logs.error(
             "run_blocked",
@@ -769,6 +801,14 @@ class _TrustLow(stop_base):
 
     def __call__(self, retry_state: RetryCallState) -> bool:
         return not self.trust().allows_post(anyio.current_time(), self.timeout)
+
+
+def _acks_all(answer: Answer, n: int) -> bool:
+    """The answer accepts the whole batch: an ack follows, and no other request."""
+    return (
+        classify(answer.status) is Outcome.ACCEPTED
+        and accepted_count(answer.status, answer.body, n) == n
+    )
 
 
 def _quick_retryable(answer: Answer) -> bool:

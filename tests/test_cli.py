@@ -95,6 +95,8 @@ async def test_four_replicas_deliver_everything_in_order(
     tmp_path: Path,
 ) -> None:
     s, url = sink
+    # Slow enough that no replica can drain it all alone before the others are up.
+    s.faults.delay(0.02, times=100_000)
     enqueue_runs(conn, schema, 100, 6, prefix="a")
     async with replicas(4, relay_env(pg_url, schema, url), tmp_path) as procs:
         enqueue_runs(conn, schema, 100, 6, prefix="b")  # the rest while they run

@@ -368,3 +368,29 @@ async def test_every_decision_logs_its_fields(
         for key in (*fields, "http_ms", "lag_ms"):
             assert f" {key}=" in line, key
         assert "lease_owner=replica-x" in line
+
+
+async def test_a_fenced_reschedule_is_a_lost_lease(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str],
+    log_lines: LogLines,
+) -> None:  # fmt: skip
+    """The request timed out after the run was taken over (a process frozen past its lease,
+    say): the reschedule changes nothing, and says the lease was lost."""
+    s, url = sink
+    s.faults.delay(1.0, times=3)  # every quick retry times out
+    enqueue_runs(conn, schema, 1, 1, terminal=False)
+    # A long lease, so no renewal (every ttl/3 = 10 s) notices the theft first.
+    cfg = settings(pg_url, schema, url, lease_ttl="30s", http_timeout="0.3s")
+    async with Relay(cfg).running() as r:
+        lane = r.lanes["ordinary"]
+        await wait_for(lambda: bool(lane.posting_runs), what="the first POST")
+        conn.execute(q(schema, "update {s}.runs set lease_token = gen_random_uuid()"))
+        await wait_for(lambda: lane.stats.lease_lost == 1, what="the fenced reschedule")
+    lost = [x for x in log_lines() if x["event"] == "lease_lost"]
+    assert [x["where"] for x in lost] == ["release_fenced"] and lost[0]["run_id"] == "r0"
+    retry = next(x for x in log_lines() if x["event"] == "retry_scheduled")
+    assert retry["fenced"] is True and "timed out" in retry["error"]
+    assert lane.stats.acks == 0 and count(conn, schema, "state = 'pending'") == 1
+    # Untouched: the thief's lease stands, no attempt was counted against the run.
+    row = conn.execute(q(schema, "select attempts, lease_token is not null from {s}.runs"))
+    assert row.fetchone() == (0, True)

@@ -77,7 +77,8 @@ async def test_sigkill_after_2xx_before_ack(fault_pg: EmbeddedPostgres, tmp_path
 async def test_sigstop_zombie_past_its_lease(fault_pg: EmbeddedPostgres, tmp_path: Path) -> None:
     """SIGSTOP right after the ingress answered 2xx, held past the lease TTL until another
     replica took the run over, then SIGCONT: the zombie wakes holding a stale lease and an
-    answered POST; its ack (or renewal) must be fenced."""
+    answered POST; its ack, renewal or (when its request timed out meanwhile) reschedule must
+    be fenced, and it logs the lost lease."""
     async with Lab.open(fault_pg, "sigstop_zombie", tmp_path, replicas=3) as lab:
         stops = scaled(1)
         marks = [lab.mark(f"run{4 + 10 * i}-1", "zombie") for i in range(stops)]
