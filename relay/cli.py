@@ -26,7 +26,7 @@ _HELP = {
     "lease_ttl": "lease time to live, e.g. 30s",
     "concurrency": "ordinary lane: runs in flight (default 8)",
     "critical_concurrency": "critical lane: runs in flight (default 4)",
-    "claim_runs": "runs claimed per round trip (default 16)",
+    "claim_runs": "runs claimed per round trip (default 64)",
     "poll_interval": "safety-net poll interval (default 1s)",
     "http_timeout": "total deadline of one POST (default 10s)",
     "max_backoff": "cap of retry backoff (default 300s)",

@@ -117,7 +117,7 @@ class Settings:
     lease_ttl: float = 30.0
     concurrency: int = 8
     critical_concurrency: int = 4
-    claim_runs: int = 16
+    claim_runs: int = 64
     poll_interval: float = 1.0
     http_timeout: float = 10.0
     max_backoff: float = 300.0

@@ -159,7 +159,7 @@ def test_duration_options_reject_out_of_range(option: str) -> None:
         ("batch_size", "10000", 10000),
         ("concurrency", "32", 32),
         ("critical_concurrency", "2", 2),
-        ("claim_runs", "64", 64),
+        ("claim_runs", "200", 200),
         ("lease_ttl", "1m", 60.0),
         ("poll_interval", "250ms", 0.25),
         ("http_timeout", "5", 5.0),
