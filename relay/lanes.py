@@ -144,6 +144,14 @@ class Lane:
         # more than the concurrency keeps the POST slots busy without a claim round trip (and
         # its commit) between one run and the next: what makes runs of one event fast.
         self.inflight: dict[str, Claim] = {}
+        # With `ingress_batch_url`, one POST slot carries up to a claim's worth of small runs:
+        # the lane then holds enough runs to fill every slot, plus one claim ahead (counted in
+        # runs, a claim of small runs would otherwise fill the lane with one POST in flight).
+        self.capacity = (
+            (concurrency + 1) * settings.claim_runs
+            if settings.ingress_batch_url
+            else concurrency + settings.claim_runs
+        )
         self.posting = anyio.Semaphore(concurrency)
         self.posting_runs: set[str] = set()  # claims past their slot wait (POST started)
         self._slot_held: set[str] = set()  # of those, the ones still holding their POST slot
@@ -218,7 +226,7 @@ class Lane:
         if now < self.paused_until:
             await self.wake.wait(min(self.paused_until - now, self.settings.poll_interval))
             return False
-        room = self.concurrency + self.settings.claim_runs - len(self.inflight)
+        room = self.capacity - len(self.inflight)
         if room < max(1, self.settings.claim_runs // 2) and len(self.inflight) >= self.concurrency:
             await self.slot_freed.wait(self.settings.poll_interval)
             return True

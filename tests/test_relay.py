@@ -388,6 +388,28 @@ async def test_a_failed_renewal_abandons_the_batch_without_an_ack(
         await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="redelivery")
 
 
+async def test_small_runs_fill_every_post_slot_through_the_batch_endpoint(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """With `ingress_batch_url`, a claim of small runs shares one POST slot: the lane holds
+    enough runs to keep every slot busy (not concurrency + claim_runs runs, which one multi-run
+    POST would fill)."""
+    s, url = sink
+    s.faults.delay(1.0, times=100)
+    enqueue_runs(conn, schema, 12, 1, terminal=False)
+    cfg = settings(
+        pg_url, schema, url, ingress_batch_url=url + "/batch", concurrency=3, claim_runs=4
+    )
+    async with Relay(cfg).running() as r:
+        lane = r.lanes["ordinary"]
+        # 12 runs held, in 3 multi-run POSTs at once (every slot taken).
+        await wait_for(
+            lambda: len(lane.inflight) == 12 and lane.posting.value == 0, what="3 POSTs at once"
+        )
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 12, what="delivery")
+    assert lane.stats.posts == 3 and s.state.duplicates == 0
+
+
 async def test_a_multi_run_post_outlives_one_lost_lease_but_not_all(
     pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
 ) -> None:
