@@ -179,23 +179,33 @@ def _refused(group: BaseExceptionGroup[BaseException], code: int) -> int:
     return code
 
 
-def cmd_sink(argv: list[str]) -> int:
-    from relay.sink import main as sink_main
+# The tools wing (relay/tools/) is reached by module name only, when one of its commands is
+# asked for: the production wing never imports it, and its dependencies are extras.
+TOOLS: dict[str, tuple[str, str]] = {
+    "sink": ("relay.tools.sink", "sink"),
+    "demo": ("relay.tools.demo", "demo"),
+    "bench": ("relay.tools.bench", "bench"),
+}
 
-    return sink_main(argv)
 
+def run_tool(command: str, argv: list[str]) -> int:
+    """Run a tools-wing command; a missing extra is one line naming the install, exit 2."""
+    import importlib
 
-def cmd_demo(argv: list[str]) -> int:
-    from relay.demo import main as demo_main
-
-    code: int = demo_main(argv)
+    module_name, extra = TOOLS[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name == "relay" or exc.name.startswith("relay."):
+            raise
+        print(
+            f"relay {command}: needs the {exc.name!r} package of the {extra!r} extra: "
+            f"pip install 'ledger-relay[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
+    code: int = module.main(argv)
     return code
-
-
-def cmd_bench(argv: list[str]) -> int:
-    from relay.bench import main as bench_main
-
-    return bench_main(argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,19 +241,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_command(sub, _add_settings, _settings)
     # -- end relay check ------------------------------------------------------------------------
 
-    sub.add_parser("sink", help="run the reference ingress", add_help=False)
-    sub.add_parser("demo", help="run the demo", add_help=False)
-    sub.add_parser("bench", help="run the benchmarks (relay bench --help)", add_help=False)
+    sub.add_parser("sink", help="run the reference ingress [extra: sink]", add_help=False)
+    sub.add_parser("demo", help="run the demo [extra: demo]", add_help=False)
+    sub.add_parser(
+        "bench", help="run the benchmarks (relay bench --help) [extra: bench]", add_help=False
+    )
     return p
-
-
-PASSTHROUGH = {"sink": cmd_sink, "demo": cmd_demo, "bench": cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list and args_list[0] in PASSTHROUGH:
-        return PASSTHROUGH[args_list[0]](args_list[1:])
+    if args_list and args_list[0] in TOOLS:
+        return run_tool(args_list[0], args_list[1:])
     parser = build_parser()
     args = parser.parse_args(args_list)
     try:

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import absurdctl
 import psycopg
 import pytest
 from psycopg import sql
 
-from relay.embedded import EmbeddedPostgres
 from relay.migrate import migrate
+from relay.tools.absurd import install_absurd
+from relay.tools.embedded import EmbeddedPostgres
 
 
 @pytest.fixture(scope="session")
@@ -31,14 +31,7 @@ def pg_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if not url:
         server = EmbeddedPostgres(Path(tmp_path_factory.mktemp("pg")) / "data", durable=False)
         url = server.start()
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("select pg_advisory_lock(4242)")
-        try:
-            row = conn.execute("select to_regclass('absurd.queues') is not null").fetchone()
-            if not (row and row[0]):
-                conn.execute(absurdctl.BUNDLED_SCHEMA_SQL)
-        finally:
-            conn.execute("select pg_advisory_unlock(4242)")
+    install_absurd(url)
     try:
         yield url
     finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import orjson
 
-from relay.bench import SCENARIOS
+from relay.tools.bench import SCENARIOS
 
 KEYS = [
     "db_limit_eps",

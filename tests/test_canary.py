@@ -23,7 +23,7 @@ import pytest
 from relay import logs
 from relay.runner import Relay
 from relay.settings import describe
-from relay.sink import Sink, serve_sink
+from relay.tools.sink import Sink, serve_sink
 from tests.support import count, settings, wait_for
 from tests.test_cli import RELAY, relay_env
 from tests.test_relay import enqueue_runs

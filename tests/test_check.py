@@ -20,7 +20,7 @@ from relay.checks import (
     scrub,
 )
 from relay.settings import load
-from relay.sink import Sink, serve_sink
+from relay.tools.sink import Sink, serve_sink
 from tests.test_cli import RELAY, relay_env
 
 pytestmark = pytest.mark.anyio

@@ -17,7 +17,7 @@ import pytest
 from anyio.abc import Process
 
 from relay.migrate import code_version
-from relay.sink import Sink, serve_sink
+from relay.tools.sink import Sink, serve_sink
 from tests.support import assert_acked_only_if_received, count, q, wait_for
 from tests.test_relay import enqueue_runs
 

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from relay.demo import Committed, build_report, percentile, plan_workload
+from relay.tools.demo import Committed, build_report, percentile, plan_workload
 from tests.conftest import unique
 
 

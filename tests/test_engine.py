@@ -35,7 +35,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 import relay
 from relay.engine import WakeListener, WakeWorker
 from relay.runner import Relay
-from relay.sink import Sink, serve_sink
+from relay.tools.sink import Sink, serve_sink
 from tests.support import count, q, settings, wait_for
 
 pytestmark = pytest.mark.anyio

@@ -15,12 +15,11 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-import absurdctl
 import anyio
-import psycopg
 import pytest
 
-from relay.embedded import EmbeddedPostgres
+from relay.tools.absurd import install_absurd
+from relay.tools.embedded import EmbeddedPostgres
 from tests.faults import scaled, soak_seconds
 from tests.faults.checker import Row
 from tests.faults.harness import LEASE_TTL, Lab, Workload
@@ -33,8 +32,7 @@ def fault_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostg
     """The fault suite's own durable cluster: scenarios crash and restart it."""
     server = EmbeddedPostgres(tmp_path_factory.mktemp("faultpg") / "data", durable=True)
     server.start()
-    with psycopg.connect(server.url, autocommit=True) as conn:
-        conn.execute(absurdctl.BUNDLED_SCHEMA_SQL)
+    install_absurd(server.url)
     try:
         yield server
     finally:

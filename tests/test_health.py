@@ -15,7 +15,7 @@ from anyio.abc import SocketStream, TaskGroup
 
 from relay.health import loops_alive, readiness, refresh_interval, split_addr, stall_limit
 from relay.runner import Relay
-from relay.sink import Sink, serve_sink
+from relay.tools.sink import Sink, serve_sink
 from tests.support import q, settings, wait_for
 from tests.test_metrics import get, relay_port
 

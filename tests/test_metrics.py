@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from relay.metrics import Metrics, status_class, type_labels
 from relay.runner import Relay
-from relay.sink import Sink, serve_sink
+from relay.tools.sink import Sink, serve_sink
 from tests.support import bulk_backlog, count, q, settings, wait_for
 from tests.test_relay import enqueue_runs
 

@@ -22,7 +22,7 @@ from psycopg.rows import dict_row
 import relay
 from relay import ops
 from relay.runner import Relay
-from relay.sink import Sink, serve_sink
+from relay.tools.sink import Sink, serve_sink
 from tests.support import count, q, settings, wait_for
 from tests.test_relay import enqueue_runs
 

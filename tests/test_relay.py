@@ -11,7 +11,7 @@ import pytest
 
 import relay
 from relay.runner import Relay
-from relay.sink import Sink, serve_sink
+from relay.tools.sink import Sink, serve_sink
 from tests.support import assert_acked_only_if_received, bulk_backlog, count, q, settings, wait_for
 
 pytestmark = pytest.mark.anyio

@@ -16,7 +16,7 @@ import pytest
 
 from relay.runner import Relay
 from relay.sdnotify import Notifier, from_environ, socket_address, watchdog_interval
-from relay.sink import Sink, serve_sink
+from relay.tools.sink import Sink, serve_sink
 from tests.support import settings
 from tests.test_cli import RELAY, relay_env
 

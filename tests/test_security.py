@@ -55,7 +55,7 @@ from relay.migrate import migrate
 from relay.roles import Roles, validate_role_name
 from relay.runner import Relay
 from relay.settings import ConfigError, Secret
-from relay.sink import Receive, Scope, Send, Sink, serve_sink, signing_keys, verify_signature
+from relay.tools.sink import Receive, Scope, Send, Sink, serve_sink, signing_keys, verify_signature
 from tests.support import count, q, settings, wait_for
 from tests.test_cli import RELAY, relay_env
 from tests.test_sink import body as sink_body
@@ -254,7 +254,7 @@ async def test_relay_sink_command_verifies_with_a_secret_from_a_file(tmp_path: P
     path.write_text(secret + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
     env["RELAY_SIGNING_SECRET_FILE"] = str(path)
-    command = [sys.executable, "-m", "relay.sink", "--port", "0"]
+    command = [sys.executable, "-m", "relay.tools.sink", "--port", "0"]
     with anyio.fail_after(30):
         async with await anyio.open_process(command, env=env) as process:
             assert process.stderr is not None and process.stdout is not None

@@ -13,7 +13,7 @@ import anyio
 import httpx
 import pytest
 
-from relay.sink import Sink, SinkState, SinkThread, serve_sink
+from relay.tools.sink import Sink, SinkState, SinkThread, serve_sink
 from tests.support import wait_for
 
 pytestmark = pytest.mark.anyio
@@ -337,7 +337,7 @@ async def test_shutdown_cuts_injected_delays_short() -> None:
 
 
 async def test_main_serves_until_sigterm_and_prints_stats() -> None:
-    command = [sys.executable, "-m", "relay.sink", "--port", "0"]
+    command = [sys.executable, "-m", "relay.tools.sink", "--port", "0"]
     with anyio.fail_after(30):
         async with await anyio.open_process(command) as process:
             assert process.stderr is not None and process.stdout is not None

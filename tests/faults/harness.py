@@ -38,9 +38,9 @@ from anyio.abc import Process, TaskGroup
 from psycopg import sql
 
 import relay
-from relay.embedded import EmbeddedPostgres
 from relay.migrate import migrate
-from relay.sink import JSON, Fault, Sink, serve_sink
+from relay.tools.embedded import EmbeddedPostgres
+from relay.tools.sink import JSON, Fault, Sink, serve_sink
 from tests.faults import checker, report, scale
 from tests.faults.proxy import FaultProxy, via
 from tests.support import wait_for

@@ -51,10 +51,10 @@ from rich.table import Table
 from relay.migrate import SchemaError, migrate, validate_schema_name
 from relay.producer import Event, enqueue_many
 from relay.settings import redact_url
-from relay.sink import Sink, SinkThread
+from relay.tools.absurd import install_absurd
+from relay.tools.sink import Sink, SinkThread
 
 QUEUE = "demo"
-ABSURD_INSTALL_LOCK = 4242  # the key tests/conftest.py uses too: one installer at a time
 PRODUCER_WINDOW = 8  # runs a producer has open at once, interleaving their transactions
 POLL_INTERVAL = 0.25
 MIN_LIVE_RATE, MAX_LIVE_RATE = 50.0, 20_000.0  # events/s
@@ -631,7 +631,7 @@ class Demo:
             with warnings.catch_warnings():
                 # pgserver's platformdirs warns about XDG_RUNTIME_DIR; the demo does not use it.
                 warnings.simplefilter("ignore")
-                from relay.embedded import EmbeddedPostgres
+                from relay.tools.embedded import EmbeddedPostgres
 
                 try:
                     server = EmbeddedPostgres(self.tmp / "pg", durable=True)
@@ -655,18 +655,9 @@ class Demo:
         with self.console.status("migrating…"):
             result = migrate(url, self.o.schema)
         self.console.print(f"schema {self.o.schema} at version {result.version}")
-        import absurdctl
-
+        if install_absurd(url, (QUEUE,)):
+            self.console.print("installed the Absurd schema")
         with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute("select pg_advisory_lock(%s)", (ABSURD_INSTALL_LOCK,))
-            try:
-                row = conn.execute("select to_regclass('absurd.queues') is null").fetchone()
-                if row and row[0]:
-                    conn.execute(absurdctl.BUNDLED_SCHEMA_SQL)
-                    self.console.print("installed the Absurd schema")
-                conn.execute("select absurd.create_queue(%s)", (QUEUE,))
-            finally:
-                conn.execute("select pg_advisory_unlock(%s)", (ABSURD_INSTALL_LOCK,))
             self.clock_offset = _clock_offset(conn)
         self.console.print(f"Absurd queue {QUEUE!r} ready")
 

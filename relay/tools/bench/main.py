@@ -40,15 +40,18 @@ from psycopg import sql
 from rich.console import Console
 from rich.table import Table
 
-from relay import __version__, bench_latency, bench_throughput, logs
-from relay.bench_kit import BenchFailed, BenchSink, Env, Result, Scenario, positive
-from relay.demo import ABSURD_INSTALL_LOCK, percentile
+from relay import __version__, logs
 from relay.engine import WakeWorker
 from relay.migrate import migrate
 from relay.producer import enqueue_async
 from relay.runner import Relay
 from relay.settings import redact_url
-from relay.sink import serve_sink
+from relay.tools.absurd import install_absurd
+from relay.tools.bench import latency as bench_latency
+from relay.tools.bench import throughput as bench_throughput
+from relay.tools.bench.kit import BenchFailed, BenchSink, Env, Result, Scenario, positive
+from relay.tools.demo import percentile
+from relay.tools.sink import serve_sink
 
 # -- scenario: wake ----------------------------------------------------------------------------
 
@@ -134,7 +137,7 @@ def worker_main(argv: Sequence[str]) -> None:
 async def _worker_process(env: Env, queue: str, mode: str, poll: float) -> AsyncIterator[None]:
     """An Absurd worker in its own process, as in production: neither the relay nor the
     bench's own waiting shares its event loop."""
-    code = "import sys; from relay.bench import worker_main; worker_main(sys.argv[1:])"
+    code = "import sys; from relay.tools.bench import worker_main; worker_main(sys.argv[1:])"
     args = [sys.executable, "-c", code, env.url, queue, mode, str(poll)]
     proc = await anyio.open_process(
         args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None
@@ -358,7 +361,7 @@ async def environment(url: str | None, console: Console) -> AsyncIterator[Env]:
         if not url:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # pgserver's platformdirs about XDG_RUNTIME_DIR
-                from relay.embedded import EmbeddedPostgres
+                from relay.tools.embedded import EmbeddedPostgres
 
                 server = EmbeddedPostgres(tmp / "pg", durable=True)
             with console.status("starting an embedded PostgreSQL…"):
@@ -369,26 +372,13 @@ async def environment(url: str | None, console: Console) -> AsyncIterator[Env]:
             console.print(f"PostgreSQL at {redact_url(url)}")
         schema = f"bench_{secrets.token_hex(4)}"
         await anyio.to_thread.run_sync(migrate, url, schema)
-        _install_absurd(url)
+        install_absurd(url)
         sink = BenchSink()
         sink.state.keep_received = False
         base = await stack.enter_async_context(serve_sink(sink))
         env = Env(url, schema, sink, base + "/runs/{run_id}/events", console, tmp, stack)
         stack.callback(_drop, env)
         yield env
-
-
-def _install_absurd(url: str) -> None:
-    import absurdctl
-
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("select pg_advisory_lock(%s)", (ABSURD_INSTALL_LOCK,))
-        try:
-            row = conn.execute("select to_regclass('absurd.queues') is null").fetchone()
-            if row and row[0]:
-                conn.execute(absurdctl.BUNDLED_SCHEMA_SQL)
-        finally:
-            conn.execute("select pg_advisory_unlock(%s)", (ABSURD_INSTALL_LOCK,))
 
 
 def _drop(env: Env) -> None:

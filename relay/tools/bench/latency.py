@@ -21,7 +21,9 @@ import orjson
 import psycopg
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from relay.bench_kit import (
+from relay.producer import Event, enqueue_async, enqueue_many_async
+from relay.runner import Relay
+from relay.tools.bench.kit import (
     BenchFailed,
     Env,
     Result,
@@ -32,9 +34,7 @@ from relay.bench_kit import (
     relay_processes,
     reset,
 )
-from relay.demo import percentile
-from relay.producer import Event, enqueue_async, enqueue_many_async
-from relay.runner import Relay
+from relay.tools.demo import percentile
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -204,7 +204,10 @@ def producer_main(argv: list[str]) -> None:
 
 async def _producers_once(env: Env, notify: str, seconds: float, tag: str) -> float:
     """8 producer connections in 2 processes (the bench's one loop would cap them first)."""
-    code = "import sys; from relay.bench_latency import producer_main; producer_main(sys.argv[1:])"
+    code = (
+        "import sys; from relay.tools.bench.latency import producer_main;"
+        " producer_main(sys.argv[1:])"
+    )
     procs = []
     lines: list[BufferedByteReceiveStream] = []
     try:

@@ -29,7 +29,7 @@ from psycopg import sql
 from rich.console import Console
 
 from relay.settings import Settings, load
-from relay.sink import JSON, Sink
+from relay.tools.sink import JSON, Sink
 
 Metrics = dict[str, Any]  # JSON key -> number, or {label: number} (e2e_eps_by_replicas)
 

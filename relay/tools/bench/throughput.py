@@ -23,7 +23,10 @@ import orjson
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from relay.bench_kit import (
+from relay.ingress import IngressClient, open_sender
+from relay.policy import Trust
+from relay.store import CONNECT_KWARGS, Claim, ClaimedEvent, Store
+from relay.tools.bench.kit import (
     BenchFailed,
     Env,
     Result,
@@ -35,9 +38,6 @@ from relay.bench_kit import (
     reset,
     until_received,
 )
-from relay.ingress import IngressClient, open_sender
-from relay.policy import Trust
-from relay.store import CONNECT_KWARGS, Claim, ClaimedEvent, Store
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -414,7 +414,9 @@ async def _peer_worker(url: str, sink: str, jobs: int) -> None:
 
 
 PEER_BATCH = 100  # jobs per dequeue (PgQueuer's default is 10: measured slower here)
-PEER_CODE = "import sys; from relay.bench_throughput import peer_main; peer_main(sys.argv[1:])"
+PEER_CODE = (
+    "import sys; from relay.tools.bench.throughput import peer_main; peer_main(sys.argv[1:])"
+)
 
 
 def peer_main(argv: list[str]) -> None:

@@ -1,0 +1,217 @@
+"""The package's shape (issue 12): a production wing that never imports the tools wing, no import
+circles, modules small enough to hold in one's head, and a core install that is exactly what the
+production wing imports."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import tomllib
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "relay"
+TOOLS = "relay.tools"
+MAX_PRODUCTION_LINES = 450
+# In the core install on purpose although nothing imports it: httpcore tries to import it on
+# every request (LIMITS.md: +34% requests/s with it installed).
+INSTALLED_NOT_IMPORTED = {"sniffio"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def production() -> dict[str, Path]:
+    return {
+        name: path
+        for name, path in modules().items()
+        if name != TOOLS and not name.startswith(TOOLS + ".")
+    }
+
+
+def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    return {
+        inner
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for statement in node.body
+        for inner in ast.walk(statement)
+    }
+
+
+def imports(path: Path, *, runtime: bool = False) -> set[str]:
+    """Every module an import statement in `path` names, at any depth: lazy imports inside
+    functions count (they are dependencies all the same), and so do TYPE_CHECKING blocks
+    unless `runtime` (what must be installed to run it)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path.parent)
+    skip = _type_checking_only(tree) if runtime else set()
+    known = set(modules())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if node in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                prefix = ".".join([*base, node.module] if node.module else base)
+            else:
+                prefix = node.module or ""
+            submodules = {f"{prefix}.{alias.name}" for alias in node.names} & known
+            # `from relay import logs` imports the module relay.logs (its package is only on
+            # the way there, like any parent package)
+            found.update(submodules)
+            if len(submodules) < len(node.names):
+                found.add(prefix)
+    return found
+
+
+def internal_edges(names: dict[str, Path]) -> dict[str, set[str]]:
+    known = set(modules())
+    edges: dict[str, set[str]] = {}
+    for name, path in names.items():
+        edges[name] = {m for m in imports(path) if m in known and m != name and m != "relay"}
+    return edges
+
+
+def test_production_wing_never_imports_the_tools_wing() -> None:
+    offenders = {
+        name: sorted(m for m in imports(path) if m == TOOLS or m.startswith(TOOLS + "."))
+        for name, path in production().items()
+    }
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"production modules importing the tools wing: {offenders}"
+    assert len(production()) >= 15 and any(n.startswith(TOOLS) for n in modules())
+
+
+def test_importing_every_production_module_loads_nothing_of_the_tools_wing() -> None:
+    """At run time too: `relay.cli` reaches the tools wing by module name only when a tools
+    command is asked for."""
+    names = sorted(n for n in production() if n != "relay")
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "from relay.cli import build_parser\n"
+        "build_parser()\n"
+        "print(sorted(m for m in sys.modules if m.startswith('relay.tools')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.strip()
+    assert out == "[]", f"loaded by the production wing: {out}"
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycle_finder_finds_a_planted_circle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles_in_the_package() -> None:
+    assert cycles(internal_edges(modules())) == []
+
+
+def test_no_production_module_is_too_long_to_hold_in_ones_head() -> None:
+    long = {
+        name: n
+        for name, path in production().items()
+        if (n := len(path.read_text().splitlines())) > MAX_PRODUCTION_LINES
+    }
+    assert not long, f"production modules over {MAX_PRODUCTION_LINES} lines: {long}"
+
+
+def _normalise(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def core_dependencies() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = set()
+    for requirement in project["dependencies"]:
+        match = re.match(r"[A-Za-z0-9._-]+", requirement)
+        assert match, requirement
+        names.add(_normalise(match.group(0)))
+    return names
+
+
+def imported_distributions() -> set[str]:
+    stdlib = sys.stdlib_module_names
+    by_module = packages_distributions()
+    found: set[str] = set()
+    for path in production().values():
+        for name in imports(path, runtime=True):
+            top = name.split(".")[0]
+            if not top or top in stdlib or top == "relay":
+                continue
+            distributions = by_module.get(top)
+            assert distributions, f"{path.name} imports {top}, which no installed package gives"
+            found.update(_normalise(d) for d in distributions)
+    return found
+
+
+def test_core_dependencies_are_exactly_what_the_production_wing_imports() -> None:
+    declared = core_dependencies()
+    imported = imported_distributions()
+    # psycopg[binary] pulls psycopg-binary, which nothing imports by that name
+    assert imported - declared == set(), "imported by the production wing but not declared"
+    assert declared - imported == INSTALLED_NOT_IMPORTED, "declared but not imported"
+
+
+@pytest.mark.parametrize("extra", ["sink", "demo", "bench", "dev"])
+def test_every_tools_dependency_sits_in_an_extra(extra: str) -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert extra in project["optional-dependencies"]
+    assert not {"uvicorn", "rich", "pgserver", "absurdctl", "matplotlib", "pgqueuer"} & (
+        core_dependencies()
+    )
