@@ -28,7 +28,7 @@ from relay.ingress import Answer, IngressClient, TransportFailure
 from relay.store import AckResult
 
 if TYPE_CHECKING:
-    from relay.lanes import Lane
+    from relay.lane import Lane
     from relay.listener import Listener
 
 PREFIX = "ledger_relay_"

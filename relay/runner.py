@@ -19,7 +19,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from relay import health, logs, sdnotify
 from relay.ingress import IngressClient, open_sender
-from relay.lanes import Lane
+from relay.lane import Lane
 from relay.listener import Listener
 from relay.migrate import SchemaError, version_problem
 from relay.settings import Settings, redact_url

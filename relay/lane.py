@@ -13,6 +13,7 @@ database, pause the lane, or isolate a poison event.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from collections.abc import Awaitable, Callable, Iterable
@@ -119,6 +120,18 @@ class LaneStats:
     by_type: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class LaneView:
+    """A lane as observers see it (relay/health.py, relay/metrics.py, relay/sdnotify.py)."""
+
+    name: str
+    stats: LaneStats  # a copy
+    inflight: int  # claims held: POSTing or queued for a POST slot
+    turns: int  # discovery loop turns (liveness)
+    turned_at: float  # monotonic time of the last turn
+    misconfigured: bool  # the ingress answered "misconfigured" and has not recovered since
+
+
 class Lane:
     def __init__(
         self,
@@ -129,6 +142,7 @@ class Lane:
         concurrency: int,
         *,
         on_ready_change: Callable[[bool], None] = lambda ok: None,
+        observe_ack: Callable[[AckResult], None] = lambda result: None,
     ) -> None:
         self.name = name
         self.settings = settings
@@ -171,7 +185,18 @@ class Lane:
         # systemd watchdog, and an observer of each acknowledgement for the lag histogram.
         self.turns = 0
         self.turned_at = 0.0
-        self.observe_ack: Callable[[AckResult], None] = lambda result: None
+        self.observe_ack = observe_ack
+
+    def view(self) -> LaneView:
+        """What health and metrics read: a snapshot, never the lane's own state."""
+        return LaneView(
+            name=self.name,
+            stats=copy.deepcopy(self.stats),
+            inflight=len(self.inflight),
+            turns=self.turns,
+            turned_at=self.turned_at,
+            misconfigured=self.misconfigured > 0,
+        )
 
     # -- wakes ------------------------------------------------------------------------------
 
