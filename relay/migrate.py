@@ -17,9 +17,9 @@ import psycopg
 from psycopg import sql
 
 from relay import roles as role_grants
+from relay.names import validate_schema_name as validate_schema_name  # re-exported
 from relay.roles import Roles
 
-SCHEMA_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,53}$")
 _MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 FUNCTIONS_FILE = "functions.sql"
 
@@ -37,17 +37,6 @@ class Migration:
     @property
     def checksum(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()
-
-
-def validate_schema_name(name: str) -> str:
-    """Schema names are plain lowercase identifiers (the terminal channel is `<schema>_terminal`,
-    which must fit PostgreSQL's 63-byte identifier limit)."""
-    if not SCHEMA_NAME_RE.fullmatch(name) or name.startswith("pg_"):
-        raise ValueError(
-            f"schema {name!r} is not valid: use 1-54 characters of a-z, 0-9 and _, "
-            "not starting with a digit or pg_"
-        )
-    return name
 
 
 def terminal_channel(schema: str) -> str:

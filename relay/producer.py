@@ -15,7 +15,7 @@ import orjson
 import psycopg
 from psycopg import sql
 
-from relay.migrate import validate_schema_name
+from relay.names import validate_schema_name
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from relay.migrate import validate_schema_name
+from relay.names import validate_schema_name
 
 
 class ConfigError(ValueError):
