@@ -23,7 +23,7 @@ import aiohttp
 import httpx
 from yarl import URL
 
-from relay.ingress import MAX_BODY, TransportFailure
+from relay.transport import MAX_BODY, TransportFailure
 
 
 class AiohttpSender:

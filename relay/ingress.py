@@ -12,11 +12,10 @@ import base64
 import hashlib
 import hmac
 import ssl
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
 from urllib.parse import quote, unquote_to_bytes
 
 import anyio
@@ -27,7 +26,12 @@ from relay import __version__
 from relay.settings import Secret, Settings
 from relay.store import Claim, ClaimedEvent
 
-MAX_BODY = 64 * 1024
+# The senders' shared contract lives in relay/transport.py (so relay/http_aiohttp.py never
+# imports this module); re-exported here, where callers have always found it.
+from relay.transport import MAX_BODY as MAX_BODY
+from relay.transport import Sender as Sender
+from relay.transport import TransportFailure as TransportFailure
+
 USER_AGENT = f"ledger-relay/{__version__}"
 
 
@@ -37,10 +41,6 @@ class Answer:
     body: bytes
     retry_after: str | None
     seconds: float
-
-
-class TransportFailure(Exception):
-    """No HTTP answer: connection refused/reset, timeout, reply lost."""
 
 
 def render_url(template: str, run_id: str) -> str:
@@ -93,31 +93,56 @@ def sign(secrets: Sequence[Secret], msg_id: str, timestamp: int, body: bytes) ->
     return " ".join("v1," + signature(k, msg_id, timestamp, body).decode() for k in keys)
 
 
+# Called once per POST, answered or not: the HTTP status (None: no answer) and its seconds.
+RequestObserver = Callable[[int | None, float], None]
+
+
 class IngressClient:
-    def __init__(self, settings: Settings, sender: Sender | httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        sender: Sender | httpx.AsyncClient,
+        *,
+        on_request: RequestObserver | None = None,
+    ) -> None:
         self.settings = settings
         self.sender = HttpxSender(sender) if isinstance(sender, httpx.AsyncClient) else sender
+        self.on_request = on_request  # metrics (relay/metrics.py): status class and duration
 
     def headers(self, claim: Claim, events: Sequence[ClaimedEvent], body: bytes) -> dict[str, str]:
-        h = {
-            "content-type": "application/json",
-            "user-agent": USER_AGENT,
-            "relay-lease-epoch": str(claim.epoch),
-        }
+        tp = events[0].traceparent
+        return self._headers(body, claim, claim.epoch, tp, lambda: webhook_id(claim, events))
+
+    def group_headers(self, claims: Sequence[Claim], body: bytes) -> dict[str, str]:
+        """A multi-run POST's: each run's epoch is in the body; the trace is the first run's
+        that has one; the signature's timestamp is the first claim's."""
+        tp = next((c.events[0].traceparent for c in claims if c.events[0].traceparent), None)
+        return self._headers(body, claims[0], None, tp, lambda: group_webhook_id(claims))
+
+    def _headers(
+        self,
+        body: bytes,
+        claim: Claim,
+        epoch: int | None,
+        traceparent: str | None,
+        msg_id: Callable[[], str],
+    ) -> dict[str, str]:
+        """Every POST's headers (DESIGN §5); `msg_id` is computed only when signing."""
+        h = {"content-type": "application/json", "user-agent": USER_AGENT}
+        if epoch is not None:
+            h["relay-lease-epoch"] = str(epoch)
         if self.settings.ingress_token is not None:
             h["authorization"] = f"Bearer {self.settings.ingress_token.reveal()}"
-        tp = events[0].traceparent
-        if tp:
-            h["traceparent"] = tp
+        if traceparent:
+            h["traceparent"] = traceparent
         if self.settings.signing_secret:
             # The database clock: the claim's timestamp plus the time held since, on our
             # monotonic clock.
             held = anyio.current_time() - claim.trust.started
             ts = int((claim.claimed_at + timedelta(seconds=max(0.0, held))).timestamp())
-            msg_id = webhook_id(claim, events)
-            h["webhook-id"] = msg_id
+            h["webhook-id"] = msg_id()
             h["webhook-timestamp"] = str(ts)
-            h["webhook-signature"] = sign(self.settings.signing_secret, msg_id, ts, body)
+            h["webhook-signature"] = sign(self.settings.signing_secret, h["webhook-id"], ts, body)
         return h
 
     async def post(self, claim: Claim, events: Sequence[ClaimedEvent]) -> Answer:
@@ -129,23 +154,12 @@ class IngressClient:
         """One POST carrying several runs' batches to `ingress_batch_url` (DESIGN §5)."""
         assert self.settings.ingress_batch_url is not None
         body = encode_group(claims)
-        h = {"content-type": "application/json", "user-agent": USER_AGENT}
-        if self.settings.ingress_token is not None:
-            h["authorization"] = f"Bearer {self.settings.ingress_token.reveal()}"
-        tp = next((c.events[0].traceparent for c in claims if c.events[0].traceparent), None)
-        if tp:
-            h["traceparent"] = tp
-        if self.settings.signing_secret:
-            first = claims[0]
-            held = anyio.current_time() - first.trust.started
-            ts = int((first.claimed_at + timedelta(seconds=max(0.0, held))).timestamp())
-            msg_id = group_webhook_id(claims)
-            h["webhook-id"] = msg_id
-            h["webhook-timestamp"] = str(ts)
-            h["webhook-signature"] = sign(self.settings.signing_secret, msg_id, ts, body)
-        return await self._send(self.settings.ingress_batch_url, body, h)
+        return await self._send(
+            self.settings.ingress_batch_url, body, self.group_headers(claims, body)
+        )
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
+        """Where every POST goes out, single-run and multi-run: the one place it is observed."""
         if "@" in url:
             # Userinfo never travels in the URL: it becomes Basic auth (as httpx does), unless
             # a bearer token is configured, which wins. Done here rather than by the client so
@@ -160,19 +174,20 @@ class IngressClient:
             with anyio.fail_after(self.settings.http_timeout):
                 status, answer, retry_after = await self.sender.send(url, body, headers)
         except TimeoutError as exc:
+            self._observe(None, anyio.current_time() - started)
             raise TransportFailure(f"timed out after {self.settings.http_timeout:g}s") from exc
-        return Answer(status, answer, retry_after, anyio.current_time() - started)
+        except TransportFailure:
+            self._observe(None, anyio.current_time() - started)
+            raise
+        # (A POST cancelled because its lease was lost is neither answered nor failed: it is
+        # not observed.)
+        result = Answer(status, answer, retry_after, anyio.current_time() - started)
+        self._observe(result.status, result.seconds)
+        return result
 
-
-class Sender(Protocol):
-    """How a POST goes out: `send` returns (status, at most MAX_BODY bytes of the answer, its
-    Retry-After) or raises TransportFailure. Never follows redirects."""
-
-    async def send(
-        self, url: str, body: bytes, headers: dict[str, str]
-    ) -> tuple[int, bytes, str | None]: ...
-
-    async def aclose(self) -> None: ...
+    def _observe(self, status: int | None, seconds: float) -> None:
+        if self.on_request is not None:
+            self.on_request(status, seconds)
 
 
 class HttpxSender:

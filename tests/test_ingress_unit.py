@@ -25,7 +25,10 @@ from relay.ingress import (
     MAX_BODY,
     USER_AGENT,
     IngressClient,
+    TransportFailure,
     encode_body,
+    encode_group,
+    group_webhook_id,
     render_url,
     sign,
     webhook_id,
@@ -447,3 +450,109 @@ async def test_post_reads_at_most_max_body(streamed: bool) -> None:
     assert len(answer.body) == MAX_BODY
     if streamed:
         assert drip.sent < 1000  # stopped reading, did not drain the rest
+
+
+# --- the multi-run POST (ingress_batch_url) -----------------------------------------------------
+
+BATCH_URL = "https://ingress.internal/batches"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("signed", [False, True])
+async def test_post_group_sends_the_same_headers_as_a_single_run_post_but_the_epoch(
+    signed: bool,
+) -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        request.read()
+        seen.append(request)
+        return httpx.Response(200, json={"results": []})
+
+    env = {"RELAY_INGRESS_BATCH_URL": BATCH_URL, "RELAY_INGRESS_TOKEN": "tok-123"}
+    if signed:
+        env["RELAY_SIGNING_SECRET"] = WHSEC
+    later = anyio.current_time() + 3600.0  # no time held: the claim's database time
+    claims = [
+        claim("a", [event(1)], started=later),
+        claim("b", [event(1, traceparent=TRACEPARENT), event(2)], started=later),
+    ]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        answer = await IngressClient(settings(**env), http).post_group(claims)
+    assert answer.status == 200
+    (request,) = seen
+    assert str(request.url) == BATCH_URL
+    body = encode_group(claims)
+    assert request.content == body
+    h = request.headers
+    assert h["content-type"] == "application/json"
+    assert h["user-agent"] == USER_AGENT
+    assert h["authorization"] == "Bearer tok-123"
+    assert h["traceparent"] == TRACEPARENT  # the first claim that carries one
+    assert "relay-lease-epoch" not in h  # one per run, in the body
+    if signed:
+        ts = int(CLAIMED_AT.timestamp())
+        assert h["webhook-id"] == group_webhook_id(claims)
+        assert h["webhook-timestamp"] == str(ts)
+        assert h["webhook-signature"] == sign([Secret(WHSEC)], h["webhook-id"], ts, body)
+    else:
+        assert not any(k.startswith("webhook-") for k in h)
+
+
+# --- the request observer (metrics hook in here, DESIGN §8.2) -----------------------------------
+
+
+class _Refusing:
+    """A sender with no answer (connection refused)."""
+
+    async def send(
+        self, url: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None]:
+        raise TransportFailure("ConnectError: refused")
+
+    async def aclose(self) -> None:
+        pass
+
+
+class _Hanging:
+    async def send(
+        self, url: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None]:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.anyio
+async def test_every_post_is_observed_once_single_and_multi_run() -> None:
+    seen: list[tuple[int | None, float]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503 if request.url.path == "/batches" else 200)
+
+    cfg = settings(RELAY_INGRESS_BATCH_URL=BATCH_URL)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        client = IngressClient(cfg, http, on_request=lambda s, t: seen.append((s, t)))
+        events = [event(1)]
+        single = await client.post(claim(events=events), events)
+        group = await client.post_group([claim("a", [event(1)]), claim("b", [event(1)])])
+    assert [status for status, _ in seen] == [200, 503]
+    assert [seconds for _, seconds in seen] == [single.seconds, group.seconds]
+
+
+@pytest.mark.anyio
+async def test_a_post_without_an_answer_is_observed_as_none() -> None:
+    seen: list[tuple[int | None, float]] = []
+    events = [event(1)]
+    refusing = IngressClient(settings(), _Refusing(), on_request=lambda s, t: seen.append((s, t)))
+    with pytest.raises(TransportFailure, match="refused"):
+        await refusing.post(claim(events=events), events)
+    hanging = IngressClient(
+        settings(RELAY_HTTP_TIMEOUT="0.05"), _Hanging(), on_request=lambda s, t: seen.append((s, t))
+    )
+    with pytest.raises(TransportFailure, match="timed out"):
+        await hanging.post(claim(events=events), events)
+    assert [status for status, _ in seen] == [None, None]
+    assert seen[1][1] >= 0.05

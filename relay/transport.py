@@ -1,0 +1,27 @@
+"""What every way of sending a POST shares (DESIGN §5): the contract of a sender, the failure it
+raises when there is no HTTP answer, and how much of an answer it reads.
+
+A leaf module: relay/ingress.py (the client, and the httpx sender) and relay/http_aiohttp.py
+(the default sender) both import it, and neither imports the other's module for it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+MAX_BODY = 64 * 1024
+
+
+class TransportFailure(Exception):
+    """No HTTP answer: connection refused/reset, timeout, reply lost."""
+
+
+class Sender(Protocol):
+    """How a POST goes out: `send` returns (status, at most MAX_BODY bytes of the answer, its
+    Retry-After) or raises TransportFailure. Never follows redirects."""
+
+    async def send(
+        self, url: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None]: ...
+
+    async def aclose(self) -> None: ...
