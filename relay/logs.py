@@ -70,3 +70,8 @@ def warning(event: str, **fields: Any) -> None:
 
 def error(event: str, **fields: Any) -> None:
     log(event, logging.ERROR, **fields)
+
+
+def error_text(exc: BaseException, limit: int = 200) -> str:
+    """An exception as a log field: its type and the start of its message."""
+    return f"{type(exc).__name__}: {str(exc).strip()[:limit]}"
