@@ -1,0 +1,337 @@
+#!/usr/bin/env python3
+"""Planted bugs that the tests must catch (issue 14): each mutant is one text replacement in
+relay/ or schema/ and the tests that must fail because of it.
+
+Each mutant is applied to its own scratch copy of the checkout (the files git tracks, plus
+untracked ones it does not ignore), and only its named tests run there, with that copy first on
+the import path. A mutant is *killed* when those tests fail, *survived* when they pass, and an
+*error* when pytest could not run them (a mutant that breaks the import proves nothing). The
+unmutated copy runs the same tests first: a red baseline makes every verdict void.
+
+    python scripts/mutants.py               # every mutant
+    python scripts/mutants.py --ci          # the bounded subset .ci/run runs
+    python scripts/mutants.py --only NAME   # some, by name (comma separated)
+    python scripts/mutants.py --list        # names, what each guards, its tests
+
+Exit status 0 only when every mutant run was killed. docs/invariants.md maps each DESIGN §9
+invariant, §5 row and the lease clock to these names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    guards: str  # the invariant, §5 row or rule it breaks
+    path: str
+    old: str  # must occur exactly once in `path`
+    new: str
+    tests: tuple[str, ...]  # pytest node ids or files
+    ci: bool = False  # in the bounded subset
+    extra: tuple[str, ...] = field(default=())  # more pytest arguments (e.g. -k)
+
+
+SQL = "schema/functions.sql"
+CLOCK = "tests/test_lease_clock.py"
+LEASE = "tests/test_lease_sql.py"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # -- the lease clock (DESIGN §4.2): statement time, never transaction time ------------------
+    Mutant(
+        "clock-claim-expiry",
+        "§4.2 lease clock: claim computes expiry at the statement",
+        SQL,
+        "select u.run_id, clock_timestamp() + p_ttl as expires",
+        "select u.run_id, now() + p_ttl as expires",
+        (f"{CLOCK}::test_a_claim_in_an_old_transaction_sets_its_expiry_from_the_statement_clock",),
+        ci=True,
+    ),
+    Mutant(
+        "clock-claim-targeted-expired",
+        "§4.2 lease clock: a targeted claim judges expiry at the statement",
+        SQL,
+        "or r.lease_expires_at <= clock_timestamp())",
+        "or r.lease_expires_at <= now())",
+        (f"{CLOCK}::test_a_lease_that_expired_while_the_transaction_waited_is_claimable",),
+    ),
+    Mutant(
+        "clock-claim-ordinary-due",
+        "§4.2 lease clock: the ordinary lane judges due/expired at the statement",
+        SQL,
+        "r.next_attempt_at <= clock_timestamp()\n            order by r.next_attempt_at",
+        "r.next_attempt_at <= now()\n            order by r.next_attempt_at",
+        (f"{CLOCK}::test_a_lease_that_expired_while_the_transaction_waited_is_claimable",),
+    ),
+    Mutant(
+        "clock-claim-critical-due",
+        "§4.2 lease clock: the critical lane judges due/expired at the statement",
+        SQL,
+        "r.next_attempt_at <= clock_timestamp()\n            order by e.created_at",
+        "r.next_attempt_at <= now()\n            order by e.created_at",
+        (f"{CLOCK}::test_a_lease_that_expired_while_the_transaction_waited_is_claimable",),
+    ),
+    Mutant(
+        "clock-renew-expiry",
+        "§4.2 lease clock: renew computes the new expiry at the statement",
+        SQL,
+        "select u.run_id, u.token, clock_timestamp() + p_ttl as expires",
+        "select u.run_id, u.token, now() + p_ttl as expires",
+        (f"{CLOCK}::test_a_renewal_in_an_old_transaction_extends_from_the_statement_clock",),
+    ),
+    Mutant(
+        "clock-renew-check",
+        "§4.2 lease clock + §9.3 fencing: renew refuses a lease expired at the statement",
+        SQL,
+        "and r.lease_expires_at > clock_timestamp()",
+        "and r.lease_expires_at > now()",
+        (f"{CLOCK}::test_a_renewal_in_an_old_transaction_sees_the_lease_expired_at_the_statement",),
+        ci=True,
+    ),
+    Mutant(
+        "clock-ack",
+        "§4.2 lease clock + §9.3 fencing: ack judges expiry at the statement",
+        SQL,
+        "v_upto := (v_b ->> 'upto')::bigint;\n        v_now := clock_timestamp();",
+        "v_upto := (v_b ->> 'upto')::bigint;\n        v_now := now();",
+        (f"{CLOCK}::test_an_ack_in_an_old_transaction_is_fenced_by_the_statement_clock",),
+        ci=True,
+    ),
+    Mutant(
+        "clock-release",
+        "§4.2 lease clock: a release schedules the retry from the statement",
+        SQL,
+        "next_attempt_at = clock_timestamp() + p_delay",
+        "next_attempt_at = now() + p_delay",
+        (f"{CLOCK}::test_a_release_in_an_old_transaction_schedules_from_the_statement_clock",),
+    ),
+    Mutant(
+        "clock-fail",
+        "§4.2 lease clock: failed_at from the statement clock",
+        SQL,
+        "failed_at = clock_timestamp()",
+        "failed_at = now()",
+        (
+            f"{CLOCK}::test_a_poison_fail_in_an_old_transaction_is_fenced_and_stamped_by_the_statement_clock",
+        ),
+    ),
+    Mutant(
+        "clock-prune",
+        "§4.4 retention measured on the statement clock",
+        SQL,
+        "where x.done_at < clock_timestamp() - p_retention",
+        "where x.done_at < now() - p_retention",
+        (f"{CLOCK}::test_prune_in_an_old_transaction_measures_retention_on_the_statement_clock",),
+    ),
+    # -- fencing (§9.3) --------------------------------------------------------------------------
+    Mutant(
+        "fence-ack-token",
+        "§9.3 fencing: an ack with a stale token changes nothing",
+        SQL,
+        "where r.run_id = v_run and r.lease_token = v_token and r.lease_expires_at > v_now",
+        "where r.run_id = v_run and r.lease_expires_at > v_now",
+        (f"{LEASE}::test_stale_token_renew_release_fail_and_ack_change_nothing",),
+        ci=True,
+    ),
+    Mutant(
+        "fence-ack-expiry",
+        "§9.3 fencing: an ack under an expired lease changes nothing",
+        SQL,
+        "where r.run_id = v_run and r.lease_token = v_token and r.lease_expires_at > v_now",
+        "where r.run_id = v_run and r.lease_token = v_token",
+        (f"{LEASE}::test_ack_with_an_expired_lease_that_was_not_replaced_changes_nothing",),
+    ),
+    Mutant(
+        "fence-renew-token",
+        "§9.3 fencing: a renewal with a stale token changes nothing",
+        SQL,
+        "where r.run_id = t.run_id and r.lease_token = t.token",
+        "where r.run_id = t.run_id",
+        (f"{LEASE}::test_stale_token_renew_release_fail_and_ack_change_nothing",),
+    ),
+    Mutant(
+        "fence-release-token",
+        "§9.3 fencing: a release with a stale token changes nothing",
+        SQL,
+        "where runs.run_id = p_run_id and lease_token = p_token;",
+        "where runs.run_id = p_run_id;",
+        (f"{LEASE}::test_stale_token_renew_release_fail_and_ack_change_nothing",),
+    ),
+    Mutant(
+        "fence-fail-token",
+        "§9.3 fencing: failing an event with a stale token changes nothing",
+        SQL,
+        "(p_token is null or lease_token = p_token)",
+        "(true)",
+        (f"{LEASE}::test_stale_token_renew_release_fail_and_ack_change_nothing",),
+    ),
+    # -- lanes (§4.3, §9.6) ----------------------------------------------------------------------
+    Mutant(
+        "lane-critical-takes-ordinary",
+        "§4.3: the critical lane never takes ordinary work",
+        SQL,
+        "p_lane = 'critical' and e.terminal and e.state = 'pending'",
+        "p_lane = 'critical' and e.state = 'pending'",
+        (f"{LEASE}::test_the_critical_lane_takes_only_runs_with_a_pending_terminal_event",),
+        ci=True,
+    ),
+    # -- order (§9.2) ----------------------------------------------------------------------------
+    Mutant(
+        "order-prefix-reversed",
+        "§9.2 per-run order: a claim returns the prefix in seq order",
+        SQL,
+        "order by e.seq\n            limit p_batch;",
+        "order by e.seq desc\n            limit p_batch;",
+        (f"{LEASE}::test_claim_takes_whole_runs_and_returns_prefixes_in_seq_order",),
+    ),
+    Mutant(
+        "order-blocked-run-claimed",
+        "§9.2: nothing after a failed event is delivered until retried or skipped",
+        SQL,
+        "and not r.idle and r.blocked_seq is null and r.next_attempt_at <= clock_timestamp()\n"
+        "            order by r.next_attempt_at",
+        "and not r.idle and r.next_attempt_at <= clock_timestamp()\n"
+        "            order by r.next_attempt_at",
+        (f"{LEASE}::test_fail_event_blocks_the_run_until_an_operator_acts",),
+    ),
+    # -- acknowledgement and wakes (§6, §9.1, §9.4) ----------------------------------------------
+    Mutant(
+        "ack-past-upto",
+        "§9.1: never acknowledged without a 2xx (ack only up to the accepted seq)",
+        SQL,
+        "where e.run_id = v_run and e.seq <= v_upto and e.state = 'pending'",
+        "where e.run_id = v_run and e.state = 'pending'",
+        (f"{LEASE}::test_ack_marks_only_events_up_to_upto",),
+        ci=True,
+    ),
+    Mutant(
+        "wake-for-already-acked",
+        "§9.4 wake iff ack: no engine event for an event this ack did not mark",
+        SQL,
+        "where e.run_id = v_run and e.seq = any(v_seqs) and e.wake_queue is not null",
+        "where e.run_id = v_run and e.seq <= v_upto and e.wake_queue is not null",
+        (f"{LEASE}::test_a_redelivered_event_is_not_emitted_again",),
+        ci=True,
+    ),
+    Mutant(
+        "wake-missing",
+        "§9.4 wake iff ack: an acked event with a wake emits its engine event",
+        SQL,
+        "perform absurd.emit_event(v_wake.wake_queue, v_wake.wake_event,",
+        "perform jsonb_build_array(v_wake.wake_queue, v_wake.wake_event,",
+        (f"{LEASE}::test_ack_emits_the_engine_wake_and_notifies",),
+    ),
+)
+
+
+def scratch_copy(dest: Path) -> None:
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for raw in listed:
+        if not raw:
+            continue
+        rel = raw.decode()
+        src = ROOT / rel
+        if not src.is_file():
+            continue  # deleted in the working tree
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+
+
+def apply(copy: Path, m: Mutant) -> None:
+    path = copy / m.path
+    text = path.read_text()
+    n = text.count(m.old)
+    if n != 1:
+        raise SystemExit(f"mutant {m.name}: {m.path} holds its text {n} times, not once: {m.old!r}")
+    path.write_text(text.replace(m.old, m.new))
+
+
+def run_tests(copy: Path, tests: tuple[str, ...], extra: tuple[str, ...]) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *extra, *tests],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    return proc.returncode, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--ci", action="store_true", help="only the bounded subset")
+    p.add_argument("--only", help="mutant names, comma separated")
+    p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("-v", "--verbose", action="store_true", help="print pytest's output")
+    a = p.parse_args(argv)
+    chosen = list(MUTANTS)
+    if a.only:
+        names = {n.strip() for n in a.only.split(",") if n.strip()}
+        unknown = names - {m.name for m in MUTANTS}
+        if unknown:
+            print(f"mutants.py: no mutant named {', '.join(sorted(unknown))}", file=sys.stderr)
+            return 2
+        chosen = [m for m in chosen if m.name in names]
+    elif a.ci:
+        chosen = [m for m in chosen if m.ci]
+    if a.list:
+        for m in chosen:
+            print(f"{m.name:34} {m.guards}\n{'':34} {m.path}; tests: {', '.join(m.tests)}")
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="relay-mutants-") as tmp:
+        base = Path(tmp) / "base"
+        scratch_copy(base)
+        for m in chosen:  # every mutant's text must be where it says, before anything runs
+            text = (base / m.path).read_text()
+            if text.count(m.old) != 1:
+                print(f"mutant {m.name}: its text is not exactly once in {m.path}", file=sys.stderr)
+                return 2
+        all_tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        code, out = run_tests(base, all_tests, ())
+        if code != 0:
+            print(f"baseline: the named tests fail without any mutant (exit {code}):\n{out}")
+            return 1
+        print(f"baseline: {len(all_tests)} test targets pass unmutated")
+        verdicts: dict[str, list[str]] = {"killed": [], "survived": [], "error": []}
+        for m in chosen:
+            copy = Path(tmp) / m.name
+            shutil.copytree(base, copy)
+            apply(copy, m)
+            started = time.monotonic()
+            code, out = run_tests(copy, m.tests, m.extra)
+            verdict = {0: "survived", 1: "killed"}.get(code, "error")
+            verdicts[verdict].append(m.name)
+            print(f"{verdict:8} {m.name:34} {time.monotonic() - started:5.1f}s  {m.guards}")
+            if a.verbose or verdict != "killed":
+                print("    " + out.strip().replace("\n", "\n    ")[-1500:])
+            shutil.rmtree(copy, ignore_errors=True)
+    total = len(chosen)
+    print(
+        f"{len(verdicts['killed'])}/{total} killed, {len(verdicts['survived'])} survived, "
+        f"{len(verdicts['error'])} errors"
+    )
+    return 0 if len(verdicts["killed"]) == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
