@@ -10,6 +10,9 @@
   The body says which check failed.
 - `/metrics` is the Prometheus exposition of relay/metrics.py.
 
+Of the relay itself the endpoints read only the `RelayView` the runner hands them
+(relay/progress.py), and of the metrics only what relay/metrics.py exposes.
+
 A background task probes the database every `refresh_interval` (reads the schema version and
 refreshes the backlog gauges with the `backlog()` SQL function): scrapes and probes never query
 the database themselves.
@@ -20,7 +23,6 @@ httpx), one request per connection, bounded in time, no keep-alive.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -31,12 +33,12 @@ from anyio.abc import SocketAttribute, SocketStream, TaskStatus
 from psycopg import sql
 
 from relay import logs
-from relay.metrics import Metrics
 from relay.migrate import read_version, version_problem
+from relay.progress import RelayView, loops_alive, stall_limit
 from relay.settings import Settings
 
 if TYPE_CHECKING:
-    from relay.runner import Relay
+    from relay.metrics import Metrics
     from relay.store import Store
 
 REQUEST_DEADLINE = 10.0
@@ -46,24 +48,9 @@ MAX_REQUEST = 16 * 1024
 # -- pure decisions ---------------------------------------------------------------------------
 
 
-def stall_limit(s: Settings) -> float:
-    """How long one turn of a lane's loop may legitimately take before the relay counts as
-    stuck: a claim that waits for a pool connection (statement_timeout) and then for its round
-    trip (statement_timeout + 2 s deadline), a failure backoff (at most 5 poll intervals) and a
-    wait for a wake (one poll interval), plus slack. Generous on purpose: a false "stuck" gets
-    the process killed."""
-    return 2 * s.statement_timeout + 2.0 + 6 * s.poll_interval + 10.0
-
-
 def refresh_interval(s: Settings) -> float:
     """Probe and backlog refresh period: five poll intervals, between 1 s and 15 s."""
     return min(15.0, max(1.0, 5 * s.poll_interval))
-
-
-def loops_alive(turned_at: Sequence[float], since: float, now: float, limit: float) -> bool:
-    """Every loop turned within `limit` seconds (a loop that has not turned yet counts from
-    `since`, when the relay started serving)."""
-    return all(now - max(t, since) <= limit for t in turned_at)
 
 
 def readiness(
@@ -96,11 +83,11 @@ def split_addr(addr: str) -> tuple[str | None, int]:
 
 
 class Endpoints:
-    def __init__(self, relay: Relay, store: Store, metrics: Metrics) -> None:
-        self.relay = relay
+    def __init__(self, settings: Settings, view: RelayView, store: Store, metrics: Metrics) -> None:
+        self.settings = settings
+        self.view = view
         self.store = store
         self.metrics = metrics
-        self.settings = relay.settings
         self.since = anyio.current_time()
         self.database = False
         self.schema_problem: str | None = "not checked yet"
@@ -110,19 +97,19 @@ class Endpoints:
     # liveness and readiness
 
     def alive(self) -> bool:
-        if self.relay.stop_requested:
+        if self.view.stop_requested():
             return True  # draining, bounded by shutdown_timeout
-        turned = [lane.turned_at for lane in self.relay.lanes.values()]
+        turned = [lane.turned_at for lane in self.view.lanes()]
         return loops_alive(turned, self.since, anyio.current_time(), stall_limit(self.settings))
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
-        listener = self.relay.listener
+        listener = self.view.listener()
         ok, checks = readiness(
-            started=self.relay.health.ready and not self.relay.stop_requested,
+            started=self.view.started() and not self.view.stop_requested(),
             database=self.database,
             schema_problem=self.schema_problem,
             listen_up=listener is not None and listener.up,
-            ingress_ok=self.relay.health.ingress_ok,
+            ingress_ok=self.view.ingress_ok(),
         )
         self.metrics.ready.set(1.0 if ok else 0.0)
         return ok, checks
@@ -149,7 +136,7 @@ class Endpoints:
         except (psycopg.Error, OSError, TimeoutError) as exc:
             self.database = False
             if was or self.probes == 0:
-                logs.warning("database_unreachable", error=_error(exc))
+                logs.warning("database_unreachable", error=logs.error_text(exc))
         else:
             if not was and self.probes > 0:
                 logs.info("database_reachable")
@@ -235,14 +222,18 @@ async def _read_request(conn: h11.Connection, stream: SocketStream) -> h11.Reque
 
 
 async def serve(
-    relay: Relay, store: Store, *, task_status: TaskStatus[Endpoints] = anyio.TASK_STATUS_IGNORED
+    settings: Settings,
+    view: RelayView,
+    store: Store,
+    metrics: Metrics,
+    *,
+    task_status: TaskStatus[Endpoints] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Instrument the relay's lanes and listener, then serve the endpoints until cancelled."""
-    addr = relay.settings.metrics_addr
+    """Serve the endpoints on `metrics_addr` until cancelled: readiness and liveness from
+    `view`, the exposition of `metrics` (whose observers the runner wired into the lanes)."""
+    addr = settings.metrics_addr
     assert addr is not None
-    metrics = Metrics()
-    metrics.instrument(relay.lanes, relay.listener)
-    endpoints = Endpoints(relay, store, metrics)
+    endpoints = Endpoints(settings, view, store, metrics)
     host, port = split_addr(addr)
     try:
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
@@ -260,7 +251,3 @@ async def serve(
 async def _probe_after(endpoints: Endpoints) -> None:
     await anyio.sleep(refresh_interval(endpoints.settings))
     await endpoints.probe_loop()
-
-
-def _error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).strip()[:200]}"

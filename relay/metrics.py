@@ -1,11 +1,13 @@
 """Prometheus metrics (DESIGN §8.2), all named `ledger_relay_*`, served on `metrics_addr`.
 
 Three sources, none of which puts an id in a label:
-- counters the lanes and the listener already keep (`Lane.stats`, `Listener.reconnects`), read
-  by a collector at scrape time, so the delivery path does no extra work for them;
-- observations that need a value per decision: the commit-to-ack lag of each acknowledged
-  batch (from the ack's own result, database clock) and each ingress request's status class
-  and duration (a thin wrapper around the lane's ingress client);
+- counters the lanes and the listener already keep, read at scrape time from the snapshots
+  (`LaneView`, `ListenerView`) that callables given at construction return, so the delivery
+  path does no extra work for them;
+- observations that need a value per decision, through observers the runner hands to each lane
+  at construction: the commit-to-ack lag of each acknowledged batch (`ack_observer`, from the
+  ack's own result, database clock) and each ingress request's status class and duration
+  (`request_observer`, called by the lane's IngressClient wherever a POST is sent);
 - gauges of the database's backlog, refreshed by a background task (`health.probe_loop`) from
   the `backlog()` SQL function, never inside a scrape.
 
@@ -15,21 +17,22 @@ never collide in the global one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
-import anyio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
-from relay.ingress import Answer, IngressClient, TransportFailure
+from relay.ingress import RequestObserver
+from relay.progress import ListenerView
 from relay.store import AckResult
 
 if TYPE_CHECKING:
-    from relay.lane import Lane
-    from relay.listener import Listener
+    from relay.lane import LaneView
+
+LaneViews = Callable[[], Iterable["LaneView"]]
 
 PREFIX = "ledger_relay_"
 LANES = ("critical", "ordinary")
@@ -67,7 +70,7 @@ class _StatsCollector(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        lanes: Sequence[Lane] = list(self.metrics.lanes.values())
+        lanes = list(self.metrics.views())
         delivered = CounterMetricFamily(
             PREFIX + "delivered_events",
             "Events acknowledged after the ingress accepted them, by lane and event type.",
@@ -102,10 +105,10 @@ class _StatsCollector(Collector):
             blocked.add_metric([lane.name], lane.stats.failed)
             retries.add_metric([lane.name], lane.stats.retries)
             claimed.add_metric([lane.name], lane.stats.claimed_runs)
-            inflight.add_metric([lane.name], len(lane.inflight))
+            inflight.add_metric([lane.name], lane.inflight)
         yield from (delivered, leases_lost, blocked, retries, claimed, inflight)
 
-        listener = self.metrics.listener
+        listener = self.metrics.listener_view()
         reconnects = CounterMetricFamily(
             PREFIX + "listen_reconnects",
             "Times the LISTEN connection was re-established after it was lost.",
@@ -129,10 +132,17 @@ class _StatsCollector(Collector):
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        views: LaneViews = lambda: (),
+        listener_view: Callable[[], ListenerView | None] = lambda: None,
+    ) -> None:
+        """`views` and `listener_view` return snapshots of the lanes and of the LISTEN
+        connection, read at each scrape."""
         self.registry = CollectorRegistry()
-        self.lanes: dict[str, Lane] = {}
-        self.listener: Listener | None = None
+        self.views = views
+        self.listener_view = listener_view
         r = self.registry
         self.lag = Histogram(
             PREFIX + "delivery_lag_seconds",
@@ -198,17 +208,10 @@ class Metrics:
             self.request_seconds.labels(lane)
         r.register(_StatsCollector(self))
 
-    # -- wiring ------------------------------------------------------------------------------
+    # -- observers (handed to each lane at construction) --------------------------------------
 
-    def instrument(self, lanes: Mapping[str, Lane], listener: Listener | None) -> None:
-        """Observe these lanes and this listener (before they start running)."""
-        self.lanes = dict(lanes)
-        self.listener = listener
-        for lane in lanes.values():
-            lane.ingress = MeteredIngress(lane.ingress, self, lane.name)
-            lane.observe_ack = self._ack_observer(lane.name)
-
-    def _ack_observer(self, lane: str) -> Callable[[AckResult], None]:
+    def ack_observer(self, lane: str) -> Callable[[AckResult], None]:
+        """For `Lane(observe_ack=...)`: the commit-to-ack lag of each acknowledged batch."""
         histogram = self.lag.labels(lane)
 
         def observe(result: AckResult) -> None:
@@ -217,11 +220,18 @@ class Metrics:
 
         return observe
 
-    # -- observations ------------------------------------------------------------------------
+    def request_observer(self, lane: str) -> RequestObserver:
+        """For `IngressClient(on_request=...)`: every POST, single-run and multi-run, by status
+        class (None: no answer) and its duration."""
+        seconds = self.request_seconds.labels(lane)
 
-    def observe_request(self, lane: str, status: int | None, seconds: float) -> None:
-        self.requests.labels(lane, status_class(status)).inc()
-        self.request_seconds.labels(lane).observe(seconds)
+        def observe(status: int | None, elapsed: float) -> None:
+            self.requests.labels(lane, status_class(status)).inc()
+            seconds.observe(elapsed)
+
+        return observe
+
+    # -- gauges and the exposition -----------------------------------------------------------
 
     def set_backlog(self, rows: Iterable[tuple[str, int, int, float]]) -> None:
         """Rows of `backlog()`: (lane, runs, events, oldest_age_seconds)."""
@@ -239,23 +249,3 @@ class Metrics:
         """The scrape body and its content type (OpenMetrics when the scraper asks for it)."""
         encoder, content_type = choose_encoder(accept)
         return encoder(self.registry), content_type
-
-
-class MeteredIngress(IngressClient):
-    """The lane's ingress client, counting every POST (single-run and multi-run) by status
-    class and timing it, at the one place both send from."""
-
-    def __init__(self, inner: IngressClient, metrics: Metrics, lane: str) -> None:
-        super().__init__(inner.settings, inner.sender)
-        self.metrics = metrics
-        self.lane = lane
-
-    async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
-        started = anyio.current_time()
-        try:
-            answer = await super()._send(url, body, headers)
-        except TransportFailure:
-            self.metrics.observe_request(self.lane, None, anyio.current_time() - started)
-            raise
-        self.metrics.observe_request(self.lane, answer.status, answer.seconds)
-        return answer

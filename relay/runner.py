@@ -18,12 +18,14 @@ from anyio.abc import TaskStatus
 from psycopg_pool import AsyncConnectionPool
 
 from relay import health, logs, sdnotify
-from relay.ingress import IngressClient, open_sender
-from relay.lane import Lane
+from relay.ingress import IngressClient, Sender, open_sender
+from relay.lane import Lane, LaneView
 from relay.listener import Listener
+from relay.metrics import Metrics
 from relay.migrate import SchemaError, version_problem
+from relay.progress import ListenerView, RelayView
 from relay.settings import Settings, redact_url
-from relay.store import CONNECT_KWARGS, IdleCheck, Pool, Store
+from relay.store import CONNECT_KWARGS, AckResult, IdleCheck, Pool, Store
 
 PRUNE_BATCH = 1000
 POOL_CHECK_IDLE = 1.0  # seconds idle after which a pooled connection is checked before use
@@ -33,7 +35,6 @@ POOL_CHECK_IDLE = 1.0  # seconds idle after which a pooled connection is checked
 class Health:
     ready: bool = False
     ingress_ok: bool = True
-    last_progress: float = 0.0
 
 
 class Relay:
@@ -53,6 +54,15 @@ class Relay:
         self._stop = anyio.Event()
         self._started = anyio.Event()
         self.endpoints: health.Endpoints | None = None  # /metrics etc., when metrics_addr is set
+        # What health, sdnotify and metrics read of this relay (they get no other handle on it).
+        self.view = RelayView(
+            started=lambda: self.health.ready,
+            stop_requested=lambda: self.stop_requested,
+            wait_stop_requested=self.wait_stop_requested,
+            lanes=self._lane_views,
+            listener=self._listener_view,
+            ingress_ok=lambda: self.health.ingress_ok,
+        )
 
     # -- public ------------------------------------------------------------------------------
 
@@ -101,25 +111,23 @@ class Relay:
             problem = version_problem(await ordinary_store.schema_version(), s.schema)
             if problem:
                 raise SchemaError(problem)
+            # Metrics only when they are served; their observers are wired into the lanes.
+            metrics = None
+            if s.metrics_addr:
+                metrics = Metrics(views=self._lane_views, listener_view=self._listener_view)
             async with (
                 open_sender(s, s.concurrency, self.transport) as ordinary_http,
                 open_sender(s, s.critical_concurrency, self.transport) as critical_http,
             ):
-                critical = Lane(
+                critical = self._lane(
                     "critical",
-                    s,
                     self._store(critical_pool),
-                    IngressClient(s, critical_http),
+                    critical_http,
                     s.critical_concurrency,
-                    on_ready_change=self._ingress_ready,
+                    metrics,
                 )
-                ordinary = Lane(
-                    "ordinary",
-                    s,
-                    ordinary_store,
-                    IngressClient(s, ordinary_http),
-                    s.concurrency,
-                    on_ready_change=self._ingress_ready,
+                ordinary = self._lane(
+                    "ordinary", ordinary_store, ordinary_http, s.concurrency, metrics
                 )
                 ordinary.handoff = critical.adopt
                 self.lanes = {"critical": critical, "ordinary": ordinary}
@@ -132,7 +140,7 @@ class Relay:
                     on_wake=self._wake_all,
                     on_connected=self._wake_all,
                 )
-                await self._serve(ordinary_store, task_status)
+                await self._serve(ordinary_store, metrics, task_status)
         finally:
             for pool in pools:
                 await pool.close()
@@ -140,18 +148,21 @@ class Relay:
 
     # -- internals ---------------------------------------------------------------------------
 
-    async def _serve(self, store: Store, task_status: TaskStatus[Relay]) -> None:
+    async def _serve(
+        self, store: Store, metrics: Metrics | None, task_status: TaskStatus[Relay]
+    ) -> None:
         assert self.listener is not None
+        s = self.settings
         async with anyio.create_task_group() as background:
             background.start_soon(self.listener.run)
-            if self.settings.retention > 0:
+            if s.retention > 0:
                 background.start_soon(self._retention, store)
             # Operations (relay/health.py, relay/sdnotify.py), each only when configured.
-            if self.settings.metrics_addr:
-                self.endpoints = await background.start(health.serve, self, store)
+            if metrics is not None:
+                self.endpoints = await background.start(health.serve, s, self.view, store, metrics)
             notifier = sdnotify.from_environ()
             if notifier is not None:
-                background.start_soon(sdnotify.supervise, self, notifier)
+                background.start_soon(sdnotify.supervise, s, self.view, notifier)
             async with anyio.create_task_group() as lanes:
                 for lane in self.lanes.values():
                     lanes.start_soon(lane.run)
@@ -173,6 +184,22 @@ class Relay:
                     lane.stop()
             # Lanes are done (in-flight work finished or released): stop the rest.
             background.cancel_scope.cancel()
+
+    def _lane(
+        self, name: str, store: Store, http: Sender, concurrency: int, metrics: Metrics | None
+    ) -> Lane:
+        """One lane with its own HTTP client, observed by `metrics` when they are served."""
+        s = self.settings
+        on_request = metrics.request_observer(name) if metrics else None
+        return Lane(
+            name,
+            s,
+            store,
+            IngressClient(s, http, on_request=on_request),
+            concurrency,
+            on_ready_change=self._ingress_ready,
+            observe_ack=metrics.ack_observer(name) if metrics else _ignore_ack,
+        )
 
     def _pool(self, url: str, name: str, size: int) -> Pool:
         return AsyncConnectionPool(
@@ -208,6 +235,15 @@ class Relay:
     def _ingress_ready(self, ok: bool) -> None:
         self.health.ingress_ok = ok
 
+    def _lane_views(self) -> list[LaneView]:
+        return [lane.view() for lane in self.lanes.values()]
+
+    def _listener_view(self) -> ListenerView | None:
+        listener = self.listener
+        if listener is None:
+            return None
+        return ListenerView(listener.up, listener.reconnects, listener.received)
+
     async def _retention(self, store: Store) -> None:
         """Prune delivered events in small batches, off the delivery path (DESIGN §4.4)."""
         while True:
@@ -223,4 +259,8 @@ class Relay:
                 if total:
                     logs.info("pruned", events=total)
             except (psycopg.Error, OSError, TimeoutError) as exc:
-                logs.warning("prune_failed", error=f"{type(exc).__name__}: {str(exc)[:200]}")
+                logs.warning("prune_failed", error=logs.error_text(exc))
+
+
+def _ignore_ack(result: AckResult) -> None:
+    """No metrics: nothing observes acknowledgements."""

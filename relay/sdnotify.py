@@ -6,7 +6,8 @@ or `@name` for the abstract namespace). No libsystemd.
   (both happen before the relay serves at all), the LISTEN connection is up, and every lane
   went once round its loop (its first discovery pass ran).
 - WATCHDOG=1 every half `$WATCHDOG_USEC`, only while every lane's loop is turning
-  (`health.loops_alive`): a stuck loop stops the pings and systemd restarts the process.
+  (`progress.loops_alive`, the rule /healthz uses): a stuck loop stops the pings and systemd
+  restarts the process.
 - STOPPING=1 when a graceful stop is requested (SIGTERM), before the drain.
 
 Sending never blocks and never fails the relay: a lost datagram is a missed ping, which the
@@ -18,15 +19,12 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import anyio
 
 from relay import logs
-from relay.health import loops_alive, stall_limit
-
-if TYPE_CHECKING:
-    from relay.runner import Relay
+from relay.progress import RelayView, loops_alive, stall_limit
+from relay.settings import Settings
 
 STARTUP_CHECK = 0.05
 
@@ -85,52 +83,57 @@ def from_environ(environ: Mapping[str, str] | None = None) -> Notifier | None:
     return Notifier(address) if address is not None else None
 
 
-def ready_to_serve(relay: Relay) -> bool:
-    listener = relay.listener
+def ready_to_serve(view: RelayView) -> bool:
+    if not view.started():
+        return False
+    listener = view.listener()
+    lanes = view.lanes()
     return (
-        relay.health.ready
-        and listener is not None
+        listener is not None
         and listener.up
-        and bool(relay.lanes)
-        and all(lane.turns >= 2 for lane in relay.lanes.values())
+        and bool(lanes)
+        and all(lane.turns >= 2 for lane in lanes)
     )
 
 
 async def supervise(
-    relay: Relay, notifier: Notifier, environ: Mapping[str, str] | None = None
+    settings: Settings,
+    view: RelayView,
+    notifier: Notifier,
+    environ: Mapping[str, str] | None = None,
 ) -> None:
     """READY, WATCHDOG and STOPPING for one relay run; runs until cancelled."""
     env = os.environ if environ is None else environ
     interval = watchdog_interval(env, os.getpid())
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_stopping, relay, notifier)
+            tg.start_soon(_stopping, view, notifier)
             # No event to wait on for "LISTEN up and first pass ran": look every 50 ms.
-            while not ready_to_serve(relay) and not relay.stop_requested:  # noqa: ASYNC110
+            while not ready_to_serve(view) and not view.stop_requested():  # noqa: ASYNC110
                 await anyio.sleep(STARTUP_CHECK)
-            if not relay.stop_requested:
+            if not view.stop_requested():
                 notifier.notify("READY=1", "STATUS=delivering")
                 logs.info("sd_notify_ready", watchdog_s=interval)
             if interval is not None:
-                await _watchdog(relay, notifier, interval)
+                await _watchdog(view, notifier, interval, stall_limit(settings))
     finally:
         notifier.close()
 
 
-async def _stopping(relay: Relay, notifier: Notifier) -> None:
-    await relay.wait_stop_requested()
+async def _stopping(view: RelayView, notifier: Notifier) -> None:
+    await view.wait_stop_requested()
     notifier.notify("STOPPING=1", "STATUS=draining in-flight batches")
 
 
-async def _watchdog(relay: Relay, notifier: Notifier, interval: float) -> None:
+async def _watchdog(view: RelayView, notifier: Notifier, interval: float, limit: float) -> None:
+    """Ping while every loop turns within `limit`: the same bound as /healthz, since a lane
+    slowed by a database outage is not stuck, and withholding pings then would restart every
+    replica at once."""
     since = anyio.current_time()
-    # The same bound as /healthz: a lane slowed by a database outage is not stuck, and
-    # withholding pings then would restart every replica at once.
-    limit = stall_limit(relay.settings)
     withheld = False
     while True:
-        turned = [lane.turned_at for lane in relay.lanes.values()]
-        if relay.stop_requested or loops_alive(turned, since, anyio.current_time(), limit):
+        turned = [lane.turned_at for lane in view.lanes()]
+        if view.stop_requested() or loops_alive(turned, since, anyio.current_time(), limit):
             notifier.notify("WATCHDOG=1")
             withheld = False
         elif not withheld:

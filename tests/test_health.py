@@ -13,7 +13,10 @@ import psycopg
 import pytest
 from anyio.abc import SocketStream, TaskGroup
 
-from relay.health import loops_alive, readiness, refresh_interval, split_addr, stall_limit
+from relay.health import Endpoints, readiness, refresh_interval, split_addr
+from relay.lane import LaneStats, LaneView
+from relay.metrics import Metrics
+from relay.progress import ListenerView, RelayView, loops_alive, stall_limit
 from relay.runner import Relay
 from relay.tools.sink import Sink, serve_sink
 from tests.support import q, settings, wait_for
@@ -50,6 +53,61 @@ def test_bounds_follow_the_settings() -> None:
     assert split_addr("127.0.0.1:9100") == ("127.0.0.1", 9100)
     assert split_addr(":9100") == (None, 9100)
     assert split_addr("[::1]:0") == ("::1", 0)
+
+
+# -- what the endpoints read: a view, nothing else ----------------------------------------------
+
+
+class FakeRelay:
+    """State an observer can only read through the `RelayView` it is handed."""
+
+    def __init__(self) -> None:
+        self.started = True
+        self.stopping = False
+        self.listen_up = True
+        self.ingress_ok = True
+        self.turned_at = [0.0, 0.0]
+        self.turns = [2, 2]
+        self.stopped = anyio.Event()
+
+    def view(self) -> RelayView:
+        return RelayView(
+            started=lambda: self.started,
+            stop_requested=lambda: self.stopping,
+            wait_stop_requested=self.stopped.wait,
+            lanes=lambda: [
+                LaneView(name, LaneStats(), 0, turns, at, misconfigured=False)
+                for name, turns, at in zip(
+                    ("critical", "ordinary"), self.turns, self.turned_at, strict=True
+                )
+            ],
+            listener=lambda: ListenerView(self.listen_up, reconnects=1, received=0),
+            ingress_ok=lambda: self.ingress_ok,
+        )
+
+
+@pytest.mark.anyio
+async def test_liveness_and_readiness_read_the_view() -> None:
+    cfg = settings("postgresql://x@h/db", "relay", "http://sink", poll_interval="0.2")
+    relay = FakeRelay()
+    endpoints = Endpoints(cfg, relay.view(), store=None, metrics=Metrics())  # type: ignore[arg-type]
+    endpoints.database, endpoints.schema_problem = True, None
+    now = anyio.current_time()
+    relay.turned_at = [now, now]
+    assert endpoints.alive()
+    assert endpoints.ready() == (
+        True,
+        {"started": True, "database": True, "schema": True, "listen": True, "ingress": True},
+    )
+    relay.turned_at = [now, now - stall_limit(cfg) - 60]  # the ordinary lane is stuck
+    endpoints.since = now - stall_limit(cfg) - 60
+    assert not endpoints.alive()
+    relay.stopping = True  # draining: alive, not ready
+    assert endpoints.alive()
+    assert endpoints.ready()[1]["started"] is False
+    relay.stopping, relay.listen_up, relay.ingress_ok = False, False, False
+    ok, checks = endpoints.ready()
+    assert not ok and checks["listen"] is False and checks["ingress"] is False
 
 
 # -- a TCP fault proxy in front of PostgreSQL ---------------------------------------------------

@@ -12,8 +12,11 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from relay.lane import LaneStats, LaneView
 from relay.metrics import Metrics, status_class, type_labels
+from relay.progress import ListenerView
 from relay.runner import Relay
+from relay.store import AckResult
 from relay.tools.sink import Sink, serve_sink
 from tests.support import bulk_backlog, count, q, settings, wait_for
 from tests.test_relay import enqueue_runs
@@ -108,6 +111,42 @@ def test_every_metric_has_the_prefix_and_a_help_text() -> None:
     samples = parse(body.decode())
     assert ("ledger_relay_leases_lost_total", ()) not in samples  # no lanes yet: no series
     assert ("ledger_relay_listen_reconnects_total", ()) in samples
+
+
+def test_the_collector_reads_the_views_it_was_given_and_the_observers_count() -> None:
+    stats = LaneStats(claimed_runs=3, lease_lost=1, failed=2, retries=4, by_type={"step": 5})
+    lanes = [LaneView("ordinary", stats, inflight=2, turns=9, turned_at=1.0, misconfigured=False)]
+    listener = ListenerView(up=True, reconnects=3, received=7)
+    m = Metrics(views=lambda: lanes, listener_view=lambda: listener)
+    request, ack = m.request_observer("critical"), m.ack_observer("critical")
+    request(200, 0.01)
+    request(503, 0.02)
+    request(None, 5.0)  # no answer
+    ack(AckResult("r", "acked", acked=2, last_seq=2, lag_seconds=0.3, error=None))
+    ack(AckResult("r", "stale", acked=0, last_seq=None, lag_seconds=None, error=None))
+    samples = parse(m.exposition()[0].decode())
+    assert total(samples, "ledger_relay_delivered_events_total", lane="ordinary", type="step") == 5
+    assert total(samples, "ledger_relay_claimed_runs_total", lane="ordinary") == 3
+    assert total(samples, "ledger_relay_leases_lost_total", lane="ordinary") == 1
+    assert total(samples, "ledger_relay_runs_blocked_total", lane="ordinary") == 2
+    assert total(samples, "ledger_relay_retries_scheduled_total", lane="ordinary") == 4
+    assert total(samples, "ledger_relay_inflight_runs", lane="ordinary") == 2
+    assert total(samples, "ledger_relay_listen_up") == 1
+    assert (
+        total(samples, "ledger_relay_listen_reconnects_total") == 2
+    )  # the first connect is no re-
+    assert total(samples, "ledger_relay_notifications_received_total") == 7
+    for status_class_, n in (("2xx", 1), ("5xx", 1), ("error", 1)):
+        got = total(samples, "ledger_relay_ingress_requests_total", status_class=status_class_)
+        assert got == n, status_class_
+    duration = "ledger_relay_ingress_request_duration_seconds"
+    assert total(samples, duration + "_count", lane="critical") == 3
+    assert total(samples, duration + "_sum", lane="critical") == pytest.approx(5.03)
+    assert total(samples, "ledger_relay_delivery_lag_seconds_count", lane="critical") == 1
+    assert total(samples, "ledger_relay_delivery_lag_seconds_sum", lane="critical") == 0.3
+    lanes.clear()  # read at each scrape, never kept
+    samples = parse(m.exposition()[0].decode())
+    assert ("ledger_relay_leases_lost_total", (("lane", "ordinary"),)) not in samples
 
 
 # -- the backlog function ---------------------------------------------------------------------

@@ -15,10 +15,18 @@ import anyio
 import pytest
 
 from relay.runner import Relay
-from relay.sdnotify import Notifier, from_environ, socket_address, watchdog_interval
+from relay.sdnotify import (
+    Notifier,
+    from_environ,
+    ready_to_serve,
+    socket_address,
+    supervise,
+    watchdog_interval,
+)
 from relay.tools.sink import Sink, serve_sink
 from tests.support import settings
 from tests.test_cli import RELAY, relay_env
+from tests.test_health import FakeRelay
 
 
 class NotifySocket:
@@ -118,6 +126,41 @@ def test_a_missing_socket_never_fails_the_relay(tmp_path: Path) -> None:
         assert notifier.notify("WATCHDOG=1") is False
     finally:
         notifier.close()
+
+
+# -- what the supervisor reads: a view, nothing else --------------------------------------------
+
+
+def test_ready_to_serve_reads_the_view() -> None:
+    relay = FakeRelay()
+    view = relay.view()
+    assert ready_to_serve(view)
+    relay.turns = [2, 1]  # the ordinary lane's first discovery pass has not run yet
+    assert not ready_to_serve(view)
+    relay.turns = [2, 2]
+    relay.listen_up = False
+    assert not ready_to_serve(view)
+    relay.listen_up = True
+    relay.started = False
+    assert not ready_to_serve(view)
+
+
+@pytest.mark.anyio
+async def test_supervise_reports_ready_watchdog_and_stopping_from_the_view(
+    notify_socket: NotifySocket,
+) -> None:
+    relay = FakeRelay()
+    notifier = from_environ({"NOTIFY_SOCKET": notify_socket.env_value})
+    assert notifier is not None
+    cfg = settings("postgresql://x@h/db", "relay", "http://sink")
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(supervise, cfg, relay.view(), notifier, {"WATCHDOG_USEC": "100000"})
+        await notify_socket.until("READY=1")
+        await notify_socket.until("WATCHDOG=1")
+        relay.stopping = True
+        relay.stopped.set()
+        await notify_socket.until("STOPPING=1")
+        tg.cancel_scope.cancel()
 
 
 # -- a running relay --------------------------------------------------------------------------
