@@ -1,0 +1,163 @@
+"""`relay status / inspect / retry / skip`: argparse commands that validate, connect, do one
+piece of work and print a table or (`--json`) one JSON document. An OpsError is one line on
+stderr and the exit code; usage errors come before connecting."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from relay.ops.format import OK, USAGE, OpsError, default_operator
+from relay.ops.queries import Conn, connect, inspect, retry_event, retry_run, skip_event, status
+from relay.ops.render import (
+    output_width,
+    print_json,
+    render_action,
+    render_inspect,
+    render_status,
+    write,
+)
+
+Resolve = Callable[[argparse.Namespace], str]
+
+
+def _run(
+    command: str,
+    args: argparse.Namespace,
+    database_url: Resolve,
+    schema_of: Resolve,
+    work: Callable[[Conn, str], Any],
+    validate: Callable[[], None] | None = None,
+) -> int:
+    """Validate the arguments, connect, do the work; print its JSON result if it returns one.
+    An OpsError is one line on stderr and the exit code."""
+    try:
+        if validate is not None:
+            validate()
+        url, schema = database_url(args), schema_of(args)
+        with connect(url, schema) as conn:
+            result = work(conn, schema)
+    except OpsError as exc:
+        print(f"relay {command}: {exc}", file=sys.stderr)
+        return exc.code
+    if result is not None:
+        print_json(result)
+    return OK
+
+
+def _who(args: argparse.Namespace) -> str:
+    by = args.by if args.by is not None else default_operator(os.environ, socket.gethostname())
+    if not by.strip():
+        raise OpsError(USAGE, "--by must not be empty: say who acts (default $USER@host)")
+    return str(by)
+
+
+def cmd_status(args: argparse.Namespace, database_url: Resolve, schema_of: Resolve) -> int:
+    def work(conn: Conn, schema: str) -> Any:
+        data = status(conn, schema, args.limit)
+        if args.json:
+            return data
+        write(render_status(data, output_width()))
+        return None
+
+    return _run("status", args, database_url, schema_of, work)
+
+
+def cmd_inspect(args: argparse.Namespace, database_url: Resolve, schema_of: Resolve) -> int:
+    limit = args.limit or None
+
+    def work(conn: Conn, schema: str) -> Any:
+        data = inspect(conn, schema, args.run_id, args.from_seq, limit)
+        if args.json:
+            return data
+        write(render_inspect(data, limit, output_width()))
+        return None
+
+    return _run("inspect", args, database_url, schema_of, work)
+
+
+def cmd_retry(args: argparse.Namespace, database_url: Resolve, schema_of: Resolve) -> int:
+    def validate() -> None:
+        if (args.event_id is None) == (args.run is None):
+            raise OpsError(USAGE, "give either EVENT_ID or --run RUN_ID (exactly one)")
+        _who(args)
+
+    def work(conn: Conn, schema: str) -> Any:
+        if args.run is not None:
+            row = retry_run(conn, schema, args.run, _who(args))
+        else:
+            row = retry_event(conn, schema, args.event_id, _who(args))
+        if args.json:
+            return {**row, "unblocked": row["blocked_seq"] is None}
+        write(render_action("retried", row, output_width()))
+        return None
+
+    return _run("retry", args, database_url, schema_of, work, validate)
+
+
+def cmd_skip(args: argparse.Namespace, database_url: Resolve, schema_of: Resolve) -> int:
+    def validate() -> None:
+        if args.reason is None or not args.reason.strip():
+            raise OpsError(USAGE, "--reason is required: say why the event is never sent")
+        _who(args)
+
+    def work(conn: Conn, schema: str) -> Any:
+        row = skip_event(conn, schema, args.event_id, _who(args), args.reason)
+        if args.json:
+            return {**row, "unblocked": row["blocked_seq"] is None}
+        write(render_action("skipped", row, output_width()))
+        return None
+
+    return _run("skip", args, database_url, schema_of, work, validate)
+
+
+def non_negative(text: str) -> int:
+    """A non-negative integer flag value."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def add_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    add_settings: Callable[[argparse.ArgumentParser, list[str]], None],
+    database_url: Resolve,
+    schema_of: Resolve,
+) -> None:
+    """Register status, inspect, retry and skip on the `relay` parser."""
+
+    def parser(name: str, help_text: str, func: Callable[..., int]) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_settings(p, ["database_url", "schema"])
+        p.add_argument("--json", action="store_true", help="print one JSON document")
+        p.set_defaults(func=partial(func, database_url=database_url, schema_of=schema_of))
+        return p
+
+    p = parser("status", "backlog, blocked runs, leases, delivery rate, table sizes", cmd_status)
+    p.add_argument(
+        "--limit", type=non_negative, default=100, help="blocked runs to list (default 100)"
+    )
+
+    p = parser("inspect", "every event of a run and the run's lease and block", cmd_inspect)
+    p.add_argument("run_id", metavar="RUN_ID")
+    p.add_argument("--from-seq", type=non_negative, default=1, help="first seq to show (default 1)")
+    p.add_argument(
+        "--limit", type=non_negative, default=1000, help="events to show; 0 = all (1000)"
+    )
+
+    by_help = "who acts, recorded in the audit trail (default $USER@host)"
+    p = parser("retry", "put a failed event back to pending and unblock its run", cmd_retry)
+    p.add_argument("event_id", metavar="EVENT_ID", nargs="?")
+    p.add_argument("--run", metavar="RUN_ID", help="retry the failed event that blocks RUN_ID")
+    p.add_argument("--by", help=by_help)
+
+    p = parser("skip", "never send a failed event (audited) and unblock its run", cmd_skip)
+    p.add_argument("event_id", metavar="EVENT_ID")
+    p.add_argument("--reason", help="why it is skipped (required)")
+    p.add_argument("--by", help=by_help)

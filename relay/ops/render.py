@@ -1,0 +1,255 @@
+"""What the operator sees: plain-text tables, no `rich` (it is only in the demo extra).
+
+A table is a title line, a header, a rule under the header and left-aligned columns separated
+by three spaces. Every title and cell goes through `clean()` and is printed as text, never as
+markup, so an id or an ingress body ("[bold]", escape sequences) cannot style or drive the
+terminal. Free-text columns (`FOLDING`) fold to fit the width; ids, states, numbers and times
+stay on one line, so a table of long ids may be wider than the terminal rather than break one.
+
+The renderers are pure (data and a width in, text out); `write`, `print_json` and
+`output_width` are the only parts that touch stdout."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import unicodedata
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from relay.ops.format import audit, clean, fmt_age, fmt_bytes, fmt_time, run_state
+
+FOLDING = frozenset({"error", "note", "value", "event", "type", "run", "owner"})
+GAP = "   "
+# A folding column is never narrower than this (nor than its header): cut finer, an id or a
+# phrase is harder to read than a table a little wider than the terminal.
+MIN_FOLD = 16
+PIPED_WIDTH = 200  # piped output (a log, a ticket) gets room for the tables
+
+
+# -- the plain table ---------------------------------------------------------------------------
+
+
+def _char_width(ch: str) -> int:
+    if unicodedata.combining(ch) or unicodedata.category(ch) == "Cf":
+        return 0
+    return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+
+
+def cell_width(text: str) -> int:
+    """Terminal cells `text` takes (wide East Asian characters take two)."""
+    return sum(_char_width(ch) for ch in text)
+
+
+def _pad(text: str, width: int) -> str:
+    return text + " " * (width - cell_width(text))
+
+
+def _cut(word: str, width: int) -> tuple[str, str]:
+    """The longest head of `word` that fits in `width` cells (at least one character)."""
+    used = 0
+    for i, ch in enumerate(word):
+        used += _char_width(ch)
+        if used > width:
+            return word[: max(i, 1)], word[max(i, 1) :]
+    return word, ""
+
+
+def fold(text: str, width: int) -> list[str]:
+    """`text` in lines of at most `width` cells: broken at spaces, and inside a word only when
+    the word alone is longer than a line."""
+    lines: list[str] = []
+    line, used = "", 0
+    for space, word in re.findall(r"(\s*)(\S+)", text):
+        gap, size = cell_width(space), cell_width(word)
+        if line and used + gap + size <= width:
+            line, used = line + space + word, used + gap + size
+            continue
+        if line:
+            lines.append(line)
+        while size > width:
+            head, word = _cut(word, width)
+            lines.append(head)
+            size = cell_width(word)
+        line, used = word, size
+    if line or not lines:
+        lines.append(line)
+    return lines
+
+
+def _widths(
+    columns: Sequence[str], rows: Sequence[Sequence[str]], width: int, header: bool
+) -> list[int]:
+    """Each column's natural width; when the table would be wider than `width`, the folding
+    columns share what the others leave, the narrow ones keeping their natural width."""
+    natural = [
+        max([cell_width(name) if header else 0, *(cell_width(row[i]) for row in rows)])
+        for i, name in enumerate(columns)
+    ]
+    folding = [i for i, name in enumerate(columns) if name in FOLDING]
+    if not folding or sum(natural) + len(GAP) * (len(columns) - 1) <= width:
+        return natural
+    widths = list(natural)
+    room = width - len(GAP) * (len(columns) - 1)
+    room -= sum(n for i, n in enumerate(natural) if i not in folding)
+    pending = sorted(folding, key=lambda i: natural[i])
+    while pending and natural[pending[0]] <= room // len(pending):
+        room -= natural[pending.pop(0)]
+    for k, i in enumerate(pending):
+        share = room // len(pending) + (1 if k < room % len(pending) else 0)
+        least = max(MIN_FOLD, cell_width(columns[i]) if header else 0)
+        widths[i] = min(natural[i], max(least, share))
+    return widths
+
+
+def table(
+    title: str, columns: Sequence[str], rows: Sequence[Sequence[object]], width: int,
+    *, header: bool = True,
+) -> str:  # fmt: skip
+    """The table as text, its lines without trailing spaces; a cell of None shows as "-"."""
+    cells = [["-" if c is None else clean(c) for c in row] for row in rows]
+    if any(len(row) != len(columns) for row in cells):
+        raise ValueError(f"every row of {title!r} needs {len(columns)} cells")
+    widths = _widths(columns, cells, width, header)
+
+    def line(parts: Sequence[str]) -> str:
+        return GAP.join(_pad(p, w) for p, w in zip(parts, widths, strict=True)).rstrip()
+
+    out = [clean(title)] if title else []
+    if header:
+        out += [line(columns), "-" * (sum(widths) + len(GAP) * (len(columns) - 1))]
+    for row in cells:
+        folded = [
+            fold(c, w) if name in FOLDING else [c]
+            for c, w, name in zip(row, widths, columns, strict=True)
+        ]
+        for k in range(max(len(f) for f in folded)):
+            out.append(line([f[k] if k < len(f) else "" for f in folded]))
+    return "\n".join(out)
+
+
+# -- the operator's views ----------------------------------------------------------------------
+
+
+def render_status(data: Mapping[str, Any], width: int) -> str:
+    lanes = []
+    for lane in data["lanes"]:
+        age = fmt_age(lane["oldest_pending_age_seconds"]) if lane["events"] else "-"
+        lanes.append((lane["lane"], lane["runs"], lane["events"], age))
+    b = data["blocked"]
+    since = fmt_age(b["oldest_failure_age_seconds"]) + " since failure" if b["runs"] else "-"
+    lanes.append(("blocked", b["runs"], f"{b['held_events']} held", since))
+    parts = [table("Backlog", ("lane", "runs", "pending events", "oldest pending"), lanes, width)]
+
+    shown = data["blocked_runs"]
+    if shown:
+        title = f"Blocked runs ({b['runs']}): fix with `relay retry` or `relay skip`"
+        rows = [
+            (r["run_id"], r["seq"], r["event_id"], fmt_age(r["failed_age_seconds"]) + " ago",
+             r["last_status"], clean(r["last_error"] or "", 120), r["held_events"])
+            for r in shown
+        ]  # fmt: skip
+        blocked = ("run", "seq", "event", "failed", "status", "error", "held")
+        parts.append(table(title, blocked, rows, width))
+        if len(shown) < b["runs"]:
+            parts[-1] += f"\n… and {b['runs'] - len(shown)} more (--limit)"
+
+    leases = [(x["owner"], x["runs"], fmt_time(x["next_expiry"])) for x in data["leases"]]
+    if data["expired_leases"]:
+        leases.append(("(expired, claimable)", data["expired_leases"], "-"))
+    owners = ("owner", "runs", "next expiry")
+    parts.append(table("Live leases", owners, leases, width) if leases else "Live leases: none")
+
+    t = data["tables"]
+    parts.append(
+        f"Delivered in the last minute: {data['delivered_last_minute']}\n"
+        f"Outbox size: events {fmt_bytes(t['events'])}, runs {fmt_bytes(t['runs'])}, "
+        f"run_seqs {fmt_bytes(t['run_seqs'])}\n"
+        f"Database time: {fmt_time(data['db_now'])}"
+    )
+    return "\n\n".join(parts)
+
+
+def render_inspect(data: Mapping[str, Any], limit: int | None, width: int) -> str:
+    run = data["run"]
+    live = "live" if run["lease_live"] else "not live"
+    lease = f"{run['lease_owner'] or '-'}, expires {fmt_time(run['lease_expires_at'])} ({live})"
+    counts = ", ".join(f"{k} {run[k]}" for k in ("pending", "delivered", "failed", "skipped"))
+    head: list[tuple[str, object]] = [
+        ("state", run_state(run)),
+        ("lane", "critical (terminal event pending)" if run["critical"] else "ordinary"),
+        ("lease", f"{lease}, epoch {run['epoch']}"),
+        ("next attempt", f"{fmt_time(run['next_attempt_at'])} (attempts {run['attempts']})"),
+    ]
+    if run["last_error"]:
+        head.append(("last error", clean(run["last_error"], 300)))
+    head.append(("events", f"{run['events_total']} ({counts}); last seq {run['last_seq']}, "
+                 f"terminal seq {run['terminal_seq'] or '-'}"))  # fmt: skip
+    parts = [table(f"Run {clean(run['run_id'])}", ("field", "value"), head, width, header=False)]
+
+    events, notes = [], []
+    for e in data["events"]:
+        kind = e["event_type"] + (" (terminal)" if e["terminal"] else "")
+        done = {"delivered": e["delivered_at"], "skipped": e["skipped_at"]}.get(
+            e["state"], e["failed_at"] if e["state"] == "failed" else None
+        )
+        created = fmt_time(e["created_at"], short=True)
+        events.append((e["seq"], e["event_id"], kind, e["state"], e["attempts"], e["last_status"],
+                       created, fmt_time(done, short=True)))  # fmt: skip
+        note = [f"last error: {clean(e['last_error'], 300)}"] if e["last_error"] else []
+        if audit(e) != "-":
+            note.append(audit(e))
+        if note:
+            notes.append((e["seq"], "; ".join(note)))
+    columns = ("seq", "event", "type", "state", "att", "status", "created",
+               "delivered / failed / skipped")  # fmt: skip
+    parts.append(table("Events (times UTC)", columns, events, width))
+    if notes:
+        parts.append(table("Errors and operator actions", ("seq", "note"), notes, width))
+    if limit and len(data["events"]) == limit and run["events_total"] > limit:
+        first = data["events"][0]["seq"]
+        parts[-1] += f"\nshowing {limit} events from seq {first} (--from-seq, --limit for more)"
+    return "\n\n".join(parts)
+
+
+def render_action(verb: str, row: Mapping[str, Any], width: int) -> str:
+    """What `relay retry` (`verb` "retried") or `relay skip` ("skipped") did."""
+    rows: list[tuple[str, object]] = [
+        ("run", row["run_id"]), ("seq", row["seq"]), ("state", row["state"]),
+    ]  # fmt: skip
+    if verb == "retried":
+        rows.append(("by", f"{row['retried_by']} at {fmt_time(row['retried_at'])}"))
+        rows.append(("attempts", f"{row['attempts']} (operator retries {row['retries']})"))
+    else:
+        rows.append(("by", f"{row['skipped_by']} at {fmt_time(row['skipped_at'])}"))
+        rows.append(("reason", row["skip_reason"]))
+    if row["blocked_seq"] is None:
+        rows.append(("run", "unblocked: the relay delivers the rest of it in seq order"))
+    else:
+        rows.append(("run", f"still blocked at seq {row['blocked_seq']}"))
+    title = f"{verb} event {clean(row['event_id'])}"
+    return table(title, ("field", "value"), rows, width, header=False)
+
+
+# -- stdout ------------------------------------------------------------------------------------
+
+
+def output_width() -> int:
+    """The terminal's width (or $COLUMNS) when stdout is one, else room for piped tables."""
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else PIPED_WIDTH
+
+
+def write(text: str) -> None:
+    """`text` and a newline on stdout; a character its encoding lacks becomes an escape."""
+    sys.stdout.flush()
+    encoding = sys.stdout.encoding or "utf-8"
+    sys.stdout.buffer.write((text + "\n").encode(encoding, "backslashreplace"))
+    sys.stdout.flush()
+
+
+def print_json(data: object) -> None:
+    sys.stdout.buffer.write(orjson.dumps(data, option=orjson.OPT_INDENT_2) + b"\n")
+    sys.stdout.flush()
