@@ -513,6 +513,26 @@ def test_cli_human_tables(pg_url: str, schema: str, conn: Conn) -> None:
     assert skip.returncode == 0 and "duplicate of r1" in skip.stdout
 
 
+def test_cli_human_tables_need_no_rich(pg_url: str, schema: str, conn: Conn) -> None:
+    """rich is only in the demo extra: with it unimportable (any `import rich...` raises), the
+    tables print all the same."""
+    blocked_run(conn, schema, "r1", n=2)
+    no_rich = "import sys; sys.modules['rich'] = None\nfrom relay.cli import main\nsys.exit(main())"
+    env = cli_env(pg_url, schema)
+    for args, words in (
+        (("status",), ("Backlog", "Blocked runs (1)", "r1-1", "bad payload", "Outbox size")),
+        (("inspect", "r1"), ("Run r1", "BLOCKED at seq 1", "Events (times UTC)", "r1-2")),
+        (("retry", "r1-1", "--by", "alice"), ("retried event r1-1", "alice at", "unblocked")),
+    ):
+        got = subprocess.run(
+            [sys.executable, "-c", no_rich, *args],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert got.returncode == 0, got.stderr
+        for word in words:
+            assert word in got.stdout, got.stdout
+
+
 CLI_ERRORS = [
     (("retry", "nope"), ops.NOT_FOUND, "no event with event_id nope"),
     (("retry", "r1-2"), ops.WRONG_STATE, "is pending, not failed"),
