@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Any
 
 import anyio
@@ -153,13 +154,19 @@ async def test_409_counts_as_accepted_and_partial_acceptance_retries_the_rest(
 async def test_stale_lease_ack_is_rejected_and_wakes_once(
     pg_url: str, schema: str, queue: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
 ) -> None:
-    """A lease that expires during a slow POST: another replica redelivers, the stale ack is
-    rejected, and the engine wake happens exactly once — from the ack that held the lease."""
+    """A lease that expires during a slow POST: another replica claims the run and redelivers,
+    and the zombie's late ack comes while the new owner still holds its live lease, so only the
+    lease-token check can fence it (an expiry check alone would let it through). The engine
+    wake happens exactly once, from the new owner's ack."""
     s, url = sink
     s.state.reject_stale_epochs = False  # let the zombie's late POST through to its ack
     enqueue_runs(conn, schema, 1, 2, queue=queue, terminal=False)
-    s.faults.delay(3.0, run_id="r0")  # the first POST hangs
-    first = Relay(settings(pg_url, schema, url, replica_id="first", lease_ttl="30s"))
+    s.faults.delay(3.0, run_id="r0")  # the first replica's POST hangs
+    # The zombie's lanes sleep (nothing wakes them, and their poll is long), so it cannot win the
+    # run back itself: only its in-flight POST and that POST's ack are left.
+    first = Relay(
+        settings(pg_url, schema, url, replica_id="first", lease_ttl="30s", poll_interval=120)
+    )
     async with first.running():
         await wait_for(lambda: bool(first.lanes["ordinary"].inflight), what="first claim")
         # The lease runs out under the first replica (as if it had stalled past the TTL).
@@ -167,25 +174,34 @@ async def test_stale_lease_ack_is_rejected_and_wakes_once(
             q(schema, "update {s}.runs set lease_expires_at = clock_timestamp(),"
                       " next_attempt_at = clock_timestamp()")
         )  # fmt: skip
-        second = Relay(settings(pg_url, schema, url, replica_id="second"))
+        s.faults.delay(6.0, run_id="r0")  # the new owner's POST outlasts the zombie's
+        second = Relay(settings(pg_url, schema, url, replica_id="second", lease_ttl="30s"))
         async with second.running():
             await wait_for(
-                lambda: count(conn, schema, "state = 'delivered'") == 2, what="redelivery"
-            )
-            await wait_for(
-                lambda: first.lanes["ordinary"].stats.stale_acks == 1,
+                lambda: first.lanes["ordinary"].view().stats.stale_acks == 1,
                 what="the first replica's ack to be fenced",
+            )
+            # Fenced while the new owner held a live lease: by its token, not by its expiry.
+            run = conn.execute(
+                q(schema, "select lease_owner, lease_expires_at > clock_timestamp()"
+                          " from {s}.runs where run_id = 'r0'")
+            ).fetchone()  # fmt: skip
+            assert count(conn, schema, "state = 'delivered'") == 0, "the zombie's ack landed"
+            assert engine_events(conn, queue) == [], "the zombie's ack woke the engine"
+            assert run == ("second", True), f"the new owner did not hold the lease: {run}"
+            await wait_for(
+                lambda: count(conn, schema, "state = 'delivered'") == 2, what="redelivery"
             )
     epochs = sorted({req["epoch"] for req in s.state.received if req["run_id"] == "r0"})
     assert len(epochs) == 2  # two leases, two epochs
     wakes = engine_events(conn, queue)
     assert len(wakes) == 1
-    delivered_by = conn.execute(
-        q(schema, "select delivered_at from {s}.events where seq = 1")
+    row = conn.execute(
+        q(schema, "select delivered_at from {s}.events where run_id = 'r0' and seq = 1")
     ).fetchone()
-    assert delivered_by is not None
-    # The one engine event is the second replica's ack (the stale one changed nothing).
-    assert wakes[0][1]["delivered_at"] is not None
+    assert row is not None
+    # The one engine event carries the delivery time the new owner's ack wrote.
+    assert datetime.fromisoformat(wakes[0][1]["delivered_at"]) == row[0]
 
 
 async def test_terminal_event_overtakes_a_large_backlog(
