@@ -4,7 +4,9 @@ right endpoints and port, secrets from files, non-root), plus `systemd-analyze v
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -135,11 +137,16 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
 
 # -- container --------------------------------------------------------------------------------
 
+Instruction = tuple[str, str]
+# The tools wing's packages (the extras): none may reach the production image.
+TOOLS_PACKAGES = ("uvicorn", "httptools", "rich", "pgserver", "absurdctl", "matplotlib", "pgqueuer")
 
-def dockerfile() -> list[tuple[str, str]]:
-    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+
+def dockerfile(text: str | None = None) -> list[Instruction]:
+    if text is None:
+        text = (DEPLOY / "Dockerfile").read_text()
     out = []
-    for line in text.splitlines():
+    for line in text.replace("\\\n", " ").splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             word, _, rest = line.partition(" ")
@@ -147,21 +154,164 @@ def dockerfile() -> list[tuple[str, str]]:
     return out
 
 
+def stages(lines: list[Instruction]) -> dict[str, tuple[str, list[Instruction]]]:
+    """Stage name -> (what it is FROM, its own instructions), in file order."""
+    out: dict[str, tuple[str, list[Instruction]]] = {}
+    own: list[Instruction] = []
+    for word, rest in lines:
+        if word == "FROM":
+            m = re.fullmatch(r"(?:--\S+\s+)*(\S+)(?:\s+AS\s+(\S+))?", rest, re.IGNORECASE)
+            assert m, rest
+            own = []
+            out[m.group(2) or str(len(out))] = (m.group(1), own)
+        else:
+            own.append((word, rest))
+    return out
+
+
+def chain(all_stages: dict[str, tuple[str, list[Instruction]]], name: str) -> list[str]:
+    """`name` and the stages it is built FROM, base first."""
+    base, _ = all_stages[name]
+    return [*(chain(all_stages, base) if base in all_stages else []), name]
+
+
+def effective(all_stages: dict[str, tuple[str, list[Instruction]]], name: str) -> list[Instruction]:
+    """A stage's instructions with those it inherits from the stages it is FROM."""
+    return [i for s in chain(all_stages, name) for i in all_stages[s][1]]
+
+
+def venv_sources(all_stages: dict[str, tuple[str, list[Instruction]]], name: str) -> list[str]:
+    """Every stage whose work reaches image `name`: its own chain and, through COPY --from, the
+    chains of the stages it copies from."""
+    found: list[str] = []
+    for s in chain(all_stages, name):
+        found.append(s)
+        for word, rest in all_stages[s][1]:
+            m = re.match(r"--from=(\S+)", rest)
+            if word == "COPY" and m:
+                found += venv_sources(all_stages, m.group(1))
+    return list(dict.fromkeys(found))
+
+
+def pip_installs(all_stages: dict[str, tuple[str, list[Instruction]]], name: str) -> list[str]:
+    """The requirement arguments of every `pip install` whose result reaches image `name`
+    (options skipped; anything else, a requirements file too, is a requirement here)."""
+    args: list[str] = []
+    for s in venv_sources(all_stages, name):
+        for word, rest in all_stages[s][1]:
+            if word != "RUN":
+                continue
+            lexer = shlex.shlex(rest, posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            words = list(lexer)
+            for i in range(len(words) - 1):
+                if words[i].endswith("pip") and words[i + 1] == "install":
+                    for w in words[i + 2 :]:
+                        if w in {"&&", "||", ";", "|", ">", "<", "&"}:
+                            break  # the end of this command
+                        if not w.startswith("-"):
+                            args.append(w)
+    return args
+
+
+def image_problems(lines: list[Instruction], name: str) -> list[str]:
+    """What image `name` gets wrong for production: a non-root numeric user, exec-form
+    entrypoint (relay is PID 1 and gets SIGTERM), unbuffered logs, no secret in its ENV."""
+    final = effective(stages(lines), name)
+    problems = []
+    user = [rest for word, rest in final if word == "USER"]
+    if not (user and re.fullmatch(r"[1-9]\d*(:\d+)?", user[-1])):
+        problems.append("a numeric non-root user")
+    entry = [rest for word, rest in final if word == "ENTRYPOINT"]
+    if not (entry and entry[-1].startswith("[")):
+        problems.append("exec-form ENTRYPOINT")
+    env = " ".join(rest for word, rest in final if word == "ENV")
+    if "PYTHONUNBUFFERED=1" not in env:
+        problems.append("PYTHONUNBUFFERED=1")
+    if ("STOPSIGNAL", "SIGTERM") not in final:
+        problems.append("STOPSIGNAL SIGTERM")
+    if re.search(r"RELAY_(DATABASE_URL|INGRESS_TOKEN|SIGNING_SECRET)=", env):
+        problems.append("a secret in ENV")
+    return problems
+
+
+def healthcheck_port(final: list[Instruction]) -> int:
+    (check,) = [rest for word, rest in final if word == "HEALTHCHECK"][-1:]
+    m = re.search(r"http://127\.0\.0\.1:(\d+)/healthz", check)
+    assert m, check
+    return int(m.group(1))
+
+
+def core_only_problems(text: str | None = None) -> list[str]:
+    """The default image (the last stage) must carry the core install only: every pip install
+    reaching it is exactly `.`, never an extra or a tools package."""
+    all_stages = stages(dockerfile(text))
+    default = list(all_stages)[-1]
+    args = pip_installs(all_stages, default)
+    problems = [f"installs {a!r}" for a in args if a != "."]
+    if "." not in args:
+        problems.append("never installs the project")
+    return problems
+
+
 def test_dockerfile() -> None:
     lines = dockerfile()
-    stages = [rest for word, rest in lines if word == "FROM"]
-    assert len(stages) >= 2, "multi-stage: build tools stay out of the runtime image"
-    final = lines[max(i for i, (w, _) in enumerate(lines) if w == "FROM") :]
-    user = [rest for word, rest in final if word == "USER"]
-    assert user and re.fullmatch(r"[1-9]\d*(:\d+)?", user[-1]), "a numeric non-root user"
-    entry = [rest for word, rest in final if word == "ENTRYPOINT"]
-    assert entry and entry[0].startswith("["), "exec form: relay is PID 1 and gets SIGTERM"
+    all_stages = stages(lines)
+    assert len(all_stages) >= 2, "multi-stage: build tools stay out of the runtime image"
+    default = list(all_stages)[-1]
+    assert default == "relay", "the default target is the production relay"
+    for image in ("relay", "sink"):
+        assert image_problems(lines, image) == [], image
+    final = effective(all_stages, default)
     env = " ".join(rest for word, rest in final if word == "ENV")
-    assert "PYTHONUNBUFFERED=1" in env
-    assert ("STOPSIGNAL", "SIGTERM") in final
-    assert not re.search(r"RELAY_(DATABASE_URL|INGRESS_TOKEN|SIGNING_SECRET)=", env)
     port = re.search(r"RELAY_METRICS_ADDR=\S*:(\d+)", env)
     assert port and f"EXPOSE {port.group(1)}" in [f"{w} {r}" for w, r in final]
+    assert healthcheck_port(final) == int(port.group(1))
+    assert [rest for word, rest in final if word == "CMD"][-1] == '["run"]'
+
+
+def test_dockerfile_relay_image_installs_the_core_only() -> None:
+    assert core_only_problems() == []
+    assert "build-sink" not in venv_sources(stages(dockerfile()), "relay")
+    # The build itself refuses a tools package that leaked into the core venv.
+    build = " ".join(rest for word, rest in stages(dockerfile())["build"][1] if word == "RUN")
+    assert all(f"'{package}'" in build for package in TOOLS_PACKAGES), build
+
+
+@pytest.mark.parametrize(
+    "mutant",
+    [
+        "/opt/ledger-relay/bin/pip install --no-compile .",  # the original: no problem
+        "/opt/ledger-relay/bin/pip install --no-compile '.[sink]'",
+        "/opt/ledger-relay/bin/pip install --no-compile . rich",
+        "/opt/ledger-relay/bin/pip install --no-compile -r requirements.txt",
+    ],
+)
+def test_core_only_check_catches_an_extra_in_the_relay_image(mutant: str) -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    original = "/opt/ledger-relay/bin/pip install --no-compile . "
+    assert text.count(original) == 1
+    problems = core_only_problems(text.replace(original, mutant + " "))
+    assert bool(problems) == (mutant != original.strip()), problems
+    # An extra installed in a stage the relay image copies from is caught too.
+    mutated = text.replace("COPY --from=build /opt", "COPY --from=build-sink /opt")
+    assert core_only_problems(mutated) == ["installs '.[sink]'"]
+
+
+def sink_port(command: list[str]) -> int:
+    return int(command[command.index("--port") + 1])
+
+
+def test_dockerfile_sink_target() -> None:
+    all_stages = stages(dockerfile())
+    assert "sink" in all_stages, "a `sink` target for the reference ingress"
+    assert pip_installs(all_stages, "sink") == [".", ".[sink]"]
+    final = effective(all_stages, "sink")
+    cmd = json.loads([rest for word, rest in final if word == "CMD"][-1])
+    assert cmd[0] == "sink"
+    assert f"EXPOSE {sink_port(cmd)}" in [f"{w} {r}" for w, r in final]
+    assert healthcheck_port(final) == sink_port(cmd)
+    assert not any(word == "ENV" and "RELAY_METRICS_ADDR" in rest for word, rest in final)
 
 
 def test_compose() -> None:
@@ -181,6 +331,25 @@ def test_compose() -> None:
     for secret in doc["secrets"].values():
         example = DEPLOY / (secret["file"] + ".example")
         assert example.exists(), example
+
+
+def test_compose_sink_runs_the_sink_image() -> None:
+    """The sink service builds the Dockerfile's `sink` target under its own tag (the relay's
+    image has no uvicorn); its probe and ports are the sink's, not the relay's :9100."""
+    services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    all_stages = stages(dockerfile())
+    sink, relay = services["sink"], services["relay"]
+    assert sink["build"]["target"] == "sink" and "sink" in all_stages
+    for name in ("relay", "migrate"):
+        assert services[name]["build"].get("target", list(all_stages)[-1]) == "relay", name
+    assert sink["image"] != relay["image"]
+    port = sink_port(sink["command"])
+    assert [str(p).rpartition(":")[2] for p in sink["ports"]] == [str(port)]
+    probe = " ".join(sink["healthcheck"]["test"])
+    assert f"127.0.0.1:{port}/healthz" in probe and ":9100" not in probe
+    assert not any("RELAY_METRICS_ADDR" in str(e) for e in sink.get("environment", {}))
+    assert f"//sink:{port}/" in relay["environment"]["RELAY_INGRESS_URL"]
+    assert relay["depends_on"]["sink"]["condition"] == "service_healthy"
 
 
 # -- Kubernetes -------------------------------------------------------------------------------
