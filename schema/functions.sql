@@ -91,8 +91,23 @@ begin
     if p_wake_queue = '' or p_wake_event = '' then
         raise exception 'relay.enqueue: wake_queue and wake_event must be non-empty' using errcode = '22023';
     end if;
+    -- Bounded like the ids: Absurd keys its events by name (a btree entry), so an oversized
+    -- wake_event would commit here and then fail every ack of its run. Messages quote nothing
+    -- of the oversized value.
+    if octet_length(p_wake_queue) > 57 then
+        raise exception 'relay.enqueue: wake_queue of event % is % bytes, over Absurd''s limit of 57',
+            left(p_event_id, 200), octet_length(p_wake_queue) using errcode = '22023';
+    end if;
+    if octet_length(p_wake_event) > 1024 then  -- room for `run-created:<a 200-byte run id>`
+        raise exception 'relay.enqueue: wake_event of event % is % bytes, over the limit of 1024 bytes',
+            left(p_event_id, 200), octet_length(p_wake_event) using errcode = '22023';
+    end if;
+    if octet_length(p_traceparent) > 55 then
+        raise exception 'relay.enqueue: traceparent of event % is % bytes; a W3C trace context is 55',
+            left(p_event_id, 200), octet_length(p_traceparent) using errcode = '22023';
+    end if;
     if p_traceparent is not null and p_traceparent !~ '^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$' then
-        raise exception 'relay.enqueue: traceparent % is not a W3C trace context', p_traceparent
+        raise exception 'relay.enqueue: traceparent % is not a W3C trace context', left(p_traceparent, 55)
             using errcode = '22023';
     end if;
     if p_wake_queue is not null then
@@ -392,9 +407,11 @@ begin
 end
 $$;
 
--- Marks one event failed and blocks its run (poison, or a deterministic ack failure), fenced
--- by token when one is given. Events before it are left as they are; nothing after it is
--- delivered until an operator retries or skips it.
+-- Marks one event failed and blocks its run: what the relay does for a poison answer. Fenced like
+-- an ack: only the holder of the run's live lease (its token, not expired on the statement clock)
+-- may fail an event, so a relay role cannot block another replica's run or clear its lease.
+-- Events before it are left as they are; nothing after it is delivered until an operator
+-- retries or skips it. Returns whether the lease held.
 create or replace function fail_event(
     p_run_id text, p_token uuid, p_seq bigint, p_status int, p_error text
 ) returns boolean
@@ -403,18 +420,39 @@ set search_path from current
 security definer
 as $$
 begin
-    update runs
-    set lease_owner = null, lease_token = null, lease_expires_at = null,
-        blocked_seq = p_seq, last_error = left(p_error, 2000), updated_at = clock_timestamp()
-    where runs.run_id = p_run_id and (p_token is null or lease_token = p_token);
+    if p_token is null then
+        raise exception 'relay.fail_event: a lease token is required (only the lease holder may fail an event)'
+            using errcode = '22023';
+    end if;
+    perform 1 from runs r
+    where r.run_id = p_run_id and r.lease_token = p_token and r.lease_expires_at > clock_timestamp()
+    for update;
     if not found then
         return false;
     end if;
+    perform block_event(p_run_id, p_seq, p_status, p_error);
+    return true;
+end
+$$;
+
+-- The unfenced part of fail_event, for callers that already hold the run (ack, inside its own
+-- fence). Not granted to any role: only functions of this schema call it.
+create or replace function block_event(
+    p_run_id text, p_seq bigint, p_status int, p_error text
+) returns void
+language plpgsql volatile
+set search_path from current
+security definer
+as $$
+begin
+    update runs
+    set lease_owner = null, lease_token = null, lease_expires_at = null,
+        blocked_seq = p_seq, last_error = left(p_error, 2000), updated_at = clock_timestamp()
+    where runs.run_id = p_run_id;
     update events
     set state = 'failed', failed_at = clock_timestamp(), attempts = attempts + 1,
         last_status = p_status, last_error = left(p_error, 2000)
     where events.run_id = p_run_id and seq = p_seq and state = 'pending';
-    return true;
 end
 $$;
 
@@ -507,7 +545,7 @@ begin
             update events e
             set state = 'pending', delivered_at = null, done_at = null, attempts = e.attempts - 1
             where e.run_id = v_run and e.seq >= v_failed_seq and e.seq = any(v_seqs);
-            perform fail_event(v_run, v_token, v_failed_seq, null, v_err);
+            perform block_event(v_run, v_failed_seq, null, v_err);
             v_ids := array(select x from unnest(v_ids, v_seqs) as u(x, s) where s < v_failed_seq);
             v_seqs := array(select s from unnest(v_seqs) as s where s < v_failed_seq);
         elsif coalesce((v_b ->> 'keep')::boolean, false) then

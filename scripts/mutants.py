@@ -179,11 +179,35 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "fence-fail-token",
-        "§9.3 fencing: failing an event with a stale token changes nothing",
+        "§9.3 fencing: failing an event without the run's lease changes nothing (issue 13.4)",
         SQL,
-        "(p_token is null or lease_token = p_token)",
-        "(true)",
-        (f"{LEASE}::test_stale_token_renew_release_fail_and_ack_change_nothing",),
+        "where r.run_id = p_run_id and r.lease_token = p_token"
+        " and r.lease_expires_at > clock_timestamp()",
+        "where r.run_id = p_run_id",
+        (
+            f"{LEASE}::test_stale_token_renew_release_fail_and_ack_change_nothing",
+            "tests/test_hostile_sql.py::test_the_relay_role_cannot_fail_an_event_of_a_run_it_does_not_hold",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "fence-fail-expiry",
+        "§9.3 fencing: failing an event under an expired lease changes nothing",
+        SQL,
+        "where r.run_id = p_run_id and r.lease_token = p_token"
+        " and r.lease_expires_at > clock_timestamp()",
+        "where r.run_id = p_run_id and r.lease_token = p_token",
+        ("tests/test_hostile_sql.py::test_fail_event_needs_a_live_lease_not_only_its_token",),
+    ),
+    Mutant(
+        "enqueue-unbounded-wake-event",
+        "§3 bad input inserts nothing: an oversized wake_event is refused at enqueue (13.3)",
+        SQL,
+        "if octet_length(p_wake_event) > 1024 then",
+        "if false then",
+        (
+            "tests/test_hostile_sql.py::test_oversized_wake_and_trace_fields_are_refused_at_enqueue_with_a_short_error",
+        ),
     ),
     # -- lanes (§4.3, §9.6) ----------------------------------------------------------------------
     Mutant(

@@ -76,7 +76,7 @@ def block(
     """What a relay does for a poison answer: the event fails and its run is blocked."""
     if seq > 1:
         deliver(conn, schema, run_id, seq - 1)
-    assert call(conn, schema, "fail_event", run_id, None, seq, status, error)[0]["fail_event"]
+    call(conn, schema, "block_event", run_id, seq, status, error)
 
 
 def blocked_run(conn: Conn, schema: str, run_id: str, n: int = 3, seq: int = 1) -> None:
@@ -172,8 +172,8 @@ def test_a_run_stays_blocked_while_an_earlier_event_is_failed(schema: str, conn:
     """Defensive: should a run ever hold two failed events, retrying the later one leaves it
     blocked at the earlier one (nothing after a failed event is delivered)."""
     add_run(conn, schema, "r1", 3)
-    call(conn, schema, "fail_event", "r1", None, 3, 422, "late")
-    call(conn, schema, "fail_event", "r1", None, 1, 422, "early")
+    call(conn, schema, "block_event", "r1", 3, 422, "late")
+    call(conn, schema, "block_event", "r1", 1, 422, "early")
     row = call(conn, schema, "retry_event", "r1-3", "alice")[0]
     assert row["blocked_seq"] == 1
     assert run_row(conn, schema, "r1")["blocked_seq"] == 1

@@ -152,6 +152,7 @@ EXPECTED_FUNCTIONS = {
     "release": "p_run_id text, p_token uuid, p_delay interval, p_error text, p_status integer,"
     " p_first_seq bigint, p_last_seq bigint",
     "fail_event": "p_run_id text, p_token uuid, p_seq bigint, p_status integer, p_error text",
+    "block_event": "p_run_id text, p_seq bigint, p_status integer, p_error text",
     "ack": "p_batches jsonb",
     "prune": "p_retention interval, p_limit integer",
     # functions_ops.sql: the operator tools
