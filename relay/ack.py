@@ -18,10 +18,6 @@ from relay import logs
 from relay.store import AckResult, Claim, Store
 
 
-def _error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).strip()[:200]}"
-
-
 @dataclass
 class _PendingAck:
     claim: Claim
@@ -71,7 +67,7 @@ class AckGroup:
             except (psycopg.Error, OSError, TimeoutError) as exc:
                 # The outcome may be unknown (connection lost during COMMIT): find out by
                 # re-reading the rows, never by guessing.
-                logs.warning("ack_outcome_unknown", batches=len(group), error=_error(exc))
+                logs.warning("ack_outcome_unknown", batches=len(group), error=logs.error_text(exc))
                 for p in group:
                     await self._resolve(p, exc)
                 continue
