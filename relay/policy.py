@@ -1,21 +1,23 @@
 """The relay's decisions as pure functions: no I/O, no event loop, the clock passed in.
 
-What an ingress answer means (DESIGN §5), how long to back off, how far a lease can be
-trusted. Everything here is unit-tested without a database or a network.
+What an ingress answer means (DESIGN §5: `decide`, one value per answer), how long to back off,
+how far a lease can be trusted. Everything here is unit-tested without a database or a network.
 """
 
 from __future__ import annotations
 
 import email.utils
 import enum
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Protocol, TypeVar
 
 import orjson
 
 
 class Outcome(enum.Enum):
-    ACCEPTED = "accepted"  # 2xx (maybe partially: see accepted_count) and 409 duplicates
+    ACCEPTED = "accepted"  # 2xx (maybe partially: see decide) and 409 duplicates
     TRANSIENT = "transient"  # retry later; never drop
     MISCONFIGURED = "misconfigured"  # the endpoint is wrong: back off the whole lane
     POISON = "poison"  # this batch can never be accepted: isolate the bad event
@@ -23,6 +25,9 @@ class Outcome(enum.Enum):
 
 TRANSIENT_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 MISCONFIGURED_STATUSES = frozenset({401, 403, 404, 410})
+BACKOFF_BASE = 0.5  # seconds: the first transient retry waits up to this long
+BODY_EXCERPT = 512  # bytes of an answer kept in errors and logs
+SMALL_RUN_EVENTS = 10  # runs at most this long share a multi-run POST when the ingress offers one
 
 
 def classify(status: int) -> Outcome:
@@ -39,24 +44,187 @@ def classify(status: int) -> Outcome:
     return Outcome.TRANSIENT
 
 
-def accepted_count(status: int, body: bytes, n_events: int) -> int:
-    """How many leading events of an accepted batch the ingress took.
+# --- what one answer means (DESIGN §5 table) -------------------------------------------------
 
-    A 2xx JSON body `{"accepted": k}` acks only the first k (clamped to 0..n); anything else
-    (no body, not JSON, no integer `accepted`) means all of them. 409 means all were duplicates.
+
+class HttpAnswer(Protocol):
+    """An ingress answer as `decide` reads it (relay.ingress.Answer is one)."""
+
+    @property
+    def status(self) -> int: ...
+    @property
+    def body(self) -> bytes: ...
+    @property
+    def retry_after(self) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Acknowledge the first `k` events of the batch (1 <= k <= n). Events after them stay
+    pending and go out again with the run's next claim."""
+
+    k: int
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Transient: hand the lease back, next attempt in `delay` seconds; never drop the events."""
+
+    delay: float
+    status: int | None  # None: no HTTP answer (timeout, connection error)
+    error: str
+    retry_after: float | None  # the ingress's Retry-After, parsed and clamped
+    quick: bool  # a blip: tenacity may retry it at once, within this attempt
+    endpoint_ok: bool = False  # a 2xx all the same: the endpoint is the right one
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """The endpoint is misconfigured: back off the whole lane; the events are not at fault."""
+
+    status: int
+    excerpt: str
+
+
+@dataclass(frozen=True, slots=True)
+class Poison:
+    """This batch can never be accepted: isolate the bad event and block its run."""
+
+    status: int
+    excerpt: str
+    rejected_event_id: str | None  # the event the answer names, if it does
+
+
+Decision = Ack | Retry | Pause | Poison
+
+
+def decide(
+    answer: HttpAnswer | BaseException,
+    n_events: int,
+    *,
+    attempt: int,
+    now: datetime,
+    rand: float,
+    cap: float,
+    base: float = BACKOFF_BASE,
+) -> Decision:
+    """What the relay does with one answer to a batch of `n_events` (the DESIGN §5 table).
+
+    `answer` is the exception when no answer came (timeout, connection error, reply lost).
+    `attempt` counts the run's earlier attempts (the backoff grows with it), `now` is the wall
+    clock in UTC (for Retry-After dates), `rand` is uniform in [0, 1) (the jitter), `cap`
+    bounds every delay.
     """
-    if status == 409 or not body:
+    if isinstance(answer, BaseException):
+        delay = backoff(attempt, base=base, cap=cap, rand=rand)
+        return Retry(delay, None, str(answer), None, quick=True)
+    status = answer.status
+    outcome = classify(status)
+    if outcome is Outcome.ACCEPTED:
+        k = n_events if status == 409 else _accepted(answer.body, n_events)
+        if k is None:
+            # Cut at the read limit, or garbled: nobody can say what the ingress took.
+            delay = backoff(attempt, base=base, cap=cap, rand=rand)
+            error = f"answer body is not JSON: {excerpt(answer.body)}"
+            return Retry(delay, status, error, None, quick=False, endpoint_ok=True)
+        if k == 0:
+            delay = backoff(attempt, base=base, cap=cap, rand=rand)
+            error = "ingress accepted 0 events"
+            return Retry(delay, status, error, None, quick=False, endpoint_ok=True)
+        return Ack(k)
+    if outcome is Outcome.TRANSIENT:
+        after = parse_retry_after(answer.retry_after, now, maximum=cap)
+        delay = retry_delay(attempt, retry_after=after, base=base, cap=cap, rand=rand)
+        # With a Retry-After the ingress said when: no quick retry sooner than that.
+        quick = answer.retry_after is None
+        return Retry(delay, status, excerpt(answer.body), after, quick=quick)
+    if outcome is Outcome.MISCONFIGURED:
+        return Pause(status, excerpt(answer.body))
+    return Poison(status, excerpt(answer.body), rejected_event_id(answer.body))
+
+
+def _accepted(body: bytes, n_events: int) -> int | None:
+    """How many leading events a 2xx answer accepts: `{"accepted": k}` clamped to 0..n; all
+    of them for an empty body (whitespace only counts as empty) or a JSON one without an
+    integer `accepted`; None for a body that is not JSON."""
+    if not body.strip():
         return n_events
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return n_events
+    parsed = _json(body)
+    if parsed is _NOT_JSON:
+        return None
     if not isinstance(parsed, dict):
         return n_events
     k = parsed.get("accepted")
     if isinstance(k, bool) or not isinstance(k, int):
         return n_events
     return max(0, min(k, n_events))
+
+
+def rejected_event_id(body: bytes) -> str | None:
+    """The event an ingress names in a rejection body `{"rejected_event_id": "..."}`."""
+    parsed = _json(body) if body else None
+    if isinstance(parsed, dict):
+        named = parsed.get("rejected_event_id")
+        if isinstance(named, str):
+            return named
+    return None
+
+
+_NOT_JSON = object()
+
+
+def _json(body: bytes) -> object:
+    try:
+        parsed: object = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return _NOT_JSON
+    return parsed
+
+
+def excerpt(body: bytes) -> str:
+    """The start of an answer, for errors and logs."""
+    return body[:BODY_EXCERPT].decode("utf-8", "replace")
+
+
+# --- which runs share a POST ------------------------------------------------------------------
+
+
+class Batch(Protocol):
+    """A run's claimed prefix, as planning sees it (relay.store.Claim is one)."""
+
+    @property
+    def events(self) -> Sized: ...
+
+
+B = TypeVar("B", bound=Batch)
+
+
+def plan_groups(claims: Sequence[B], *, share: bool, batch_size: int) -> list[list[B]]:
+    """Which claims go out together. Unless `share` (the ingress offers `ingress_batch_url`),
+    one POST per run. With it, small runs (where one POST each would cap the relay near the
+    HTTP client's request rate) share POSTs of up to `batch_size` events; larger runs still go
+    alone."""
+    if not share:
+        return [[c] for c in claims]
+    groups: list[list[B]] = []
+    current: list[B] = []
+    size = 0
+    for c in claims:
+        n = len(c.events)
+        if n > SMALL_RUN_EVENTS:
+            groups.append([c])
+            continue
+        if current and size + n > batch_size:
+            groups.append(current)
+            current, size = [], 0
+        current.append(c)
+        size += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+# --- timing ---------------------------------------------------------------------------------
 
 
 def backoff(attempt: int, *, base: float, cap: float, rand: float) -> float:

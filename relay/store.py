@@ -213,22 +213,18 @@ class Store:
             claim.events.append(ClaimedEvent._make(r[6:14]))
         return list(claims.values())
 
-    async def renew(self, claims: Sequence[Claim]) -> set[str]:
-        """Extends the leases of `claims` (fenced by token); returns the run ids renewed and
-        moves their trust windows forward."""
+    async def renew(self, claims: Sequence[Claim]) -> dict[str, Trust]:
+        """Extends the leases of `claims` (fenced by token). Returns the new trust window of
+        each run renewed; a run missing from it was not (its lease is lost)."""
         if not claims:
-            return set()
+            return {}
         sent = anyio.current_time()
         rows = await self._call(
             self._renew,
             ([c.run_id for c in claims], [c.token for c in claims], self.lease_ttl),
         )
-        renewed = {r[0] for r in rows}
         trust = Trust(started=sent, ttl=self.lease_ttl, margin=lease_margin(self.lease_ttl))
-        for c in claims:
-            if c.run_id in renewed:
-                c.trust = trust
-        return renewed
+        return {r[0]: trust for r in rows}
 
     async def release(
         self,
@@ -268,17 +264,14 @@ class Store:
         rows = await self._call(self._ack, (payload,))
         return [AckResult(*r) for r in rows]
 
-    async def widen(self, claim: Claim) -> int:
-        """Append events of the claim's run committed since the claim (up to the batch size),
-        while the lease is still ours. Returns how many were added."""
+    async def widen(self, claim: Claim) -> list[ClaimedEvent]:
+        """Events of the claim's run committed since the claim, after its last one (up to the
+        batch size), while the lease is still ours. The caller adds them to its claim."""
         room = self.batch_size - len(claim.events)
         if room <= 0 or not claim.events:
-            return 0
+            return []
         rows = await self._call(self._widen, (claim.run_id, claim.token, claim.last_seq, room))
-        claim.events.extend(ClaimedEvent(*r) for r in rows)
-        if any(e.terminal for e in claim.events):
-            claim.critical = True
-        return len(rows)
+        return [ClaimedEvent(*r) for r in rows]
 
     async def ack_committed(self, run_id: str, upto: int) -> bool:
         """After an ack whose COMMIT outcome is unknown (connection lost): did it commit? It did

@@ -12,12 +12,15 @@ from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
+from relay.ingress import Answer
 from relay.policy import (
+    Ack,
     Outcome,
+    Retry,
     Trust,
-    accepted_count,
     backoff,
     classify,
+    decide,
     lease_margin,
     misconfigured_backoff,
     parse_retry_after,
@@ -80,7 +83,18 @@ def test_only_2xx_and_409_are_accepted(status: int) -> None:
     assert accepted == (200 <= status < 300 or status == 409)
 
 
-# --- accepted_count ---------------------------------------------------------------------------
+# --- how much of a 2xx is accepted (decide) ----------------------------------------------------
+
+
+def accepted(status: int, body: bytes, n: int) -> int | None:
+    """How many leading events of an n-event batch `decide` acks for this answer: 0 when it
+    reschedules the batch after a 2xx (nothing accepted), None when the body is unreadable."""
+    d = decide(Answer(status, body, None, 0.0), n, attempt=0, now=NOW, rand=0.5, cap=60.0)
+    if isinstance(d, Ack):
+        assert 1 <= d.k <= n
+        return d.k
+    assert isinstance(d, Retry) and d.endpoint_ok and not d.quick and d.status == status
+    return None if d.error.startswith("answer body is not JSON") else 0
 
 
 @pytest.mark.parametrize(
@@ -88,15 +102,14 @@ def test_only_2xx_and_409_are_accepted(status: int) -> None:
     [(0, 5, 0), (1, 5, 1), (3, 5, 3), (5, 5, 5), (6, 5, 5), (10**30, 5, 5), (-1, 5, 0), (-9, 1, 0)],
 )
 def test_accepted_k_is_clamped(k: int, n: int, expected: int) -> None:
-    assert accepted_count(200, f'{{"accepted": {k}}}'.encode(), n) == expected
+    assert accepted(200, f'{{"accepted": {k}}}'.encode(), n) == expected
 
 
 @pytest.mark.parametrize(
     "body",
     [
         b"",
-        b"not json",
-        b"\xff\xfe",
+        b" \r\n",
         b"[1, 2]",
         b"3",
         b'"accepted"',
@@ -111,36 +124,45 @@ def test_accepted_k_is_clamped(k: int, n: int, expected: int) -> None:
         b'{"accepted": null}',
         b'{"accepted": [2]}',
         b'{"accepted": {"k": 2}}',
-        b'{"accepted": 2',
     ],
 )
-def test_anything_but_an_integer_accepted_means_all(body: bytes) -> None:
-    assert accepted_count(200, body, 4) == 4
+def test_no_body_or_json_without_an_integer_accepted_means_all(body: bytes) -> None:
+    assert accepted(200, body, 4) == 4
+
+
+@pytest.mark.parametrize(
+    "body", [b"not json", b"OK", b"\xff\xfe", b'{"accepted": 2', b'{"accepted": 1}{', b"<html>"]
+)
+def test_a_2xx_body_that_is_not_json_acks_nothing(body: bytes) -> None:
+    # DESIGN §5: unparseable (or cut at the read limit): a transient failure, never an ack.
+    assert accepted(200, body, 4) is None
 
 
 def test_409_means_all_whatever_the_body() -> None:
-    assert accepted_count(409, b'{"accepted": 1}', 7) == 7
-    assert accepted_count(409, b"", 7) == 7
+    assert accepted(409, b'{"accepted": 1}', 7) == 7
+    assert accepted(409, b"", 7) == 7
+    assert accepted(409, b"not json", 7) == 7
 
 
 @pytest.mark.parametrize("status", [200, 201, 202, 204])
 def test_partial_acceptance_applies_to_every_2xx(status: int) -> None:
-    assert accepted_count(status, b'{"accepted": 2, "note": "x"}', 3) == 2
+    assert accepted(status, b'{"accepted": 2, "note": "x"}', 3) == 2
 
 
 @hsettings(deadline=None)  # no wall-clock threshold: the machine may be busy
 @given(st.integers(), st.integers(min_value=1, max_value=10_000))
 def test_accepted_count_always_within_0_n(k: int, n: int) -> None:
-    got = accepted_count(200, f'{{"accepted": {k}}}'.encode(), n)
-    assert 0 <= got <= n
+    got = accepted(200, f'{{"accepted": {k}}}'.encode(), n)
+    assert got is not None and 0 <= got <= n
     if 0 <= k <= n:
         assert got == k
 
 
 @hsettings(deadline=None)  # no wall-clock threshold: the machine may be busy
-@given(st.binary(max_size=64), st.integers(min_value=0, max_value=1000))
-def test_accepted_count_never_raises_and_stays_in_range(body: bytes, n: int) -> None:
-    assert 0 <= accepted_count(200, body, n) <= n
+@given(st.binary(max_size=64), st.integers(min_value=1, max_value=1000))
+def test_a_2xx_never_raises_and_never_acks_more_than_the_batch(body: bytes, n: int) -> None:
+    got = accepted(200, body, n)
+    assert got is None or 0 <= got <= n
 
 
 # --- backoff: full jitter -----------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""Quick retries within one attempt (DESIGN §5): tenacity, bounded and short, with full jitter,
+for blips only, and only while the lease is trusted for a whole request. Longer outages are
+rescheduled through the database instead (relay/delivery.py), so a restart loses nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+import anyio
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_result,
+    stop_after_attempt,
+    stop_any,
+    wait_random_exponential,
+)
+from tenacity.stop import stop_base
+
+from relay.policy import Trust
+
+QUICK_ATTEMPTS = 3
+
+T = TypeVar("T")
+
+
+class QuickRetries(Generic[T]):
+    """`await quick(post, trust)`: `post()` once, and again while `retryable` says its result
+    was a blip, at most QUICK_ATTEMPTS in all. Built once per lane and kind of request:
+    building tenacity's strategies per call (as this once did) cost more per POST than the
+    retry machinery itself (docs/performance.md)."""
+
+    def __init__(self, retryable: Callable[[T], bool], http_timeout: float) -> None:
+        self.retryable = retryable
+        self.http_timeout = http_timeout
+        self._retry = retry_if_result(retryable)
+
+    async def __call__(self, post: Callable[[], Awaitable[T]], trust: Callable[[], Trust]) -> T:
+        first = await post()
+        if not self.retryable(first):
+            return first
+        # A blip. tenacity decides from here, starting from this first outcome (replayed as its
+        # attempt 1): the common case, an answer at once, never builds a retry loop.
+        replay = [first]
+
+        async def attempt() -> T:  # a coroutine function, so tenacity awaits it
+            return replay.pop() if replay else await post()
+
+        retrying = AsyncRetrying(
+            stop=stop_any(_STOP_AFTER, _TrustLow(trust, self.http_timeout)),
+            wait=_QUICK_WAIT,
+            retry=self._retry,
+            retry_error_callback=_last_outcome,
+            reraise=True,
+        )
+        retried: T = await retrying(attempt)
+        return retried
+
+
+class _TrustLow(stop_base):
+    """Stop quick retries once the lease is not trusted for a whole request any more."""
+
+    def __init__(self, trust: Callable[[], Trust], timeout: float) -> None:
+        self.trust = trust
+        self.timeout = timeout
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return not self.trust().allows_post(anyio.current_time(), self.timeout)
+
+
+def _last_outcome(state: RetryCallState) -> object:
+    return state.outcome.result() if state.outcome else None
+
+
+_STOP_AFTER = stop_after_attempt(QUICK_ATTEMPTS)
+_QUICK_WAIT = wait_random_exponential(multiplier=0.05, max=0.4)
