@@ -2,6 +2,6 @@
 
 import sys
 
-from relay.tools.sink.app import main
+from relay.tools.sink.cli import main
 
 sys.exit(main())
