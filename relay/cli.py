@@ -59,16 +59,19 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def _database_url(args: argparse.Namespace) -> str:
+    """The database URL of the commands that need nothing else (migrate, status, inspect, retry,
+    skip): read like `relay run` reads it (flag, RELAY_DATABASE_URL, RELAY_DATABASE_URL_FILE,
+    systemd's $CREDENTIALS_DIRECTORY/database_url) and validated, or one line naming it."""
     import os
 
-    url = getattr(args, "database_url", None) or os.environ.get("RELAY_DATABASE_URL")
-    path = os.environ.get("RELAY_DATABASE_URL_FILE")
-    if not url and path:
-        with open(path) as f:
-            url = f.read().strip()
-    if not url:
+    from relay.settings import option_value
+
+    url = option_value("database_url", {"database_url": getattr(args, "database_url", None)},
+                       os.environ)  # fmt: skip
+    if url is None:
         raise ConfigError("database_url: required; set --database-url or RELAY_DATABASE_URL")
-    return url
+    value: str = url.reveal()
+    return value
 
 
 def _schema(args: argparse.Namespace) -> str:

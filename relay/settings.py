@@ -181,6 +181,10 @@ def _ingress_template(text: str) -> str:
         raise ValueError(
             "must contain {run_id}, e.g. https://ingress.internal/runs/{run_id}/events"
         )
+    # The run id is a producer's choice: it may pick the path (or query), never the scheme,
+    # host or port that receive the POST, its bearer token and its signature.
+    if "{" in urlsplit(text).netloc:
+        raise ValueError("{run_id} may stand only in the path or query, not in the host or port")
     # render_url substitutes the literal text "{run_id}" (not str.format): any other brace,
     # including "{run_id.x}", "{run_id[0]}" or an escaped "{{run_id}}", would reach the URL.
     if "{" in text.replace("{run_id}", "") or "}" in text.replace("{run_id}", ""):
@@ -198,9 +202,29 @@ def _choice(*options: str) -> Callable[[str], str]:
 
 
 def _database_url(text: str) -> Secret:
+    """A PostgreSQL URL or conninfo, parsed here so that a malformed one fails at start with a
+    message of our own: libpq's own parse errors quote the text, password included."""
+    from psycopg.conninfo import conninfo_to_dict
+
     if not text.strip():
         raise ValueError("must not be empty")
+    try:
+        parts = conninfo_to_dict(text)
+    except Exception:  # psycopg.ProgrammingError, whose message quotes the URL
+        raise ValueError(
+            f"is not a PostgreSQL URL or key=value conninfo: {redact_url(text)!r}"
+        ) from None
+    host = str(parts.get("host") or "")
+    if any(c in host for c in "@?#/") and not host.startswith("/"):
+        # An unencoded '@' in a password makes libpq read the rest of it as the host.
+        raise ValueError(
+            f"its host part is not a host name ({redact_url(text)!r}): "
+            "percent-encode '@', '?', '#' and '/' in a password (e.g. %40 for '@')"
+        )
     return Secret(text)
+
+
+MIN_SIGNING_KEY_BYTES = 24
 
 
 def _signing_secrets(text: str) -> tuple[Secret, ...]:
@@ -212,9 +236,15 @@ def _signing_secrets(text: str) -> tuple[Secret, ...]:
         import binascii
 
         try:
-            base64.b64decode(item[len("whsec_") :], validate=True)
+            key = base64.b64decode(item[len("whsec_") :], validate=True)
         except (binascii.Error, ValueError):
             raise ValueError("a whsec_ secret must be base64 after the prefix") from None
+        if len(key) < MIN_SIGNING_KEY_BYTES:
+            # An empty or tiny HMAC key is one anyone can guess: forged signatures.
+            raise ValueError(
+                f"a whsec_ key must be at least {MIN_SIGNING_KEY_BYTES} bytes after base64 "
+                f"decoding (Standard Webhooks: 24 to 64), got {len(key)}"
+            )
         out.append(Secret(item))
     return tuple(out)
 

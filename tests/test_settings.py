@@ -32,7 +32,7 @@ DB = "postgresql://app:pw@db.internal:5432/ledger"
 WHSEC = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 CANARY = "CANARY-s3cr3t"
 # The canary in a form a whsec_ secret accepts (base64 alphabet, length a multiple of 4).
-CANARY_B64 = "CANARYs3cr3t"
+CANARY_B64 = "CANARYs3cr3t" * 3  # 27 bytes decoded: a key long enough to be accepted
 
 
 def base_env(**extra: str) -> dict[str, str]:
