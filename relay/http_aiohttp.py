@@ -6,7 +6,7 @@ scans every pooled connection (a `poll` per connection) on each request and each
 httpx's client layer (URL merging, cookie extraction, auth and redirect plumbing, its request
 and response models) ran on every POST although the relay uses none of it
 (docs/performance.md). Only what the relay needs is supported: HTTP/1.1, a bytes body, at most
-`MAX_BODY` bytes of the answer read, no redirects, no cookies, no proxies.
+`READ_LIMIT` bytes of the answer read, no redirects, no cookies, no proxies.
 
 Two details matter for correctness:
 - The URL is handed over **encoded**: aiohttp would otherwise re-quote it and resolve dot
@@ -23,7 +23,7 @@ import aiohttp
 import httpx
 from yarl import URL
 
-from relay.transport import MAX_BODY, TransportFailure
+from relay.transport import READ_LIMIT, TransportFailure
 
 
 class AiohttpSender:
@@ -60,7 +60,7 @@ class AiohttpSender:
             ) as resp:
                 chunks: list[bytes] = []
                 size = 0
-                while size < MAX_BODY:
+                while size < READ_LIMIT:
                     chunk = await resp.content.readany()
                     if not chunk:
                         break
@@ -68,7 +68,7 @@ class AiohttpSender:
                     size += len(chunk)
                 # Leaving the block with the answer unread closes the connection instead of
                 # returning it to the pool.
-                return resp.status, b"".join(chunks)[:MAX_BODY], resp.headers.get("retry-after")
+                return resp.status, b"".join(chunks)[:READ_LIMIT], resp.headers.get("retry-after")
         except TimeoutError:
             raise  # the caller names its deadline
         except (aiohttp.ClientError, OSError) as exc:

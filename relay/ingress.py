@@ -29,6 +29,7 @@ from relay.store import Claim, ClaimedEvent
 # The senders' shared contract lives in relay/transport.py (so relay/http_aiohttp.py never
 # imports this module); re-exported here, where callers have always found it.
 from relay.transport import MAX_BODY as MAX_BODY
+from relay.transport import READ_LIMIT
 from relay.transport import Sender as Sender
 from relay.transport import TransportFailure as TransportFailure
 
@@ -38,9 +39,10 @@ USER_AGENT = f"ledger-relay/{__version__}"
 @dataclass(frozen=True, slots=True)
 class Answer:
     status: int
-    body: bytes
+    body: bytes  # at most MAX_BODY bytes
     retry_after: str | None
     seconds: float
+    truncated: bool = False  # the answer went on past MAX_BODY: `body` is cut
 
 
 def render_url(template: str, run_id: str) -> str:
@@ -181,7 +183,8 @@ class IngressClient:
             raise
         # (A POST cancelled because its lease was lost is neither answered nor failed: it is
         # not observed.)
-        result = Answer(status, answer, retry_after, anyio.current_time() - started)
+        seconds = anyio.current_time() - started
+        result = Answer(status, answer[:MAX_BODY], retry_after, seconds, len(answer) > MAX_BODY)
         self._observe(result.status, result.seconds)
         return result
 
@@ -207,16 +210,16 @@ class HttpxSender:
                 if resp.is_stream_consumed:
                     # An app-owned transport (e.g. httpx.MockTransport) may hand back a
                     # response built from bytes, already read: aiter_raw() would raise.
-                    chunks.append(resp.content[:MAX_BODY])
+                    chunks.append(resp.content[:READ_LIMIT])
                 else:
                     async for chunk in resp.aiter_raw():
                         chunks.append(chunk)
                         size += len(chunk)
-                        if size >= MAX_BODY:
+                        if size >= READ_LIMIT:
                             break
                 return (
                     resp.status_code,
-                    b"".join(chunks)[:MAX_BODY],
+                    b"".join(chunks)[:READ_LIMIT],
                     resp.headers.get("retry-after"),
                 )
         except (httpx.HTTPError, OSError) as exc:

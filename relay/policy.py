@@ -56,6 +56,8 @@ class HttpAnswer(Protocol):
     def body(self) -> bytes: ...
     @property
     def retry_after(self) -> str | None: ...
+    @property
+    def truncated(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +123,11 @@ def decide(
     status = answer.status
     outcome = classify(status)
     if outcome is Outcome.ACCEPTED:
+        if status != 409 and answer.truncated:
+            # Cut at the read limit: even a prefix that parses cannot say what was taken.
+            delay = backoff(attempt, base=base, cap=cap, rand=rand)
+            error = f"answer body cut at the read limit: {excerpt(answer.body)}"
+            return Retry(delay, status, error, None, quick=False, endpoint_ok=True)
         k = n_events if status == 409 else _accepted(answer.body, n_events)
         if k is None:
             # Cut at the read limit, or garbled: nobody can say what the ingress took.

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 MAX_BODY = 64 * 1024
+READ_LIMIT = MAX_BODY + 1  # what a sender reads: one byte more than is kept
 
 
 class TransportFailure(Exception):
@@ -17,8 +18,9 @@ class TransportFailure(Exception):
 
 
 class Sender(Protocol):
-    """How a POST goes out: `send` returns (status, at most MAX_BODY bytes of the answer, its
-    Retry-After) or raises TransportFailure. Never follows redirects."""
+    """How a POST goes out: `send` returns (status, at most MAX_BODY + 1 bytes of the answer, its
+    Retry-After) or raises TransportFailure. Never follows redirects. The one byte past the
+    limit tells the client that the answer was cut (DESIGN §5: a cut 2xx body is transient)."""
 
     async def send(
         self, url: str, body: bytes, headers: dict[str, str]

@@ -47,6 +47,7 @@ class Mutant:
 SQL = "schema/functions.sql"
 CLOCK = "tests/test_lease_clock.py"
 LEASE = "tests/test_lease_sql.py"
+DECIDE = "tests/test_decide.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- the lease clock (DESIGN §4.2): statement time, never transaction time ------------------
@@ -236,6 +237,97 @@ MUTANTS: tuple[Mutant, ...] = (
         'self.lanes["ordinary"].drain(run_id)',
         ("tests/test_lanes_e2e.py",),
         ci=True,
+    ),
+    # -- the §5 answer table (relay/policy.py decide: one pure function, a test per row) --------
+    Mutant(
+        "answer-409-not-accepted",
+        "§5 row 409: duplicates count as accepted",
+        "relay/policy.py",
+        "if 200 <= status < 300 or status == 409:",
+        "if 200 <= status < 300:",
+        (
+            f"{DECIDE}::test_409_duplicates_ack_every_event_whatever_the_body",
+            "tests/test_failures.py::test_409_acks_as_duplicates",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "answer-429-poison",
+        "§5 row transient: 429 is retried, never poison",
+        "relay/policy.py",
+        "TRANSIENT_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})",
+        "TRANSIENT_STATUSES = frozenset({408, 425, 500, 502, 503, 504})",
+        (f"{DECIDE}::test_transient_status_reschedules_with_backoff_and_allows_quick_retries",),
+    ),
+    Mutant(
+        "answer-401-poison",
+        "§5 row misconfigured: 401 pauses the lane, never fails events",
+        "relay/policy.py",
+        "MISCONFIGURED_STATUSES = frozenset({401, 403, 404, 410})",
+        "MISCONFIGURED_STATUSES = frozenset({403, 404, 410})",
+        (f"{DECIDE}::test_misconfigured_endpoint_pauses_the_lane",),
+    ),
+    Mutant(
+        "answer-3xx-poison",
+        "§5 row misconfigured: a 3xx is the endpoint's fault",
+        "relay/policy.py",
+        "if status in MISCONFIGURED_STATUSES or 300 <= status < 400:",
+        "if status in MISCONFIGURED_STATUSES:",
+        (f"{DECIDE}::test_misconfigured_endpoint_pauses_the_lane",),
+    ),
+    Mutant(
+        "answer-accepted-k-ignored",
+        "§5 row 2xx {accepted: k}: only the first k are acked (§9.1)",
+        "relay/policy.py",
+        "return max(0, min(k, n_events))",
+        "return n_events",
+        (
+            f"{DECIDE}::test_2xx_accepted_k_acks_the_first_k",
+            "tests/test_failures.py::test_accepted_k_acks_only_the_first_k",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "answer-retry-after-ignored",
+        "§5 row transient: Retry-After is honoured",
+        "relay/policy.py",
+        "after = parse_retry_after(answer.retry_after, now, maximum=cap)",
+        "after = None",
+        (
+            f"{DECIDE}::test_retry_after_seconds_sets_the_delay",
+            "tests/test_failures.py::test_retry_after_is_honoured",
+        ),
+    ),
+    Mutant(
+        "answer-cut-body-accepted",
+        "§5 row 2xx: a body cut at the read limit is transient (issue 13.6)",
+        "relay/policy.py",
+        "if status != 409 and answer.truncated:",
+        "if False:",
+        ("tests/test_hostile_http.py",),
+        ci=True,
+    ),
+    Mutant(
+        "answer-garbled-body-accepted",
+        "§5 row 2xx: a non-empty body that is not JSON is transient (issue 13.6)",
+        "relay/policy.py",
+        "    if parsed is _NOT_JSON:\n        return None",
+        "    if parsed is _NOT_JSON:\n        return n_events",
+        (
+            f"{DECIDE}::test_2xx_with_a_body_that_is_not_json_is_transient",
+            "tests/test_hostile_http.py",
+        ),
+    ),
+    Mutant(
+        "poison-narrowing-continues",
+        "§9.2: nothing after a poison event is delivered (narrowing stops at it)",
+        "relay/delivery.py",
+        "            if isinstance(single.decision, Poison):\n"
+        "                return await self._block(claim, event, single.decision)",
+        "            if isinstance(single.decision, Poison):\n"
+        "                await self._block(claim, event, single.decision)\n"
+        "                continue",
+        ("tests/test_failures.py::test_poison_in_the_middle_of_a_100_event_batch",),
     ),
     # -- order (§9.2) ----------------------------------------------------------------------------
     Mutant(

@@ -400,9 +400,7 @@ def endless_body(status: int, raw: list[RawIngress]) -> Answerer:
     return answer
 
 
-@pytest.mark.parametrize(
-    ("status", "state"), [(200, "delivered"), (422, "failed"), (503, "pending")]
-)
+@pytest.mark.parametrize(("status", "state"), [(200, "pending"), (422, "failed"), (503, "pending")])
 async def test_an_endless_answer_is_read_only_up_to_the_cap(
     pg_url: str,
     schema: str,
@@ -412,9 +410,10 @@ async def test_an_endless_answer_is_read_only_up_to_the_cap(
     state: str,
 ) -> None:
     """The ingress streams a body that never ends. The relay reads at most MAX_BODY of it,
-    hangs up, and acts on the status: acked (2xx), failed with a short excerpt (poison 4xx),
-    rescheduled (5xx). Reading the whole body would never finish: the deadline would turn
-    every answer into a timeout, and the 2xx case would never be acked."""
+    hangs up, and acts on the status: failed with a short excerpt (poison 4xx), rescheduled
+    (5xx, and a 2xx whose body was cut at the read limit: DESIGN §5 makes that transient, as
+    nobody can tell what it accepted). Reading the whole body would never finish: the deadline
+    would turn every answer into a timeout."""
     holder: list[RawIngress] = []
     raw = RawIngress(endless_body(status, holder))
     holder.append(raw)

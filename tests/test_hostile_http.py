@@ -1,0 +1,63 @@
+"""A broken or hostile ingress (issue 13 item 6): a 2xx whose body is not JSON, or is cut at
+the read limit, is not "all accepted" (DESIGN §5) — the batch is rescheduled, and acked only
+once an answer says it was taken."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import relay
+from relay.runner import Relay
+from relay.tools.sink import Sink, serve_sink
+from relay.transport import MAX_BODY
+from tests.support import count, q, settings, wait_for
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[tuple[Sink, str]]:
+    s = Sink()
+    async with serve_sink(s) as url:
+        yield s, url
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (b"{not json", "not JSON"),
+        # Parses once cut (JSON allows trailing blanks), but was cut: what was taken is unknown.
+        (b'{"accepted": 1}' + b" " * (MAX_BODY + 4096), "cut at the read limit"),
+    ],
+    ids=["garbled", "cut"],
+)
+@pytest.mark.parametrize("http_transport", ["aiohttp", "httpcore"])
+async def test_a_2xx_that_cannot_be_read_is_retried_not_acked(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str],
+    body: bytes,
+    error: str,
+    http_transport: str,
+) -> None:
+    s, url = sink
+    s.faults.fail(200, body=body)  # the first answer only; the retry gets a real one
+    with conn.transaction():
+        relay.enqueue(conn, "r1", "r1-1", "step", {}, schema=schema)
+        relay.enqueue(conn, "r1", "r1-2", "step", {}, schema=schema)
+    cfg = settings(pg_url, schema, url, http_transport=http_transport, max_backoff="0.5s")
+    async with Relay(cfg).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 2, what="the retry")
+    assert [x["fault"] for x in s.state.received] == ["fail", None], "acked on the bad answer"
+    row = conn.execute(
+        q(schema, "select attempts, last_status from {s}.events where seq = 1")
+    ).fetchone()
+    assert row == (2, 200), row  # one rescheduled attempt (its status kept), then delivered
+    assert s.state.first_order["r1"] == [1, 2]
+    runs = conn.execute(q(schema, "select last_error from {s}.runs")).fetchone()
+    assert runs == (None,)
