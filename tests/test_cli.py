@@ -107,6 +107,7 @@ async def test_four_replicas_deliver_everything_in_order(
         (tmp_path / f"replica{i}.log").read_text()[-2000:] for i in range(4)
     ]
     assert s.state.order_violations == 0
+    assert_acked_only_if_received(conn, schema, s.state.deliveries)
     for prefix in "ab":
         for r in range(100):
             assert s.state.first_order[f"{prefix}{r}"] == [1, 2, 3, 4, 5, 6]
@@ -156,8 +157,9 @@ async def test_sigterm_exits_zero_and_hands_back_leases(
     env = relay_env(pg_url, schema, url, RELAY_SHUTDOWN_TIMEOUT="0.5s", RELAY_HTTP_TIMEOUT="30s",
                     RELAY_LEASE_TTL="60s")  # fmt: skip
     async with replicas(1, env, tmp_path) as procs:
-        await wait_for(lambda: len(s.state.received) >= 0 and _leased(conn, schema) == 3,
-                       what="three leases")  # fmt: skip
+        await wait_for(lambda: _leased(conn, schema) == 3, what="three leases")
+        # Work really in flight when SIGTERM lands: every run's POST reached the ingress.
+        await wait_for(lambda: s.faults.pending() <= 7, what="three POSTs held by the ingress")
         codes = await stop_all(procs)
     assert codes == [0]
     assert _leased(conn, schema) == 0

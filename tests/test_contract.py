@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.support import wait_for
+from tests.support import assert_acked_only_if_received, wait_for
 from tests.test_cli import relay_env, replicas, stop_all
 
 pytestmark = pytest.mark.anyio
@@ -31,24 +31,36 @@ class PlainIngress(BaseHTTPRequestHandler):
     order: ClassVar[dict[str, list[int]]] = {}
     epochs: ClassVar[dict[str, int]] = {}
 
+    violations: ClassVar[list[str]] = []  # checked on the test's own thread, with messages
+
     def do_POST(self) -> None:
+        problems = []
         parts = self.path.split("/")
-        assert parts[1] == "runs" and parts[3] == "events", self.path
-        run_id = unquote(parts[2])
+        if len(parts) != 4 or parts[1] != "runs" or parts[3] != "events":
+            problems.append(f"path {self.path!r} is not /runs/<run_id>/events")
+        run_id = unquote(parts[2]) if len(parts) > 2 else ""
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        assert body["run_id"] == run_id
-        assert int(self.headers["relay-lease-epoch"]) == body["epoch"]
+        if body.get("run_id") != run_id:
+            problems.append(f"body run_id {body.get('run_id')!r} is not the URL's {run_id!r}")
+        if self.headers.get("relay-lease-epoch") != str(body.get("epoch")):
+            problems.append(
+                f"relay-lease-epoch {self.headers.get('relay-lease-epoch')!r} is not the body's"
+                f" epoch {body.get('epoch')!r}"
+            )
+        fields = {"event_id", "seq", "type", "terminal", "payload", "created_at"}
+        for event in body.get("events", []):
+            if set(event) != fields:
+                problems.append(f"event fields {sorted(event)} are not {sorted(fields)}")
+        if problems:
+            with self.lock:
+                self.violations.extend(problems)
+            self.send_response(400)  # poison: visible, never silently accepted
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
         with self.lock:
             self.epochs[run_id] = max(self.epochs.get(run_id, 0), body["epoch"])
             for event in body["events"]:
-                assert set(event) == {
-                    "event_id",
-                    "seq",
-                    "type",
-                    "terminal",
-                    "payload",
-                    "created_at",
-                }
                 n = self.seen.get(event["event_id"], 0)
                 self.seen[event["event_id"]] = n + 1
                 if n == 0:
@@ -64,6 +76,7 @@ class PlainIngress(BaseHTTPRequestHandler):
 @pytest.fixture
 def plain_ingress() -> Iterator[str]:
     PlainIngress.seen, PlainIngress.order, PlainIngress.epochs = {}, {}, {}
+    PlainIngress.violations = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), PlainIngress)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -96,10 +109,20 @@ async def test_foreign_producer_and_ingress_with_a_replica_killed(
     env = relay_env(pg_url, schema, plain_ingress, RELAY_LEASE_TTL="3s", RELAY_HTTP_TIMEOUT="1s")
     async with replicas(2, env, tmp_path) as procs:
         sent += plain_producer(conn, schema, range(80, 120), 4)  # while they run
-        await wait_for(lambda: len(PlainIngress.seen) >= 150, timeout=60, what="some delivery")
+        await wait_for(
+            lambda: len(PlainIngress.seen) >= 150 or bool(PlainIngress.violations),
+            timeout=60,
+            what="some delivery",
+        )
+        assert PlainIngress.violations == [], "the relay broke the §5 contract"
         procs[0].kill()  # SIGKILL mid-run: its leases expire and the survivor takes over
         sent += plain_producer(conn, schema, range(120, 160), 4)
-        await wait_for(lambda: len(PlainIngress.seen) == sent, timeout=120, what="every event")
+        await wait_for(
+            lambda: len(PlainIngress.seen) == sent or bool(PlainIngress.violations),
+            timeout=120,
+            what="every event",
+        )
+        assert PlainIngress.violations == [], "the relay broke the §5 contract"
         codes = await stop_all(procs[1:])
     assert codes == [0]
     assert sent == 160 * 5
@@ -111,3 +134,4 @@ async def test_foreign_producer_and_ingress_with_a_replica_killed(
         )
     ).fetchone()
     assert pending == (0,)
+    assert_acked_only_if_received(conn, schema, PlainIngress.seen)

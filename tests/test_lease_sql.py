@@ -284,7 +284,7 @@ def test_concurrent_claims_never_return_the_same_run(
         try:
             with psycopg.connect(pg_url, autocommit=True) as c:
                 barrier.wait(10)
-                while True:
+                for _ in range(n_runs + 1):  # each round takes a run, or the claimer is done
                     lane = "critical" if k % 2 else "ordinary"
                     got = claim(c, schema, owner=f"o{k}", runs=3, lane=lane)
                     if not got and lane == "critical":
@@ -293,6 +293,7 @@ def test_concurrent_claims_never_return_the_same_run(
                         return
                     with lock:
                         taken.extend((run, f"o{k}", token(got, run)) for run in got)
+                raise AssertionError(f"claimer {k} still claiming after {n_runs + 1} rounds")
         except BaseException as exc:
             failures.append(exc)
 
@@ -301,6 +302,7 @@ def test_concurrent_claims_never_return_the_same_run(
         t.start()
     for t in threads:
         t.join(60)
+    assert not any(t.is_alive() for t in threads), "a claimer hung"
     assert not failures, failures
     runs = [r for r, _, _ in taken]
     assert sorted(runs) == sorted(f"r{i:02}" for i in range(n_runs))  # each exactly once
