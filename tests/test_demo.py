@@ -13,7 +13,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from relay.tools.demo import Committed, build_report, percentile, plan_workload
+from relay.tools.demo import Committed, build_report, live_rate, percentile, plan_workload
+from relay.tools.demo.replicas import count_log_events
+from relay.tools.demo.workload import MAX_LIVE_RATE, MIN_LIVE_RATE
 from tests.conftest import unique
 
 
@@ -42,6 +44,29 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
     assert percentile([5.0], 99) == 5.0
+
+
+def test_live_rate_is_half_the_drain_capacity_per_transaction_and_clamped() -> None:
+    assert live_rate(0, 2.0, 3.0) == MIN_LIVE_RATE  # nothing was drained: nothing measured
+    assert live_rate(100, None, 3.0) == MIN_LIVE_RATE
+    # 1000 runs (one POST each) in 2 s: 500 POSTs/s; half of it, at 3 events per transaction
+    assert live_rate(1000, 2.0, 3.0) == 750.0
+    assert live_rate(10, 10.0, 1.0) == MIN_LIVE_RATE
+    assert live_rate(10**6, 1.0, 5.0) == MAX_LIVE_RATE
+
+
+def test_count_log_events_names_what_the_replicas_logged(tmp_path: Path) -> None:
+    log = tmp_path / "replica-1.log"
+    log.write_bytes(
+        b'{"event": "retry_scheduled"}\n{"msg": "lease_lost"}\n{"event": "retry_scheduled"}\n'
+        b"Traceback (most recent call last):\n{}\n"
+    )
+    assert count_log_events([log, tmp_path / "missing.log"]) == {
+        "retry_scheduled": 2,
+        "lease_lost": 1,
+        "non-json output": 1,
+        "unknown": 1,
+    }
 
 
 def _report(**overrides: object) -> dict[str, object]:

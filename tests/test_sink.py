@@ -13,7 +13,15 @@ import anyio
 import httpx
 import pytest
 
-from relay.tools.sink import Sink, SinkState, SinkThread, serve_sink
+from relay.tools.sink import (
+    BadRequest,
+    Faults,
+    Sink,
+    SinkState,
+    SinkThread,
+    parse_batch,
+    serve_sink,
+)
 from tests.support import wait_for
 
 pytestmark = pytest.mark.anyio
@@ -117,6 +125,39 @@ def test_stale_epochs_can_be_accepted() -> None:
     assert state.record("r", 1, body("r", [2])["events"]) == (200, {"accepted": 1})
     assert state.stale_epochs == 1
     assert state.max_epoch == {"r": 2}
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"epoch": True}, "epoch must be a non-negative integer"),  # a bool is no integer
+        ({"epoch": -1}, "epoch must be a non-negative integer"),
+        ({"run_id": ""}, "run_id must be a non-empty string"),
+        ({"events": [body("r", [1])["events"][0]] * 2}, "seqs must be strictly increasing"),
+        ({"events": [{**body("r", [1])["events"][0], "seq": True}]}, "seq must be an integer"),
+    ],
+)
+def test_parse_batch_names_what_is_wrong(change: dict[str, Any], problem: str) -> None:
+    """The DESIGN §5 body check on its own, without a socket."""
+    ok = body("r", [1, 5])
+    assert parse_batch(ok) == ("r", 1, ok["events"])
+    with pytest.raises(BadRequest, match=problem):
+        parse_batch({**ok, **change})
+
+
+def test_faults_are_taken_first_in_first_out_for_the_request_or_its_run() -> None:
+    faults = Faults()
+    faults.fail(500, run_id="r1")
+    faults.fail(503, times=2)
+    assert faults.pending() == 3
+    other = faults.take("r2")  # r1's fault is not for r2: the whole-request one is
+    assert other is not None and other.status == 503
+    first = faults.take("r1")  # first in, first out
+    assert first is not None and first.status == 500
+    assert faults.take("r1", exact=True) is None  # only a whole-request fault is left
+    last = faults.take(None)
+    assert last is not None and last.status == 503
+    assert faults.pending() == 0 and faults.take(None) is None
 
 
 async def test_fail_fault_with_retry_after(ingress: Ingress) -> None:
