@@ -37,6 +37,8 @@ check "ruff check" .venv/bin/ruff check .
 check "ruff format" .venv/bin/ruff format --check .
 check "mypy" .venv/bin/mypy
 check "pytest" .venv/bin/python -m pytest "$@"
+# Planted bugs the tests must catch (issue 14): the bounded subset; `scripts/mutants.py` runs all.
+check "mutants" .venv/bin/python scripts/mutants.py --ci
 
 if [ ${#failed[@]} -gt 0 ]; then
     (IFS=,; echo "FAILED: ${failed[*]}" >&2)
