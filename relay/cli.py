@@ -27,6 +27,8 @@ _HELP = {
     "concurrency": "ordinary lane: runs in flight (default 8)",
     "critical_concurrency": "critical lane: runs in flight (default 4)",
     "claim_runs": "runs claimed per round trip (default 64)",
+    "max_batch_bytes": "payload bytes per POST, e.g. 1MiB (default); a larger event goes alone",
+    "max_lane_bytes": "payload bytes a lane holds claimed, e.g. 32MiB (default): the memory bound",
     "poll_interval": "safety-net poll interval (default 1s)",
     "http_timeout": "total deadline of one POST (default 10s)",
     "max_backoff": "cap of retry backoff (default 300s)",
@@ -232,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--migrate", action="store_true", help="migrate first (development)")
     r.set_defaults(func=cmd_run)
 
-    # -- operator tools: status, inspect, retry, skip (relay/ops.py) ----------------------------
+    # -- operator tools: status, inspect, retry, skip (relay/ops/) -----------------------------
     from relay.ops import add_commands as add_ops_commands
 
     add_ops_commands(sub, _add_settings, _database_url, _schema)

@@ -83,7 +83,7 @@ def webhook_id(claim: Claim, events: Sequence[ClaimedEvent]) -> str:
 
 def signature(key: bytes, msg_id: str, timestamp: int, body: bytes) -> bytes:
     """One Standard Webhooks signature: base64 HMAC-SHA256 over `{id}.{timestamp}.{body}`
-    (the signer here and the verifier in relay/tools/sink.py share it)."""
+    (the signer here and the verifier in relay/tools/sink/verify.py share it)."""
     signed = f"{msg_id}.{timestamp}.".encode() + body
     return base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest())
 

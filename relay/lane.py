@@ -29,7 +29,7 @@ from relay.delivery import Delivery, LaneStats
 from relay.ingress import IngressClient
 from relay.policy import plan_groups
 from relay.settings import Settings
-from relay.store import AckResult, Claim, Store
+from relay.store import AckResult, Claim, Store, payload_bytes
 
 MIN_EMPTY_PASS_SPACING = 0.01  # coalesces bursts of wakes into a handful of passes
 
@@ -108,6 +108,14 @@ class Lane:
         # more than the concurrency keeps the POST slots busy without a claim round trip (and
         # its commit) between one run and the next: what makes runs of one event fast.
         self.inflight: dict[str, Claim] = {}
+        # The payload bytes those claims hold (issue 13): a lane claims no more once it holds
+        # max_lane_bytes, and a claim asks for no more runs than fit in what is left, counting
+        # each at max_batch_bytes (the most the claim's SQL gives one run).
+        self.held_bytes = 0
+        self._held: dict[int, int] = {}  # id(claim) -> its payload bytes
+        # Claims whose run this lane claimed again after their lease expired (a zombie of our
+        # own, e.g. a POST that outlived its lease): still running until they settle.
+        self._superseded: list[Claim] = []
         # With `ingress_batch_url`, one POST slot carries up to a claim's worth of small runs:
         # the lane then holds enough runs to fill every slot, plus one claim ahead (counted in
         # runs, a claim of small runs would otherwise fill the lane with one POST in flight).
@@ -211,6 +219,10 @@ class Lane:
             await self.wake.wait(min(paused_until - now, self.settings.poll_interval))
             return False
         room = self.capacity - len(self.inflight)
+        fits = (self.settings.max_lane_bytes - self.held_bytes) // self.settings.max_batch_bytes
+        if fits < 1 and self.inflight:
+            await self.slot_freed.wait(self.settings.poll_interval)  # the byte budget is spent
+            return True
         if room < max(1, self.settings.claim_runs // 2) and len(self.inflight) >= self.concurrency:
             await self.slot_freed.wait(self.settings.poll_interval)
             return True
@@ -225,7 +237,7 @@ class Lane:
         since = now - self._last_empty_pass
         if since < MIN_EMPTY_PASS_SPACING:
             await anyio.sleep(MIN_EMPTY_PASS_SPACING - since)
-        want = min(room, self.settings.claim_runs)
+        want = max(1, min(room, self.settings.claim_runs, fits))
         self.stats.passes += 1
         claims = await self.store.claim(self.name, want)
         self._start(claims)
@@ -238,7 +250,7 @@ class Lane:
         assert self._deliveries is not None
         for claim in claims:
             self.stats.claimed_runs += 1
-            self.inflight[claim.run_id] = claim
+            self._hold(claim)
             self.wanted.discard(claim.run_id)
             logs.debug(
                 "claimed",
@@ -249,15 +261,39 @@ class Lane:
                 critical=claim.critical,
             )
         share = bool(self.settings.ingress_batch_url)
-        for group in plan_groups(claims, share=share, batch_size=self.settings.batch_size):
+        groups = plan_groups(
+            claims,
+            share=share,
+            batch_size=self.settings.batch_size,
+            max_bytes=self.settings.max_batch_bytes,
+            size_of=lambda c: self._held.get(id(c), 0),
+        )
+        for group in groups:
             if len(group) == 1:
                 self._deliveries.start_soon(self._deliver_one, group[0])
             else:
                 self._deliveries.start_soon(self._deliver_group, group)
 
+    def _hold(self, claim: Claim) -> None:
+        older = self.inflight.get(claim.run_id)
+        if older is not None and older is not claim:
+            self._superseded.append(older)  # it settles on its own (its ack is fenced)
+        self.inflight[claim.run_id] = claim
+        size = payload_bytes(claim.events)
+        self._held[id(claim)] = size
+        self.held_bytes += size
+
+    def _drop(self, claim: Claim) -> None:
+        """Forget a settled claim (and only it: the run may have been claimed again meanwhile)."""
+        if self.inflight.get(claim.run_id) is claim:
+            del self.inflight[claim.run_id]
+        else:
+            self._superseded = [c for c in self._superseded if c is not claim]
+        self.held_bytes -= self._held.pop(id(claim), 0)
+
     async def _finish_inflight(self) -> None:
         with anyio.move_on_after(self.settings.shutdown_timeout):
-            while self.inflight:
+            while self.inflight or self._superseded:
                 await self.slot_freed.wait(0.05)
 
     def stop(self) -> None:
@@ -286,7 +322,7 @@ class Lane:
         """Take over a claim another lane holds but cannot start yet, if there is room."""
         if self.stopping or self._deliveries is None or len(self.inflight) >= self.concurrency:
             return False
-        self.inflight[claim.run_id] = claim
+        self._hold(claim)
         self.stats.adopted += 1
         self._deliveries.start_soon(self._deliver_one, claim)
         return True
@@ -348,7 +384,7 @@ class Lane:
                 "delivery_error", **self.delivery.who(claim), error=logs.error_text(exc, 300)
             )
         finally:
-            self.inflight.pop(claim.run_id, None)
+            self._drop(claim)
             if slot is not Slot.HANDED_OFF:  # else the critical lane owns the claim now
                 if not settled:
                     await self.delivery.hand_back(claim)
@@ -376,7 +412,7 @@ class Lane:
             for claim in group:
                 if not settled.get(claim.run_id):
                     await self.delivery.hand_back(claim)
-                self.inflight.pop(claim.run_id, None)
+                self._drop(claim)
             self._wake_next_waiter()
             self.slot_freed.set()
             if self.name == "critical" or any(c.critical for c in group):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import email.utils
 import enum
-from collections.abc import Sequence, Sized
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Protocol, TypeVar
@@ -206,26 +206,38 @@ class Batch(Protocol):
 B = TypeVar("B", bound=Batch)
 
 
-def plan_groups(claims: Sequence[B], *, share: bool, batch_size: int) -> list[list[B]]:
+def plan_groups(
+    claims: Sequence[B],
+    *,
+    share: bool,
+    batch_size: int,
+    max_bytes: int | None = None,
+    size_of: Callable[[B], int] = lambda c: 0,
+) -> list[list[B]]:
     """Which claims go out together. Unless `share` (the ingress offers `ingress_batch_url`),
     one POST per run. With it, small runs (where one POST each would cap the relay near the
-    HTTP client's request rate) share POSTs of up to `batch_size` events; larger runs still go
-    alone."""
+    HTTP client's request rate) share POSTs of up to `batch_size` events and `max_bytes` of
+    payload (`size_of` a claim); larger runs still go alone."""
     if not share:
         return [[c] for c in claims]
     groups: list[list[B]] = []
     current: list[B] = []
     size = 0
+    nbytes = 0
     for c in claims:
         n = len(c.events)
         if n > SMALL_RUN_EVENTS:
             groups.append([c])
             continue
-        if current and size + n > batch_size:
+        b = size_of(c)
+        if current and (
+            size + n > batch_size or (max_bytes is not None and nbytes + b > max_bytes)
+        ):
             groups.append(current)
-            current, size = [], 0
+            current, size, nbytes = [], 0, 0
         current.append(c)
         size += n
+        nbytes += b
     if current:
         groups.append(current)
     return groups

@@ -221,6 +221,7 @@ class Relay:
             lease_ttl=s.lease_ttl,
             batch_size=s.batch_size,
             owner=s.replica_id,
+            max_batch_bytes=s.max_batch_bytes,
             statement_timeout=s.statement_timeout,
         )
 

@@ -118,6 +118,13 @@ class Settings:
     concurrency: int = 8
     critical_concurrency: int = 4
     claim_runs: int = 64
+    # Memory bounds (issue 13): payload bytes per POST (a claim's prefix stops early at it; a
+    # single larger event still goes alone), and payload bytes one lane holds claimed but not yet
+    # acknowledged. With the defaults a replica's peak RSS stays under 256 MB whatever the payload
+    # sizes (docs/operations.md, tests/test_memory.py), as long as max_payload_bytes (the
+    # producer-side limit, 256 KiB) is at most max_batch_bytes.
+    max_batch_bytes: int = 1024 * 1024
+    max_lane_bytes: int = 32 * 1024 * 1024
     poll_interval: float = 1.0
     http_timeout: float = 10.0
     max_backoff: float = 300.0
@@ -153,6 +160,25 @@ def _int_in(lo: int, hi: int) -> Callable[[str], int]:
             raise ValueError(f"must be an integer, got {text!r}") from None
         if not lo <= value <= hi:
             raise ValueError(f"must be between {lo} and {hi}, got {value}")
+        return value
+
+    return parse
+
+
+_BYTES_RE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB)?\s*$")
+_BYTE_UNITS = {None: 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+def _bytes_in(lo: int, hi: int) -> Callable[[str], int]:
+    """'1MiB', '512KiB', '1048576' -> bytes, within [lo, hi]."""
+
+    def parse(text: str) -> int:
+        m = _BYTES_RE.match(text)
+        if not m:
+            raise ValueError(f"{text!r} is not a size (e.g. 1048576, 512KiB, 1MiB, 1GiB)")
+        value = int(m.group(1)) * _BYTE_UNITS[m.group(2)]
+        if not lo <= value <= hi:
+            raise ValueError(f"must be between {lo} and {hi} bytes, got {value}")
         return value
 
     return parse
@@ -287,6 +313,8 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "concurrency": _int_in(1, 1024),
     "critical_concurrency": _int_in(1, 256),
     "claim_runs": _int_in(1, 1000),
+    "max_batch_bytes": _bytes_in(1024, 1024**3),
+    "max_lane_bytes": _bytes_in(1024, 64 * 1024**3),
     "poll_interval": _duration_in(0.01, 3600.0),
     "http_timeout": _duration_in(0.05, 600.0),
     "max_backoff": _duration_in(0.1, 86400.0),
@@ -385,6 +413,11 @@ def _check_relations(s: Settings) -> Settings:
         raise ConfigError(
             f"lease_ttl ({s.lease_ttl:g}s) must exceed http_timeout ({s.http_timeout:g}s) plus its "
             f"safety margin ({lease_margin(s.lease_ttl):g}s): raise lease_ttl or lower http_timeout"
+        )
+    if s.max_lane_bytes < s.max_batch_bytes:
+        raise ConfigError(
+            f"max_lane_bytes ({s.max_lane_bytes}) must be at least max_batch_bytes "
+            f"({s.max_batch_bytes}): a lane must hold one whole batch"
         )
     return s
 

@@ -12,6 +12,7 @@ state is unknown) and the pool replaces it.
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 import weakref
@@ -80,6 +81,13 @@ class ClaimedEvent(NamedTuple):
     wake_queue: str | None
 
 
+def payload_bytes(events: Sequence[ClaimedEvent]) -> int:
+    """The memory the events' payload texts take in this process (`sys.getsizeof`, O(1) per
+    string). A character takes at most as many bytes here as in UTF-8, so the claim's SQL
+    bound, which counts UTF-8 bytes, bounds this too (plus a string header per event)."""
+    return sum(sys.getsizeof(e.payload) for e in events)
+
+
 @dataclass(slots=True)
 class Claim:
     """A run's prefix under this replica's lease."""
@@ -123,6 +131,7 @@ class Store:
         lease_ttl: float,
         batch_size: int,
         owner: str,
+        max_batch_bytes: int | None = None,
         statement_timeout: float = 10.0,
         lock_timeout: float = 2.0,
     ) -> None:
@@ -130,6 +139,7 @@ class Store:
         self.schema = schema
         self.lease_ttl = lease_ttl
         self.batch_size = batch_size
+        self.max_batch_bytes = max_batch_bytes
         self.owner = owner
         self.statement_timeout = statement_timeout
         self.deadline = statement_timeout + 2.0
@@ -142,7 +152,7 @@ class Store:
             f" set_config('lock_timeout', '{int(lock_timeout * 1000)}ms', true); "
         )
         self._claim = sql.SQL(
-            "select * from {}.claim(%s, %s, %s, make_interval(secs => %s), %s, %s)"
+            "select * from {}.claim(%s, %s, %s, make_interval(secs => %s), %s, %s, %s)"
         ).format(s)
         self._renew = sql.SQL(
             "select * from {}.renew(%s::text[], %s::uuid[], make_interval(secs => %s))"
@@ -193,7 +203,16 @@ class Store:
     async def claim(self, lane: str, n_runs: int, run_id: str | None = None) -> list[Claim]:
         sent = anyio.current_time()
         rows = await self._call(
-            self._claim, (self.owner, n_runs, self.batch_size, self.lease_ttl, lane, run_id)
+            self._claim,
+            (
+                self.owner,
+                n_runs,
+                self.batch_size,
+                self.lease_ttl,
+                lane,
+                run_id,
+                self.max_batch_bytes,
+            ),
         )
         trust = Trust(started=sent, ttl=self.lease_ttl, margin=lease_margin(self.lease_ttl))
         claims: dict[str, Claim] = {}
@@ -271,7 +290,16 @@ class Store:
         if room <= 0 or not claim.events:
             return []
         rows = await self._call(self._widen, (claim.run_id, claim.token, claim.last_seq, room))
-        return [ClaimedEvent(*r) for r in rows]
+        more = [ClaimedEvent(*r) for r in rows]
+        if self.max_batch_bytes is None:
+            return more
+        # The byte bound of the claim holds for the widened prefix too (a prefix of `more`).
+        size = payload_bytes(claim.events)
+        for i, event in enumerate(more):
+            size += sys.getsizeof(event.payload)
+            if size > self.max_batch_bytes:
+                return more[:i]
+        return more
 
     async def ack_committed(self, run_id: str, upto: int) -> bool:
         """After an ack whose COMMIT outcome is unknown (connection lost): did it commit? It did

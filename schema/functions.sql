@@ -276,8 +276,12 @@ $$;
 -- per event, in seq order. p_lane 'critical' takes only runs with a pending terminal event;
 -- 'ordinary' takes any due run (work-conserving). p_run_id targets one run (terminal drain),
 -- which ignores next_attempt_at unless the run is backing off after a failure.
+-- The signature before p_max_bytes: dropped so that a call with six arguments (a relay of the
+-- previous version, during a rolling upgrade) resolves to this one, not to two candidates.
+drop function if exists claim(text, int, int, interval, text, text);
 create or replace function claim(
-    p_owner text, p_runs int, p_batch int, p_ttl interval, p_lane text, p_run_id text default null
+    p_owner text, p_runs int, p_batch int, p_ttl interval, p_lane text, p_run_id text default null,
+    p_max_bytes bigint default null
 ) returns table (
     run_id text, epoch bigint, lease_token uuid, lease_expires_at timestamptz, attempts int,
     critical boolean, seq bigint, event_id text, event_type text, payload text, terminal boolean,
@@ -335,15 +339,27 @@ begin
         v_now := clock_timestamp();
         v_critical := exists (select 1 from events t where t.run_id = v_run.run_id
                               and t.terminal and t.state = 'pending');
+        -- The prefix stops early at p_max_bytes of payload (a bound on the relay's memory and
+        -- on the POST's size, whatever the payload sizes); its first event always goes, alone
+        -- if it is larger than the bound.
         return query
             select v_run.run_id, v_run.epoch, v_run.lease_token, v_run.lease_expires_at,
                    v_run.attempts, v_critical,
-                   e.seq, e.event_id, e.event_type, e.payload::text, e.terminal, e.created_at,
-                   e.traceparent, e.wake_queue, v_now
-            from events e
-            where e.run_id = v_run.run_id and e.state = 'pending'
-            order by e.seq
-            limit p_batch;
+                   p.seq, p.event_id, p.event_type, p.payload, p.terminal, p.created_at,
+                   p.traceparent, p.wake_queue, v_now
+            from (
+                select e.seq, e.event_id, e.event_type, t.payload, e.terminal, e.created_at,
+                       e.traceparent, e.wake_queue,
+                       sum(octet_length(t.payload)) over (order by e.seq) as upto_bytes,
+                       row_number() over (order by e.seq) as n
+                from (select * from events
+                      where events.run_id = v_run.run_id and events.state = 'pending'
+                      order by events.seq
+                      limit p_batch) e
+                cross join lateral (select e.payload::text as payload) t
+            ) p
+            where p.n = 1 or p_max_bytes is null or p.upto_bytes <= p_max_bytes
+            order by p.seq;
         get diagnostics v_n = row_count;
         if v_n = 0 then
             -- Nothing pending after all (delivered meanwhile): give the lease back.

@@ -1,7 +1,7 @@
 -- ledger-relay operator functions (DESIGN §3 "Operator functions", §8.1): retry or skip a failed
 -- event, inspect a run, and the figures behind `relay status`. Applied with the other
 -- functions*.sql by `relay migrate`, search_path pinned like functions.sql. `relay retry`,
--- `relay skip`, `relay inspect` and `relay status` (relay/ops.py) call them; so can psql.
+-- `relay skip`, `relay inspect` and `relay status` (relay/ops/) call them; so can psql.
 --
 -- Safe while relays run: retry and skip change only a failed event and its blocked run, and no
 -- relay holds or takes a lease on a blocked run (fail_event cleared the lease, claim skips

@@ -210,6 +210,24 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_hostile_sql.py::test_oversized_wake_and_trace_fields_are_refused_at_enqueue_with_a_short_error",
         ),
     ),
+    # -- memory bound (issue 13 item 5) ----------------------------------------------------------
+    Mutant(
+        "bytes-claim-unbounded",
+        "memory bound: a claim's prefix stops at max_batch_bytes of payload",
+        SQL,
+        "where p.n = 1 or p_max_bytes is null or p.upto_bytes <= p_max_bytes",
+        "where true",
+        ("tests/test_claim_bytes.py", "tests/test_memory.py"),
+        ci=True,
+    ),
+    Mutant(
+        "bytes-lane-unbounded",
+        "memory bound: a lane holds at most max_lane_bytes of claims",
+        "relay/lane.py",
+        "fits = (self.settings.max_lane_bytes - self.held_bytes) // self.settings.max_batch_bytes",
+        "fits = 10**6",
+        ("tests/test_memory.py::test_a_lane_holds_no_more_than_its_byte_budget_of_claims",),
+    ),
     # -- lanes (§4.3, §9.6) ----------------------------------------------------------------------
     Mutant(
         "lane-critical-takes-ordinary",

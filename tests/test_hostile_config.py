@@ -125,3 +125,10 @@ def test_text_log_lines_cannot_be_forged_or_colour_the_terminal() -> None:
     assert out.count("\n") == 1, out  # one record, one line
     assert "\x1b" not in out and "\r" not in out and "\u202e" not in out
     assert '"r\\u001b[31mred\\r\\n12:00:00 info    delivered run_id=forged"' in out
+
+
+def test_the_sink_refuses_an_empty_signing_key_in_one_line() -> None:
+    got = relay_cli("sink", "--signing-secret", "whsec_", "--port", "0", env={})
+    assert got.returncode == 2, got.stderr
+    assert "Traceback" not in got.stderr
+    assert "at least 24 bytes" in got.stderr.strip().splitlines()[-1]

@@ -162,13 +162,14 @@ async def test_stale_lease_ack_is_rejected_and_wakes_once(
     s.state.reject_stale_epochs = False  # let the zombie's late POST through to its ack
     enqueue_runs(conn, schema, 1, 2, queue=queue, terminal=False)
     s.faults.delay(3.0, run_id="r0")  # the first replica's POST hangs
-    # The zombie's lanes sleep (nothing wakes them, and their poll is long), so it cannot win the
-    # run back itself: only its in-flight POST and that POST's ack are left.
+    # The zombie must not win the run back itself: a long poll, and its lanes stopped below.
     first = Relay(
         settings(pg_url, schema, url, replica_id="first", lease_ttl="30s", poll_interval=120)
     )
     async with first.running():
         await wait_for(lambda: bool(first.lanes["ordinary"].inflight), what="first claim")
+        for lane in first.lanes.values():
+            lane.stop()  # it claims nothing more; its in-flight POST and that POST's ack go on
         # The lease runs out under the first replica (as if it had stalled past the TTL).
         conn.execute(
             q(schema, "update {s}.runs set lease_expires_at = clock_timestamp(),"

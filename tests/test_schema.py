@@ -147,7 +147,7 @@ EXPECTED_FUNCTIONS = {
     "enqueue_many": "p_run_id text, p_events jsonb",
     "settle_run": "p_run_id text",
     "claim": "p_owner text, p_runs integer, p_batch integer, p_ttl interval, p_lane text,"
-    " p_run_id text",
+    " p_run_id text, p_max_bytes bigint",
     "renew": "p_run_ids text[], p_tokens uuid[], p_ttl interval",
     "release": "p_run_id text, p_token uuid, p_delay interval, p_error text, p_status integer,"
     " p_first_seq bigint, p_last_seq bigint",
