@@ -137,7 +137,7 @@ def worker_main(argv: Sequence[str]) -> None:
 async def _worker_process(env: Env, queue: str, mode: str, poll: float) -> AsyncIterator[None]:
     """An Absurd worker in its own process, as in production: neither the relay nor the
     bench's own waiting shares its event loop."""
-    code = "import sys; from relay.tools.bench import worker_main; worker_main(sys.argv[1:])"
+    code = "import sys; from relay.tools.bench.main import worker_main; worker_main(sys.argv[1:])"
     args = [sys.executable, "-c", code, env.url, queue, mode, str(poll)]
     proc = await anyio.open_process(
         args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None
