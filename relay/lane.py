@@ -142,18 +142,6 @@ class Lane:
     def ingress(self) -> IngressClient:
         return self.delivery.ingress
 
-    @ingress.setter
-    def ingress(self, client: IngressClient) -> None:
-        self.delivery.ingress = client
-
-    @property
-    def observe_ack(self) -> Callable[[AckResult], None]:
-        return self.delivery.observe_ack
-
-    @observe_ack.setter
-    def observe_ack(self, observe: Callable[[AckResult], None]) -> None:
-        self.delivery.observe_ack = observe
-
     def view(self) -> LaneView:
         """What health and metrics read: a snapshot, never the lane's own state."""
         return LaneView(
