@@ -141,7 +141,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    logs.configure(settings.log_format, settings.log_level)
+    logs.configure(settings.log_format, settings.log_level, replica=settings.replica_id)
+    logs.install_hooks()
     if args.migrate:
         from relay.migrate import migrate
 
@@ -179,8 +180,8 @@ def _refused(group: BaseExceptionGroup[BaseException], code: int) -> int:
     exc = group.exceptions[0]
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
-    logs.error("refused_to_start", reason=str(exc))
-    print(f"relay run: {exc}", file=sys.stderr)
+    # One line, in the configured log format (every stderr line of `relay run` is a log line).
+    logs.error("refused_to_start", reason=str(exc), exit_code=code)
     return code
 
 

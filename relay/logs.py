@@ -9,27 +9,56 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import threading
 import time
 from datetime import UTC, datetime
 from typing import Any
 
 import orjson
 
+from relay.settings import redact_url
+
 _logger = logging.getLogger("relay")
 
 
+# Libraries log through their own loggers (psycopg, psycopg_pool, anyio, asyncio, uvicorn):
+# configure() puts one handler on the root logger, so their lines take the same shape as the
+# relay's. Their messages are free text that may quote a conninfo or URL: redacted here.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"]+")
+
+
+def redact_text(text: str) -> str:
+    """Free text with the password of every URL and key=value conninfo in it replaced by ***."""
+    text = _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+    return redact_url(text)  # no scheme at the start: the conninfo `password=` rule
+
+
 class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ts, level, logger, replica, then `event` and the fields of
+    the relay's own records or `msg` (redacted) of a library's."""
+
+    def __init__(self, replica: str | None = None) -> None:
+        super().__init__()
+        self.replica = replica
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
-            "event": record.getMessage(),
+            "logger": record.name,
         }
+        if self.replica is not None:
+            out["replica"] = self.replica
         fields = getattr(record, "fields", None)
-        if fields:
+        if fields is not None:
+            out["event"] = record.getMessage()
             out.update(fields)
+        else:
+            out["msg"] = redact_text(record.getMessage())
         if record.exc_info and record.exc_info[1] is not None:
-            out["error"] = f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+            out["error"] = redact_text(error_text(record.exc_info[1], 1000))
+            if fields is None or record.levelno >= logging.CRITICAL:
+                out["traceback"] = redact_text(self.formatException(record.exc_info))
         return orjson.dumps(out, default=str).decode()
 
 
@@ -54,21 +83,62 @@ _BIDI_ESCAPES = {c: f"\\u{c:04x}" for c in [0x2028, 0x2029, *range(0x202A, 0x202
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
-        parts = [f"{stamp} {record.levelname.lower():7} {text_value(record.getMessage())}"]
-        for key, value in (getattr(record, "fields", None) or {}).items():
+        fields = getattr(record, "fields", None)
+        message = record.getMessage() if fields is not None else redact_text(record.getMessage())
+        parts = [f"{stamp} {record.levelname.lower():7} {text_value(message)}"]
+        if fields is None and record.name != "relay":
+            parts.append(f"logger={text_value(record.name)}")
+        for key, value in (fields or {}).items():
             parts.append(f"{key}={text_value(value)}")
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]
-            parts.append(f"error={text_value(f'{type(exc).__name__}: {exc}')}")
+            parts.append(f"error={text_value(redact_text(f'{type(exc).__name__}: {exc}'))}")
         return " ".join(parts)
 
 
-def configure(fmt: str = "json", level: str = "info", stream: Any = None) -> None:
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
-    _logger.handlers[:] = [handler]
-    _logger.setLevel(level.upper())
-    _logger.propagate = False
+LIBRARY_LEVEL = logging.WARNING  # psycopg_pool's INFO lines are noise next to the relay's
+
+
+def configure(
+    fmt: str = "json", level: str = "info", stream: Any = None, replica: str | None = None
+) -> None:
+    """Send every logger's records (the relay's and its libraries') to `stream` (stderr) in
+    `fmt`: one handler on the root logger, replacing the one an earlier call installed and
+    leaving other handlers (a test runner's) alone."""
+    handler = _Handler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter(replica) if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if not isinstance(h, _Handler)] + [handler]
+    relay_level = logging.getLevelName(level.upper())
+    root.setLevel(relay_level if relay_level <= logging.DEBUG else max(relay_level, LIBRARY_LEVEL))
+    _logger.handlers[:] = []
+    _logger.setLevel(relay_level)
+    _logger.propagate = True
+
+
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The handler configure() installs (and a later call replaces)."""
+
+
+def install_hooks() -> None:
+    """Uncaught exceptions (main thread, other threads, asyncio callbacks) as log records, so
+    that they take the configured shape too (a command's `main`, not a library, calls this)."""
+
+    def excepthook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        _logger.critical("uncaught_exception", exc_info=(kind, exc, tb), extra={"fields": {}})
+
+    def thread_hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_value is None or args.exc_type is SystemExit:
+            return
+        _logger.critical(
+            "uncaught_exception",
+            exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+            extra={"fields": {"thread": args.thread.name if args.thread else None}},
+        )
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_hook
+    logging.captureWarnings(True)
 
 
 def log(event: str, level: int = logging.INFO, **fields: Any) -> None:

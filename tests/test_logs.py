@@ -1,0 +1,176 @@
+"""Every stderr line of `relay run` in json mode is one JSON object (issue 15 item 2): the
+relay's own records, its libraries' (psycopg, psycopg_pool, asyncio) and uncaught exceptions,
+each with ts, level, logger, event or msg, and the replica id; library text is redacted."""
+
+from __future__ import annotations
+
+import io
+import logging
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import orjson
+import psycopg
+import pytest
+
+from relay import logs
+from relay.tools.sink import Sink, serve_sink
+from tests.faults.proxy import FaultProxy, via
+from tests.support import count, wait_for
+from tests.test_cli import RELAY, relay_env
+from tests.test_relay import enqueue_runs
+
+KEYS = ("ts", "level", "logger", "replica")
+
+
+def dead_port() -> int:
+    """A local port where nothing listens (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def with_password(url: str, password: str) -> str:
+    """`url` with `password` in its userinfo (the test server trusts local connections, so
+    libpq never sends it: it is only there to be redacted)."""
+    parts = urlsplit(url)
+    user, _, hosts = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{user or 'postgres'}:{password}@{hosts}"))
+
+
+def parse_lines(text: str) -> list[dict[str, Any]]:
+    """Every line as a JSON object with the common keys, or an assertion naming the line."""
+    records = []
+    for line in text.splitlines():
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            raise AssertionError(f"not a JSON line: {line!r}") from None
+        assert isinstance(record, dict), line
+        missing = [k for k in KEYS if k not in record]
+        assert not missing, (missing, line)
+        assert "event" in record or "msg" in record, line
+        records.append(record)
+    return records
+
+
+# -- the formatter, in process ------------------------------------------------------------------
+
+
+@pytest.fixture
+def captured() -> Iterator[io.StringIO]:
+    stream = io.StringIO()
+    logs.configure("json", "info", stream, replica="r-1")
+    try:
+        yield stream
+    finally:
+        logs.configure("json", "warning")
+
+
+def test_library_records_take_the_shape_and_lose_their_passwords(captured: io.StringIO) -> None:
+    pool = logging.getLogger("psycopg.pool")
+    pool.warning("error connecting in 'relay-ordinary': postgresql://app:s3cr3t@db:5432/x failed")
+    pool.warning("conninfo host=db user=app password='s3 cr3t' dbname=x: refused")
+    logging.getLogger("psycopg").info("below the library level: dropped")
+    logs.info("claimed", run_id="r")
+    records = parse_lines(captured.getvalue())
+    assert [r["logger"] for r in records] == ["psycopg.pool", "psycopg.pool", "relay"]
+    assert all(r["replica"] == "r-1" for r in records)
+    assert "s3cr3t" not in captured.getvalue() and "cr3t" not in captured.getvalue()
+    assert "app:***@db:5432" in records[0]["msg"]
+    assert records[2]["event"] == "claimed" and records[2]["run_id"] == "r"
+
+
+def test_uncaught_exceptions_are_one_json_line(captured: io.StringIO) -> None:
+    saved = sys.excepthook
+    try:
+        logs.install_hooks()
+        try:
+            raise RuntimeError("boom at postgresql://u:pw-123@h/db")
+        except RuntimeError:
+            sys.excepthook(*sys.exc_info())
+    finally:
+        sys.excepthook = saved
+        logging.captureWarnings(False)
+    (record,) = parse_lines(captured.getvalue())
+    assert record["event"] == "uncaught_exception" and record["level"] == "critical"
+    assert "RuntimeError: boom" in record["error"] and "traceback" in record
+    assert "pw-123" not in captured.getvalue()
+
+
+def test_text_mode_keeps_its_escaping() -> None:
+    stream = io.StringIO()
+    logs.configure("text", "info", stream)
+    try:
+        logging.getLogger("psycopg.pool").warning("line\nforged password=hunter2")
+    finally:
+        logs.configure("json", "warning")
+    (line,) = stream.getvalue().splitlines()
+    assert "\\n" in line and "hunter2" not in line and "logger=psycopg.pool" in line
+
+
+# -- a real relay through a database outage -----------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_every_stderr_line_is_json_through_a_database_outage(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    sink = Sink()
+    host, port = urlsplit(pg_url).hostname or "127.0.0.1", urlsplit(pg_url).port or 5432
+    err_path = tmp_path / "stderr.log"
+    async with serve_sink(sink) as sink_url, anyio.create_task_group() as tg:
+        proxy = FaultProxy(host, port, "db")
+        await proxy.start(tg)
+        url = with_password(via(pg_url, proxy.port), "pw-never-logged")
+        env = relay_env(
+            url, schema, sink_url, RELAY_REPLICA_ID="replica-json", RELAY_LOG_FORMAT="json",
+            RELAY_METRICS_ADDR="127.0.0.1:0", RELAY_STATEMENT_TIMEOUT="1s",
+        )  # fmt: skip
+        with err_path.open("wb") as err:
+            proc = await anyio.open_process(
+                [*RELAY, "run"], env=env, stdout=subprocess.DEVNULL, stderr=err
+            )
+            try:
+                await wait_for(lambda: '"event":"started"' in err_path.read_text(), what="start")
+                enqueue_runs(conn, schema, 3, 2, prefix="before")
+                await wait_for(lambda: len(sink.state.deliveries) == 6, what="first deliveries")
+                # The database goes away: open connections are reset, new ones refused.
+                proxy.target = ("127.0.0.1", dead_port())
+                proxy.reset()
+                await wait_for(
+                    lambda: (
+                        '"logger":"psycopg' in err_path.read_text()
+                        and "database_unreachable" in err_path.read_text()
+                    ),
+                    what="library lines and the probe's during the outage",
+                )
+                proxy.target = (host, port)
+                await wait_for(
+                    lambda: "database_reachable" in err_path.read_text(), what="the way back"
+                )
+                enqueue_runs(conn, schema, 3, 2, prefix="after")
+                await wait_for(
+                    lambda: count(conn, schema, "state <> 'delivered'") == 0, what="drain"
+                )
+                proc.send_signal(signal.SIGTERM)
+                with anyio.fail_after(30):
+                    code = await proc.wait()
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+        tg.cancel_scope.cancel()
+    text = err_path.read_text()
+    assert code == 0, text[-2000:]
+    records = parse_lines(text)
+    assert all(r["replica"] == "replica-json" for r in records)
+    assert {r["logger"] for r in records} - {"relay"}, "no library line was captured"
+    assert "pw-never-logged" not in text
