@@ -42,6 +42,7 @@ class LaneStats:
     renewed_before_post: int = 0
     adopted: int = 0  # critical runs taken over from the ordinary lane's queue
     widened: int = 0  # events added to a claim before its first POST
+    reclaimed: int = 0  # runs claimed from a dead owner before their lease expired (issue 18)
     by_type: dict[str, int] = field(default_factory=dict)
 
 

@@ -240,6 +240,11 @@ class Lane:
             self.stats.claimed_runs += 1
             self._hold(claim)
             self.wanted.discard(claim.run_id)
+            if claim.reclaimed_from is not None:
+                self.stats.reclaimed += 1
+                logs.info(
+                    "lease_reclaimed", **self.delivery.who(claim), dead_owner=claim.reclaimed_from
+                )
             logs.debug(
                 "claimed",
                 **self.delivery.who(claim),

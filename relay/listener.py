@@ -6,6 +6,14 @@ anything itself, so while it is down the relay goes on by polling. A dead server
 within bounded time (TCP keepalives plus a `select 1` with a deadline whenever the connection
 has been quiet for `check_interval`), and it reconnects with capped exponential backoff. Every
 (re)connect triggers a full discovery pass, because NOTIFY is not durable.
+
+It is also the replica's proof of life (issue 18, DESIGN §4.2): right after LISTEN, each session
+takes the replica's liveness lock (`hold_liveness(owner)`, a session advisory lock), which the
+database drops the moment the process dies, so other replicas may claim its runs at once. A
+frozen process keeps its connection and so the lock. While this connection is down the replica
+looks dead and may lose its leases before they expire: duplicates at most, the fence holds.
+A lock another session still holds (our previous session, not yet dropped by the server) is
+tried again at every check.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ class Listener:
         check_interval: float = 5.0,
         check_timeout: float = 5.0,
         max_backoff: float = 10.0,
+        liveness: tuple[str, str] | None = None,
     ) -> None:
+        """`liveness` is (schema, owner): the liveness lock to hold on every session."""
         self.conninfo = conninfo
         self.terminal_channel = terminal_channel
         self.on_terminal = on_terminal
@@ -53,6 +63,18 @@ class Listener:
         self.received = 0
         self.malformed = 0
         self.backend_pid: int | None = None
+        self._hold = (
+            None
+            if liveness is None
+            else (
+                sql.SQL("select {}.hold_liveness(%s)").format(sql.Identifier(liveness[0])),
+                liveness[1],
+            )
+        )
+        self.liveness_held = False
+        # Set once the first session came up (LISTEN done, liveness lock tried): the runner
+        # lets the lanes claim only then, so no replica takes a fresh one for dead.
+        self.first_session = anyio.Event()
 
     async def run(self) -> None:
         failures = 0
@@ -62,6 +84,7 @@ class Listener:
             except (psycopg.Error, OSError, TimeoutError) as exc:
                 was_up = self.up
                 self.up = False
+                self.liveness_held = False
                 self.backend_pid = None
                 # A session that came up resets the backoff: only consecutive failures grow it.
                 failures = 1 if was_up else failures + 1
@@ -80,6 +103,7 @@ class Listener:
             with anyio.fail_after(self.check_timeout):
                 for channel in (self.terminal_channel, "absurd_wake"):
                     await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                await self._hold_liveness(conn)
             self.backend_pid = conn.info.backend_pid
             if self.reconnects or self.up:
                 logs.info("listen_reconnected", backend_pid=self.backend_pid)
@@ -87,12 +111,35 @@ class Listener:
             self.up = True
             # NOTIFY is not durable: whatever was sent while we were away is found by a full pass.
             self.on_connected()
+            self.first_session.set()
             while True:
                 async for note in conn.notifies(timeout=self.check_interval):
                     self.dispatch(note.channel, note.payload)
                 # Quiet for check_interval: prove the server is still there.
                 with anyio.fail_after(self.check_timeout):
-                    await conn.execute("select 1")
+                    if self._hold is not None and not self.liveness_held:
+                        await self._hold_liveness(conn)
+                    else:
+                        await conn.execute("select 1")
+
+    async def _hold_liveness(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        if self._hold is None:
+            return
+        query, owner = self._hold
+        try:
+            cur = await conn.execute(query, (owner,))
+        except (psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedFunction) as exc:
+            # Safe without it: an owner that never recorded itself is never judged dead.
+            self._hold = None
+            logs.warning("liveness_unavailable", error=logs.error_text(exc))
+            return
+        row = await cur.fetchone()
+        held = bool(row and row[0])
+        if not held:
+            logs.warning("liveness_lock_busy", owner=owner, retry_in=self.check_interval)
+        else:
+            logs.debug("liveness_held", owner=owner, backend_pid=conn.info.backend_pid)
+        self.liveness_held = held
 
     def dispatch(self, channel: str, payload: str) -> None:
         self.received += 1

@@ -95,6 +95,12 @@ class _StatsCollector(Collector):
         claimed = CounterMetricFamily(
             PREFIX + "claimed_runs", "Run prefixes claimed under a lease.", labels=["lane"]
         )
+        reclaimed = CounterMetricFamily(
+            PREFIX + "leases_reclaimed",
+            "Runs claimed before their lease expired because its owner was dead (its liveness "
+            "lock was free).",
+            labels=["lane"],
+        )
         inflight = GaugeMetricFamily(
             PREFIX + "inflight_runs", "Claims held by this process right now.", labels=["lane"]
         )
@@ -105,8 +111,9 @@ class _StatsCollector(Collector):
             blocked.add_metric([lane.name], lane.stats.failed)
             retries.add_metric([lane.name], lane.stats.retries)
             claimed.add_metric([lane.name], lane.stats.claimed_runs)
+            reclaimed.add_metric([lane.name], lane.stats.reclaimed)
             inflight.add_metric([lane.name], lane.inflight)
-        yield from (delivered, leases_lost, blocked, retries, claimed, inflight)
+        yield from (delivered, leases_lost, blocked, retries, claimed, reclaimed, inflight)
 
         listener = self.metrics.listener_view()
         reconnects = CounterMetricFamily(

@@ -4,9 +4,10 @@
 - The **producer** role may call `enqueue` and `enqueue_many` and nothing else: no privilege on
   any table, so it can neither read nor change delivery state.
 - The **relay** role may call what `relay run` calls (claim, renew, release, fail_event, ack,
-  prune, backlog) and read the few columns it reads directly (`events.run_id/seq/state` for an
-  ack whose commit outcome was lost, `schema_migrations` for the version check). It cannot
-  insert events, call enqueue, or change a table other than through those fenced functions.
+  prune, backlog, and hold_liveness on its LISTEN connection) and read the few columns it
+  reads directly (`events.run_id/seq/state` for an ack whose commit outcome was lost,
+  `schema_migrations` for the version check). It cannot insert events, call enqueue, or
+  change a table other than through those fenced functions.
 
 Those functions are `security definer` (schema/functions.sql), so neither role needs table
 privileges, and the relay role needs nothing in the Absurd schema: `ack` calls
@@ -31,7 +32,16 @@ from psycopg import sql
 ROLE_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 PRODUCER_FUNCTIONS = ("enqueue", "enqueue_many")
-RELAY_FUNCTIONS = ("claim", "renew", "release", "fail_event", "ack", "prune", "backlog")
+RELAY_FUNCTIONS = (
+    "claim",
+    "renew",
+    "release",
+    "fail_event",
+    "ack",
+    "prune",
+    "backlog",
+    "hold_liveness",
+)
 # table -> columns the relay role may SELECT (None: the whole table)
 RELAY_SELECT: dict[str, tuple[str, ...] | None] = {
     "events": ("run_id", "seq", "state"),

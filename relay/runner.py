@@ -139,6 +139,7 @@ class Relay:
                     on_delivered=critical.delivered_elsewhere,
                     on_wake=self._wake_all,
                     on_connected=self._wake_all,
+                    liveness=(s.schema, s.replica_id),
                 )
                 await self._serve(ordinary_store, metrics, task_status)
         finally:
@@ -155,6 +156,13 @@ class Relay:
         s = self.settings
         async with anyio.create_task_group() as background:
             background.start_soon(self.listener.run)
+            # No claim before the liveness lock is held (issue 18), or another replica could
+            # take this one's first claims for a dead owner's. Bounded: a LISTEN connection that
+            # cannot connect leaves the relay polling (DESIGN §4.1), liveness taken later.
+            with anyio.move_on_after(s.statement_timeout) as waited:
+                await self.listener.first_session.wait()
+            if waited.cancelled_caught:
+                logs.warning("started_without_liveness", waited=s.statement_timeout)
             if s.retention > 0:
                 background.start_soon(self._retention, store)
             # Operations (relay/health.py, relay/sdnotify.py), each only when configured.

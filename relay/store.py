@@ -102,6 +102,8 @@ class Claim:
     events: list[ClaimedEvent] = field(default_factory=list)
     # A terminal event was committed after the claim: widen the prefix before the first POST.
     widen: bool = False
+    # The dead owner whose unexpired lease this claim took (issue 18), else None.
+    reclaimed_from: str | None = None
 
     @property
     def first_seq(self) -> int:
@@ -228,6 +230,7 @@ class Store:
                     critical=r[5],
                     claimed_at=r[14],
                     trust=trust,
+                    reclaimed_from=r[15],
                 )
             claim.events.append(ClaimedEvent._make(r[6:14]))
         return list(claims.values())

@@ -22,6 +22,13 @@ language sql immutable parallel safe
 set search_path from current
 as $$ select hashtextextended(current_schema() || chr(31) || p_run_id, 0) $$;
 
+-- The advisory-lock key of a replica's liveness (issue 18): held as a session lock by the
+-- replica's LISTEN connection for as long as its process lives. Namespaced by schema too.
+create or replace function liveness_key(p_owner text) returns bigint
+language sql immutable parallel safe
+set search_path from current
+as $$ select hashtextextended('ledger-relay:live:' || current_schema() || ':' || p_owner, 0) $$;
+
 create or replace function terminal_channel() returns text
 language sql stable parallel safe
 set search_path from current
@@ -271,58 +278,132 @@ begin
 end
 $$;
 
+-- Takes the liveness lock of p_owner for the calling session (a session lock: it lives as long
+-- as the connection, and the database drops it when the process dies) and records the owner in
+-- `replicas`, which makes its leases claimable at once after its death (see claim). Call it on a
+-- connection that lives as long as the process, never through a transaction-mode pooler.
+-- Returns false, and records nothing, when another session holds the lock: a process with the
+-- same owner id, or this process's previous session that the server has not dropped yet (the
+-- caller tries again later). Call it once per session: the lock is re-entrant.
+create or replace function hold_liveness(p_owner text) returns boolean
+language plpgsql volatile
+set search_path from current
+security definer
+as $$
+begin
+    if p_owner is null or p_owner = '' then
+        raise exception 'relay.hold_liveness: owner must be a non-empty string' using errcode = '22023';
+    end if;
+    if not pg_try_advisory_lock(liveness_key(p_owner)) then
+        return false;
+    end if;
+    insert into replicas as rp (owner) values (p_owner)
+    on conflict (owner) do update set seen_at = clock_timestamp();
+    return true;
+end
+$$;
+
 -- Claims up to p_runs whole runs: each run's lease is taken (owner, fresh token, expiry on the
 -- database clock, epoch bumped) and its pending prefix (up to p_batch events) returned, one row
 -- per event, in seq order. p_lane 'critical' takes only runs with a pending terminal event;
 -- 'ordinary' takes any due run (work-conserving). p_run_id targets one run (terminal drain),
 -- which ignores next_attempt_at unless the run is backing off after a failure.
+-- A lease is also claimable before its expiry when its owner is dead (issue 18): the owner has a
+-- `replicas` row (so it holds a liveness lock while it lives: a relay of the previous version
+-- has none and is never judged dead) and its liveness lock is free. The dead owners are found
+-- once per claim in the small `replicas` table, with a shared transaction-level try-lock (it
+-- succeeds only while no session holds the key exclusively, takes nothing from a live owner,
+-- and several claimers may hold it at once); their runs through the `runs_leased` index. The
+-- fence does not change: a new token, the epoch bumped, acks/renewals/releases fenced as ever.
+-- `reclaimed_from` names the dead owner of a run whose unexpired lease was taken, else null.
 -- The signature before p_max_bytes: dropped so that a call with six arguments (a relay of the
 -- previous version, during a rolling upgrade) resolves to this one, not to two candidates.
 drop function if exists claim(text, int, int, interval, text, text);
+-- The result before reclaimed_from: a result type cannot be replaced, only dropped (once; the
+-- same arguments, so a relay of the previous version calls the new one and ignores the column).
+do $$
+begin
+    if exists (select 1 from pg_proc p
+               where p.oid = to_regprocedure('claim(text, int, int, interval, text, text, bigint)')
+                 and not 'reclaimed_from' = any(p.proargnames)) then
+        drop function claim(text, int, int, interval, text, text, bigint);
+    end if;
+end
+$$;
 create or replace function claim(
     p_owner text, p_runs int, p_batch int, p_ttl interval, p_lane text, p_run_id text default null,
     p_max_bytes bigint default null
 ) returns table (
     run_id text, epoch bigint, lease_token uuid, lease_expires_at timestamptz, attempts int,
     critical boolean, seq bigint, event_id text, event_type text, payload text, terminal boolean,
-    created_at timestamptz, traceparent text, wake_queue text, claimed_at timestamptz
+    created_at timestamptz, traceparent text, wake_queue text, claimed_at timestamptz,
+    reclaimed_from text
 )
 language plpgsql volatile
 set search_path from current
 security definer
 as $$
 declare
-    v_run runs%rowtype;
+    v_run record;
+    v_dead text[];
     v_now timestamptz;
     v_critical boolean;
     v_n int;
 begin
+    -- Dead owners: a replicas row whose liveness lock no session holds (this claim's own
+    -- owner is never among them).
+    v_dead := array(select rp.owner from replicas rp
+                    where rp.owner <> p_owner
+                      and pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)));
     for v_run in
         with picked as (
-            select r.run_id from runs r
+            select r.run_id, r.lease_owner as prev_owner, r.lease_expires_at as prev_expires
+            from runs r
             where p_run_id is not null and r.run_id = p_run_id and not r.idle
               and r.blocked_seq is null
-              and (r.lease_expires_at is null or r.lease_expires_at <= clock_timestamp())
-              and (r.attempts = 0 or r.next_attempt_at <= clock_timestamp())
+              and (r.lease_expires_at is null or r.lease_expires_at <= clock_timestamp()
+                   or r.lease_owner = any(v_dead))
+              and (r.attempts = 0 or r.next_attempt_at <= clock_timestamp()
+                   or r.lease_owner = any(v_dead))
             for update skip locked
         ), critical_picked as (
-            select r.run_id from events e join runs r on r.run_id = e.run_id
+            select r.run_id, r.lease_owner as prev_owner, r.lease_expires_at as prev_expires
+            from events e join runs r on r.run_id = e.run_id
             where p_run_id is null and p_lane = 'critical' and e.terminal and e.state = 'pending'
-              and not r.idle and r.blocked_seq is null and r.next_attempt_at <= clock_timestamp()
+              and not r.idle and r.blocked_seq is null
+              and (r.next_attempt_at <= clock_timestamp() or r.lease_owner = any(v_dead))
             order by e.created_at
             limit p_runs
             for update of r skip locked
+        ), dead_picked as (
+            -- A dead owner's runs first, through runs_leased (nothing to do while none died).
+            select r.run_id, r.lease_owner as prev_owner, r.lease_expires_at as prev_expires
+            from runs r
+            where p_run_id is null and p_lane = 'ordinary' and cardinality(v_dead) > 0
+              and r.lease_owner = any(v_dead) and not r.idle and r.blocked_seq is null
+            order by r.next_attempt_at
+            limit p_runs
+            for update skip locked
         ), ordinary_picked as (
-            select r.run_id from runs r
+            select r.run_id, r.lease_owner as prev_owner, r.lease_expires_at as prev_expires
+            from runs r
             where p_run_id is null and p_lane = 'ordinary'
               and not r.idle and r.blocked_seq is null and r.next_attempt_at <= clock_timestamp()
             order by r.next_attempt_at
             limit p_runs
             for update skip locked
+        ), ordinary_all as (
+            -- Both ordinary sources, a run once, dead owners' first, at most p_runs in all.
+            select d.run_id, d.prev_owner, d.prev_expires
+            from (select o.*, 0 as pri from dead_picked o
+                  union all select o.*, 1 from ordinary_picked o) d
+            order by d.pri
+            limit p_runs
         ), all_picked as (
-            select u.run_id, clock_timestamp() + p_ttl as expires
+            select distinct on (u.run_id) u.run_id, u.prev_owner, u.prev_expires,
+                   clock_timestamp() + p_ttl as expires
             from (select * from picked union all select * from critical_picked
-                  union all select * from ordinary_picked) u
+                  union all select * from ordinary_all) u
         )
         update runs u
         set epoch = u.epoch + 1,
@@ -334,7 +415,10 @@ begin
             updated_at = clock_timestamp()
         from all_picked
         where u.run_id = all_picked.run_id
-        returning u.*
+        returning u.run_id, u.epoch, u.lease_token, u.lease_expires_at, u.attempts,
+            case when all_picked.prev_owner = any(v_dead)
+                      and all_picked.prev_expires > clock_timestamp()
+                 then all_picked.prev_owner end as reclaimed_from
     loop
         v_now := clock_timestamp();
         v_critical := exists (select 1 from events t where t.run_id = v_run.run_id
@@ -346,7 +430,7 @@ begin
             select v_run.run_id, v_run.epoch, v_run.lease_token, v_run.lease_expires_at,
                    v_run.attempts, v_critical,
                    p.seq, p.event_id, p.event_type, p.payload, p.terminal, p.created_at,
-                   p.traceparent, p.wake_queue, v_now
+                   p.traceparent, p.wake_queue, v_now, v_run.reclaimed_from
             from (
                 select e.seq, e.event_id, e.event_type, t.payload, e.terminal, e.created_at,
                        e.traceparent, e.wake_queue,
@@ -639,6 +723,13 @@ begin
         where r.run_id = v_run and r.idle
           and not exists (select 1 from events z where z.run_id = v_run);
     end loop;
+    -- Forget dead replicas (liveness lock free) that hold no unexpired lease: nothing of theirs
+    -- is left to reclaim. The exclusive try-lock keeps a replica from taking its lock (and
+    -- recording itself again) between the check and the delete.
+    delete from replicas rp
+    where not exists (select 1 from runs w
+                      where w.lease_owner = rp.owner and w.lease_expires_at > clock_timestamp())
+      and pg_try_advisory_xact_lock(liveness_key(rp.owner));
     return v_n;
 end
 $$;

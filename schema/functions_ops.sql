@@ -293,6 +293,7 @@ $$;
 --   blocked_runs     up to p_blocked_limit of them, oldest failure first: the failed event, its
 --                    status and error, and how many events it holds back
 --   leases           live leases per owner (expired ones are claimable and counted apart)
+--   replicas         the replicas that record their liveness, alive or dead (lock held or not)
 --   delivered_last_minute, tables (bytes of each outbox table, indexes and TOAST included)
 -- Index-backed: failed events through events_failed, leases through runs_leased, recent
 -- deliveries through events_done, held events through events_pending.
@@ -355,6 +356,15 @@ begin
                 where r.lease_owner is not null and r.lease_expires_at > v_now
                 group by r.lease_owner
             ) l), '[]'),
+        -- Replicas by liveness (issue 18): alive while a session holds the owner's liveness
+        -- lock, which the shared try-lock (released at commit) tells without taking it from one.
+        'replicas', coalesce((
+            select jsonb_agg(jsonb_build_object(
+                       'owner', rp.owner,
+                       'alive', not pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)),
+                       'started_at', rp.started_at, 'seen_at', rp.seen_at)
+                   order by rp.owner)
+            from replicas rp), '[]'),
         'expired_leases', (select count(*) from runs r
                            where r.lease_owner is not null and r.lease_expires_at <= v_now),
         'delivered_last_minute', (select count(*) from events d

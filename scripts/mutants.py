@@ -48,15 +48,38 @@ SQL = "schema/functions.sql"
 CLOCK = "tests/test_lease_clock.py"
 LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
+LIVE = "tests/test_liveness.py"
 
 MUTANTS: tuple[Mutant, ...] = (
+    # -- replica liveness (issue 18, DESIGN §4.2): only a provably dead owner loses early ------
+    Mutant(
+        "liveness-every-owner-dead",
+        "§4.2 liveness: a lease is taken early only when its owner's liveness lock is free",
+        SQL,
+        "and pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)));",
+        "and true);",
+        (
+            f"{LIVE}::test_a_live_owners_lease_is_not_claimable",
+            f"{LIVE}::test_a_frozen_owner_keeps_its_lease_until_expiry",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "liveness-no-replicas-row",
+        "§4.2 liveness: an owner that never recorded its liveness (previous version) is never dead",
+        SQL,
+        "v_dead := array(select rp.owner from replicas rp\n",
+        "v_dead := array(select rp.owner from (select distinct lease_owner as owner from runs"
+        " where lease_owner is not null) rp\n",
+        (f"{LIVE}::test_an_owner_without_a_replicas_row_is_never_reclaimed",),
+    ),
     # -- the lease clock (DESIGN §4.2): statement time, never transaction time ------------------
     Mutant(
         "clock-claim-expiry",
         "§4.2 lease clock: claim computes expiry at the statement",
         SQL,
-        "select u.run_id, clock_timestamp() + p_ttl as expires",
-        "select u.run_id, now() + p_ttl as expires",
+        "u.prev_expires,\n                   clock_timestamp() + p_ttl as expires",
+        "u.prev_expires,\n                   now() + p_ttl as expires",
         (f"{CLOCK}::test_a_claim_in_an_old_transaction_sets_its_expiry_from_the_statement_clock",),
         ci=True,
     ),
@@ -64,8 +87,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-claim-targeted-expired",
         "§4.2 lease clock: a targeted claim judges expiry at the statement",
         SQL,
-        "or r.lease_expires_at <= clock_timestamp())",
-        "or r.lease_expires_at <= now())",
+        "or r.lease_expires_at <= clock_timestamp()\n",
+        "or r.lease_expires_at <= now()\n",
         (f"{CLOCK}::test_a_lease_that_expired_while_the_transaction_waited_is_claimable",),
     ),
     Mutant(
@@ -80,8 +103,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-claim-critical-due",
         "§4.2 lease clock: the critical lane judges due/expired at the statement",
         SQL,
-        "r.next_attempt_at <= clock_timestamp()\n            order by e.created_at",
-        "r.next_attempt_at <= now()\n            order by e.created_at",
+        "(r.next_attempt_at <= clock_timestamp() or r.lease_owner = any(v_dead))",
+        "(r.next_attempt_at <= now() or r.lease_owner = any(v_dead))",
         (f"{CLOCK}::test_a_lease_that_expired_while_the_transaction_waited_is_claimable",),
     ),
     Mutant(
@@ -352,8 +375,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "order-prefix-reversed",
         "§9.2 per-run order: a claim returns the prefix in seq order",
         SQL,
-        "order by e.seq\n            limit p_batch;",
-        "order by e.seq desc\n            limit p_batch;",
+        "            order by p.seq;",
+        "            order by p.seq desc;",
         (f"{LEASE}::test_claim_takes_whole_runs_and_returns_prefixes_in_seq_order",),
     ),
     Mutant(

@@ -1027,7 +1027,7 @@ def test_claim_is_index_backed_whatever_the_backlog(
         (schema,),
     ).fetchone()
     assert src is not None
-    found = re.search(r"ordinary_picked as \((.*?)\n\s*\), all_picked", src[0], flags=re.S)
+    found = re.search(r"ordinary_picked as \((.*?)\n\s*\), ordinary_all", src[0], flags=re.S)
     assert found, "the ordinary pick of claim() is not where this test looks for it"
     query = (
         found.group(1)
@@ -1051,3 +1051,25 @@ def test_claim_is_index_backed_whatever_the_backlog(
     walk(plan[0][0]["Plan"])
     assert any(n.get("Index Name") == "runs_due" for n in nodes), nodes
     assert not any(n["Node Type"] in ("Seq Scan", "Sort", "Bitmap Heap Scan") for n in nodes), nodes
+
+    # A dead owner's runs (issue 18) are found through runs_leased, not by scanning runs.
+    found = re.search(r"dead_picked as \((.*?)\n\s*\), ordinary_picked", src[0], flags=re.S)
+    assert found, "the dead owners' pick of claim() is not where this test looks for it"
+    query = (
+        found.group(1)
+        .split("\n", 1)[1]  # past the comment line
+        .replace("p_run_id", "null::text")
+        .replace("p_lane", "'ordinary'")
+        .replace("p_runs", "5")
+        .replace("v_dead", "array['gone']::text[]")
+    )
+    with conn.transaction():
+        conn.execute(
+            sql.SQL("set local search_path = {}, pg_catalog").format(sql.Identifier(schema))
+        )
+        plan = conn.execute(sql.SQL("explain (format json) " + query)).fetchone()  # type: ignore[arg-type]
+    assert plan is not None
+    nodes = []
+    walk(plan[0][0]["Plan"])
+    assert any(n.get("Index Name") == "runs_leased" for n in nodes), nodes
+    assert not any(n["Node Type"] == "Seq Scan" for n in nodes), nodes

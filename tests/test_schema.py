@@ -45,6 +45,7 @@ EXPECTED_TABLES = {
         "autovacuum_analyze_scale_factor=0.02",
         "autovacuum_vacuum_cost_delay=0",
     ],
+    "replicas": None,
     "schema_migrations": None,
     "schema_functions": None,
 }
@@ -94,6 +95,12 @@ EXPECTED_COLUMNS = {
         ("retried_at", "timestamp with time zone", False),
         ("retries", "integer", True),
     ],
+    # 0003_replicas: replica liveness (issue 18)
+    "replicas": [
+        ("owner", "text", True),
+        ("started_at", "timestamp with time zone", True),
+        ("seen_at", "timestamp with time zone", True),
+    ],
     "schema_migrations": [
         ("version", "integer", True),
         ("name", "text", True),
@@ -129,6 +136,7 @@ EXPECTED_INDEXES = {
     " WHERE (done_at IS NOT NULL)",
     "events_failed": "CREATE INDEX events_failed ON S.events USING btree (failed_at)"
     " WHERE (state = 'failed'::text)",
+    "replicas_pkey": "CREATE UNIQUE INDEX replicas_pkey ON S.replicas USING btree (owner)",
     "schema_migrations_pkey": "CREATE UNIQUE INDEX schema_migrations_pkey"
     " ON S.schema_migrations USING btree (version)",
     "schema_functions_pkey": "CREATE UNIQUE INDEX schema_functions_pkey"
@@ -139,6 +147,8 @@ EXPECTED_INDEXES = {
 # shipped functions (operator tools) may exist too: every installed function must be shipped.
 EXPECTED_FUNCTIONS = {
     "run_lock_key": "p_run_id text",
+    "liveness_key": "p_owner text",
+    "hold_liveness": "p_owner text",
     "terminal_channel": "",
     "setting": "p_key text",
     "enqueue": "p_run_id text, p_event_id text, p_event_type text, p_payload jsonb,"

@@ -162,6 +162,12 @@ def render_status(data: Mapping[str, Any], width: int) -> str:
         leases.append(("(expired, claimable)", data["expired_leases"], "-"))
     owners = ("owner", "runs", "next expiry")
     parts.append(table("Live leases", owners, leases, width) if leases else "Live leases: none")
+    replicas = [
+        (x["owner"], "alive" if x["alive"] else "dead", fmt_time(x["seen_at"]))
+        for x in data.get("replicas", ())
+    ]
+    heads = ("owner", "liveness", "lock taken")
+    parts.append(table("Replicas", heads, replicas, width) if replicas else "Replicas: none")
 
     t = data["tables"]
     parts.append(

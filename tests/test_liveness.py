@@ -1,0 +1,238 @@
+"""Replica liveness (issue 18, DESIGN §4.2): a lease whose owner is provably gone (its liveness
+lock, a session advisory lock the database drops when the session ends, is free) is claimable
+before its expiry; a live or frozen owner keeps its lease until expiry; an owner that never
+recorded its liveness (a relay of the previous version) is never judged dead. The fence does
+not change: the old token's ack, renewal, release and fail change nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from tests.support import wait_for
+from tests.test_lease_sql import ack, call, claim, enq, fn, run_row, states, token
+
+pytestmark = pytest.mark.anyio
+
+
+class Holder:
+    """A separate session that holds an owner's liveness lock, as a replica's LISTEN
+    connection does."""
+
+    def __init__(self, pg_url: str, schema: str, owner: str) -> None:
+        self.conn = psycopg.connect(pg_url, autocommit=True)
+        self.pid = self.conn.info.backend_pid
+        row = self.conn.execute(
+            sql.SQL("select {}(%s)").format(fn(schema, "hold_liveness")), (owner,)
+        ).fetchone()
+        assert row == (True,)
+
+
+def backend_gone(conn: psycopg.Connection[Any], pid: int) -> bool:
+    row = conn.execute("select count(*) from pg_stat_activity where pid = %s", (pid,)).fetchone()
+    return row == (0,)
+
+
+@pytest.fixture
+def holders(pg_url: str, schema: str) -> Iterator[list[Holder]]:
+    made: list[Holder] = []
+    yield made
+    for h in made:
+        h.conn.close()
+
+
+def hold(pg_url: str, schema: str, owner: str, holders: list[Holder]) -> Holder:
+    h = Holder(pg_url, schema, owner)
+    holders.append(h)
+    return h
+
+
+async def die(h: Holder, conn: psycopg.Connection[Any]) -> None:
+    h.conn.close()
+    await wait_for(lambda: backend_gone(conn, h.pid), timeout=30, what="the session ended")
+
+
+def fail(conn: psycopg.Connection[Any], schema: str, run_id: str, tok: str) -> bool:
+    row = call(conn, schema, "fail_event", run_id, tok, 1, 400, "poison")
+    return bool(row[0][0])
+
+
+async def test_a_dead_owners_lease_is_claimable_at_once_and_the_fence_holds(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    for i in (1, 2):
+        enq(conn, schema, "r1", f"e{i}")
+    alive = hold(pg_url, schema, "dead", holders)
+    old = claim(conn, schema, owner="dead", ttl="1 hour")
+    assert list(old) == ["r1"]
+    assert old["r1"][0]["reclaimed_from"] is None
+    before = run_row(conn, schema, "r1")
+    # While the owner lives its lease holds.
+    assert claim(conn, schema, owner="other") == {}
+
+    await die(alive, conn)
+    got = claim(conn, schema, owner="other", ttl="1 hour")
+    assert list(got) == ["r1"]  # an hour before its lease expires
+    assert [r["seq"] for r in got["r1"]] == [1, 2]
+    assert got["r1"][0]["reclaimed_from"] == "dead"
+    after = run_row(conn, schema, "r1")
+    assert after["epoch"] == before["epoch"] + 1
+    assert after["lease_owner"] == "other"
+    assert str(after["lease_token"]) != token(old, "r1")
+
+    # The dead owner's token changes nothing: renew, release, fail, ack.
+    stale = token(old, "r1")
+    assert call(conn, schema, "renew", ["r1"], [stale], "1 hour") == []
+    assert call(conn, schema, "release", "r1", stale, "1 hour", "boom", 500, 1, 2) == [(False,)]
+    assert not fail(conn, schema, "r1", stale)
+    assert [r["status"] for r in ack(conn, schema, ("r1", stale, 2))] == ["stale"]
+    assert run_row(conn, schema, "r1") == after
+    assert states(conn, schema, "r1") == [(1, "pending"), (2, "pending")]
+    # The new owner's token works.
+    assert [r["status"] for r in ack(conn, schema, ("r1", token(got, "r1"), 2))] == ["acked"]
+
+
+async def test_all_three_paths_reclaim_a_dead_owners_runs(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    enq(conn, schema, "ord", "o1")
+    enq(conn, schema, "crit", "c1", terminal=True)
+    enq(conn, schema, "target", "t1", terminal=True)
+    h = hold(pg_url, schema, "dead", holders)
+    assert set(claim(conn, schema, owner="dead", ttl="1 hour")) == {"ord", "crit", "target"}
+    await die(h, conn)
+
+    targeted = claim(conn, schema, owner="b", lane="critical", run_id="target")
+    assert targeted["target"][0]["reclaimed_from"] == "dead"
+    critical = claim(conn, schema, owner="b", lane="critical")
+    assert list(critical) == ["crit"]
+    assert critical["crit"][0]["reclaimed_from"] == "dead"
+    ordinary = claim(conn, schema, owner="b", lane="ordinary")
+    assert list(ordinary) == ["ord"]
+    assert ordinary["ord"][0]["reclaimed_from"] == "dead"
+
+
+async def test_a_reclaim_respects_the_claim_size(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    for i in range(6):
+        enq(conn, schema, f"r{i}", f"e{i}")
+    h = hold(pg_url, schema, "dead", holders)
+    assert len(claim(conn, schema, owner="dead", runs=4, ttl="1 hour")) == 4
+    await die(h, conn)
+    # Two runs due anyway, four of a dead owner: three asked for, the dead owner's first.
+    got = claim(conn, schema, owner="b", runs=3)
+    assert len(got) == 3
+    assert all(rows[0]["reclaimed_from"] == "dead" for rows in got.values())
+    rest = claim(conn, schema, owner="b", runs=10)
+    assert len(rest) == 3
+    assert sum(rows[0]["reclaimed_from"] == "dead" for rows in rest.values()) == 1
+
+
+def test_a_live_owners_lease_is_not_claimable(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    enq(conn, schema, "r1", "e1", terminal=True)
+    hold(pg_url, schema, "live", holders)
+    got = claim(conn, schema, owner="live", ttl="1 hour")
+    assert list(got) == ["r1"]
+    for lane, run_id in (("ordinary", None), ("critical", None), ("critical", "r1")):
+        assert claim(conn, schema, owner="other", lane=lane, run_id=run_id) == {}
+    assert run_row(conn, schema, "r1")["lease_owner"] == "live"
+    # ... and its holder keeps working under it.
+    assert [r[0] for r in call(conn, schema, "renew", ["r1"], [token(got, "r1")], "1 hour")] == [
+        "r1"
+    ]
+
+
+def test_a_frozen_owner_keeps_its_lease_until_expiry(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    """Frozen (SIGSTOP, GC pause): the connection and its lock stay; only expiry frees the run."""
+    enq(conn, schema, "r1", "e1")
+    hold(pg_url, schema, "frozen", holders)
+    claim(conn, schema, owner="frozen", ttl="1 hour")
+    assert claim(conn, schema, owner="other") == {}
+    # Its lease expires (moved into the past on the database clock, as time would).
+    conn.execute(
+        sql.SQL(
+            "update {} set lease_expires_at = clock_timestamp() - interval '1 second',"
+            " next_attempt_at = clock_timestamp() - interval '1 second'"
+        ).format(fn(schema, "runs"))
+    )
+    got = claim(conn, schema, owner="other")
+    assert list(got) == ["r1"]
+    assert got["r1"][0]["reclaimed_from"] is None  # taken after expiry: no early reclaim
+
+
+async def test_an_owner_without_a_replicas_row_is_never_reclaimed(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A relay of the previous version holds no liveness lock and records nothing: its free
+    lock proves nothing, so its lease runs to expiry."""
+    enq(conn, schema, "r1", "e1")
+    claim(conn, schema, owner="old-version", ttl="1 hour")
+    assert claim(conn, schema, owner="other") == {}
+    assert claim(conn, schema, owner="other", lane="critical", run_id="r1") == {}
+    assert run_row(conn, schema, "r1")["lease_owner"] == "old-version"
+
+
+async def test_hold_liveness_records_the_owner_once_per_lock(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    first = hold(pg_url, schema, "r", holders)
+    # Another session cannot take the same owner's lock (e.g. the same replica id twice).
+    with psycopg.connect(pg_url, autocommit=True) as other:
+        assert call(other, schema, "hold_liveness", "r") == [(False,)]
+    with pytest.raises(psycopg.errors.InvalidParameterValue):
+        call(conn, schema, "hold_liveness", "")
+    rows = conn.execute(sql.SQL("select owner from {}").format(fn(schema, "replicas"))).fetchall()
+    assert rows == [("r",)]
+    await die(first, conn)
+    with psycopg.connect(pg_url, autocommit=True) as again:
+        assert call(again, schema, "hold_liveness", "r") == [(True,)]
+
+
+async def test_prune_forgets_dead_replicas_without_live_leases(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    enq(conn, schema, "r1", "e1")
+    hold(pg_url, schema, "live", holders)
+    h = hold(pg_url, schema, "dead-leasing", holders)
+    gone = hold(pg_url, schema, "dead-idle", holders)
+    claim(conn, schema, owner="dead-leasing", ttl="1 hour")
+    await die(h, conn)
+    await die(gone, conn)
+
+    call(conn, schema, "prune", "1 day", 100)
+
+    def owners() -> list[str]:
+        return [
+            r[0]
+            for r in conn.execute(
+                sql.SQL("select owner from {} order by owner").format(fn(schema, "replicas"))
+            ).fetchall()
+        ]
+
+    # The dead owner that still holds a lease stays: its run is still to be reclaimed.
+    assert owners() == ["dead-leasing", "live"]
+    claim(conn, schema, owner="live")
+    call(conn, schema, "prune", "1 day", 100)
+    assert owners() == ["live"]
+
+
+async def test_status_shows_replicas_by_liveness(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    hold(pg_url, schema, "a-live", holders)
+    await die(hold(pg_url, schema, "b-dead", holders), conn)
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(sql.SQL("select {}(10) as s").format(fn(schema, "status"))).fetchone()
+    assert row is not None
+    got = [(r["owner"], r["alive"]) for r in row["s"]["replicas"]]
+    assert got == [("a-live", True), ("b-dead", False)]
