@@ -33,6 +33,8 @@ _HELP = {
     "http_timeout": "total deadline of one POST (default 10s)",
     "max_backoff": "cap of retry backoff (default 300s)",
     "shutdown_timeout": "time to finish in-flight work on SIGTERM (default 20s)",
+    "startup_timeout": "give up (exit 2) when the database is not reachable at start within this"
+    " (default 0: wait forever, logging each attempt)",
     "retention": "keep delivered events this long (default 24h)",
     "statement_timeout": "bound of every relay statement (default 10s)",
     "metrics_addr": "HOST:PORT for /metrics, /healthz, /readyz (off by default)",
@@ -139,7 +141,41 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _StopBeforeLoop(Exception):
+    """SIGTERM/SIGINT before the event loop owns the signals: start-up is abandoned, exit 0."""
+
+
+class _EarlySignals:
+    """A stop signal at any moment of start-up is a clean exit. Until the event loop's receiver
+    takes over, this plain handler abandons the synchronous part (settings, --migrate) by
+    raising, or, once the loop is starting, records the signal for the receiver to read first."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self.in_loop = False
+        self.previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, _signum: int, _frame: object) -> None:
+        self.received = True
+        if not self.in_loop:
+            raise _StopBeforeLoop
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    early = _EarlySignals()  # first: settings and imports take a while
+    try:
+        return _run(args, early)
+    except _StopBeforeLoop:
+        return 0
+    finally:
+        early.restore()
+
+
+def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
     settings = _settings(args)
     logs.configure(settings.log_format, settings.log_level, replica=settings.replica_id)
     logs.install_hooks()
@@ -155,18 +191,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
+            ready = anyio.Event()
 
             async def on_signals() -> None:
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    ready.set()
+                    if early.received:
+                        relay.stop()
+                        return
                     async for _ in signals:
                         relay.stop()
                         return
 
             tg.start_soon(on_signals)
+            await ready.wait()
             await relay.run()
             tg.cancel_scope.cancel()
 
     code = 0
+    early.in_loop = True
     try:
         anyio.run(main)
     except* SchemaError as group:

@@ -23,6 +23,7 @@ httpx), one request per connection, bounded in time, no keep-alive.
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -43,6 +44,10 @@ if TYPE_CHECKING:
 
 REQUEST_DEADLINE = 10.0
 MAX_REQUEST = 16 * 1024
+# The readiness probe has its own short deadline and period, apart from the backlog refresh:
+# /readyz turns not-ready within about two seconds of losing the database (and back as soon).
+READY_PROBE_INTERVAL = 1.0
+READY_PROBE_DEADLINE = 1.0
 
 
 # -- pure decisions ---------------------------------------------------------------------------
@@ -118,20 +123,28 @@ class Endpoints:
 
     async def probe_loop(self) -> None:
         interval = refresh_interval(self.settings)
+        refreshed = anyio.current_time()
         while True:
-            await self.probe()
-            await anyio.sleep(interval)
+            await anyio.sleep(min(READY_PROBE_INTERVAL, interval))
+            now = anyio.current_time()
+            due = now - refreshed >= interval
+            await self.probe(refresh=due)
+            if due:
+                refreshed = now
 
-    async def probe(self) -> None:
-        """Read the schema version and refresh the backlog gauges; record reachability."""
+    async def probe(self, *, refresh: bool = True) -> None:
+        """Read the schema version within READY_PROBE_DEADLINE and record reachability; then,
+        when `refresh`, refresh the backlog gauges (bounded by the statement deadline)."""
         was = self.database
         try:
-            with anyio.fail_after(self.store.deadline):
-                async with self.store.pool.connection() as conn:
+            async with AsyncExitStack() as stack:
+                with anyio.fail_after(READY_PROBE_DEADLINE):
+                    conn = await stack.enter_async_context(self.store.pool.connection())
                     version = await read_version(conn, self.store.schema)
-                    self.database = True
-                    self.schema_problem = version_problem(version, self.store.schema)
-                    if self.schema_problem is None:
+                self.database = True
+                self.schema_problem = version_problem(version, self.store.schema)
+                if refresh and self.schema_problem is None:
+                    with anyio.fail_after(self.store.deadline):
                         await self._refresh_backlog(conn)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             self.database = False
@@ -249,5 +262,4 @@ async def serve(
 
 
 async def _probe_after(endpoints: Endpoints) -> None:
-    await anyio.sleep(refresh_interval(endpoints.settings))
     await endpoints.probe_loop()

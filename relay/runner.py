@@ -96,6 +96,15 @@ class Relay:
             self._pool(url, "ordinary", s.concurrency + 2),
             self._pool(url, "critical", s.critical_concurrency + 2),
         ]
+        # Wait for the database first (relay/startup.py): a stop request during the wait ends it.
+        from relay.startup import wait_for_database
+
+        waited = await wait_for_database(
+            url, timeout=s.startup_timeout, stop=self._stop, replica=s.replica_id
+        )
+        if not waited:
+            logs.info("shutdown", replica=s.replica_id)
+            return
         try:
             for pool in pools:
                 await pool.open(wait=True, timeout=s.statement_timeout + 5)

@@ -129,6 +129,7 @@ class Settings:
     http_timeout: float = 10.0
     max_backoff: float = 300.0
     shutdown_timeout: float = 20.0
+    startup_timeout: float = 0.0  # 0: wait for the database forever (relay/startup.py)
     retention: float = 86400.0
     statement_timeout: float = 10.0
     metrics_addr: str | None = None
@@ -319,6 +320,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "http_timeout": _duration_in(0.05, 600.0),
     "max_backoff": _duration_in(0.1, 86400.0),
     "shutdown_timeout": _duration_in(0.0, 3600.0),
+    "startup_timeout": _duration_in(0.0, 7 * 86400.0),
     "retention": _duration_in(0.0, 365 * 86400.0),
     "statement_timeout": _duration_in(0.1, 600.0),
     "metrics_addr": _addr,

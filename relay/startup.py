@@ -1,0 +1,123 @@
+"""Waiting for the database at start (issue 15 item 3).
+
+A relay started while its database is down (a host booting, a failover, a migration window)
+waits for it with capped backoff and logs each attempt, instead of exiting and leaning on the
+supervisor's restart limits (systemd gives up after StartLimitBurst; Kubernetes backs off to
+five minutes). `startup_timeout` (default 0: wait forever) bounds the wait for deployments that
+prefer a crash-loop: past it, `ConnectionError` (exit 2). A stop request ends the wait at once.
+A refusal (authentication failed, no such role or database) is not waited out: exit 2 at once.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import psycopg
+
+from relay import logs
+from relay.settings import redact_url
+
+FIRST_DELAY = 0.5
+MAX_DELAY = 10.0
+ATTEMPT_DEADLINE = 5.0
+
+
+def startup_delay(attempt: int, rand: float, cap: float = MAX_DELAY) -> float:
+    """Seconds to wait after failed attempt `attempt` (1, 2, ...): doubling from FIRST_DELAY up
+    to `cap`, with `rand` in [0, 1) spreading it over its upper half so that replicas started
+    together do not knock in step."""
+    base = min(cap, FIRST_DELAY * 2.0 ** max(0, attempt - 1))
+    return base * (0.5 + 0.5 * rand)
+
+
+# Refusals that waiting will not cure: the server answered and said no. They fail the start
+# at once (exit 2), like a malformed URL, instead of hiding a configuration error in a wait.
+_PERMANENT = (
+    "authentication failed",
+    "does not exist",
+    "no pg_hba.conf entry",
+    "permission denied",
+    "role is not permitted to log in",
+)
+
+
+def permanent(error: str) -> bool:
+    """Whether a failed connection attempt's message is a refusal rather than an outage."""
+    text = error.lower()
+    return any(marker in text for marker in _PERMANENT)
+
+
+def remaining(timeout: float, started: float, now: float) -> float | None:
+    """Time left of a `startup_timeout` (None: no bound)."""
+    if timeout <= 0:
+        return None
+    return max(0.0, timeout - (now - started))
+
+
+async def _connect_once(url: str, deadline: float) -> None:
+    with anyio.fail_after(deadline):
+        conn = await psycopg.AsyncConnection.connect(url, connect_timeout=max(1, int(deadline)))
+        await conn.close()
+
+
+async def wait_for_database(
+    url: str,
+    *,
+    timeout: float,  # noqa: ASYNC109 - startup_timeout: a bound the operator set, not an I/O timeout
+    stop: anyio.Event,
+    replica: str,
+    connect: Callable[[str, float], Awaitable[Any]] = _connect_once,
+) -> bool:
+    """Return True once a connection to `url` succeeds, False when `stop` is set first; raise
+    ConnectionError (its message without the password) when `timeout` > 0 runs out."""
+    started = anyio.current_time()
+    attempt = 0
+    while not stop.is_set():
+        attempt += 1
+        left = remaining(timeout, started, anyio.current_time())
+        deadline = ATTEMPT_DEADLINE if left is None else max(0.1, min(ATTEMPT_DEADLINE, left))
+        error: str | None = None
+        async with anyio.create_task_group() as tg:
+
+            async def on_stop() -> None:
+                await stop.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(on_stop)
+            try:
+                await connect(url, deadline)
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                error = logs.error_text(exc)
+            tg.cancel_scope.cancel()
+        if stop.is_set():
+            return False
+        if error is None:
+            if attempt > 1:
+                logs.info("database_reachable", replica=replica, attempts=attempt)
+            return True
+        if permanent(error):
+            raise ConnectionError(
+                f"cannot connect to the database at {redact_url(url)}: {logs.redact_text(error)}"
+            )
+        left = remaining(timeout, started, anyio.current_time())
+        if left is not None and left <= 0:
+            raise ConnectionError(
+                f"cannot connect to the database at {redact_url(url)} within startup_timeout "
+                f"({timeout:g}s): {logs.redact_text(error)}"
+            )
+        delay = startup_delay(attempt, random.random())
+        if left is not None:
+            delay = min(delay, left)
+        logs.warning(
+            "database_wait",
+            replica=replica,
+            attempt=attempt,
+            error=logs.redact_text(error),
+            retry_in=round(delay, 2),
+        )
+        with anyio.move_on_after(delay):
+            await stop.wait()
+    return False
