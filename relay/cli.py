@@ -258,7 +258,10 @@ def run_tool(command: str, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from relay import __version__
+
     p = argparse.ArgumentParser(prog="relay", description="ledger-relay: outbox → HTTP ingress")
+    p.add_argument("--version", action="version", version=f"ledger-relay {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("migrate", help="create or upgrade the schema")

@@ -148,6 +148,7 @@ class Endpoints:
                         await self._refresh_backlog(conn)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             self.database = False
+            self.metrics.probe_failures.inc()
             if was or self.probes == 0:
                 logs.warning("database_unreachable", error=logs.error_text(exc))
         else:

@@ -17,14 +17,24 @@ never collide in the global one.
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from relay import __version__
 from relay.ingress import RequestObserver
 from relay.progress import ListenerView
 from relay.store import AckResult
@@ -136,6 +146,12 @@ class _StatsCollector(Collector):
             listen_up.add_metric([], 0.0)
             notes.add_metric([], 0)
         yield from (reconnects, listen_up, notes)
+        misconfigured = GaugeMetricFamily(
+            PREFIX + "ingress_misconfigured",
+            "1 while the ingress answers 'misconfigured' (401/403/404/410/3xx) and lanes pause.",
+        )
+        misconfigured.add_metric([], 0.0 if self.metrics.ingress_ok() else 1.0)
+        yield misconfigured
 
 
 class Metrics:
@@ -144,12 +160,14 @@ class Metrics:
         *,
         views: LaneViews = lambda: (),
         listener_view: Callable[[], ListenerView | None] = lambda: None,
+        ingress_ok: Callable[[], bool] = lambda: True,
     ) -> None:
         """`views` and `listener_view` return snapshots of the lanes and of the LISTEN
         connection, read at each scrape."""
         self.registry = CollectorRegistry()
         self.views = views
         self.listener_view = listener_view
+        self.ingress_ok = ingress_ok
         r = self.registry
         self.lag = Histogram(
             PREFIX + "delivery_lag_seconds",
@@ -210,6 +228,22 @@ class Metrics:
             registry=r,
         )
         self.ready = Gauge(PREFIX + "ready", "1 while /readyz answers 200.", registry=r)
+        self.probe_failures = Counter(
+            PREFIX + "database_probe_failures",
+            "Background database probes (behind /readyz) that failed or ran out of time.",
+            registry=r,
+        )
+        # What runs where: the version as a label of a constant 1 (join it onto any series),
+        # and the standard process_* / python_* collectors, on this registry too.
+        Gauge(
+            PREFIX + "build_info",
+            "The relay's version and Python's, as labels; always 1.",
+            ["version", "python"],
+            registry=r,
+        ).labels(__version__, platform.python_version()).set(1)
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         for lane in LANES:
             self.lag.labels(lane)
             self.request_seconds.labels(lane)

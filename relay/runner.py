@@ -123,7 +123,11 @@ class Relay:
             # Metrics only when they are served; their observers are wired into the lanes.
             metrics = None
             if s.metrics_addr:
-                metrics = Metrics(views=self._lane_views, listener_view=self._listener_view)
+                metrics = Metrics(
+                    views=self._lane_views,
+                    listener_view=self._listener_view,
+                    ingress_ok=lambda: self.health.ingress_ok,
+                )
             async with (
                 open_sender(s, s.concurrency, self.transport) as ordinary_http,
                 open_sender(s, s.critical_concurrency, self.transport) as critical_http,

@@ -16,12 +16,16 @@ if [ ! -x .venv/bin/relay ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; the
     echo "$want" > "$stamp"
 fi
 
-# The skewed-clock fault scenario needs libfaketime (Debian `faketime`). Best effort, as root
-# with apt: without it that one scenario is skipped with its reason, nothing else changes.
-if ! command -v faketime >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    timeout 60 apt-get install -y -q faketime >/dev/null 2>&1 \
-        || { timeout 120 apt-get update -q >/dev/null 2>&1 && timeout 60 apt-get install -y -q faketime >/dev/null 2>&1; } \
-        || echo "note: faketime could not be installed; the skewed-clock scenario will be skipped"
+# The skewed-clock fault scenario needs libfaketime (Debian `faketime`); the alert rules' unit
+# tests need promtool (Debian `prometheus`). Best effort, as root with apt: without them those
+# tests are skipped with their reason, nothing else changes.
+want_pkgs=()
+command -v faketime >/dev/null 2>&1 || want_pkgs+=(faketime)
+command -v promtool >/dev/null 2>&1 || want_pkgs+=(prometheus)
+if [ "${#want_pkgs[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    timeout 120 apt-get install -y -q --no-install-recommends "${want_pkgs[@]}" >/dev/null 2>&1 \
+        || { timeout 120 apt-get update -q >/dev/null 2>&1 && timeout 120 apt-get install -y -q --no-install-recommends "${want_pkgs[@]}" >/dev/null 2>&1; } \
+        || echo "note: ${want_pkgs[*]} could not be installed; the tests needing them will be skipped"
 fi
 
 failed=()

@@ -92,7 +92,8 @@ def test_every_metric_has_the_prefix_and_a_help_text() -> None:
     families = list(text_string_to_metric_families(body.decode()))
     assert families
     for family in families:
-        assert family.name.startswith("ledger_relay_"), family.name
+        # Ours, and prometheus-client's standard process/platform/gc collectors (issue 15).
+        assert family.name.startswith(("ledger_relay_", "process_", "python_")), family.name
         assert family.documentation
     names = {f.name for f in families}
     # Counters end in _total, durations in _seconds (Prometheus naming rules).
@@ -216,7 +217,12 @@ async def test_scrape_of_a_running_relay(
     ids = set(runs) | {f"{run}-{i}" for run in runs for i in range(3)}
     values = {v for (_, labels) in samples for _, v in labels}
     assert not values & ids, values & ids
-    assert {k for (_, labels) in samples for k, _ in labels} <= {
+    ours = [
+        (name, labels)
+        for (name, labels) in samples
+        if name.startswith("ledger_relay_") and name != "ledger_relay_build_info"
+    ]
+    assert {k for (_, labels) in ours for k, _ in labels} <= {
         "lane",
         "type",
         "status_class",
@@ -267,4 +273,4 @@ def test_label_names_match_prometheus_rules() -> None:
     for line in body.decode().splitlines():
         if line.startswith("#") or not line:
             continue
-        assert re.match(r"^ledger_relay_[a-z_]+(\{.*\})? ", line), line
+        assert re.match(r"^(ledger_relay|process|python)_[a-z_]+(\{.*\})? ", line), line
