@@ -14,7 +14,9 @@ import pytest
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from tests.support import wait_for
+from relay.runner import Relay
+from relay.tools.sink import Sink, serve_sink
+from tests.support import settings, wait_for
 from tests.test_lease_sql import ack, call, claim, enq, fn, run_row, states, token
 
 pytestmark = pytest.mark.anyio
@@ -236,3 +238,40 @@ async def test_status_shows_replicas_by_liveness(
     assert row is not None
     got = [(r["owner"], r["alive"]) for r in row["s"]["replicas"]]
     assert got == [("a-live", True), ("b-dead", False)]
+
+
+def alive(conn: psycopg.Connection[Any], schema: str) -> dict[str, bool]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(sql.SQL("select {}(0) as s").format(fn(schema, "status"))).fetchone()
+    assert row is not None
+    return {r["owner"]: r["alive"] for r in row["s"]["replicas"]}
+
+
+async def test_a_relay_holds_its_liveness_and_reclaims_a_dead_owners_runs(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    """The whole path in one process: the relay takes its liveness lock before its lanes claim,
+    takes over the run of an owner that died an hour before its lease would expire, counts and
+    logs the reclaim, and its lock goes with it when it stops."""
+    enq(conn, schema, "r1", "e1")
+    enq(conn, schema, "r1", "e2", terminal=True)
+    h = hold(pg_url, schema, "crashed", holders)
+    claim(conn, schema, owner="crashed", ttl="1 hour")
+    await die(h, conn)
+    sink = Sink()
+    async with serve_sink(sink) as url:
+        s = settings(pg_url, schema, url, replica_id="live-one", metrics_addr="127.0.0.1:0")
+        async with Relay(s).running() as r:
+            assert r.listener is not None and r.listener.liveness_held  # before any claim
+            assert alive(conn, schema) == {"crashed": False, "live-one": True}
+            await wait_for(lambda: sink.state.first_order.get("r1") == [1, 2], what="r1")
+            assert sum(lane.stats.reclaimed for lane in r.lanes.values()) == 1
+            assert r.endpoints is not None
+            body, _ = r.endpoints.metrics.exposition()
+            counted = [
+                float(line.rsplit(b" ", 1)[1])
+                for line in body.splitlines()
+                if line.startswith(b"ledger_relay_leases_reclaimed_total{")
+            ]
+            assert sum(counted) == 1, body
+    await wait_for(lambda: not alive(conn, schema).get("live-one"), timeout=30, what="lock gone")
