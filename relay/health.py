@@ -23,6 +23,7 @@ httpx), one request per connection, bounded in time, no keep-alive.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
@@ -195,32 +196,55 @@ class Endpoints:
         return 404, "text/plain; charset=utf-8", b"not found\n"
 
     async def handle(self, stream: SocketStream) -> None:
-        async with stream:
-            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST)
-            with anyio.move_on_after(REQUEST_DEADLINE):
-                try:
-                    request = await _read_request(conn, stream)
-                except (h11.RemoteProtocolError, anyio.EndOfStream, anyio.BrokenResourceError):
-                    return
-                if request is None:
-                    return
-                path = request.target.decode("latin-1").split("?", 1)[0]
-                accept = dict(request.headers).get(b"accept", b"").decode("latin-1")
-                method = request.method.decode("latin-1")
-                status, content_type, body = self.route(method, path, accept)
-                headers = [
-                    ("content-type", content_type),
-                    ("content-length", str(len(body))),
-                    ("cache-control", "no-store"),
-                    ("connection", "close"),
-                ]
-                try:
-                    await stream.send(conn.send(h11.Response(status_code=status, headers=headers)))
-                    if method != "HEAD":
-                        await stream.send(conn.send(h11.Data(data=body)))
-                    await stream.send(conn.send(h11.EndOfMessage()))
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    return
+        await answer(stream, self.route)
+
+
+def waiting_route(method: str, path: str, _accept: str) -> tuple[int, str, bytes]:
+    """The endpoints while `relay run` waits for its database at start (relay/startup.py):
+    alive (the wait is the loop turning; a liveness or startup probe must not restart it),
+    not ready, no metrics yet."""
+    if method not in ("GET", "HEAD"):
+        return 405, "text/plain; charset=utf-8", b"method not allowed\n"
+    if path == "/healthz":
+        return 200, "text/plain; charset=utf-8", b"ok (waiting for the database)\n"
+    if path == "/readyz":
+        checks = {"started": False, "database": False}
+        return 503, "application/json", orjson.dumps({"ready": False, "checks": checks}) + b"\n"
+    if path == "/metrics":
+        return 503, "text/plain; charset=utf-8", b"waiting for the database\n"
+    return 404, "text/plain; charset=utf-8", b"not found\n"
+
+
+async def answer(
+    stream: SocketStream, route: Callable[[str, str, str], tuple[int, str, bytes]]
+) -> None:
+    """One request on `stream`, answered by `route(method, path, accept)`."""
+    async with stream:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST)
+        with anyio.move_on_after(REQUEST_DEADLINE):
+            try:
+                request = await _read_request(conn, stream)
+            except (h11.RemoteProtocolError, anyio.EndOfStream, anyio.BrokenResourceError):
+                return
+            if request is None:
+                return
+            path = request.target.decode("latin-1").split("?", 1)[0]
+            accept = dict(request.headers).get(b"accept", b"").decode("latin-1")
+            method = request.method.decode("latin-1")
+            status, content_type, body = route(method, path, accept)
+            headers = [
+                ("content-type", content_type),
+                ("content-length", str(len(body))),
+                ("cache-control", "no-store"),
+                ("connection", "close"),
+            ]
+            try:
+                await stream.send(conn.send(h11.Response(status_code=status, headers=headers)))
+                if method != "HEAD":
+                    await stream.send(conn.send(h11.Data(data=body)))
+                await stream.send(conn.send(h11.EndOfMessage()))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return
 
 
 async def _read_request(conn: h11.Connection, stream: SocketStream) -> h11.Request | None:
@@ -264,3 +288,19 @@ async def serve(
 
 async def _probe_after(endpoints: Endpoints) -> None:
     await endpoints.probe_loop()
+
+
+async def serve_waiting(
+    addr: str, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve `waiting_route` on `addr` until cancelled (the start-up wait for the database);
+    reports the bound port. A busy address is not an error here: the real endpoints report it."""
+    host, port = split_addr(addr)
+    try:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    except OSError:
+        task_status.started(0)
+        return
+    async with listener:
+        task_status.started(listener.listeners[0].extra(SocketAttribute.local_port))
+        await listener.serve(lambda stream: answer(stream, waiting_route))

@@ -100,7 +100,11 @@ class Relay:
         from relay.startup import wait_for_database
 
         waited = await wait_for_database(
-            url, timeout=s.startup_timeout, stop=self._stop, replica=s.replica_id
+            url,
+            timeout=s.startup_timeout,
+            stop=self._stop,
+            replica=s.replica_id,
+            metrics_addr=s.metrics_addr,
         )
         if not waited:
             logs.info("shutdown", replica=s.replica_id)

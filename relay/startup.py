@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import psycopg
 
-from relay import logs
+from relay import health, logs, sdnotify
 from relay.settings import redact_url
 
 FIRST_DELAY = 0.5
@@ -70,9 +70,38 @@ async def wait_for_database(
     stop: anyio.Event,
     replica: str,
     connect: Callable[[str, float], Awaitable[Any]] = _connect_once,
+    metrics_addr: str | None = None,
 ) -> bool:
     """Return True once a connection to `url` succeeds, False when `stop` is set first; raise
-    ConnectionError (its message without the password) when `timeout` > 0 runs out."""
+    ConnectionError (its message without the password) when `timeout` > 0 runs out.
+
+    While it waits, `metrics_addr` (when set) answers /healthz 200 and /readyz 503, so that a
+    liveness or startup probe does not restart a relay that is only waiting; under systemd,
+    each attempt extends the start timeout (EXTEND_TIMEOUT_USEC) and pings the watchdog."""
+    notifier = sdnotify.from_environ()
+    reached = False
+    try:
+        async with anyio.create_task_group() as tg:
+            if metrics_addr:
+                await tg.start(health.serve_waiting, metrics_addr)
+            try:
+                reached = await _wait(url, timeout, stop, replica, connect, notifier)
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        if notifier is not None:
+            notifier.close()
+    return reached
+
+
+async def _wait(
+    url: str,
+    timeout: float,  # noqa: ASYNC109 - see wait_for_database
+    stop: anyio.Event,
+    replica: str,
+    connect: Callable[[str, float], Awaitable[Any]],
+    notifier: sdnotify.Notifier | None,
+) -> bool:
     started = anyio.current_time()
     attempt = 0
     while not stop.is_set():
@@ -111,6 +140,12 @@ async def wait_for_database(
         delay = startup_delay(attempt, random.random())
         if left is not None:
             delay = min(delay, left)
+        if notifier is not None:
+            notifier.notify(
+                f"STATUS=waiting for the database (attempt {attempt})",
+                f"EXTEND_TIMEOUT_USEC={int((delay + ATTEMPT_DEADLINE + 30) * 1_000_000)}",
+                "WATCHDOG=1",
+            )
         logs.warning(
             "database_wait",
             replica=replica,

@@ -5,6 +5,7 @@ each attempt logged) unless `startup_timeout` bounds the wait; SIGTERM during st
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -66,11 +67,26 @@ async def test_sigterm_while_waiting_for_the_database_exits_zero(
 ) -> None:
     down = via(pg_url, dead_port())
     err = tmp_path / "stderr.log"
-    proc = await _open(relay_env(down, schema, "http://127.0.0.1:9"), err)
+    ops = dead_port()
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    notify.setblocking(False)
+    env = relay_env(down, schema, "http://127.0.0.1:9", RELAY_METRICS_ADDR=f"127.0.0.1:{ops}",
+                    NOTIFY_SOCKET=str(tmp_path / "notify"))  # fmt: skip
+    proc = await _open(env, err)
     try:
         await wait_for(lambda: '"event":"database_wait"' in err.read_text(), what="a wait")
+        # Waiting is alive but not ready: no liveness or startup probe restarts it.
+        assert (await get(ops, "/healthz")).status_code == 200
+        readyz = await get(ops, "/readyz")
+        assert readyz.status_code == 503 and readyz.json()["checks"]["database"] is False
+        # Under systemd each attempt extends the start timeout.
+        await anyio.wait_readable(notify)
+        message = notify.recv(4096).decode()
+        assert "EXTEND_TIMEOUT_USEC=" in message and "WATCHDOG=1" in message, message
         proc.send_signal(signal.SIGTERM)
     finally:
+        notify.close()
         code = await _finish(proc)
     text = err.read_text()
     assert code == 0, text
