@@ -192,3 +192,18 @@ def test_action_and_inspect_views() -> None:
                   "01-02 03:04:00   01-02 03:04:01", "1     last error: bad payload",
                   "showing 1 events from seq 1"):  # fmt: skip
         assert words in got, got
+
+
+def test_status_shows_replicas_by_liveness() -> None:
+    replicas = [
+        {"owner": "host-a:1", "alive": True, "started_at": "2026-01-02T03:00:00+00:00",
+         "seen_at": "2026-01-02T03:01:00+00:00"},
+        {"owner": "host-b:7", "alive": False, "started_at": "2026-01-02T02:00:00+00:00",
+         "seen_at": "2026-01-02T02:00:00+00:00"},
+    ]  # fmt: skip
+    got = render_status(status_data(replicas=replicas), 100)
+    assert "Replicas" in got
+    lines = got.splitlines()
+    assert any("host-a:1" in line and "alive" in line for line in lines), got
+    assert any("host-b:7" in line and "dead" in line for line in lines), got
+    assert "Replicas: none" in render_status(status_data(replicas=[]), 100)
