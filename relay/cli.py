@@ -57,7 +57,30 @@ def _add_settings(p: argparse.ArgumentParser, only: Sequence[str] | None = None)
         )
 
 
-def _settings(args: argparse.Namespace) -> Settings:
+def secret_flags(args: argparse.Namespace) -> list[str]:
+    """The secret options given as command-line flags (visible to every local user)."""
+    from relay.settings import SECRET_OPTIONS
+
+    return [flag_name(o) for o in PARSERS if o in SECRET_OPTIONS and getattr(args, o, None)]
+
+
+def secret_flags_warning(flags: list[str]) -> str:
+    return (
+        f"{', '.join(flags)} on the command line can be read by every local user (ps, "
+        "/proc/PID/cmdline): use RELAY_<NAME>_FILE or systemd's $CREDENTIALS_DIRECTORY"
+    )
+
+
+def _warn_secret_flags(args: argparse.Namespace) -> None:
+    """One plain line for the commands without a log format (migrate, status, check, ...)."""
+    flags = secret_flags(args)
+    if flags:
+        print(f"relay: warning: {secret_flags_warning(flags)}", file=sys.stderr)
+
+
+def _settings(args: argparse.Namespace, *, warn: bool = True) -> Settings:
+    if warn:
+        _warn_secret_flags(args)
     flags = {k: getattr(args, k, None) for k in PARSERS}
     return load(flags)
 
@@ -70,6 +93,7 @@ def _database_url(args: argparse.Namespace) -> str:
 
     from relay.settings import option_value
 
+    _warn_secret_flags(args)
     url = option_value("database_url", {"database_url": getattr(args, "database_url", None)},
                        os.environ)  # fmt: skip
     if url is None:
@@ -176,9 +200,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
-    settings = _settings(args)
+    settings = _settings(args, warn=False)
     logs.configure(settings.log_format, settings.log_level, replica=settings.replica_id)
     logs.install_hooks()
+    if flags := secret_flags(args):  # in the log format: every stderr line of run is a log line
+        logs.warning("secrets_on_command_line", flags=flags, hint=secret_flags_warning(flags))
     if args.migrate:
         from relay.migrate import migrate
 

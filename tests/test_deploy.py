@@ -106,6 +106,33 @@ def test_systemd_migrate_unit() -> None:
     svc = unit_sections(MIGRATE_UNIT)["Service"]
     assert values(svc, "Type") == ["oneshot"]
     assert values(svc, "ExecStart")[0].endswith("relay migrate")
+    # `relay migrate` reads $CREDENTIALS_DIRECTORY/database_url like `relay run`.
+    assert [v.split(":", 1)[0] for v in values(svc, "LoadCredential")] == ["database_url"]
+    # As hardened as the relay's unit (issue 15).
+    for key, want in {**HARDENING, **MIGRATE_HARDENING}.items():
+        assert want in values(svc, key), key
+    assert any(v.startswith("~") and "@privileged" in v for v in values(svc, "SystemCallFilter"))
+
+
+MIGRATE_HARDENING = {"ProtectClock": "yes", "ProtectProc": "invisible", "LockPersonality": "yes"}
+# Every secret docs/operations.md §5 lists as a credential.
+DOCUMENTED_CREDENTIALS = {"database_url", "ingress_token", "signing_secret", "listen_database_url"}
+
+
+def test_systemd_units_load_every_documented_credential() -> None:
+    svc = unit_sections(UNIT)["Service"]
+    creds = {v.split(":", 1)[0] for v in values(svc, "LoadCredential")}
+    assert creds == DOCUMENTED_CREDENTIALS
+    ops = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    for name in DOCUMENTED_CREDENTIALS:
+        assert f"`{name}`" in ops, name
+
+
+def test_env_files_use_no_unit_specifiers() -> None:
+    """systemd expands %i, %H, ... in unit files, never in an EnvironmentFile."""
+    for path in sorted((DEPLOY / "systemd").glob("*.env.example")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not re.search(r"%[a-zA-Z%]", line), f"{path.name}:{n}: {line}"
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
@@ -385,17 +412,35 @@ def test_kubernetes_manifests() -> None:
         assert name.removeprefix("RELAY_").lower() not in SECRET_OPTIONS, name
         assert "postgresql://" not in str(e.get("value", ""))
     secret_volumes = [v for v in pod["volumes"] if "secret" in v]
-    assert secret_volumes[0]["secret"]["secretName"] == objs["Secret"]["metadata"]["name"]
+    (example,) = load_all(DEPLOY / "k8s-examples" / "secret.example.yaml")
+    assert secret_volumes[0]["secret"]["secretName"] == example["metadata"]["name"]
     assert env["RELAY_DATABASE_URL_FILE"]["value"].startswith(relay["volumeMounts"][0]["mountPath"])
+    labels = spec["template"]["metadata"]["labels"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert relay["securityContext"]["allowPrivilegeEscalation"] is False
-    # Upgrades: the schema is migrated before a new pod's relay starts.
+    # Upgrades: the schema is migrated before a new pod's relay starts; the init container
+    # is bounded like the relay.
     assert pod["initContainers"][0]["args"] == ["migrate"]
+    for container in [*pod["initContainers"], *pod["containers"]]:
+        assert container["resources"]["requests"], container["name"]
+        assert container["resources"]["limits"]["memory"], container["name"]
+    # Replicas spread over nodes (and zones), selecting these pods.
+    spread = pod["topologySpreadConstraints"]
+    assert "kubernetes.io/hostname" in {c["topologyKey"] for c in spread}
+    for c in spread:
+        assert c["labelSelector"]["matchLabels"].items() <= labels.items()
     # The disruption budget covers these pods.
     pdb = objs["PodDisruptionBudget"]
-    labels = spec["template"]["metadata"]["labels"]
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert spec["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_kubectl_apply_of_the_k8s_directory_applies_no_secret() -> None:
+    """`kubectl apply -f deploy/k8s/` must not create a Secret with change-me values or the
+    public sample whsec_ key: the example lives in deploy/k8s-examples/."""
+    assert "Secret" not in k8s_objects()
+    for path in (DEPLOY / "k8s").iterdir():
+        assert "change-me" not in path.read_text() and "whsec_" not in path.read_text(), path
 
 
 def test_image_user_matches_kubernetes_user() -> None:
