@@ -10,6 +10,7 @@ import sys
 import anyio
 import orjson
 
+from relay import logs
 from relay.settings import ConfigError, Secret, option_value
 from relay.tools.sink.app import Sink
 from relay.tools.sink.server import serve_sink
@@ -19,9 +20,26 @@ from relay.tools.sink.verify import SIGNATURE_TOLERANCE
 def main(argv: list[str] | None = None) -> int:
     """`relay sink`: serve the reference ingress until SIGTERM/SIGINT, then print stats JSON."""
     parser = argparse.ArgumentParser(prog="relay sink", description=main.__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--http", choices=["auto", "httptools", "h11"], default="auto")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; 0.0.0.0 or :: for every interface)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=8080, help="TCP port to listen on (default 8080; 0: any free)"
+    )
+    parser.add_argument(
+        "--http",
+        choices=["auto", "httptools", "h11"],
+        default="auto",
+        help="uvicorn's HTTP parser (default auto)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="stderr lines, uvicorn's included: text (default) or one JSON object per line",
+    )
     parser.add_argument(
         "--accept-stale-epochs", action="store_true", help="count stale epochs, answer 200"
     )
@@ -50,13 +68,24 @@ def main(argv: list[str] | None = None) -> int:
     sink.state.reject_stale_epochs = not args.accept_stale_epochs
     sink.state.keep_received = False  # nothing outside the process can read it
 
+    logs.configure(args.log_format, "info")
+    logs.install_hooks()
+
     async def run() -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with serve_sink(sink, args.host, args.port, http=args.http) as url:
-                print(f"relay sink listening on {url}", file=sys.stderr, flush=True)
+                if args.log_format == "json":
+                    logs.info("sink_listening", url=url)
+                else:
+                    print(f"relay sink listening on {url}", file=sys.stderr, flush=True)
                 async for _ in signals:
                     break
 
-    anyio.run(run)
+    try:
+        anyio.run(run)
+    except OSError as exc:  # the address is taken, not local, or not an address at all
+        reason = exc.strerror or str(exc)
+        print(f"relay sink: cannot listen on {args.host}:{args.port}: {reason}", file=sys.stderr)
+        return 2
     print(orjson.dumps(sink.state.stats()).decode(), flush=True)
     return 0

@@ -1,0 +1,74 @@
+"""`relay sink` as a command (issue 15 item 6): a busy port is one line and exit 2; --host and
+--port say what they are; in json mode every stderr line, uvicorn's too, is one JSON object."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import pytest
+
+from tests.support import wait_for
+from tests.test_cli import RELAY
+
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+
+
+def test_a_busy_port_is_one_line_and_exit_2() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        got = subprocess.run(
+            [*RELAY, "sink", "--port", str(port)],
+            env=ENV, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    assert got.returncode == 2, got.stderr
+    lines = got.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0], got.stderr
+    assert "in use" in lines[0].lower(), lines[0]
+
+
+def test_host_and_port_have_help_text() -> None:
+    got = subprocess.run(
+        [*RELAY, "sink", "--help"], env=ENV, capture_output=True, text=True, timeout=60, check=True
+    )
+    text = " ".join(got.stdout.split())
+    assert "--host HOST address to listen on" in text, got.stdout
+    assert "--port PORT TCP port to listen on" in text, got.stdout
+
+
+@pytest.mark.anyio
+async def test_json_mode_makes_uvicorn_lines_json_too(tmp_path: Path) -> None:
+    err = tmp_path / "stderr.log"
+    with err.open("wb") as f:
+        proc = await anyio.open_process(
+            [*RELAY, "sink", "--port", "0", "--log-format", "json"],
+            env=ENV, stdout=subprocess.DEVNULL, stderr=f,
+        )  # fmt: skip
+    try:
+        await wait_for(lambda: "sink_listening" in err.read_text(), what="listening")
+        url = orjson.loads(err.read_text().splitlines()[0])["url"]
+        host, _, port = url.removeprefix("http://").rpartition(":")
+        # Garbage instead of HTTP: uvicorn logs "Invalid HTTP request received." (a warning).
+        async with await anyio.connect_tcp(host, int(port)) as conn:
+            await conn.send(b"\x16\x03\x01 not http\r\n\r\n")
+            with anyio.move_on_after(10):
+                await conn.receive()
+        await wait_for(lambda: '"logger":"uvicorn' in err.read_text(), what="uvicorn's warning")
+        proc.send_signal(signal.SIGTERM)
+        with anyio.fail_after(30):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    for line in err.read_text().splitlines():
+        record: dict[str, Any] = orjson.loads(line)
+        assert {"ts", "level", "logger"} <= record.keys() and ("event" in record or "msg" in record)
