@@ -299,6 +299,14 @@ begin
     end if;
     insert into replicas as rp (owner) values (p_owner)
     on conflict (owner) do update set seen_at = clock_timestamp();
+    -- Forget dead replicas that hold no unexpired lease, as prune does: every claim looks at
+    -- each row, so the table stays as small as the set of replicas that matter, even when
+    -- retention is off and prune never runs (each restart brings a new owner id).
+    delete from replicas d
+    where d.owner <> p_owner
+      and not exists (select 1 from runs w
+                      where w.lease_owner = d.owner and w.lease_expires_at > clock_timestamp())
+      and pg_try_advisory_xact_lock(liveness_key(d.owner));
     return true;
 end
 $$;

@@ -275,3 +275,21 @@ async def test_a_relay_holds_its_liveness_and_reclaims_a_dead_owners_runs(
             ]
             assert sum(counted) == 1, body
     await wait_for(lambda: not alive(conn, schema).get("live-one"), timeout=30, what="lock gone")
+
+
+async def test_a_replica_taking_its_lock_forgets_dead_replicas_without_live_leases(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    """With retention off prune never runs: the table still stays small, because every replica
+    that takes its lock forgets the dead ones with nothing left to reclaim."""
+    enq(conn, schema, "r1", "e1")
+    for owner in ("old-1", "old-2"):
+        await die(hold(pg_url, schema, owner, holders), conn)
+    leasing = hold(pg_url, schema, "old-leasing", holders)
+    claim(conn, schema, owner="old-leasing", ttl="1 hour")
+    await die(leasing, conn)
+    hold(pg_url, schema, "new", holders)
+    rows = conn.execute(
+        sql.SQL("select owner from {} order by owner").format(fn(schema, "replicas"))
+    ).fetchall()
+    assert rows == [("new",), ("old-leasing",)]
