@@ -269,13 +269,26 @@ def healthcheck_port(final: list[Instruction]) -> int:
     return int(m.group(1))
 
 
+LOCK = DEPLOY / "requirements.lock"
+
+
+def lock_names() -> set[str]:
+    """The distributions the lock pins, normalised (PEP 503)."""
+    pins = re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", LOCK.read_text(), re.M)
+    return {re.sub(r"[-_.]+", "-", p).lower() for p in pins}
+
+
 def core_only_problems(text: str | None = None) -> list[str]:
     """The default image (the last stage) must carry the core install only: every pip install
     reaching it is exactly `.`, never an extra or a tools package."""
     all_stages = stages(dockerfile(text))
     default = list(all_stages)[-1]
     args = pip_installs(all_stages, default)
-    problems = [f"installs {a!r}" for a in args if a != "."]
+    # The lock of the core dependencies (scripts/lock.sh) is the one other thing it may install.
+    problems = [f"installs {a!r}" for a in args if a not in (".", LOCK.name)]
+    if LOCK.name in args:
+        locked = lock_names()
+        problems += [f"the lock pins {p!r}" for p in TOOLS_PACKAGES if p in locked]
     if "." not in args:
         problems.append("never installs the project")
     return problems
@@ -308,21 +321,53 @@ def test_dockerfile_relay_image_installs_the_core_only() -> None:
 @pytest.mark.parametrize(
     "mutant",
     [
-        "/opt/ledger-relay/bin/pip install --no-compile .",  # the original: no problem
-        "/opt/ledger-relay/bin/pip install --no-compile '.[sink]'",
-        "/opt/ledger-relay/bin/pip install --no-compile . rich",
-        "/opt/ledger-relay/bin/pip install --no-compile -r requirements.txt",
+        "/opt/ledger-relay/bin/pip install --no-deps .",  # the original: no problem
+        "/opt/ledger-relay/bin/pip install --no-deps '.[sink]'",
+        "/opt/ledger-relay/bin/pip install --no-deps . rich",
+        "/opt/ledger-relay/bin/pip install --no-deps -r requirements.txt",
     ],
 )
 def test_core_only_check_catches_an_extra_in_the_relay_image(mutant: str) -> None:
     text = (DEPLOY / "Dockerfile").read_text()
-    original = "/opt/ledger-relay/bin/pip install --no-compile . "
+    original = "/opt/ledger-relay/bin/pip install --no-deps . "
     assert text.count(original) == 1
     problems = core_only_problems(text.replace(original, mutant + " "))
     assert bool(problems) == (mutant != original.strip()), problems
     # An extra installed in a stage the relay image copies from is caught too.
     mutated = text.replace("COPY --from=build /opt", "COPY --from=build-sink /opt")
     assert core_only_problems(mutated) == ["installs '.[sink]'"]
+
+
+def test_dockerfile_installs_the_lock_with_hashes_and_compiles_bytecode() -> None:
+    """Issue 15 item 5: locked dependencies, verified by hash, then the project alone; .pyc
+    compiled at build (no --no-compile); the base image one build argument to pin by digest."""
+    build = " ".join(rest for word, rest in stages(dockerfile())["build"][1] if word == "RUN")
+    lock_at = build.index(f"--require-hashes -r {LOCK.name}")
+    assert build.index("install --no-deps .") > lock_at
+    assert "--no-compile" not in (DEPLOY / "Dockerfile").read_text()
+    copies = [rest for word, rest in stages(dockerfile())["build"][1] if word == "COPY"]
+    assert f"deploy/{LOCK.name} ./" in copies
+    froms = [rest.split()[0] for word, rest in dockerfile() if word == "FROM"]
+    assert all(f in ("${PYTHON_IMAGE}", "build", "runtime") for f in froms), froms
+    assert ("ARG", "PYTHON_IMAGE=python:3.11-slim-bookworm") in dockerfile()
+
+
+def test_the_lock_pins_every_core_dependency_with_hashes() -> None:
+    import tomllib
+
+    project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]
+    core = {
+        re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~;\s]", d, maxsplit=1)[0]).lower()
+        for d in project["dependencies"]
+    }
+    locked = lock_names()
+    assert core <= locked, core - locked
+    assert not locked & set(TOOLS_PACKAGES)
+    # Every pin carries a hash (pip --require-hashes refuses the file otherwise).
+    blocks = re.split(r"\n(?=[A-Za-z0-9])", LOCK.read_text().split("\n", 2)[2])
+    for block in blocks:
+        if "==" in block:
+            assert "--hash=sha256:" in block, block.splitlines()[0]
 
 
 def sink_port(command: list[str]) -> int:
@@ -332,7 +377,7 @@ def sink_port(command: list[str]) -> int:
 def test_dockerfile_sink_target() -> None:
     all_stages = stages(dockerfile())
     assert "sink" in all_stages, "a `sink` target for the reference ingress"
-    assert pip_installs(all_stages, "sink") == [".", ".[sink]"]
+    assert pip_installs(all_stages, "sink") == [LOCK.name, ".", ".[sink]"]
     final = effective(all_stages, "sink")
     cmd = json.loads([rest for word, rest in final if word == "CMD"][-1])
     assert cmd[0] == "sink"
