@@ -358,6 +358,14 @@ declare
     v_critical boolean;
     v_n int;
 begin
+    -- A caller that claims is alive, whatever its lock says: when its own lock is free (its
+    -- LISTEN session is gone while the process works on, e.g. a network cut that its pool
+    -- survived), forget its row, so no replica takes its leases early while its LISTEN
+    -- connection is down (they expire as before); hold_liveness records it again on reconnect.
+    -- Without this, replicas whose LISTEN connections lag their pools take each other's runs
+    -- back and forth, a duplicate each time. A plain index probe while the lock is held.
+    delete from replicas me
+    where me.owner = p_owner and pg_try_advisory_xact_lock_shared(liveness_key(me.owner));
     -- Dead owners: a replicas row whose liveness lock no session holds (this claim's own
     -- owner is never among them).
     v_dead := array(select rp.owner from replicas rp

@@ -293,3 +293,23 @@ async def test_a_replica_taking_its_lock_forgets_dead_replicas_without_live_leas
         sql.SQL("select owner from {} order by owner").format(fn(schema, "replicas"))
     ).fetchall()
     assert rows == [("new",), ("old-leasing",)]
+
+
+async def test_an_owner_that_still_claims_without_its_lock_is_not_robbed(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    """Its LISTEN session is gone (lock free) but its process works on and claims: the claim
+    itself proves it alive and forgets its row, so its leases expire as before instead of
+    going back and forth between replicas whose LISTEN connections lag their pools."""
+    enq(conn, schema, "r1", "e1")
+    enq(conn, schema, "r2", "e2")
+    h = hold(pg_url, schema, "cut-off", holders)
+    assert list(claim(conn, schema, owner="cut-off", runs=1, ttl="1 hour")) == ["r1"]
+    await die(h, conn)  # its LISTEN connection dropped; the process did not
+    assert list(claim(conn, schema, owner="cut-off", runs=1, ttl="1 hour")) == ["r2"]
+    assert claim(conn, schema, owner="other") == {}
+    rows = conn.execute(sql.SQL("select owner from {}").format(fn(schema, "replicas")))
+    assert rows.fetchall() == []
+    # Its LISTEN connection back: recorded (and protected by its lock) again.
+    hold(pg_url, schema, "cut-off", holders)
+    assert claim(conn, schema, owner="other") == {}
