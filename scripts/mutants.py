@@ -73,6 +73,14 @@ MUTANTS: tuple[Mutant, ...] = (
         " where lease_owner is not null) rp\n",
         (f"{LIVE}::test_an_owner_without_a_replicas_row_is_never_reclaimed",),
     ),
+    Mutant(
+        "liveness-claimer-not-alive",
+        "§4.2 liveness: a replica that claims is alive, even while its LISTEN session is down",
+        SQL,
+        "where me.owner = p_owner and pg_try_advisory_xact_lock_shared",
+        "where false and pg_try_advisory_xact_lock_shared",
+        (f"{LIVE}::test_an_owner_that_still_claims_without_its_lock_is_not_robbed",),
+    ),
     # -- the lease clock (DESIGN §4.2): statement time, never transaction time ------------------
     Mutant(
         "clock-claim-expiry",
