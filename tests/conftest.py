@@ -17,6 +17,7 @@ from psycopg import sql
 from relay.migrate import migrate
 from relay.tools.absurd import install_absurd
 from relay.tools.embedded import EmbeddedPostgres
+from relay.tools.sink import Sink, serve_sink
 
 
 @pytest.fixture(scope="session")
@@ -87,3 +88,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     terminalreporter.section("fault report")
     terminalreporter.write(report.table(report.ROWS))
     terminalreporter.write_line(f"fault report JSON: {target}")
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[tuple[Sink, str]]:
+    """The reference ingress on a real socket, in this process: (its state, its base URL)."""
+    s = Sink()
+    async with serve_sink(s) as url:
+        yield s, url

@@ -9,7 +9,6 @@ does so for the row this table changed (a 2xx whose body is not JSON used to be 
 from __future__ import annotations
 
 import email.utils
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -33,7 +32,7 @@ from relay.policy import (
     rejected_event_id,
 )
 from relay.runner import Relay
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.support import assert_acked_only_if_received, count, q, settings, wait_for
 from tests.test_relay import enqueue_runs
 
@@ -297,13 +296,6 @@ def test_plan_groups_of_nothing_is_nothing() -> None:
 
 
 # --- the delivery carries it out ----------------------------------------------------------------
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 @pytest.mark.anyio

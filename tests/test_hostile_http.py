@@ -4,7 +4,6 @@ once an answer says it was taken."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
@@ -12,18 +11,11 @@ import pytest
 
 import relay
 from relay.runner import Relay
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from relay.transport import MAX_BODY
 from tests.support import count, q, settings, wait_for
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 @pytest.mark.parametrize(

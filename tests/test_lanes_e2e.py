@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -15,7 +15,7 @@ import pytest
 
 import relay
 from relay.runner import Relay
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.support import settings, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -56,13 +56,6 @@ def decisions() -> Iterator[Decisions]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 def backlog(conn: psycopg.Connection[Any], schema: str) -> None:

@@ -8,7 +8,6 @@ events near the 256 KiB payload limit: 16 runs x 40 events, 160 MiB of payload p
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import psycopg
 import pytest
 
 from relay.runner import Relay
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.support import count, q, settings, wait_for
 from tests.test_cli import relay_env, replicas, stop_all
 
@@ -26,13 +25,6 @@ pytestmark = pytest.mark.anyio
 RUNS, PER_RUN = 16, 40
 PAYLOAD_BYTES = 250 * 1024  # within the 256 KiB producer limit
 STATED_PEAK_RSS = 256 * 1024 * 1024  # docs/operations.md: the bound with the default settings
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 def large_backlog(conn: psycopg.Connection[Any], schema: str) -> None:
