@@ -109,13 +109,21 @@ begin
 end
 $$;
 
+-- The result of these four gained the operator's database role (version 4): a result type
+-- cannot change in place, so they are dropped and re-created here, in the one transaction that
+-- re-applies the functions (callers see the old ones or the new, never none).
+drop function if exists retry_run(text, text);
+drop function if exists retry_event(text, text);
+drop function if exists skip_event(text, text, text);
+drop function if exists inspect_run(text, bigint, int);
+
 -- Operator: a failed event goes back to pending (its attempts, last error and failure time are
 -- kept as history; who retried it and when is recorded), and its run is unblocked, so the relay
 -- delivers it and then the rest of the run, in seq order. Returns the event after the change
 -- and the run's blocked_seq (null: unblocked).
 create or replace function retry_event(p_event_id text, p_by text)
 returns table (run_id text, seq bigint, event_id text, state text, attempts int, retries int,
-               retried_by text, retried_at timestamptz, blocked_seq bigint)
+               retried_by text, retried_role text, retried_at timestamptz, blocked_seq bigint)
 language plpgsql volatile
 set search_path from current
 as $$
@@ -128,13 +136,14 @@ begin
     select l.o_run_id, l.o_seq into v_run, v_seq
     from lock_failed_event('retry_event', 'retried', p_event_id) l;
     update events e
-    set state = 'pending', retried_by = p_by, retried_at = clock_timestamp(),
+    set state = 'pending', retried_by = p_by, retried_role = session_user,
+        retried_at = clock_timestamp(),
         retries = e.retries + 1
     where e.run_id = v_run and e.seq = v_seq;
     v_blocked := unblock_run(v_run);
     return query
         select e.run_id, e.seq, e.event_id, e.state, e.attempts, e.retries, e.retried_by,
-               e.retried_at, v_blocked
+               e.retried_role, e.retried_at, v_blocked
         from events e where e.run_id = v_run and e.seq = v_seq;
 end
 $$;
@@ -142,7 +151,7 @@ $$;
 -- Operator: retries the failed event that blocks run `p_run_id` (see retry_event).
 create or replace function retry_run(p_run_id text, p_by text)
 returns table (run_id text, seq bigint, event_id text, state text, attempts int, retries int,
-               retried_by text, retried_at timestamptz, blocked_seq bigint)
+               retried_by text, retried_role text, retried_at timestamptz, blocked_seq bigint)
 language plpgsql volatile
 set search_path from current
 as $$
@@ -176,7 +185,7 @@ $$;
 -- also starts its retention clock), and its run is unblocked so the rest is delivered in order.
 create or replace function skip_event(p_event_id text, p_by text, p_reason text)
 returns table (run_id text, seq bigint, event_id text, state text, skipped_by text,
-               skip_reason text, skipped_at timestamptz, blocked_seq bigint)
+               skipped_role text, skip_reason text, skipped_at timestamptz, blocked_seq bigint)
 language plpgsql volatile
 set search_path from current
 as $$
@@ -197,13 +206,13 @@ begin
     select l.o_run_id, l.o_seq into v_run, v_seq
     from lock_failed_event('skip_event', 'skipped', p_event_id) l;
     update events e
-    set state = 'skipped', skipped_by = p_by, skip_reason = p_reason,
+    set state = 'skipped', skipped_by = p_by, skipped_role = session_user, skip_reason = p_reason,
         done_at = clock_timestamp()
     where e.run_id = v_run and e.seq = v_seq;
     v_blocked := unblock_run(v_run);
     return query
-        select e.run_id, e.seq, e.event_id, e.state, e.skipped_by, e.skip_reason, e.done_at,
-               v_blocked
+        select e.run_id, e.seq, e.event_id, e.state, e.skipped_by, e.skipped_role, e.skip_reason,
+               e.done_at, v_blocked
         from events e where e.run_id = v_run and e.seq = v_seq;
 end
 $$;
@@ -215,8 +224,9 @@ create or replace function inspect_run(
 ) returns table (
     seq bigint, event_id text, event_type text, terminal boolean, state text, attempts int,
     last_status int, last_error text, created_at timestamptz, delivered_at timestamptz,
-    failed_at timestamptz, retried_by text, retried_at timestamptz, retries int,
-    skipped_by text, skip_reason text, skipped_at timestamptz, wake_queue text, wake_event text
+    failed_at timestamptz, retried_by text, retried_role text, retried_at timestamptz, retries int,
+    skipped_by text, skipped_role text, skip_reason text, skipped_at timestamptz, wake_queue text,
+    wake_event text
 )
 language plpgsql stable
 set search_path from current
@@ -229,7 +239,7 @@ begin
     return query
         select e.seq, e.event_id, e.event_type, e.terminal, e.state, e.attempts, e.last_status,
                e.last_error, e.created_at, e.delivered_at, e.failed_at, e.retried_by,
-               e.retried_at, e.retries, e.skipped_by, e.skip_reason,
+               e.retried_role, e.retried_at, e.retries, e.skipped_by, e.skipped_role, e.skip_reason,
                case when e.state = 'skipped' then e.done_at end, e.wake_queue, e.wake_event
         from events e
         where e.run_id = p_run_id and e.seq >= coalesce(p_from_seq, 1)

@@ -492,6 +492,44 @@ def test_cli_status_inspect_retry_skip(pg_url: str, schema: str, conn: Conn) -> 
     assert "retried by alice" in text.stdout and "bad payload" in text.stdout
 
 
+def test_the_audit_trail_records_the_database_role_beside_the_name_typed(
+    pg_url: str, schema: str, conn: Conn
+) -> None:
+    """`--by` is whatever the caller types; the role the caller logged in as (session_user) is
+    recorded beside it by the database, and shown by `relay inspect` (issue 13)."""
+    role = f"relay_op_{os.getpid()}"
+    owner = conn.execute("select current_user").fetchone()
+    assert owner is not None
+    conn.execute(sql.SQL("drop role if exists {}").format(sql.Identifier(role)))
+    # A second login that acts on the schema through membership of its owner's role.
+    conn.execute(
+        sql.SQL("create role {} login in role {}").format(
+            sql.Identifier(role), sql.Identifier(owner[0])
+        )
+    )
+    try:
+        blocked_run(conn, schema, "r1", n=2)
+        blocked_run(conn, schema, "r2", n=2)
+        env = cli_env(psycopg.conninfo.make_conninfo(pg_url, user=role), schema)
+        retried = cli_json(env, "retry", "r1-1", "--by", "somebody-else")
+        assert (retried["retried_by"], retried["retried_role"]) == ("somebody-else", role)
+        skipped = cli_json(env, "skip", "r2-1", "--by", "nobody", "--reason", "test")
+        assert (skipped["skipped_by"], skipped["skipped_role"]) == ("nobody", role)
+        # Recorded on the events, shown by inspect (JSON and the table).
+        assert event_row(conn, schema, "r1-1")["retried_role"] == role
+        assert event_row(conn, schema, "r2-1")["skipped_role"] == role
+        events = cli_json(env, "inspect", "r2")["events"]
+        assert (events[0]["skipped_by"], events[0]["skipped_role"]) == ("nobody", role)
+        text = cli(env, "inspect", "r1").stdout
+        assert f"retried by somebody-else (role {role})" in text
+        # The SQL API records the caller's own login too.
+        blocked_run(conn, schema, "r3", n=1)
+        row = call(conn, schema, "retry_event", "r3-1", "alice")[0]
+        assert (row["retried_by"], row["retried_role"]) == ("alice", owner[0])
+    finally:
+        conn.execute(sql.SQL("drop role if exists {}").format(sql.Identifier(role)))
+
+
 def test_cli_human_tables(pg_url: str, schema: str, conn: Conn) -> None:
     env = cli_env(pg_url, schema)
     blocked_run(conn, schema, "r1", n=2)
@@ -522,7 +560,7 @@ def test_cli_human_tables_need_no_rich(pg_url: str, schema: str, conn: Conn) -> 
     for args, words in (
         (("status",), ("Backlog", "Blocked runs (1)", "r1-1", "bad payload", "Outbox size")),
         (("inspect", "r1"), ("Run r1", "BLOCKED at seq 1", "Events (times UTC)", "r1-2")),
-        (("retry", "r1-1", "--by", "alice"), ("retried event r1-1", "alice at", "unblocked")),
+        (("retry", "r1-1", "--by", "alice"), ("retried event r1-1", "alice (role ", "unblocked")),
     ):
         got = subprocess.run(
             [sys.executable, "-c", no_rich, *args],

@@ -110,14 +110,22 @@ def run_state(run: Mapping[str, Any]) -> str:
     return "due (waiting for a relay)"
 
 
+def operator(by: str | None, role: str | None) -> str:
+    """Who acted: the name given with --by and, beside it, the database role that called
+    (recorded by the database; absent on actions taken before schema version 4)."""
+    return f"{by} (role {role})" if role else str(by)
+
+
 def audit(event: Mapping[str, Any]) -> str:
     """Who retried or skipped an event, when and why; "-" when no operator touched it."""
     done = []
     if event["retries"]:
         times = f" ({event['retries']}×)" if event["retries"] > 1 else ""
         when = fmt_time(event["retried_at"], short=True)
-        done.append(f"retried by {event['retried_by']} at {when}{times}")
+        who = operator(event["retried_by"], event.get("retried_role"))
+        done.append(f"retried by {who} at {when}{times}")
     if event["state"] == "skipped":
         when = fmt_time(event["skipped_at"], short=True)
-        done.append(f"skipped by {event['skipped_by']} at {when}: {event['skip_reason']}")
+        who = operator(event["skipped_by"], event.get("skipped_role"))
+        done.append(f"skipped by {who} at {when}: {event['skip_reason']}")
     return "; ".join(done) or "-"

@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from relay.ops.format import audit, clean, fmt_age, fmt_bytes, fmt_time, run_state
+from relay.ops.format import audit, clean, fmt_age, fmt_bytes, fmt_time, operator, run_state
 
 FOLDING = frozenset({"error", "note", "value", "event", "type", "run", "owner"})
 GAP = "   "
@@ -227,10 +227,12 @@ def render_action(verb: str, row: Mapping[str, Any], width: int) -> str:
         ("run", row["run_id"]), ("seq", row["seq"]), ("state", row["state"]),
     ]  # fmt: skip
     if verb == "retried":
-        rows.append(("by", f"{row['retried_by']} at {fmt_time(row['retried_at'])}"))
+        who = operator(row["retried_by"], row.get("retried_role"))
+        rows.append(("by", f"{who} at {fmt_time(row['retried_at'])}"))
         rows.append(("attempts", f"{row['attempts']} (operator retries {row['retries']})"))
     else:
-        rows.append(("by", f"{row['skipped_by']} at {fmt_time(row['skipped_at'])}"))
+        who = operator(row["skipped_by"], row.get("skipped_role"))
+        rows.append(("by", f"{who} at {fmt_time(row['skipped_at'])}"))
         rows.append(("reason", row["skip_reason"]))
     if row["blocked_seq"] is None:
         rows.append(("run", "unblocked: the relay delivers the rest of it in seq order"))
