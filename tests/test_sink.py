@@ -321,7 +321,13 @@ async def test_batch_form_request_level_faults(ingress: Ingress) -> None:
     assert (await ingress.client.post("/batch", json={"batches": []})).status_code == 400
 
 
-async def test_control_endpoints(ingress: Ingress) -> None:
+async def test_control_endpoints() -> None:
+    sink = Sink(fault_control=True)
+    async with serve_sink(sink) as url, httpx.AsyncClient(base_url=url) as client:
+        await _control_endpoints(Ingress(client, sink))
+
+
+async def _control_endpoints(ingress: Ingress) -> None:
     client = ingress.client
     assert (await client.get("/healthz")).status_code == 200
     r = await client.post(

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import orjson
 import pytest
 
 from tests.support import wait_for
 from tests.test_cli import RELAY
+from tests.test_sink import body as sink_body
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
 
@@ -72,3 +74,47 @@ async def test_json_mode_makes_uvicorn_lines_json_too(tmp_path: Path) -> None:
     for line in err.read_text().splitlines():
         record: dict[str, Any] = orjson.loads(line)
         assert {"ts", "level", "logger"} <= record.keys() and ("event" in record or "msg" in record)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("enabled", [False, True], ids=["default", "fault-control"])
+async def test_fault_and_reset_controls_answer_403_unless_enabled(
+    tmp_path: Path, enabled: bool
+) -> None:
+    """/_sink/faults and /_sink/reset take no authentication, even with a signing secret: a sink
+    refuses them unless started with --fault-control, and a refused call changes nothing."""
+    err = tmp_path / "stderr.log"
+    flags = ["--fault-control"] if enabled else []
+    with err.open("wb") as f:
+        proc = await anyio.open_process(
+            [*RELAY, "sink", "--port", "0", "--log-format", "json", *flags],
+            env=ENV, stdout=subprocess.DEVNULL, stderr=f,
+        )  # fmt: skip
+    try:
+        await wait_for(lambda: "sink_listening" in err.read_text(), what="listening")
+        url = orjson.loads(err.read_text().splitlines()[0])["url"]
+        async with httpx.AsyncClient(base_url=url) as client:
+            body = sink_body("r1", [1])
+            headers = {"relay-lease-epoch": "1"}
+            assert (await client.post("/runs/r1/events", json=body, headers=headers)).is_success
+            fail = {"action": "default", "status": 503}
+            faults = await client.post("/_sink/faults", json=fail)
+            reset = await client.post("/_sink/reset")
+            if enabled:
+                assert (faults.status_code, reset.status_code) == (200, 200)
+            else:
+                assert (faults.status_code, reset.status_code) == (403, 403)
+                assert "--fault-control" in faults.json()["error"]
+            stats = (await client.get("/_sink/stats")).json()
+            again = await client.post("/runs/r1/events", json=body, headers=headers)
+        if enabled:  # reset forgot r1, and the default fault now answers 503
+            assert again.status_code == 503 and stats["unique_events"] == 0, stats
+        else:  # nothing changed: r1's event is still counted, and the sink answers 200
+            assert again.status_code == 200 and stats["unique_events"] == 1, stats
+        proc.send_signal(signal.SIGTERM)
+        with anyio.fail_after(30):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -245,7 +245,16 @@ async def sink_process(workdir: Path) -> AsyncIterator[str]:
     code = "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))"
     with log.open("wb") as err:
         proc = await anyio.open_process(
-            [sys.executable, "-c", code, "sink", "--port", str(port), "--accept-stale-epochs"],
+            [
+                sys.executable,
+                "-c",
+                code,
+                "sink",
+                "--port",
+                str(port),
+                "--accept-stale-epochs",
+                "--fault-control",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=err,
             env=_clean_environ(),

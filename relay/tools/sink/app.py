@@ -79,10 +79,16 @@ def json_reply(status: int, obj: Any, *, drop: bool = False) -> Reply:
     return Reply(status, orjson.dumps(obj), [JSON_TYPE], drop=drop)
 
 
+FAULT_CONTROL_OFF = "fault control is off: start the sink with --fault-control to use /_sink/faults"
+
+
 class Sink:
     """The ASGI app: routes of DESIGN §5 plus `/_sink/*` controls for a sink in another process.
 
     `POST /batch` does not check `relay-lease-epoch` (one request carries several runs' epochs).
+    `POST /_sink/faults` and `/_sink/reset` change what the sink answers and forget what it
+    received, unauthenticated even when signatures are checked: they answer 403 unless the sink
+    was made with `fault_control=True` (`relay sink --fault-control`).
     """
 
     def __init__(
@@ -93,8 +99,10 @@ class Sink:
         signing_secrets: Iterable[str | Secret] = (),
         tolerance: float = SIGNATURE_TOLERANCE,
         clock: Callable[[], float] = time.time,
+        fault_control: bool = False,
     ) -> None:
         self.state = state if state is not None else SinkState()
+        self.fault_control = fault_control
         self.faults = faults if faults is not None else Faults()
         self.signing_keys = signing_keys(signing_secrets)  # none: signatures are not checked
         self.tolerance = tolerance
@@ -148,6 +156,8 @@ class Sink:
                 return await self._batch(body, headers)
             case "GET", b"/_sink/stats":
                 return json_reply(200, self.state.stats())
+            case "POST", b"/_sink/faults" | b"/_sink/reset" if not self.fault_control:
+                return json_reply(403, {"error": FAULT_CONTROL_OFF})
             case "POST", b"/_sink/faults":
                 return self._control_faults(body)
             case "POST", b"/_sink/reset":

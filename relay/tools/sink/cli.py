@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         "--accept-stale-epochs", action="store_true", help="count stale epochs, answer 200"
     )
     parser.add_argument(
+        "--fault-control",
+        action="store_true",
+        help="allow POST /_sink/faults and /_sink/reset (unauthenticated: test networks only)",
+    )
+    parser.add_argument(
         "--signing-secret",
         metavar="SIGNING_SECRET",
         help="verify Standard Webhooks signatures with these whsec_ secret(s), comma separated;"
@@ -64,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ConfigError as exc:
         parser.exit(2, f"relay sink: invalid configuration: {exc}\n")
-    sink = Sink(signing_secrets=secrets, tolerance=args.signature_tolerance)
+    sink = Sink(
+        signing_secrets=secrets,
+        tolerance=args.signature_tolerance,
+        fault_control=args.fault_control,
+    )
     sink.state.reject_stale_epochs = not args.accept_stale_epochs
     sink.state.keep_received = False  # nothing outside the process can read it
 
