@@ -193,6 +193,17 @@ class Delivery:
         if result is None or not group:
             return settled
         replies = result.replies
+        refusal = next(iter(replies.values())).decision
+        if result.whole and isinstance(refusal, Poison):
+            # One refusal of the whole request does not say which run (if any) is poison: each
+            # run is sent alone to `ingress_url`, in this slot, and only its own answer decides.
+            logs.warning(
+                "batch_refused", lane=self.lane, runs=len(group), status=refusal.status,
+                error=refusal.excerpt[:300],
+            )  # fmt: skip
+            for c in group:
+                settled[c.run_id] = await self.deliver(c, lambda: None)
+            return settled
 
         async def carry(c: Claim) -> None:
             settled[c.run_id] = await self._carry(c, c.events, replies[c.run_id])

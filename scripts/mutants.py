@@ -378,6 +378,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "                continue",
         ("tests/test_failures.py::test_poison_in_the_middle_of_a_100_event_batch",),
     ),
+    Mutant(
+        "batch-refusal-blocks-every-run",
+        "§5 4xx: only a run's own refusal blocks it, not a refusal of a whole multi-run request",
+        "relay/delivery.py",
+        "        if result.whole and isinstance(refusal, Poison):",
+        "        if False:",
+        (
+            "tests/test_relay.py::"
+            "test_a_refused_multi_run_request_blocks_no_run_until_each_is_sent_alone",
+        ),
+    ),
     # -- order (§9.2) ----------------------------------------------------------------------------
     Mutant(
         "order-prefix-reversed",

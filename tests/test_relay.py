@@ -496,6 +496,27 @@ async def test_small_runs_share_posts_through_the_batch_endpoint(
     assert_acked_only_if_received(conn, schema, s.state.deliveries)
 
 
+async def test_a_refused_multi_run_request_blocks_no_run_until_each_is_sent_alone(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """A 4xx to a whole `ingress_batch_url` request says nothing about which of its runs is
+    poison: each run is sent alone to `ingress_url`, and only its own refusal blocks it. (It
+    used to block every run of the request: the one-event runs without ever being sent alone.)"""
+    s, url = sink
+    enqueue_runs(conn, schema, 12, 1, terminal=False)
+    s.faults.fail(422, body={"error": "the whole request is refused"})  # the first request
+    s.faults.poison("r5-0")  # the only poison run, refused alone too
+    cfg = settings(pg_url, schema, url, ingress_batch_url=url + "/batch")
+    async with Relay(cfg).running():
+        await wait_for(lambda: count(conn, schema, "state = 'pending'") == 0, what="settled")
+    assert s.faults.pending() == 0  # the refusal was answered
+    assert count(conn, schema, "state = 'delivered'") == 11
+    failed = conn.execute(q(schema, "select event_id, last_status from {s}.events"
+                                    " where state = 'failed'"))  # fmt: skip
+    assert failed.fetchall() == [("r5-0", 422)]
+    assert_acked_only_if_received(conn, schema, s.state.deliveries)
+
+
 async def test_delivered_events_are_pruned_after_retention(
     pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
 ) -> None:
