@@ -19,6 +19,7 @@ tried again at every check.
 from __future__ import annotations
 
 import random
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -48,7 +49,9 @@ class Listener:
         max_backoff: float = 10.0,
         liveness: tuple[str, str] | None = None,
     ) -> None:
-        """`liveness` is (schema, owner): the liveness lock to hold on every session."""
+        """`liveness` is (schema, owner): the liveness lock to hold on every session. The lock is
+        taken with this listener's incarnation (random, one per listener: one per relay run), so
+        that a restart under the same owner id ends its dead predecessor's leases at once."""
         self.conninfo = conninfo
         self.terminal_channel = terminal_channel
         self.on_terminal = on_terminal
@@ -67,10 +70,11 @@ class Listener:
             None
             if liveness is None
             else (
-                sql.SQL("select {}.hold_liveness(%s)").format(sql.Identifier(liveness[0])),
+                sql.SQL("select {}.hold_liveness(%s, %s)").format(sql.Identifier(liveness[0])),
                 liveness[1],
             )
         )
+        self.incarnation = secrets.token_hex(8)
         self.liveness_held = False
         # Set once the first session came up (LISTEN done, liveness lock tried): the runner
         # lets the lanes claim only then, so no replica takes a fresh one for dead.
@@ -127,7 +131,7 @@ class Listener:
             return
         query, owner = self._hold
         try:
-            cur = await conn.execute(query, (owner,))
+            cur = await conn.execute(query, (owner, self.incarnation))
         except (psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedFunction) as exc:
             # Safe without it: an owner that never recorded itself is never judged dead.
             self._hold = None
@@ -138,7 +142,12 @@ class Listener:
         if not held:
             logs.warning("liveness_lock_busy", owner=owner, retry_in=self.check_interval)
         else:
-            logs.debug("liveness_held", owner=owner, backend_pid=conn.info.backend_pid)
+            logs.debug(
+                "liveness_held",
+                owner=owner,
+                incarnation=self.incarnation,
+                backend_pid=conn.info.backend_pid,
+            )
         self.liveness_held = held
 
     def dispatch(self, channel: str, payload: str) -> None:

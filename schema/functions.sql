@@ -285,20 +285,44 @@ $$;
 -- Returns false, and records nothing, when another session holds the lock: a process with the
 -- same owner id, or this process's previous session that the server has not dropped yet (the
 -- caller tries again later). Call it once per session: the lock is re-entrant.
-create or replace function hold_liveness(p_owner text) returns boolean
+-- p_incarnation names the calling process (random at each start; null from a relay of schema
+-- version 3). A replica restarted under the same owner id (a fixed replica_id, or host:pid in a
+-- container, where the pid is always 1) would otherwise be taken for its dead predecessor, whose
+-- leases then wait out their TTL: when the lock is free and the row names another incarnation,
+-- the predecessor is dead, so its unexpired leases end now (claimable at once; the fence as
+-- ever: a new token and epoch at the next claim). The same process reconnecting keeps them.
+-- (Version 3 took only p_owner; dropped so that such a call resolves to this one.)
+drop function if exists hold_liveness(text);
+create or replace function hold_liveness(p_owner text, p_incarnation text default null)
+returns boolean
 language plpgsql volatile
 set search_path from current
 security definer
 as $$
+declare
+    v_prev text;
+    v_known boolean;
 begin
     if p_owner is null or p_owner = '' then
         raise exception 'relay.hold_liveness: owner must be a non-empty string' using errcode = '22023';
     end if;
+    if char_length(p_incarnation) > 200 then
+        raise exception 'relay.hold_liveness: p_incarnation is over 200 characters'
+            using errcode = '22023';
+    end if;
     if not pg_try_advisory_lock(liveness_key(p_owner)) then
         return false;
     end if;
-    insert into replicas as rp (owner) values (p_owner)
-    on conflict (owner) do update set seen_at = clock_timestamp();
+    select rp.incarnation, true into v_prev, v_known from replicas rp where rp.owner = p_owner;
+    if v_known and p_incarnation is not null and v_prev is distinct from p_incarnation then
+        update runs r
+        set lease_expires_at = clock_timestamp(), updated_at = clock_timestamp(),
+            next_attempt_at = least(r.next_attempt_at, clock_timestamp())
+        where r.lease_owner = p_owner and r.lease_expires_at > clock_timestamp();
+    end if;
+    insert into replicas as rp (owner, incarnation) values (p_owner, p_incarnation)
+    on conflict (owner) do update set seen_at = clock_timestamp(),
+        incarnation = coalesce(excluded.incarnation, rp.incarnation);
     -- Forget dead replicas that hold no unexpired lease, as prune does: every claim looks at
     -- each row, so the table stays as small as the set of replicas that matter, even when
     -- retention is off and prune never runs (each restart brings a new owner id).

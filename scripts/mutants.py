@@ -65,6 +65,22 @@ MUTANTS: tuple[Mutant, ...] = (
         ci=True,
     ),
     Mutant(
+        "liveness-restart-keeps-old-leases",
+        "§4.2 liveness: a restart under the same owner id ends its dead predecessor's leases",
+        SQL,
+        "if v_known and p_incarnation is not null and v_prev is distinct from p_incarnation then",
+        "if false then",
+        (f"{LIVE}::test_a_restart_under_the_same_owner_id_ends_its_predecessors_leases_at_once",),
+    ),
+    Mutant(
+        "liveness-reconnect-ends-own-leases",
+        "§4.2 liveness: the same process taking its lock again on a reconnect keeps its leases",
+        SQL,
+        "if v_known and p_incarnation is not null and v_prev is distinct from p_incarnation then",
+        "if v_known then",
+        (f"{LIVE}::test_a_restart_under_the_same_owner_id_ends_its_predecessors_leases_at_once",),
+    ),
+    Mutant(
         "liveness-no-replicas-row",
         "§4.2 liveness: an owner that never recorded its liveness (previous version) is never dead",
         SQL,

@@ -224,6 +224,51 @@ async def test_sigkill_a_replica_its_runs_are_reclaimed_at_once(
     print(row.notes[-1])
 
 
+async def test_a_replica_restarted_under_its_own_id_takes_its_runs_back_at_once(
+    fault_pg: EmbeddedPostgres, tmp_path: Path
+) -> None:
+    """A fixed replica_id (host:pid in a container is one: the pid is 1 at every start),
+    SIGKILLed and started again, alone: its successor takes the same liveness lock, so only the
+    incarnation tells them apart. Every event the killed one held is delivered before that
+    lease's expiry (the database clock), not after it."""
+    async with Lab.open(
+        fault_pg, "restart_same_id", tmp_path, replicas=1, env={"RELAY_LEASE_TTL": "30s"}
+    ) as lab:
+        lab.sink.faults.delay(0.2, times=100_000)
+        lab.produce(Workload(runs=40, spread=3).scaled())
+        await lab.wait_received(10)
+        victim = lab.replicas[0]
+        held = await freeze_holding(lab, victim)
+        rows = await lab.query(
+            "select run_id, extract(epoch from lease_expires_at)::float8 from {s}.runs"
+            " where lease_owner = %s and lease_expires_at > clock_timestamp()",
+            (victim.id,),
+        )
+        expiry = {r[0]: float(r[1]) for r in rows}
+        await lab.kill(victim)
+        victim.stopped = False
+        await lab.spawn(victim.index, rid=victim.id)  # the same id, a new process
+        # When the held events were acked (the sink may have had them before the kill).
+        acked: dict[str, float] = {}
+
+        async def all_acked() -> bool:
+            got = await lab.query(
+                "select event_id, extract(epoch from delivered_at)::float8 from {s}.events"
+                " where event_id = any(%s) and delivered_at is not null",
+                (list(held),),
+            )
+            acked.update({r[0]: float(r[1]) for r in got})
+            return len(acked) == len(held)
+
+        await wait_for(all_acked, timeout=120, what="the held events acked")
+    row = assert_valid(lab)
+    assert held and {run_of(e) for e in held} <= set(expiry), "nothing held at the kill"
+    late = {e: t - expiry[run_of(e)] for e, t in acked.items() if t >= expiry[run_of(e)]}
+    assert not late, f"acked only after the dead incarnation's lease expired: {late}"
+    assert row.lost == row.out_of_order == row.acked_without_delivery == 0
+    row.notes.append(f"{len(expiry)} runs ({len(held)} events) held under {victim.id}, restarted")
+
+
 async def test_one_replicas_database_connections_cut_while_it_posts(
     fault_pg: EmbeddedPostgres, tmp_path: Path
 ) -> None:

@@ -26,11 +26,13 @@ class Holder:
     """A separate session that holds an owner's liveness lock, as a replica's LISTEN
     connection does."""
 
-    def __init__(self, pg_url: str, schema: str, owner: str) -> None:
+    def __init__(
+        self, pg_url: str, schema: str, owner: str, incarnation: str | None = None
+    ) -> None:
         self.conn = psycopg.connect(pg_url, autocommit=True)
         self.pid = self.conn.info.backend_pid
         row = self.conn.execute(
-            sql.SQL("select {}(%s)").format(fn(schema, "hold_liveness")), (owner,)
+            sql.SQL("select {}(%s, %s)").format(fn(schema, "hold_liveness")), (owner, incarnation)
         ).fetchone()
         assert row == (True,)
 
@@ -48,8 +50,10 @@ def holders(pg_url: str, schema: str) -> Iterator[list[Holder]]:
         h.conn.close()
 
 
-def hold(pg_url: str, schema: str, owner: str, holders: list[Holder]) -> Holder:
-    h = Holder(pg_url, schema, owner)
+def hold(
+    pg_url: str, schema: str, owner: str, holders: list[Holder], incarnation: str | None = None
+) -> Holder:
+    h = Holder(pg_url, schema, owner, incarnation)
     holders.append(h)
     return h
 
@@ -198,6 +202,47 @@ async def test_hold_liveness_records_the_owner_once_per_lock(
     await die(first, conn)
     with psycopg.connect(pg_url, autocommit=True) as again:
         assert call(again, schema, "hold_liveness", "r") == [(True,)]
+
+
+async def test_a_restart_under_the_same_owner_id_ends_its_predecessors_leases_at_once(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    """A fixed replica_id (or host:pid in a container, pid 1 each time) restarted: the new
+    process takes the lock its dead predecessor held, so the lock alone cannot tell them
+    apart. The incarnation does: the predecessor's unexpired leases end when the new one takes
+    the lock; the same process taking it again on a reconnect keeps its own."""
+    for run_id in ("r1", "r2"):
+        enq(conn, schema, run_id, f"{run_id}-e1")
+    first = hold(pg_url, schema, "pod-0:1", holders, incarnation="aaaa")
+    old = claim(conn, schema, owner="pod-0:1", ttl="1 hour")
+    assert sorted(old) == ["r1", "r2"]
+    # Its LISTEN session drops and it reconnects: same incarnation, its leases are kept.
+    await die(first, conn)
+    again = hold(pg_url, schema, "pod-0:1", holders, incarnation="aaaa")
+    assert claim(conn, schema, owner="other") == {}
+    assert run_row(conn, schema, "r1")["lease_owner"] == "pod-0:1"
+    # The process dies; its successor starts under the same owner id with a new incarnation.
+    await die(again, conn)
+    hold(pg_url, schema, "pod-0:1", holders, incarnation="bbbb")
+    got = claim(conn, schema, owner="other")
+    assert sorted(got) == ["r1", "r2"]  # at once, not after the hour
+    # The fence as ever: the predecessor's tokens are dead.
+    assert [r["status"] for r in ack(conn, schema, ("r1", token(old, "r1"), 1))] == ["stale"]
+    assert run_row(conn, schema, "r1")["lease_owner"] == "other"
+
+
+def test_a_second_process_with_the_same_owner_id_ends_no_lease(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    """While the first holds the lock, a second process under the same id (a misconfiguration,
+    or a restart before the server dropped the old session) takes nothing and ends nothing."""
+    enq(conn, schema, "r1", "e1")
+    hold(pg_url, schema, "dup", holders, incarnation="aaaa")
+    claim(conn, schema, owner="dup", ttl="1 hour")
+    with psycopg.connect(pg_url, autocommit=True) as second:
+        assert call(second, schema, "hold_liveness", "dup", "bbbb") == [(False,)]
+    assert claim(conn, schema, owner="other") == {}
+    assert run_row(conn, schema, "r1")["lease_owner"] == "dup"
 
 
 async def test_prune_forgets_dead_replicas_without_live_leases(

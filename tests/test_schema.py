@@ -103,6 +103,8 @@ EXPECTED_COLUMNS = {
         ("owner", "text", True),
         ("started_at", "timestamp with time zone", True),
         ("seen_at", "timestamp with time zone", True),
+        # 0004: the incarnation of the process holding the lock
+        ("incarnation", "text", False),
     ],
     "schema_migrations": [
         ("version", "integer", True),
@@ -151,7 +153,7 @@ EXPECTED_INDEXES = {
 EXPECTED_FUNCTIONS = {
     "run_lock_key": "p_run_id text",
     "liveness_key": "p_owner text",
-    "hold_liveness": "p_owner text",
+    "hold_liveness": "p_owner text, p_incarnation text",
     "terminal_channel": "",
     "setting": "p_key text",
     "enqueue": "p_run_id text, p_event_id text, p_event_type text, p_payload jsonb,"

@@ -118,11 +118,8 @@ class Replica:
     gen: int
     proc: Process
     log: Path
+    id: str  # its replica_id (lease owner)
     stopped: bool = False
-
-    @property
-    def id(self) -> str:
-        return f"r{self.index}.{self.gen}"
 
     @property
     def alive(self) -> bool:
@@ -164,7 +161,8 @@ class Lab:
         self.db_proxy: FaultProxy | None = None
         self.ingress_proxy: FaultProxy | None = None
         self.replicas: list[Replica] = []
-        self.by_id: dict[str, Replica] = {}
+        self.by_id: dict[str, Replica] = {}  # the latest replica of each id
+        self.generations: list[Replica] = []  # every replica started, in order
         self.logs: list[Path] = []
         self.sent: set[str] = set()
         self.attempted: set[str] = set()
@@ -254,19 +252,22 @@ class Lab:
             ingress = f"http://127.0.0.1:{self.ingress_proxy.port}"
         return relay_env(db, self.schema, ingress, **self.extra_env)
 
-    async def spawn(self, index: int, *, wait: bool = True) -> Replica:
-        gen = sum(1 for r in self.by_id.values() if r.index == index)
+    async def spawn(self, index: int, *, wait: bool = True, rid: str | None = None) -> Replica:
+        """A replica in slot `index`, named `r<index>.<generation>` unless `rid` is given (a
+        fixed replica id, the same across restarts)."""
+        gen = sum(1 for r in self.generations if r.index == index)
         log = self.tmp / f"{self.name}-r{index}.{gen}.log"
         f = log.open("wb")
         self._files.append(f)
-        rid = f"r{index}.{gen}"
+        rid = rid or f"r{index}.{gen}"
         proc = await anyio.open_process(
             [*self.command_prefix, *RELAY],
             env={**self.env(), "RELAY_REPLICA_ID": rid},
             stdout=f,
             stderr=subprocess.STDOUT,
         )
-        rep = Replica(index, gen, proc, log)
+        rep = Replica(index, gen, proc, log, rid)
+        self.generations.append(rep)
         if index < len(self.replicas):
             self.replicas[index] = rep
         else:

@@ -1,4 +1,5 @@
--- ledger-relay schema, version 4: the database role beside the operator's name (issue 13).
+-- ledger-relay schema, version 4: the database role beside the operator's name (issue 13), and the
+-- incarnation of each replica (issue 18).
 --
 -- `relay retry --by` and `relay skip --by` record what the caller typed, and anyone who may call
 -- the functions can type any name. They now also record `session_user`, the role the caller
@@ -9,3 +10,9 @@
 alter table events
     add column retried_role text,
     add column skipped_role text;
+
+-- The incarnation of the process that holds an owner's liveness lock (random at each start):
+-- a replica restarted under the same owner id ends its dead predecessor's leases at once
+-- instead of waiting out their TTL (hold_liveness).
+alter table replicas
+    add column incarnation text;
