@@ -270,12 +270,32 @@ def healthcheck_port(final: list[Instruction]) -> int:
 
 
 LOCK = DEPLOY / "requirements.lock"
+SINK_LOCK = DEPLOY / "requirements-sink.lock"
 
 
-def lock_names() -> set[str]:
-    """The distributions the lock pins, normalised (PEP 503)."""
-    pins = re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", LOCK.read_text(), re.M)
-    return {re.sub(r"[-_.]+", "-", p).lower() for p in pins}
+def lock_pins(lock: Path = LOCK) -> dict[str, str]:
+    """The distributions a lock pins, normalised (PEP 503), with their versions."""
+    pins = re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", lock.read_text(), re.M)
+    return {re.sub(r"[-_.]+", "-", p).lower(): v for p, v in pins}
+
+
+def lock_names(lock: Path = LOCK) -> set[str]:
+    return set(lock_pins(lock))
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    return {
+        re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~;\s]", d, maxsplit=1)[0]).lower()
+        for d in requirements
+    }
+
+
+def assert_hashed(lock: Path) -> None:
+    """Every pin carries a hash (pip --require-hashes refuses the file otherwise)."""
+    blocks = re.split(r"\n(?=[A-Za-z0-9])", lock.read_text().split("\n", 2)[2])
+    for block in blocks:
+        if "==" in block:
+            assert "--hash=sha256:" in block, block.splitlines()[0]
 
 
 def core_only_problems(text: str | None = None) -> list[str]:
@@ -335,7 +355,10 @@ def test_core_only_check_catches_an_extra_in_the_relay_image(mutant: str) -> Non
     assert bool(problems) == (mutant != original.strip()), problems
     # An extra installed in a stage the relay image copies from is caught too.
     mutated = text.replace("COPY --from=build /opt", "COPY --from=build-sink /opt")
-    assert core_only_problems(mutated) == ["installs '.[sink]'"]
+    assert core_only_problems(mutated) == [
+        "installs 'requirements-sink.lock'",
+        "installs '.[sink]'",
+    ]
 
 
 def test_dockerfile_installs_the_lock_with_hashes_and_compiles_bytecode() -> None:
@@ -356,18 +379,30 @@ def test_the_lock_pins_every_core_dependency_with_hashes() -> None:
     import tomllib
 
     project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]
-    core = {
-        re.sub(r"[-_.]+", "-", re.split(r"[\[<>=!~;\s]", d, maxsplit=1)[0]).lower()
-        for d in project["dependencies"]
-    }
+    core = requirement_names(project["dependencies"])
     locked = lock_names()
     assert core <= locked, core - locked
     assert not locked & set(TOOLS_PACKAGES)
-    # Every pin carries a hash (pip --require-hashes refuses the file otherwise).
-    blocks = re.split(r"\n(?=[A-Za-z0-9])", LOCK.read_text().split("\n", 2)[2])
-    for block in blocks:
-        if "==" in block:
-            assert "--hash=sha256:" in block, block.splitlines()[0]
+    assert_hashed(LOCK)
+
+
+def test_the_sink_image_is_locked_alike() -> None:
+    """Issue 15 leftover: the sink lock pins the core and the `sink` extra, with hashes, at the
+    core lock's versions; the sink stage installs it with --require-hashes, then the project
+    alone."""
+    import tomllib
+
+    project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]
+    sink = requirement_names(project["optional-dependencies"]["sink"])
+    core, pins = lock_pins(LOCK), lock_pins(SINK_LOCK)
+    assert sink <= set(pins), sink - set(pins)
+    assert {name: pins.get(name) for name in core} == core  # the same versions as the relay's
+    assert_hashed(SINK_LOCK)
+    stage = stages(dockerfile())["build-sink"][1]
+    build = " ".join(rest for word, rest in stage if word == "RUN")
+    lock_at = build.index(f"--require-hashes -r {SINK_LOCK.name}")
+    assert build.index("install --no-deps '.[sink]'") > lock_at
+    assert f"deploy/{SINK_LOCK.name} ./" in [rest for word, rest in stage if word == "COPY"]
 
 
 def sink_port(command: list[str]) -> int:
@@ -377,7 +412,7 @@ def sink_port(command: list[str]) -> int:
 def test_dockerfile_sink_target() -> None:
     all_stages = stages(dockerfile())
     assert "sink" in all_stages, "a `sink` target for the reference ingress"
-    assert pip_installs(all_stages, "sink") == [LOCK.name, ".", ".[sink]"]
+    assert pip_installs(all_stages, "sink") == [LOCK.name, ".", SINK_LOCK.name, ".[sink]"]
     final = effective(all_stages, "sink")
     cmd = json.loads([rest for word, rest in final if word == "CMD"][-1])
     assert cmd[0] == "sink"

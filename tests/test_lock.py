@@ -1,5 +1,6 @@
-"""deploy/requirements.lock (issue 15 item 5) installs in a fresh venv with --require-hashes,
-as the image's build does, and gives a working core (skipped when no registry is reachable)."""
+"""deploy/requirements.lock (issue 15 item 5) and deploy/requirements-sink.lock install in a
+fresh venv with --require-hashes, as the images' builds do, and give a working core (and sink)
+(skipped when no registry is reachable)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-LOCK = Path(__file__).resolve().parent.parent / "deploy" / "requirements.lock"
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+CORE_IMPORTS = "import psycopg, psycopg_pool, anyio, httpx, tenacity, orjson, aiohttp, yarl, h11"
 
 
 def _run(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -18,7 +20,17 @@ def _run(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess
     )
 
 
-def test_the_lock_installs_with_require_hashes_in_a_fresh_venv(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("lock", "imports"),
+    [
+        ("requirements.lock", CORE_IMPORTS + ", prometheus_client"),
+        ("requirements-sink.lock", CORE_IMPORTS + ", prometheus_client, uvicorn, httptools"),
+    ],
+    ids=["relay", "sink"],
+)
+def test_the_lock_installs_with_require_hashes_in_a_fresh_venv(
+    tmp_path: Path, lock: str, imports: str
+) -> None:
     venv = tmp_path / "venv"
     made = _run(sys.executable, "-m", "venv", venv)
     assert made.returncode == 0, made.stderr
@@ -28,9 +40,8 @@ def test_the_lock_installs_with_require_hashes_in_a_fresh_venv(tmp_path: Path) -
                  timeout=120)  # fmt: skip
     if probe.returncode != 0:
         pytest.skip(f"no package registry reachable: {probe.stderr.strip()[-300:]}")
-    got = _run(pip, "install", "--require-hashes", "--no-cache-dir", "-r", LOCK)
+    got = _run(pip, "install", "--require-hashes", "--no-cache-dir", "-r", DEPLOY / lock)
     assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-2000:]
     assert _run(pip, "check").returncode == 0
-    imports = "import psycopg, psycopg_pool, anyio, httpx, tenacity, orjson, aiohttp, yarl, h11"
-    imported = _run(venv / "bin" / "python", "-c", imports + ", prometheus_client")
+    imported = _run(venv / "bin" / "python", "-c", imports)
     assert imported.returncode == 0, imported.stderr
