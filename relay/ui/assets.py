@@ -21,7 +21,8 @@ padding:.5em 1em;min-width:9em}.card b{display:block;font-size:1.3em}
 .bad b{color:#cf222e}svg{background:#fff;box-shadow:0 0 0 1px #d0d7de}
 .critical{stroke:#cf222e}.ordinary{stroke:#0969da}polyline{fill:none;stroke-width:2}
 pre{background:#fff;box-shadow:0 0 0 1px #d0d7de;padding:.6em;overflow-x:auto}
-.legend span{margin-right:1em}.empty{color:#57606a}
+.legend span{margin-right:1em}.legend .critical{color:#cf222e}.legend .ordinary{color:#0969da}
+.axis{font-size:11px;fill:#57606a}.empty{color:#57606a}
 """
 
 SCRIPT = """

@@ -77,6 +77,8 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
             f'<polyline id="line-{lane}" class="{lane}" points="{esc(chart[lane])}"/>'
             for lane in LANES
         )
+        + f'<text class="axis" x="4" y="{CHART_H - 4}">15 min ago</text>'
+        + f'<text class="axis" x="{CHART_W - 4}" y="{CHART_H - 4}" text-anchor="end">now</text>'
         + "</svg>"
     )
     offset = int(view.get("blocked_offset") or 0)
