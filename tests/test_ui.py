@@ -293,3 +293,95 @@ async def test_ui_token_guards_the_page_not_the_probes(
         async with httpx.AsyncClient(base_url=base, timeout=30) as client:
             client.cookies.set("relay_ui_token", TOKEN)
             assert (await client.get("/")).status_code == 200
+
+
+# -- the SQL behind it --------------------------------------------------------------------------
+
+
+def test_report_replica_updates_only_an_existing_row(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    def report(owner: str, doc: Any, ttl: float = 60.0) -> Any:
+        row = conn.execute(
+            q(schema, "select {s}.report_replica(%s, %s::jsonb, %s)"),
+            (owner, json.dumps(doc), ttl),
+        ).fetchone()
+        assert row is not None
+        return row[0]
+
+    lanes = {"lanes": {"ordinary": {"delivered": 5}, "critical": {"delivered": 2}}}
+    # No liveness row, no report: a report must never make an owner look like a dead replica.
+    assert report("ghost", lanes) == {}
+    assert count_rows(conn, schema) == 0
+    conn.execute(q(schema, "insert into {s}.replicas (owner) values ('a'), ('b')"))
+    assert report("a", lanes) == {"a": {"critical": 2, "ordinary": 5}}
+    assert report("b", {"lanes": {}}) == {
+        "a": {"critical": 2, "ordinary": 5},
+        "b": {"critical": 0, "ordinary": 0},
+    }
+    conn.execute(q(schema, "update {s}.replicas set reported_at = now() - interval '1 hour'"))
+    assert report("b", {}, 60.0) == {"b": {"critical": 0, "ordinary": 0}}  # a is stale
+    for bad in ([1], "x", {"big": "y" * 9000}):
+        with pytest.raises(psycopg.errors.InvalidParameterValue):
+            report("a", bad)
+    status = conn.execute(q(schema, "select {s}.ui_status(50, 0, 60)")).fetchone()
+    assert status is not None
+    reports = status[0]["reports"]
+    assert reports["a"]["stale"] is True and reports["b"]["stale"] is False
+
+
+def count_rows(conn: psycopg.Connection[Any], schema: str) -> int:
+    row = conn.execute(q(schema, "select count(*) from {s}.replicas")).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_ui_status_pages_blocked_runs(conn: psycopg.Connection[Any], schema: str) -> None:
+    for i in range(5):
+        run = f"p{i}"
+        enqueue(conn, schema, run, 1, "x")
+        conn.execute(
+            q(schema, "update {s}.events set state = 'failed', last_status = 422,"
+                      " failed_at = clock_timestamp() + %s * interval '1 s' where run_id = %s"),
+            (i, run),
+        )  # fmt: skip
+        conn.execute(q(schema, "update {s}.runs set blocked_seq = 1 where run_id = %s"), (run,))
+
+    def page(limit: int, offset: int) -> list[str]:
+        row = conn.execute(
+            q(schema, "select {s}.ui_status(%s, %s, 60)"), (limit, offset)
+        ).fetchone()
+        assert row is not None
+        assert row[0]["blocked"]["runs"] == 5  # the totals are the whole database's
+        return [b["run_id"] for b in row[0]["blocked_runs"]]
+
+    assert page(2, 0) == ["p0", "p1"]
+    assert page(2, 2) == ["p2", "p3"]
+    assert page(2, 4) == ["p4"]
+    assert page(2, 99) == []
+    assert page(-1, -5) == []
+
+
+async def test_each_replica_reports_its_ingress_health(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    s.faults.set_default(401)  # misconfigured: the lane pauses
+    enqueue(conn, schema, "m1", 1, "x")
+    cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0", max_backoff="0.5s")
+    async with Relay(cfg).running() as r:
+        assert r.endpoints is not None
+        base = f"http://127.0.0.1:{r.endpoints.port}"
+
+        async def ingress() -> str:
+            await report_now(r)
+            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                fleet = (await client.get("/api/status")).json()["fleet"]
+            [me] = [f for f in fleet if f["this"]]
+            return str(me["ingress"])
+
+        await wait_for(lambda: not r.health.ingress_ok, what="misconfigured")
+        assert await ingress() == "misconfigured"
+        s.faults.set_default(None)
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="recovered")
+        assert await ingress() == "recovering"

@@ -61,6 +61,9 @@ SCRIPT = """
         el.textContent = f[k];
       });
     });
+    document.querySelectorAll("[data-alarm]").forEach(function (el) {
+      el.classList.toggle("bad", f[el.getAttribute("data-alarm")] !== "0");
+    });
     rows("blocked-rows", view.blocked);
     rows("fleet-rows", view.fleet);
     ["critical", "ordinary"].forEach(function (lane) {

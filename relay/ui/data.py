@@ -32,14 +32,18 @@ RECOVERING_FOR = 60.0  # seconds an ingress counts as "recovering" after it was 
 class Data:
     def __init__(self, query: Query, schema: str) -> None:
         self._query = query
-        self.queries = 0  # statements sent (tests and docs: queries per refresh)
+        self.queries = 0  # statements sent for pages (tests and docs: queries per refresh)
+        self.reports = 0  # report statements sent (the probe loop's, one per refresh interval)
         s = sql.Identifier(schema)
         self._status = sql.SQL("select {}.ui_status(%s, %s, %s)::text").format(s)
         self._run = sql.SQL("select {}.ui_run(%s, %s, %s)::text").format(s)
         self._report = sql.SQL("select {}.report_replica(%s, %s::jsonb, %s)::text").format(s)
 
     async def _one(self, query: sql.Composed, params: Sequence[Any]) -> Any:
-        self.queries += 1
+        if query is self._report:
+            self.reports += 1
+        else:
+            self.queries += 1
         rows = await self._query(query, params)
         return orjson.loads(rows[0][0])
 

@@ -39,6 +39,18 @@ def _cell(value: Cell) -> str:
     return f"<td>{esc(value)}</td>"
 
 
+def _card(figures: dict[str, str], key: str, label: str, alarm: bool) -> str:
+    """A figure with its label; an `alarm` card turns red while its figure is not 0 (the
+    script keeps that up to date)."""
+    if not alarm:
+        return f'<div class="card"><b>{_fig(figures, key)}</b>{esc(label)}</div>'
+    bad = " bad" if figures.get(key) != "0" else ""
+    return (
+        f'<div class="card{bad}" data-alarm="{esc(key)}">'
+        f"<b>{_fig(figures, key)}</b>{esc(label)}</div>"
+    )
+
+
 def _table(head: tuple[str, ...], rows: list[list[Cell]], body_id: str, empty: str) -> str:
     th = "".join(f"<th>{esc(h)}</th>" for h in head)
     trs = "".join("<tr>" + "".join(_cell(c) for c in r) + "</tr>" for r in rows)
@@ -88,8 +100,8 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
     if len(view["blocked"]) >= page_size:
         pager.append(f'<a href="/?offset={offset + page_size}">older failures</a>')
     cards = "".join(
-        f'<div class="card{" bad" if bad else ""}"><b>{_fig(f, key)}</b>{esc(label)}</div>'
-        for key, label, bad in (
+        _card(f, key, label, alarm)
+        for key, label, alarm in (
             ("blocked.runs", "blocked runs", True),
             ("blocked.events", "failed events", True),
             ("blocked.held", "events held behind them", False),
