@@ -159,6 +159,13 @@ def test_pages_escape_every_value(run_id: str) -> None:
     assert quote(run_id[:50], safe="") in html  # the link, quoted
 
 
+def test_run_page_links_to_its_next_events() -> None:
+    run = {"run_id": "a/b", "blocked_seq": None, "epoch": None}
+    events = [{"seq": i, "event_id": f"e{i}", "state": "delivered"} for i in range(1, 4)]
+    assert 'href="/runs/a%2Fb?from_seq=4"' in run_page({"run": run, "events": events}, 3).decode()
+    assert "from_seq" not in run_page({"run": run, "events": events}, 4).decode()
+
+
 # -- a real relay -------------------------------------------------------------------------------
 
 

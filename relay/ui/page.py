@@ -9,7 +9,7 @@ from typing import Any
 
 from relay.ui.assets import CSS, SCRIPT
 from relay.ui.series import LANES
-from relay.ui.view import CHART_H, CHART_W, Cell, commands, run_figures, run_rows
+from relay.ui.view import CHART_H, CHART_W, Cell, commands, run_figures, run_href, run_rows
 
 BLOCKED_HEAD = (
     "run", "failed event", "seq", "HTTP status", "body excerpt", "attempts", "failed at", "held",
@@ -142,7 +142,10 @@ def run_page(doc: dict[str, Any], limit: int) -> bytes:
     cmds = "\n".join(commands(run, events))
     more = ""
     if len(events) >= limit:
-        more = f"<p>Showing the first {limit} events from the requested seq.</p>"
+        after = int(events[-1]["seq"]) + 1
+        href = f"{run_href(run['run_id'])}?from_seq={after}"
+        more = f'<p>{limit} events shown. <a id="more" href="{esc(href)}">The next ones</a></p>'
+
     body = (
         '<p><a href="/">← status</a></p>'
         f'<h1>Run <span id="run-id">{esc(f["run_id"])}</span></h1>'
