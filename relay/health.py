@@ -19,11 +19,14 @@ the database themselves.
 
 The server is the lightest that is correct: an anyio TCP listener with h11 (already under
 httpx), one request per connection, bounded in time, no keep-alive.
+
+The same address serves the read-only status page (relay/ui/: `/`, `/runs/...`, `/api/...`),
+behind `ui_token` when one is set; the probe loop also writes this replica's report for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
@@ -38,13 +41,16 @@ from relay import logs
 from relay.migrate import read_version, version_problem
 from relay.progress import RelayView, loops_alive, stall_limit
 from relay.settings import Settings
+from relay.ui.data import Data
+from relay.ui.web import Request, Response, StatusPage
 
 if TYPE_CHECKING:
     from relay.metrics import Metrics
     from relay.store import Store
 
 REQUEST_DEADLINE = 10.0
-MAX_REQUEST = 16 * 1024
+# Room for a run page's URL: a 10 kB run id percent-encoded, plus headers.
+MAX_REQUEST = 64 * 1024
 # The readiness probe has its own short deadline and period, apart from the backlog refresh:
 # /readyz turns not-ready within about two seconds of losing the database (and back as soon).
 READY_PROBE_INTERVAL = 1.0
@@ -99,6 +105,12 @@ class Endpoints:
         self.schema_problem: str | None = "not checked yet"
         self.probes = 0
         self.port = 0
+        self.page = StatusPage(
+            Data(lambda query, params: self.store.query(query, params), settings.schema),
+            replica_id=settings.replica_id,
+            token=settings.ui_token,
+            refresh_seconds=min(5.0, max(1.0, refresh_interval(settings) / 2)),
+        )
 
     # liveness and readiness
 
@@ -132,6 +144,9 @@ class Endpoints:
             await self.probe(refresh=due)
             if due:
                 refreshed = now
+                if self.database and self.schema_problem is None:
+                    with anyio.move_on_after(self.store.deadline):
+                        await self.page.report(self.view.lanes(), self.metrics.recent_lag)
 
     async def probe(self, *, refresh: bool = True) -> None:
         """Read the schema version within READY_PROBE_DEADLINE and record reachability; then,
@@ -195,8 +210,15 @@ class Endpoints:
             return (200 if ok else 503), "application/json", body
         return 404, "text/plain; charset=utf-8", b"not found\n"
 
+    async def dispatch(self, request: Request) -> Response:
+        """The status page's paths to the page; the probes' and the scrape's to `route`."""
+        if self.page.handles(request.path):
+            return await self.page.handle(request)
+        accept = request.headers.get("accept", "")
+        return Response(*self.route(request.method, request.path, accept))
+
     async def handle(self, stream: SocketStream) -> None:
-        await answer(stream, self.route)
+        await answer_request(stream, self.dispatch)
 
 
 def waiting_route(method: str, path: str, _accept: str) -> tuple[int, str, bytes]:
@@ -219,6 +241,29 @@ async def answer(
     stream: SocketStream, route: Callable[[str, str, str], tuple[int, str, bytes]]
 ) -> None:
     """One request on `stream`, answered by `route(method, path, accept)`."""
+
+    async def respond(request: Request) -> Response:
+        accept = request.headers.get("accept", "")
+        return Response(*route(request.method, request.path, accept))
+
+    await answer_request(stream, respond)
+
+
+def _headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in raw:
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        if key in out:
+            text = out[key] + ("; " if key == "cookie" else ", ") + text
+        out[key] = text
+    return out
+
+
+async def answer_request(
+    stream: SocketStream, respond: Callable[[Request], Awaitable[Response]]
+) -> None:
+    """One request on `stream`, answered by `respond(request)`."""
     async with stream:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST)
         with anyio.move_on_after(REQUEST_DEADLINE):
@@ -228,20 +273,22 @@ async def answer(
                 return
             if request is None:
                 return
-            path = request.target.decode("latin-1").split("?", 1)[0]
-            accept = dict(request.headers).get(b"accept", b"").decode("latin-1")
             method = request.method.decode("latin-1")
-            status, content_type, body = route(method, path, accept)
+            incoming = Request(
+                method, request.target.decode("latin-1"), _headers(list(request.headers))
+            )
+            out = await respond(incoming)
             headers = [
-                ("content-type", content_type),
-                ("content-length", str(len(body))),
+                ("content-type", out.content_type),
+                ("content-length", str(len(out.body))),
                 ("cache-control", "no-store"),
                 ("connection", "close"),
+                *out.headers,
             ]
             try:
-                await stream.send(conn.send(h11.Response(status_code=status, headers=headers)))
+                await stream.send(conn.send(h11.Response(status_code=out.status, headers=headers)))
                 if method != "HEAD":
-                    await stream.send(conn.send(h11.Data(data=body)))
+                    await stream.send(conn.send(h11.Data(data=out.body)))
                 await stream.send(conn.send(h11.EndOfMessage()))
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 return

@@ -71,6 +71,7 @@ class LaneView:
     turns: int  # discovery loop turns (liveness)
     turned_at: float  # monotonic time of the last turn
     misconfigured: bool  # the ingress answered "misconfigured" and has not recovered since
+    renewals: int = 0  # leases renewed while their POST was on the wire
 
 
 class Lane:
@@ -151,6 +152,7 @@ class Lane:
             turns=self.turns,
             turned_at=self.turned_at,
             misconfigured=self.delivery.misconfigured > 0,
+            renewals=self.delivery.renewer.renewed,
         )
 
     # -- wakes ------------------------------------------------------------------------------

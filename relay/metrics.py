@@ -18,6 +18,7 @@ never collide in the global one.
 from __future__ import annotations
 
 import platform
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ from relay import __version__
 from relay.ingress import RequestObserver
 from relay.progress import ListenerView
 from relay.store import AckResult
+from relay.ui.series import LagWindow
 
 if TYPE_CHECKING:
     from relay.lane import LaneView
@@ -248,16 +250,20 @@ class Metrics:
             self.lag.labels(lane)
             self.request_seconds.labels(lane)
         r.register(_StatsCollector(self))
+        # The last 15 minutes of lags per lane, for the status page's p50/p99 (relay/ui/).
+        self.recent_lag = {lane: LagWindow() for lane in LANES}
 
     # -- observers (handed to each lane at construction) --------------------------------------
 
     def ack_observer(self, lane: str) -> Callable[[AckResult], None]:
         """For `Lane(observe_ack=...)`: the commit-to-ack lag of each acknowledged batch."""
         histogram = self.lag.labels(lane)
+        recent = self.recent_lag.setdefault(lane, LagWindow())
 
         def observe(result: AckResult) -> None:
             if result.acked and result.lag_seconds is not None:
                 histogram.observe(max(0.0, result.lag_seconds))
+                recent.add(time.monotonic(), max(0.0, result.lag_seconds))
 
         return observe
 

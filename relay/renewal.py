@@ -54,6 +54,7 @@ class Renewer:
         self.store = store
         self.interval = renew_interval(lease_ttl)
         self._renewals: set[Renewal] = set()
+        self.renewed = 0  # leases renewed (the status page's "renewals")
 
     def renewing(self, claims: list[Claim]) -> Renewal:
         return Renewal(claims, self._renewals)
@@ -61,6 +62,7 @@ class Renewer:
     async def renew(self, claims: Sequence[Claim]) -> set[str]:
         """Renew these leases now; returns the run ids renewed (their trust windows moved)."""
         trusts = await self.store.renew(claims)
+        self.renewed += len(trusts)
         for c in claims:
             trust = trusts.get(c.run_id)
             if trust is not None:

@@ -41,6 +41,10 @@ RELAY_FUNCTIONS = (
     "prune",
     "backlog",
     "hold_liveness",
+    # the status page (issue 17): its replica report and its two read-only queries
+    "report_replica",
+    "ui_status",
+    "ui_run",
 )
 # table -> columns the relay role may SELECT (None: the whole table)
 RELAY_SELECT: dict[str, tuple[str, ...] | None] = {

@@ -133,6 +133,7 @@ class Settings:
     retention: float = 86400.0
     statement_timeout: float = 10.0
     metrics_addr: str | None = None
+    ui_token: Secret | None = None
     log_format: str = "json"
     log_level: str = "info"
     replica_id: str = field(default_factory=_default_replica_id)
@@ -149,7 +150,7 @@ class Settings:
 
 
 SECRET_OPTIONS = frozenset(
-    {"database_url", "listen_database_url", "ingress_token", "signing_secret"}
+    {"database_url", "listen_database_url", "ingress_token", "signing_secret", "ui_token"}
 )
 
 
@@ -324,6 +325,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "retention": _duration_in(0.0, 365 * 86400.0),
     "statement_timeout": _duration_in(0.1, 600.0),
     "metrics_addr": _addr,
+    "ui_token": lambda t: Secret(t.strip()),
     "log_format": _choice("json", "text"),
     "log_level": _choice("debug", "info", "warning", "error"),
     "replica_id": lambda t: t,

@@ -177,6 +177,11 @@ class Store:
         ).format(s)
         self._prune = sql.SQL("select {}.prune(make_interval(secs => %s), %s)").format(s)
 
+    async def query(self, query: sql.Composed, params: Sequence[Any]) -> list[TupleRow]:
+        """One statement in its own transaction, bounded like every other (the status page's
+        reads, relay/ui/data.py): BEGIN, the bounds, the statement and COMMIT in one message."""
+        return await self._call(query, params)
+
     async def _call(self, query: sql.Composed, params: Sequence[Any]) -> list[TupleRow]:
         async with self.pool.connection() as conn:
             try:

@@ -17,14 +17,17 @@ if [ ! -x .venv/bin/relay ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; the
 fi
 
 # The skewed-clock fault scenario needs libfaketime (Debian `faketime`); the alert rules' unit
-# tests need promtool (Debian `prometheus`). Best effort, as root with apt: without them those
-# tests are skipped with their reason, nothing else changes.
+# tests need promtool (Debian `prometheus`); the status page's browser tests need Chromium and
+# its driver (Debian `chromium`, `chromium-driver`). Best effort, as root with apt: without them
+# those tests are skipped with their reason, nothing else changes.
 want_pkgs=()
 command -v faketime >/dev/null 2>&1 || want_pkgs+=(faketime)
 command -v promtool >/dev/null 2>&1 || want_pkgs+=(prometheus)
+[ -x /usr/bin/chromium ] || want_pkgs+=(chromium)
+[ -x /usr/bin/chromedriver ] || want_pkgs+=(chromium-driver)
 if [ "${#want_pkgs[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    timeout 120 apt-get install -y -q --no-install-recommends "${want_pkgs[@]}" >/dev/null 2>&1 \
-        || { timeout 120 apt-get update -q >/dev/null 2>&1 && timeout 120 apt-get install -y -q --no-install-recommends "${want_pkgs[@]}" >/dev/null 2>&1; } \
+    timeout 300 apt-get install -y -q --no-install-recommends "${want_pkgs[@]}" >/dev/null 2>&1 \
+        || { timeout 120 apt-get update -q >/dev/null 2>&1 && timeout 300 apt-get install -y -q --no-install-recommends "${want_pkgs[@]}" >/dev/null 2>&1; } \
         || echo "note: ${want_pkgs[*]} could not be installed; the tests needing them will be skipped"
 fi
 

@@ -32,6 +32,7 @@ CANARY = "CANARY" + uuid.uuid4().hex[:12]
 DB_PASSWORD = f"pw-{CANARY}-db"
 TOKEN = f"tok-{CANARY}-ingress"
 URL_PASSWORD = f"up-{CANARY}-url"
+UI_TOKEN = f"ui-{CANARY}-page"
 # A whsec secret cannot be made to contain the canary once decoded; its text is searched for
 # instead, with its key (base64) too.
 SIGNING_KEY = base64.b64encode(os.urandom(24)).decode()
@@ -111,6 +112,7 @@ async def test_canary_in_process(
             with_userinfo(url),
             ingress_token=TOKEN,
             signing_secret=SIGNING_SECRET,
+            ui_token=UI_TOKEN,
             metrics_addr="127.0.0.1:0",
             max_backoff="0.5s",
             log_level="debug",
@@ -127,6 +129,15 @@ async def test_canary_in_process(
                 for path in ("/metrics", "/readyz", "/healthz"):
                     got = await client.get(f"http://127.0.0.1:{r.endpoints.port}{path}")
                     assert_clean(got.text, path)
+                # The status page, as the relay role serves it (its grants suffice).
+                bearer = {"authorization": f"Bearer {UI_TOKEN}"}
+                for path in ("/", "/api/status", "/runs/c1", "/api/runs/c1", "/x"):
+                    got = await client.get(
+                        f"http://127.0.0.1:{r.endpoints.port}{path}", headers=bearer
+                    )
+                    assert got.status_code == (404 if path == "/x" else 200), path
+                    assert_clean(got.text, path)
+                    assert_clean(str(got.headers), path)
         # The request really carried the secrets (so the test would see a leak of them).
         headers = s.state.received[-1]["headers"]
         assert "authorization" in headers and "webhook-signature" in headers

@@ -4,10 +4,12 @@ subprocess against the test database."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import orjson
 import psycopg
 import pytest
@@ -126,18 +128,37 @@ def test_demo_end_to_end(pg_url: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
     env["RELAY_DATABASE_URL"] = pg_url
     cmd = [sys.executable, "-m", "relay.cli", "demo", "--runs", "150", "--json", str(out)]
+    lines: list[str] = []
+    pages: dict[str, int] = {}  # when -> the status page's answer
     try:
-        proc = subprocess.run(
-            [*cmd, "--schema", schema, "--timeout", "240"],
-            env=env,
-            capture_output=True,
+        with subprocess.Popen(
+            [*cmd, "--schema", schema, "--timeout", "240", "--linger", "2"],
+            env={**env, "COLUMNS": "200"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-            timeout=300,
-        )
+        ) as proc:
+            assert proc.stdout is not None
+            url = None
+            for line in proc.stdout:
+                lines.append(line)
+                if m := re.search(r"status page: (http://\S+/)", line):
+                    url = m.group(1)
+                if url and "stays up" in line:
+                    pages["linger"] = httpx.get(url + "api/status", timeout=30).status_code
+                elif url and "running" not in pages:
+                    try:
+                        pages["running"] = httpx.get(url, timeout=30).status_code
+                    except httpx.TransportError:
+                        pass  # the replica is still starting: try again at the next line
+            proc.wait(300)
     finally:
         with psycopg.connect(pg_url, autocommit=True) as conn:
             conn.execute(sql.SQL("drop schema if exists {} cascade").format(sql.Identifier(schema)))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    output = "".join(lines)
+    assert proc.returncode == 0, output
+    assert url is not None, output
+    assert pages == {"running": 200, "linger": 200}, output
     report = orjson.loads(out.read_bytes())
     assert report["lost"] == 0
     assert report["order_violations"] == 0

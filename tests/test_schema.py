@@ -105,6 +105,9 @@ EXPECTED_COLUMNS = {
         ("seen_at", "timestamp with time zone", True),
         # 0004: the incarnation of the process holding the lock
         ("incarnation", "text", False),
+        # 0005_replica_reports: what each replica reports for the status page (issue 17)
+        ("reported_at", "timestamp with time zone", False),
+        ("report", "jsonb", False),
     ],
     "schema_migrations": [
         ("version", "integer", True),

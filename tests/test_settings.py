@@ -476,6 +476,16 @@ def test_describe_masks_database_password_and_tokens() -> None:
     assert WHSEC not in text
 
 
+def test_ui_token_is_a_secret(tmp_path: Path) -> None:
+    assert load_env().ui_token is None  # the status page is open unless a token is set
+    f = tmp_path / "ui"
+    f.write_text("  page-token-123\n")
+    s = load_env(RELAY_UI_TOKEN_FILE=str(f))
+    assert s.ui_token == Secret("page-token-123")
+    assert describe(s)["ui_token"] == "***"
+    assert "page-token-123" not in repr(s) + str(describe(s))
+
+
 def test_describe_without_optional_secrets() -> None:
     d = describe(load_env())
     assert d["listen_database_url"] is None

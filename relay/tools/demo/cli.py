@@ -70,6 +70,12 @@ def parse_args(argv: Sequence[str]) -> Options:
         default=None,
         help="use this PostgreSQL instead of an embedded one [RELAY_DATABASE_URL]",
     )
+    p.add_argument(
+        "--linger",
+        type=float,
+        default=0.0,
+        help="seconds to keep the replicas and their status pages up after delivery (default 0)",
+    )
     a = p.parse_args(argv)
     if a.runs < 1:
         p.error("--runs must be at least 1")
@@ -77,6 +83,8 @@ def parse_args(argv: Sequence[str]) -> Options:
         p.error("--replicas must be at least 1")
     if a.rate is not None and a.rate < 0:
         p.error("--rate must be positive (0: unpaced)")
+    if a.linger < 0:
+        p.error("--linger must be 0 or more seconds")
     if a.producers < 1:
         p.error("--producers must be at least 1")
     try:
@@ -93,6 +101,7 @@ def parse_args(argv: Sequence[str]) -> Options:
         seed=a.seed if a.seed is not None else random.randrange(2**31),
         json_path=a.json_path,
         database_url=a.database_url or os.environ.get("RELAY_DATABASE_URL") or None,
+        linger=a.linger,
     )
 
 

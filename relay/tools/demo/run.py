@@ -7,6 +7,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import tempfile
 import threading
@@ -63,6 +64,7 @@ class Options:
     seed: int
     json_path: Path | None
     database_url: str | None
+    linger: float = 0.0  # seconds the replicas (and their status pages) stay up after delivery
 
 
 class Demo:
@@ -81,6 +83,7 @@ class Demo:
         self.clock_offset = 0.0  # database clock minus this machine's
         self.deadline = float("inf")
         self.live_rate = 0.0
+        self.page_urls: list[str] = []  # each replica's status page (relay/ui/)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -139,6 +142,7 @@ class Demo:
             )  # fmt: skip
             pace = f"{self.live_rate:,.0f}/s" if self.live_rate > 0 else "unpaced"
             self._wait_acked(progress, enq, dlv, total, sink, f"live, {pace}")
+        self._linger()
         codes = self._stop_replicas()
         return self._report(plans, sink, codes, time.monotonic() - started)
 
@@ -202,11 +206,31 @@ class Demo:
                 "RELAY_LOG_LEVEL": "warning",
                 "RELAY_REPLICA_ID": f"demo-{tag}-{i + 1}",
             }
+            port = _free_port()
+            env["RELAY_METRICS_ADDR"] = f"127.0.0.1:{port}"
+            self.page_urls.append(f"http://127.0.0.1:{port}/")
             path = self.tmp / "logs" / f"replica-{i + 1}.log"
             self.replicas.append(Replica(i + 1, env, path))
         self.console.print(
             f"started {self.o.replicas} relay replicas (logs in {self.tmp / 'logs'})"
         )
+        others = (
+            f" (every replica serves one: {', '.join(self.page_urls[1:])})"
+            if len(self.page_urls) > 1
+            else ""
+        )
+        self.console.print(f"status page: {self.page_urls[0]}{others}", soft_wrap=True)
+
+    def _linger(self) -> None:
+        """Keep the replicas, and so their status pages, up for --linger seconds."""
+        if self.o.linger <= 0:
+            return
+        self.console.print(
+            f"everything delivered; the status page stays up for {self.o.linger:g} s at "
+            f"{self.page_urls[0]} (Ctrl-C stops everything)",
+            soft_wrap=True,
+        )
+        time.sleep(self.o.linger)
 
     def _wait_acked(
         self,
@@ -352,6 +376,14 @@ class Demo:
             TimeElapsedColumn(),
             console=self.console,
         )
+
+
+def _free_port() -> int:
+    """A free local TCP port for a replica's metrics_addr (a moment's race with other
+    programs is acceptable for a demo: the replica then fails to start and says why)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _clock_offset(conn: psycopg.Connection[Any], samples: int = 5) -> float:

@@ -1,0 +1,166 @@
+"""The HTML of the status page and the run page (pure). Every value goes through `esc`
+(html.escape, quotes included) whether it is an id, an excerpt or a figure; markup comes only
+from the literals here. The refreshing script and the styles are assets.py's constants."""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any
+
+from relay.ui.assets import CSS, SCRIPT
+from relay.ui.series import LANES
+from relay.ui.view import CHART_H, CHART_W, Cell, commands, run_figures, run_href, run_rows
+
+BLOCKED_HEAD = (
+    "run", "failed event", "seq", "HTTP status", "body excerpt", "attempts", "failed at", "held",
+)  # fmt: skip
+FLEET_HEAD = (
+    "replica", "liveness", "runs held", "next lease expiry", "renewals", "delivered",
+    "ingress", "last report",
+)  # fmt: skip
+RUN_HEAD = (
+    "seq", "event id", "type", "state", "attempts", "HTTP status", "last error",
+    "lease owner", "lease expires",
+)  # fmt: skip
+
+
+def esc(value: object) -> str:
+    return escape(str(value), quote=True)
+
+
+def _fig(figures: dict[str, str], key: str, cls: str = "") -> str:
+    c = f' class="{cls}"' if cls else ""
+    return f'<span data-k="{esc(key)}"{c}>{esc(figures.get(key, "-"))}</span>'
+
+
+def _cell(value: Cell) -> str:
+    if isinstance(value, list):
+        return f'<td><a href="{esc(value[1])}">{esc(value[0])}</a></td>'
+    return f"<td>{esc(value)}</td>"
+
+
+def _card(figures: dict[str, str], key: str, label: str, alarm: bool) -> str:
+    """A figure with its label; an `alarm` card turns red while its figure is not 0 (the
+    script keeps that up to date)."""
+    if not alarm:
+        return f'<div class="card"><b>{_fig(figures, key)}</b>{esc(label)}</div>'
+    bad = " bad" if figures.get(key) != "0" else ""
+    return (
+        f'<div class="card{bad}" data-alarm="{esc(key)}">'
+        f"<b>{_fig(figures, key)}</b>{esc(label)}</div>"
+    )
+
+
+def _table(head: tuple[str, ...], rows: list[list[Cell]], body_id: str, empty: str) -> str:
+    th = "".join(f"<th>{esc(h)}</th>" for h in head)
+    trs = "".join("<tr>" + "".join(_cell(c) for c in r) + "</tr>" for r in rows)
+    hidden = " hidden" if rows else ""
+    return (
+        f'<table><thead><tr>{th}</tr></thead><tbody id="{body_id}">{trs}</tbody></table>'
+        f'<p id="{body_id}-empty" class="empty"{hidden}>{esc(empty)}</p>'
+    )
+
+
+def _doc(title: str, body: str, attrs: str = "") -> bytes:
+    return (
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f'<meta name="referrer" content="no-referrer"><title>{esc(title)}</title>'
+        f"<style>{CSS}</style></head><body{attrs}>{body}<script>{SCRIPT}</script></body></html>\n"
+    ).encode()
+
+
+def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) -> bytes:
+    f = view["figures"]
+    lanes = "".join(
+        f"<tr><td>{esc(lane)}</td>"
+        + "".join(
+            f'<td class="n">{_fig(f, f"{lane}.{k}")}</td>'
+            for k in ("runs", "events", "oldest", "rate", "lag_p50", "lag_p99")
+        )
+        + "</tr>"
+        for lane in LANES
+    )
+    chart = view["chart"]
+    svg = (
+        f'<svg id="chart" width="{CHART_W}" height="{CHART_H}" viewBox="0 0 {CHART_W} {CHART_H}"'
+        ' role="img" aria-label="delivery rate per lane, last 15 minutes">'
+        + "".join(
+            f'<polyline id="line-{lane}" class="{lane}" points="{esc(chart[lane])}"/>'
+            for lane in LANES
+        )
+        + f'<text class="axis" x="4" y="{CHART_H - 4}">15 min ago</text>'
+        + f'<text class="axis" x="{CHART_W - 4}" y="{CHART_H - 4}" text-anchor="end">now</text>'
+        + "</svg>"
+    )
+    offset = int(view.get("blocked_offset") or 0)
+    pager = []
+    if offset > 0:
+        pager.append(f'<a href="/?offset={max(0, offset - page_size)}">newer failures</a>')
+    if len(view["blocked"]) >= page_size:
+        pager.append(f'<a href="/?offset={offset + page_size}">older failures</a>')
+    cards = "".join(
+        _card(f, key, label, alarm)
+        for key, label, alarm in (
+            ("blocked.runs", "blocked runs", True),
+            ("blocked.events", "failed events", True),
+            ("blocked.held", "events held behind them", False),
+            ("blocked.oldest", "oldest failure", False),
+            ("delivered_last_minute", "delivered in the last minute", False),
+            ("expired_leases", "expired leases", False),
+            ("table_bytes", "outbox tables", False),
+        )
+    )
+    body = (
+        "<h1>ledger-relay</h1>"
+        f'<p class="meta">served by {_fig(f, "replica_id")} · database time {_fig(f, "db_now")}'
+        ' · <span id="updated">as rendered</span> · read-only</p>'
+        f'<div class="cards">{cards}</div>'
+        '<h2>Lanes</h2><table><thead><tr><th>lane</th><th class="n">runs</th>'
+        '<th class="n">pending events</th><th class="n">oldest pending</th>'
+        '<th class="n">delivery rate</th><th class="n">lag p50</th><th class="n">lag p99</th>'
+        f'</tr></thead><tbody id="lanes">{lanes}</tbody></table>'
+        '<h2>Delivery rate, last 15 minutes (events/s, whole fleet)</h2><p class="legend">'
+        '<span class="critical">━ critical</span><span class="ordinary">━ ordinary</span>'
+        f'<span>max <span id="chart-max">{esc(chart["max"])}</span></span></p>{svg}'
+        f"<h2>Blocked runs (from #{offset + 1}, oldest failure first)</h2>"
+        + _table(BLOCKED_HEAD, view["blocked"], "blocked-rows", "No blocked runs.")
+        + f'<p class="pager">{" · ".join(pager)}</p>'
+        "<h2>Replicas</h2>"
+        + _table(FLEET_HEAD, view["fleet"], "fleet-rows", "No replica has reported yet.")
+        + '<p class="meta">Lag: commit to ack, the worst replica\'s percentile over its last'
+        " 15 minutes. Liveness: the replica's session holds its lock. Reports come from each"
+        " replica's health loop through the database.</p>"
+    )
+    attrs = f' data-refresh="{esc(refresh_seconds)}" data-offset="{offset}" data-updates="0"'
+    return _doc("ledger-relay status", body, attrs)
+
+
+def run_page(doc: dict[str, Any], limit: int) -> bytes:
+    run, events = doc["run"], doc["events"]
+    f = run_figures(run)
+    cmds = "\n".join(commands(run, events))
+    more = ""
+    if len(events) >= limit:
+        after = int(events[-1]["seq"]) + 1
+        href = f"{run_href(run['run_id'])}?from_seq={after}"
+        more = f'<p>{limit} events shown. <a id="more" href="{esc(href)}">The next ones</a></p>'
+
+    body = (
+        '<p><a href="/">← status</a></p>'
+        f'<h1>Run <span id="run-id">{esc(f["run_id"])}</span></h1>'
+        f'<p id="run-state">{esc(f["state"])}</p>'
+        f'<p class="meta">epoch {esc(f["epoch"])} · lease owner {esc(f["lease_owner"])}'
+        f" until {esc(f['lease_expires_at'])} · next attempt {esc(f['next_attempt_at'])}"
+        f" · {esc(f['counts'])}</p>"
+        "<h2>Events (seq order)</h2>"
+        + _table(RUN_HEAD, run_rows(run, events), "run-events", "No events (pruned).")
+        + more
+        + "<h2>Commands</h2><p>To act on this run from a shell with database access:</p>"
+        f'<pre id="commands">{esc(cmds)}</pre>'
+    )
+    return _doc(f"run {f['run_id'][:80]} · ledger-relay", body)
+
+
+def message_page(status: int, text: str) -> bytes:
+    return _doc(f"{status} · ledger-relay", f'<p><a href="/">← status</a></p><p>{esc(text)}</p>')

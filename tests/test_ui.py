@@ -1,0 +1,394 @@
+"""The status page (issue 17) over plain HTTP: its pure parts (series, escaping, quoting, the
+token), then a real relay with traffic and a poisoned run behind a hostile id: the JSON matches
+`relay status --json`, the blocked run and its run page show, every value is escaped, unknown
+runs are 404, each refresh costs one statement, and ui_token guards the page but not the
+probes. The browser tests are tests/test_ui_browser.py."""
+
+from __future__ import annotations
+
+import html as html_lib
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import psycopg
+import pytest
+
+from relay.lane import LaneStats, LaneView
+from relay.runner import Relay
+from relay.settings import Secret
+from relay.tools.sink import Sink
+from relay.ui.data import build_report, ingress_state, shape_status
+from relay.ui.page import run_page, status_page
+from relay.ui.series import LagWindow, RateSeries, percentile
+from relay.ui.view import commands, run_href, sh, status_view
+from relay.ui.web import Request, authorized, cookie_value
+from tests.support import count, q, settings, wait_for
+
+HOSTILE = "<img src=x onerror=window.pwned=1>\"'&<script>alert(1)</script> ünï ‮"
+EXCERPT = "<script>window.pwned=2</script> bad \"field\" 'x' é"
+TOKEN = "s3cret-ui-token-0123456789"
+
+pytestmark = pytest.mark.anyio
+
+# -- pure ---------------------------------------------------------------------------------------
+
+
+def test_rate_series_sums_increases_and_ignores_restarts() -> None:
+    s = RateSeries(window=100.0)
+    s.add(0.0, {"a": {"critical": 0, "ordinary": 10}})
+    s.add(10.0, {"a": {"critical": 5, "ordinary": 30}, "b": {"critical": 100, "ordinary": 0}})
+    assert s.latest() == {"critical": 0.5, "ordinary": 2.0}  # b is new: its baseline only
+    s.add(20.0, {"a": {"critical": 1, "ordinary": 40}, "b": {"critical": 110, "ordinary": 0}})
+    assert s.latest() == {"critical": 1.0, "ordinary": 1.0}  # a went down (restart): nothing
+    s.add(200.0, {"a": {"critical": 1, "ordinary": 40}})
+    series = s.series(200.0)
+    assert [ago for ago, _ in series["ordinary"]] == [0.0]  # older points left the window
+
+
+def test_lag_window_quantiles() -> None:
+    assert percentile([], 0.5) is None
+    w = LagWindow(window=1000.0)
+    for i in range(1, 101):
+        w.add(float(i), i / 100)
+    got = w.quantiles(100.0)
+    assert got["p50"] == 0.5 and got["p99"] == 0.99
+    assert w.quantiles(2000.0)["p50"] is None  # all older than the window
+
+
+def test_ingress_state() -> None:
+    assert ingress_state(True, 5.0, 5.0) == "misconfigured"
+    assert ingress_state(False, 5.0, 30.0) == "recovering"
+    assert ingress_state(False, 5.0, 500.0) == "ok"
+    assert ingress_state(False, None, 5.0) == "ok"
+
+
+def test_report_has_counters_only() -> None:
+    stats = LaneStats(delivered=7, claimed_runs=3)
+    lanes = [LaneView("ordinary", stats, 1, 2, 0.0, misconfigured=False, renewals=4)]
+    report = build_report(lanes, "ok", {"ordinary": {"p50": 0.01, "p99": 0.2}})
+    assert report == {
+        "lanes": {
+            "ordinary": {
+                "delivered": 7, "claimed": 3, "renewals": 4, "retries": 0, "blocked": 0,
+                "leases_lost": 0, "inflight": 1, "lag_p50": 0.01, "lag_p99": 0.2,
+            }
+        },
+        "ingress": "ok",
+    }  # fmt: skip
+
+
+def req(headers: dict[str, str], target: str = "/") -> Request:
+    return Request("GET", target, headers)
+
+
+def test_token_by_header_or_cookie_compared_whole() -> None:
+    token = Secret(TOKEN)
+    assert authorized(None, req({}))
+    assert not authorized(token, req({}))
+    assert authorized(token, req({"authorization": f"Bearer {TOKEN}"}))
+    assert authorized(token, req({"authorization": f"bearer {TOKEN}"}))
+    assert not authorized(token, req({"authorization": f"Bearer {TOKEN[:-1]}"}))
+    assert not authorized(token, req({"authorization": f"Basic {TOKEN}"}))
+    assert authorized(token, req({"cookie": f"a=b; relay_ui_token={TOKEN}"}))
+    assert not authorized(token, req({"cookie": f"relay_ui_token={TOKEN}x"}))
+    assert cookie_value("x=1;  relay_ui_token=abc ", "relay_ui_token") == "abc"
+    assert cookie_value("relay_ui_tokenx=abc", "relay_ui_token") is None
+
+
+@pytest.mark.parametrize("word", [HOSTILE, "e; rm -rf / $(x) `y` \\'", "a\nb\x1b[31m", "😀 ok"])
+def test_commands_are_shell_quoted(word: str) -> None:
+    cmds = commands({"run_id": word, "blocked_seq": 1}, [{"state": "failed", "event_id": word}])
+    assert cmds[0] == f"relay retry {sh(word)}"
+    assert (
+        "\n" not in "".join(cmds) and "\u202e" not in "".join(cmds) and "\x1b" not in "".join(cmds)
+    )
+    # What bash makes of the shown word is the id itself.
+    got = subprocess.run(
+        ["bash", "-c", f"printf %s {sh(word)}"], capture_output=True, check=True
+    ).stdout.decode()
+    assert got == word
+
+
+def test_run_links_are_quoted() -> None:
+    assert run_href("a/b?c#d<e>") == "/runs/a%2Fb%3Fc%23d%3Ce%3E"
+
+
+def hostile_status(run_id: str) -> dict[str, Any]:
+    doc = {
+        "db_now": "2026-01-01T00:00:00+00:00",
+        "lanes": [{"lane": "ordinary", "runs": 1, "events": 2, "oldest_pending_age_seconds": 3.0}],
+        "blocked": {"runs": 1, "events": 1, "held_events": 2, "oldest_failure_age_seconds": 1.0},
+        "blocked_runs": [
+            {
+                "run_id": run_id, "seq": 1, "event_id": run_id + "-e", "last_status": 422,
+                "last_error": EXCERPT, "attempts": 1, "held_events": 2,
+                "failed_at": "2026-01-01T00:00:00+00:00",
+            }
+        ],
+        "leases": [{"owner": HOSTILE, "runs": 1, "next_expiry": None}],
+        "replicas": [], "reports": {}, "tables": {"events": 1}, "blocked_offset": 0,
+    }  # fmt: skip
+    data = shape_status(doc, RateSeries(), 0.0, HOSTILE)
+    return data
+
+
+@pytest.mark.parametrize(
+    "run_id", [HOSTILE, "x" * 10_000 + HOSTILE, "\"'><svg/onload=alert(1)>", "😀 \u0000 \u202e"]
+)
+def test_pages_escape_every_value(run_id: str) -> None:
+    data = hostile_status(run_id)
+    html = status_page(status_view(data), 3.0, 50).decode()
+    run = {"run_id": run_id, "blocked_seq": 1, "blocked_event_id": run_id, "epoch": 1}
+    run_html = run_page(
+        {"run": run, "events": [{"seq": 1, "event_id": run_id, "state": "failed",
+                                 "last_error": EXCERPT}]},
+        200,
+    ).decode()  # fmt: skip
+    for page in (html, run_html):
+        # The only elements are the page's own: no data-made tag anywhere before its script.
+        head, _, _ = page.rpartition("<script>")
+        assert "<script" not in head and "<img" not in head and "<svg/" not in head
+    assert "&lt;script&gt;window.pwned=2&lt;/script&gt;" in html  # the excerpt, as text
+    if run_id.endswith(HOSTILE):
+        assert "&lt;img src=x onerror=window.pwned=1&gt;" in run_html  # the id, as text
+    assert quote(run_id[:50], safe="") in html  # the link, quoted
+
+
+def test_run_page_links_to_its_next_events() -> None:
+    run = {"run_id": "a/b", "blocked_seq": None, "epoch": None}
+    events = [{"seq": i, "event_id": f"e{i}", "state": "delivered"} for i in range(1, 4)]
+    assert 'href="/runs/a%2Fb?from_seq=4"' in run_page({"run": run, "events": events}, 3).decode()
+    assert "from_seq" not in run_page({"run": run, "events": events}, 4).decode()
+
+
+# -- a real relay -------------------------------------------------------------------------------
+
+
+def enqueue(conn: psycopg.Connection[Any], schema: str, run_id: str, n: int, tag: str) -> None:
+    with conn.transaction():
+        for i in range(n):
+            conn.execute(
+                q(schema, "select {s}.enqueue(%s, %s, %s, %s::jsonb)"),
+                (run_id, f"{run_id}-{tag}{i}", "step", json.dumps({"i": i})),
+            )
+
+
+def status_cli(pg_url: str, schema: str) -> Any:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    env.update(RELAY_DATABASE_URL=pg_url, RELAY_SCHEMA=schema)
+    got = subprocess.run(
+        [sys.executable, "-m", "relay.cli", "status", "--json"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    return json.loads(got.stdout)
+
+
+def counts_of(doc: Any) -> Any:
+    """`doc` without its ages (they grow between two reads)."""
+    if isinstance(doc, list):
+        return [counts_of(x) for x in doc]
+    if isinstance(doc, dict):
+        return {k: counts_of(v) for k, v in doc.items() if not k.endswith("age_seconds")}
+    return doc
+
+
+async def report_now(r: Relay) -> None:
+    """The probe loop's report, now rather than in a few seconds."""
+    assert r.endpoints is not None
+    e = r.endpoints
+    await e.page.report(r.view.lanes(), e.metrics.recent_lag)
+
+
+async def test_status_page_of_a_running_relay(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    s.faults.fail(422, times=1000, run_id=HOSTILE, body=EXCERPT.encode())
+    enqueue(conn, schema, HOSTILE, 3, "h")
+    for i in range(4):
+        enqueue(conn, schema, f"ok{i}", 3, "a")
+    cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0")
+    async with Relay(cfg).running() as r:
+        assert r.endpoints is not None
+        port = r.endpoints.port
+        base = f"http://127.0.0.1:{port}"
+        await wait_for(
+            lambda: (
+                count(conn, schema, "state = 'pending'") == 2
+                and count(conn, schema, "state = 'failed'") == 1
+            ),
+            what="the good runs delivered and the hostile one blocked",
+        )
+        await report_now(r)
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            data = (await client.get("/api/status")).json()
+            cli = status_cli(pg_url, schema)
+            for key in ("lanes", "blocked", "expired_leases"):
+                assert counts_of(data[key]) == counts_of(cli[key]), key
+            assert counts_of(data["blocked_runs"]) == counts_of(cli["blocked_runs"])
+            assert [b["run_id"] for b in data["blocked_runs"]] == [HOSTILE]
+            [blocked] = data["blocked_runs"]
+            assert blocked["last_status"] == 422 and EXCERPT in blocked["last_error"]
+            me = [f for f in data["fleet"] if f["this"]]
+            assert me and me[0]["ingress"] == "ok" and me[0]["delivered"] == 12
+            assert me[0]["alive"] is True
+
+            # One statement per refresh, one per run page.
+            data_layer = r.endpoints.page.data
+            before = data_layer.queries
+            page = await client.get("/")
+            assert data_layer.queries == before + 1
+            assert page.status_code == 200
+            assert page.headers["content-type"].startswith("text/html")
+            assert "script-src 'sha256-" in page.headers["content-security-policy"]
+            html = page.text
+            assert "<img src=x" not in html and "&lt;img src=x onerror" in html
+            assert "&lt;script&gt;window.pwned=2" in html
+            assert f'href="/runs/{quote(HOSTILE, safe="")}"' in html
+            assert "422" in html
+
+            before = data_layer.queries
+            run = await client.get(f"/runs/{quote(HOSTILE, safe='')}")
+            assert data_layer.queries == before + 1
+            assert run.status_code == 200
+            assert "<img src=x" not in run.text
+            assert f"relay retry {sh(HOSTILE + '-h0')}" in html_lib.unescape(run.text)
+            doc = (await client.get(f"/api/runs/{quote(HOSTILE, safe='')}")).json()
+            assert [e["seq"] for e in doc["events"]] == [1, 2, 3]
+            assert [e["state"] for e in doc["events"]] == ["failed", "pending", "pending"]
+            assert "payload" not in doc["events"][0]
+
+            missing = await client.get("/runs/no-such-run")
+            assert missing.status_code == 404
+            assert (await client.get("/api/runs/no-such-run")).status_code == 404
+            huge = await client.get("/runs/" + quote("<x>" * 3400, safe=""))
+            assert huge.status_code == 404  # a 10 kB id (30 kB in the URL) is just not found
+            assert (await client.post("/api/status")).status_code == 405
+            assert (await client.get("/api/status?offset=1")).json()["blocked_runs"] == []
+
+
+async def test_ui_token_guards_the_page_not_the_probes(
+    pg_url: str, schema: str, sink: tuple[Sink, str]
+) -> None:
+    _, url = sink
+    cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0", ui_token=TOKEN)
+    assert TOKEN not in repr(cfg)
+    async with Relay(cfg).running() as r:
+        assert r.endpoints is not None
+        base = f"http://127.0.0.1:{r.endpoints.port}"
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            for path in ("/", "/api/status", "/runs/x", "/api/runs/x"):
+                got = await client.get(path)
+                assert got.status_code == 401, path
+                assert TOKEN not in got.text
+            assert (await client.get("/?token=wrong-token")).status_code == 401
+            for path in ("/healthz", "/metrics"):
+                assert (await client.get(path)).status_code == 200, path
+            bearer = {"authorization": f"Bearer {TOKEN}"}
+            assert (await client.get("/api/status", headers=bearer)).status_code == 200
+            login = await client.get(f"/?token={TOKEN}&offset=0")
+            assert login.status_code == 303
+            assert login.headers["location"] == "/?offset=0"
+            cookie = login.headers["set-cookie"]
+            assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            client.cookies.set("relay_ui_token", TOKEN)
+            assert (await client.get("/")).status_code == 200
+
+
+# -- the SQL behind it --------------------------------------------------------------------------
+
+
+def test_report_replica_updates_only_an_existing_row(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    def report(owner: str, doc: Any, ttl: float = 60.0) -> Any:
+        row = conn.execute(
+            q(schema, "select {s}.report_replica(%s, %s::jsonb, %s)"),
+            (owner, json.dumps(doc), ttl),
+        ).fetchone()
+        assert row is not None
+        return row[0]
+
+    lanes = {"lanes": {"ordinary": {"delivered": 5}, "critical": {"delivered": 2}}}
+    # No liveness row, no report: a report must never make an owner look like a dead replica.
+    assert report("ghost", lanes) == {}
+    assert count_rows(conn, schema) == 0
+    conn.execute(q(schema, "insert into {s}.replicas (owner) values ('a'), ('b')"))
+    assert report("a", lanes) == {"a": {"critical": 2, "ordinary": 5}}
+    assert report("b", {"lanes": {}}) == {
+        "a": {"critical": 2, "ordinary": 5},
+        "b": {"critical": 0, "ordinary": 0},
+    }
+    conn.execute(q(schema, "update {s}.replicas set reported_at = now() - interval '1 hour'"))
+    assert report("b", {}, 60.0) == {"b": {"critical": 0, "ordinary": 0}}  # a is stale
+    for bad in ([1], "x", {"big": "y" * 9000}):
+        with pytest.raises(psycopg.errors.InvalidParameterValue):
+            report("a", bad)
+    status = conn.execute(q(schema, "select {s}.ui_status(50, 0, 60)")).fetchone()
+    assert status is not None
+    reports = status[0]["reports"]
+    assert reports["a"]["stale"] is True and reports["b"]["stale"] is False
+
+
+def count_rows(conn: psycopg.Connection[Any], schema: str) -> int:
+    row = conn.execute(q(schema, "select count(*) from {s}.replicas")).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_ui_status_pages_blocked_runs(conn: psycopg.Connection[Any], schema: str) -> None:
+    for i in range(5):
+        run = f"p{i}"
+        enqueue(conn, schema, run, 1, "x")
+        conn.execute(
+            q(schema, "update {s}.events set state = 'failed', last_status = 422,"
+                      " failed_at = clock_timestamp() + %s * interval '1 s' where run_id = %s"),
+            (i, run),
+        )  # fmt: skip
+        conn.execute(q(schema, "update {s}.runs set blocked_seq = 1 where run_id = %s"), (run,))
+
+    def page(limit: int, offset: int) -> list[str]:
+        row = conn.execute(
+            q(schema, "select {s}.ui_status(%s, %s, 60)"), (limit, offset)
+        ).fetchone()
+        assert row is not None
+        assert row[0]["blocked"]["runs"] == 5  # the totals are the whole database's
+        return [b["run_id"] for b in row[0]["blocked_runs"]]
+
+    assert page(2, 0) == ["p0", "p1"]
+    assert page(2, 2) == ["p2", "p3"]
+    assert page(2, 4) == ["p4"]
+    assert page(2, 99) == []
+    assert page(-1, -5) == []
+
+
+async def test_each_replica_reports_its_ingress_health(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    s, url = sink
+    s.faults.set_default(401)  # misconfigured: the lane pauses
+    enqueue(conn, schema, "m1", 1, "x")
+    cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0", max_backoff="0.5s")
+    async with Relay(cfg).running() as r:
+        assert r.endpoints is not None
+        base = f"http://127.0.0.1:{r.endpoints.port}"
+
+        async def ingress() -> str:
+            await report_now(r)
+            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                fleet = (await client.get("/api/status")).json()["fleet"]
+            [me] = [f for f in fleet if f["this"]]
+            return str(me["ingress"])
+
+        await wait_for(lambda: not r.health.ingress_ok, what="misconfigured")
+        assert await ingress() == "misconfigured"
+        s.faults.set_default(None)
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="recovered")
+        assert await ingress() == "recovering"
