@@ -289,8 +289,10 @@ def _ca_file(text: str) -> str:
     return text
 
 
-def _schema(text: str) -> str:
-    return validate_schema_name(text)
+def _ui_token(text: str) -> Secret:
+    if len(text.strip()) < 16:  # a guessable token is no lock: e.g. `openssl rand -hex 16`
+        raise ValueError("must be at least 16 characters")
+    return Secret(text.strip())
 
 
 def _addr(text: str) -> str:
@@ -304,7 +306,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "database_url": _database_url,
     "ingress_url": _ingress_template,
     "listen_database_url": _database_url,
-    "schema": _schema,
+    "schema": validate_schema_name,
     "ingress_batch_url": _http_url,
     "ingress_token": lambda t: Secret(t.strip()),
     "signing_secret": _signing_secrets,
@@ -325,7 +327,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "retention": _duration_in(0.0, 365 * 86400.0),
     "statement_timeout": _duration_in(0.1, 600.0),
     "metrics_addr": _addr,
-    "ui_token": lambda t: Secret(t.strip()),
+    "ui_token": _ui_token,
     "log_format": _choice("json", "text"),
     "log_level": _choice("debug", "info", "warning", "error"),
     "replica_id": lambda t: t,

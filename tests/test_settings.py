@@ -479,11 +479,15 @@ def test_describe_masks_database_password_and_tokens() -> None:
 def test_ui_token_is_a_secret(tmp_path: Path) -> None:
     assert load_env().ui_token is None  # the status page is open unless a token is set
     f = tmp_path / "ui"
-    f.write_text("  page-token-123\n")
+    f.write_text("  page-token-1234567\n")
     s = load_env(RELAY_UI_TOKEN_FILE=str(f))
-    assert s.ui_token == Secret("page-token-123")
+    assert s.ui_token == Secret("page-token-1234567")
     assert describe(s)["ui_token"] == "***"
-    assert "page-token-123" not in repr(s) + str(describe(s))
+    assert "page-token-1234567" not in repr(s) + str(describe(s))
+    # A guessable token is refused, naming the option, not quoting the value.
+    with pytest.raises(ConfigError, match=r"ui_token.*at least 16 characters") as got:
+        load_env(RELAY_UI_TOKEN="short-tok")
+    assert "short-tok" not in str(got.value)
 
 
 def test_describe_without_optional_secrets() -> None:
