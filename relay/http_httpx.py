@@ -25,8 +25,11 @@ Every httpx error (refused, reset, TLS, a malformed answer, a timeout of one pha
 
 from __future__ import annotations
 
+import select
 import ssl
+import typing
 
+import httpcore
 import httpx
 from httpx._utils import URLPattern, get_environment_proxies
 
@@ -74,6 +77,7 @@ class HttpxSender:
                 t = httpx.AsyncHTTPTransport(
                     verify=verify, http1=True, http2=False, limits=limits, proxy=proxy
                 )
+                _lean(t)
                 self._owned.append(t)
                 return t
 
@@ -144,3 +148,101 @@ class HttpxSender:
 def _retry_after(response: httpx.Response) -> str | None:
     value: str | None = response.headers.get("retry-after")
     return value
+
+
+# -- a leaner network layer under httpcore ---------------------------------------------------
+#
+# Measured on the relay's path (docs/performance.md), two costs of httpcore's default network
+# layer sit on every POST: its pool asks each idle pooled connection whether the server closed
+# it, and each asking builds anyio's table of socket attributes (a `getpeername` call and a
+# dozen closures) and a new `poll` object; and the request head and body go out in two
+# `send` calls, each waking the ingress. httpcore takes any network backend (its public
+# `AsyncNetworkBackend` interface); httpx's transport does not pass one through, so it is set
+# on the transport's pool before its first connection. If a later httpx moves that attribute,
+# the transport runs on httpcore's own backend, unchanged in behaviour.
+
+
+def _lean(transport: httpx.AsyncHTTPTransport) -> None:
+    pool = getattr(transport, "_pool", None)
+    inner = getattr(pool, "_network_backend", None)
+    if isinstance(inner, httpcore.AsyncNetworkBackend):
+        pool._network_backend = _Backend(inner)  # type: ignore[union-attr]
+
+
+class _Backend(httpcore.AsyncNetworkBackend):
+    def __init__(self, inner: httpcore.AsyncNetworkBackend) -> None:
+        self._inner = inner
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+        local_address: str | None = None,
+        socket_options: typing.Iterable[typing.Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        return _Stream(
+            await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
+        )
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+        socket_options: typing.Iterable[typing.Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        return _Stream(await self._inner.connect_unix_socket(path, timeout, socket_options))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class _Stream(httpcore.AsyncNetworkStream):
+    """httpcore's stream with (1) what it writes held until it next reads, so a request's
+    head and body leave in one `send` (HTTP/1.1: a client always reads after its request;
+    closing or upgrading to TLS sends what is held first), and (2) "is the idle connection
+    readable?" answered by one `poll` object kept per connection."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
+        self._inner = inner
+        self._held: list[bytes] = []
+        self._held_timeout: float | None = None
+        self._poll: typing.Any = None
+        sock = inner.get_extra_info("socket")
+        fd = sock.fileno() if sock is not None else -1
+        if fd != -1 and hasattr(select, "poll"):
+            self._poll = select.poll()
+            self._poll.register(fd, select.POLLIN)
+
+    async def _flush(self) -> None:
+        if self._held:
+            data = b"".join(self._held)
+            self._held.clear()
+            await self._inner.write(data, self._held_timeout)
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        await self._flush()
+        return await self._inner.read(max_bytes, timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        if buffer:
+            self._held.append(buffer)
+            self._held_timeout = timeout
+
+    async def aclose(self) -> None:
+        self._held.clear()  # nobody will read an answer to it
+        await self._inner.aclose()
+
+    async def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+    ) -> httpcore.AsyncNetworkStream:
+        await self._flush()
+        return _Stream(await self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> typing.Any:
+        if info == "is_readable" and self._poll is not None:
+            return bool(self._poll.poll(0))
+        return self._inner.get_extra_info(info)
