@@ -91,7 +91,7 @@ class HttpxSender:
         self._extensions = {"timeout": {"connect": t, "read": t, "write": t, "pool": t}}
         # Per origin: (the transport it goes through, its Host header); the relay POSTs to one
         # or two origins (ingress_url, ingress_batch_url), so this stays tiny.
-        self._routes: dict[Origin, tuple[httpx.AsyncBaseTransport, tuple[bytes, bytes]]] = {}
+        self._routes: dict[Origin, tuple[httpx.AsyncBaseTransport, bytes]] = {}
 
     def _route(self, origin: Origin, url: httpx.URL) -> tuple[httpx.AsyncBaseTransport, bytes]:
         transport = self._direct
@@ -99,10 +99,9 @@ class HttpxSender:
             if pattern.matches(url):
                 transport = self._direct if mounted is None else mounted
                 break
-        route = (transport, (b"host", url.netloc))
         if len(self._routes) < 64:  # a caller POSTing to many origins does not grow it forever
-            self._routes[origin] = route
-        return route[0], route[1][1]
+            self._routes[origin] = (transport, url.netloc)
+        return transport, url.netloc
 
     async def send(
         self, url: str, body: bytes, headers: dict[str, str]
@@ -111,10 +110,7 @@ class HttpxSender:
             target = httpx.URL(url)
             origin = _origin(url)
             route = self._routes.get(origin)
-            if route is None:
-                transport, host = self._route(origin, target)
-            else:
-                transport, host = route[0], route[1][1]
+            transport, host = self._route(origin, target) if route is None else route
             raw = [(b"host", host), (b"content-length", b"%d" % len(body))]
             raw += [(k.encode("ascii"), v.encode("ascii")) for k, v in headers.items()]
             request = httpx.Request(
