@@ -25,7 +25,6 @@ import httpx
 import orjson
 
 from relay import __version__
-from relay.http_httpx import HttpxSender
 from relay.settings import Secret, Settings
 from relay.store import Claim, ClaimedEvent
 
@@ -111,6 +110,8 @@ class IngressClient:
     ) -> None:
         self.settings = settings
         if isinstance(sender, httpx.AsyncBaseTransport):
+            from relay.http_httpx import HttpxSender
+
             sender = HttpxSender(transport=sender)  # e.g. an in-process app, in tests
         self.sender = sender
         self.on_request = on_request  # metrics (relay/metrics.py): status class and duration
@@ -264,6 +265,8 @@ async def open_sender(
             verify=verify, connections=connections, timeout=settings.http_timeout
         )
     else:
+        from relay.http_httpx import HttpxSender
+
         sender = HttpxSender(
             verify=verify,
             connections=connections,
