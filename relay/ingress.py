@@ -1,9 +1,11 @@
-"""The ingress client: one POST per run prefix (DESIGN §5), sent with httpx.
+"""The ingress client: one POST per run prefix (DESIGN §5), sent by a `Sender`
+(relay/http_aiohttp.py, relay/http_httpx.py).
 
 Builds the exact body bytes once (payloads embedded as `orjson.Fragment`, never decoded),
 signs them when a Standard Webhooks secret is configured, never follows redirects, reads at
 most `MAX_BODY` bytes of the answer, and bounds the whole request with one deadline (httpx's
-timeouts are per phase: a slow-drip server could otherwise hold a request open forever).
+timeouts, and aiohttp's, are per phase: a slow-drip server could otherwise hold a request open
+forever).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from relay.store import Claim, ClaimedEvent
 # The senders' shared contract lives in relay/transport.py (so relay/http_aiohttp.py never
 # imports this module); re-exported here, where callers have always found it.
 from relay.transport import MAX_BODY as MAX_BODY
-from relay.transport import READ_LIMIT
 from relay.transport import Sender as Sender
 from relay.transport import TransportFailure as TransportFailure
 
@@ -103,12 +104,16 @@ class IngressClient:
     def __init__(
         self,
         settings: Settings,
-        sender: Sender | httpx.AsyncClient,
+        sender: Sender | httpx.AsyncBaseTransport,
         *,
         on_request: RequestObserver | None = None,
     ) -> None:
         self.settings = settings
-        self.sender = HttpxSender(sender) if isinstance(sender, httpx.AsyncClient) else sender
+        if isinstance(sender, httpx.AsyncBaseTransport):
+            from relay.http_httpx import HttpxSender
+
+            sender = HttpxSender(transport=sender)  # e.g. an in-process app, in tests
+        self.sender = sender
         self.on_request = on_request  # metrics (relay/metrics.py): status class and duration
 
     def headers(self, claim: Claim, events: Sequence[ClaimedEvent], body: bytes) -> dict[str, str]:
@@ -193,42 +198,6 @@ class IngressClient:
             self.on_request(status, seconds)
 
 
-class HttpxSender:
-    """Through an httpx client: httpx's own pool (`http_transport=httpcore`), or a transport
-    the application owns (e.g. an in-process ASGI app, `Relay(transport=...)`)."""
-
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self.client = client
-
-    async def send(
-        self, url: str, body: bytes, headers: dict[str, str]
-    ) -> tuple[int, bytes, str | None]:
-        try:
-            async with self.client.stream("POST", url, content=body, headers=headers) as resp:
-                chunks: list[bytes] = []
-                size = 0
-                if resp.is_stream_consumed:
-                    # An app-owned transport (e.g. httpx.MockTransport) may hand back a
-                    # response built from bytes, already read: aiter_raw() would raise.
-                    chunks.append(resp.content[:READ_LIMIT])
-                else:
-                    async for chunk in resp.aiter_raw():
-                        chunks.append(chunk)
-                        size += len(chunk)
-                        if size >= READ_LIMIT:
-                            break
-                return (
-                    resp.status_code,
-                    b"".join(chunks)[:READ_LIMIT],
-                    resp.headers.get("retry-after"),
-                )
-        except (httpx.HTTPError, OSError) as exc:
-            raise TransportFailure(f"{type(exc).__name__}: {exc}") from exc
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
-
-
 def _basic_auth(url: httpx.URL) -> str:
     user, _, password = url.userinfo.partition(b":")
     raw = unquote_to_bytes(user) + b":" + unquote_to_bytes(password)
@@ -279,10 +248,11 @@ def split_results(answer: Answer, claims: Sequence[Claim]) -> dict[str, Answer |
 async def open_sender(
     settings: Settings, connections: int, transport: httpx.AsyncBaseTransport | None = None
 ) -> AsyncIterator[Sender]:
-    """The lane's HTTP client, closed on exit: aiohttp's connection pool and C parser called
-    directly by default (`http_transport=aiohttp`), which `relay bench` measured at well under
-    half the client CPU per POST of httpx over httpcore (docs/performance.md); `httpcore` is
-    httpx's own, and an app-owned httpx transport always goes through httpx."""
+    """A lane's HTTP client, `connections` wide (the lane's POST slots), closed on exit:
+    aiohttp's connection pool and C parser called directly (`http_transport=aiohttp`), or httpx
+    at its transport level (`http_transport=httpx`, relay/http_httpx.py); an app-owned httpx
+    transport always goes through the latter. `relay bench` measures both (e2e_eps,
+    e2e_eps_httpx; docs/performance.md)."""
     # TLS is verified always: against `ingress_ca_file` when given, else the system's CAs.
     verify: ssl.SSLContext | bool = True
     if settings.ingress_ca_file:
@@ -295,15 +265,13 @@ async def open_sender(
             verify=verify, connections=connections, timeout=settings.http_timeout
         )
     else:
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        from relay.http_httpx import HttpxSender
+
         sender = HttpxSender(
-            httpx.AsyncClient(
-                timeout=httpx.Timeout(settings.http_timeout),
-                limits=limits,
-                follow_redirects=False,
-                verify=verify,
-                transport=transport,
-            )
+            verify=verify,
+            connections=connections,
+            timeout=settings.http_timeout,
+            transport=transport,
         )
     try:
         yield sender

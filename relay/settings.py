@@ -229,6 +229,11 @@ def _choice(*options: str) -> Callable[[str], str]:
     return parse
 
 
+def _http_transport(text: str) -> str:
+    name = text.strip().lower()  # `httpcore`, its old name (httpx's client over httpcore):
+    return _choice("aiohttp", "httpx")("httpx" if name == "httpcore" else name)
+
+
 def _database_url(text: str) -> Secret:
     """A PostgreSQL URL or conninfo, parsed here so that a malformed one fails at start with a
     message of our own: libpq's own parse errors quote the text, password included."""
@@ -311,7 +316,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "ingress_token": lambda t: Secret(t.strip()),
     "signing_secret": _signing_secrets,
     "ingress_ca_file": _ca_file,
-    "http_transport": _choice("aiohttp", "httpcore"),
+    "http_transport": _http_transport,
     "batch_size": _int_in(1, 10_000),
     "lease_ttl": _duration_in(1.0, 3600.0),
     "concurrency": _int_in(1, 1024),

@@ -20,6 +20,7 @@ KEYS = [
     "db_limit_eps",
     "http_limit_eps",
     "e2e_eps",
+    "e2e_eps_httpx",
     "e2e_eps_by_replicas",
     "tiny_runs_eps",
     "tiny_runs_eps_batched",

@@ -1,10 +1,14 @@
 """The contracts, held by code that is not ours: a producer written only against DESIGN §3 (plain
 SQL, no helper) and an ingress written only against §5 (the standard library's http.server,
 not `relay sink`) work with `relay run` unchanged — with two replicas, one of them SIGKILLed
-mid-run."""
+mid-run. Every test here runs once per HTTP transport (`http_transport`): the contract is the
+relay's, whichever client sends the POST."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import threading
 from collections.abc import Iterator
@@ -21,6 +25,28 @@ from tests.support import assert_acked_only_if_received, wait_for
 from tests.test_cli import relay_env, replicas, stop_all
 
 pytestmark = pytest.mark.anyio
+
+# A Standard Webhooks secret (§5): the ingress below verifies every POST's signature with it.
+SECRET = "whsec_" + base64.b64encode(b"contract-suite-secret-0123456789").decode()
+
+
+@pytest.fixture(params=["aiohttp", "httpx"])
+def http_transport(request: pytest.FixtureRequest) -> str:
+    """Each contract test runs over both HTTP clients."""
+    return str(request.param)
+
+
+def signature_problems(headers: Any, raw: bytes) -> list[str]:
+    """What is wrong with a POST's Standard Webhooks headers, checked as §5 words them."""
+    msg_id, ts = headers.get("webhook-id"), headers.get("webhook-timestamp")
+    sent = headers.get("webhook-signature") or ""
+    if not msg_id or not ts or not ts.isdigit():
+        return [f"webhook-id {msg_id!r} / webhook-timestamp {ts!r} missing or malformed"]
+    key = base64.b64decode(SECRET.removeprefix("whsec_"))
+    mac = hmac.new(key, f"{msg_id}.{ts}.".encode() + raw, hashlib.sha256).digest()
+    if "v1," + base64.b64encode(mac).decode() not in sent.split(" "):
+        return [f"webhook-signature {sent!r} does not sign the body"]
+    return []
 
 
 class PlainIngress(BaseHTTPRequestHandler):
@@ -39,7 +65,13 @@ class PlainIngress(BaseHTTPRequestHandler):
         if len(parts) != 4 or parts[1] != "runs" or parts[3] != "events":
             problems.append(f"path {self.path!r} is not /runs/<run_id>/events")
         run_id = unquote(parts[2]) if len(parts) > 2 else ""
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        raw = self.rfile.read(int(self.headers["content-length"]))
+        body = json.loads(raw)
+        if self.headers.get("content-type") != "application/json":
+            problems.append(f"content-type {self.headers.get('content-type')!r}")
+        if not (self.headers.get("user-agent") or "").startswith("ledger-relay/"):
+            problems.append(f"user-agent {self.headers.get('user-agent')!r}")
+        problems += signature_problems(self.headers, raw)
         if body.get("run_id") != run_id:
             problems.append(f"body run_id {body.get('run_id')!r} is not the URL's {run_id!r}")
         if self.headers.get("relay-lease-epoch") != str(body.get("epoch")):
@@ -103,10 +135,23 @@ def plain_producer(conn: psycopg.Connection[Any], schema: str, runs: range, step
 
 
 async def test_foreign_producer_and_ingress_with_a_replica_killed(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any], plain_ingress: str, tmp_path: Path
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    plain_ingress: str,
+    tmp_path: Path,
+    http_transport: str,
 ) -> None:
     sent = plain_producer(conn, schema, range(0, 80), 4)
-    env = relay_env(pg_url, schema, plain_ingress, RELAY_LEASE_TTL="3s", RELAY_HTTP_TIMEOUT="1s")
+    env = relay_env(
+        pg_url,
+        schema,
+        plain_ingress,
+        RELAY_LEASE_TTL="3s",
+        RELAY_HTTP_TIMEOUT="1s",
+        RELAY_HTTP_TRANSPORT=http_transport,
+        RELAY_SIGNING_SECRET=SECRET,
+    )
     async with replicas(2, env, tmp_path) as procs:
         sent += plain_producer(conn, schema, range(80, 120), 4)  # while they run
         await wait_for(

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.anyio
     ],
     ids=["garbled", "cut"],
 )
-@pytest.mark.parametrize("http_transport", ["aiohttp", "httpcore"])
+@pytest.mark.parametrize("http_transport", ["aiohttp", "httpx"])
 async def test_a_2xx_that_cannot_be_read_is_retried_not_acked(
     pg_url: str,
     schema: str,

@@ -8,7 +8,8 @@ import base64
 import hashlib
 import hmac
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from urllib.parse import unquote, urlsplit
 
@@ -21,6 +22,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from relay import __version__
+from relay.http_httpx import HttpxSender
 from relay.ingress import (
     MAX_BODY,
     USER_AGENT,
@@ -304,6 +306,18 @@ def test_sign_without_secrets_is_empty() -> None:
     assert sign([], "msg_1", 1, b"{}") == ""
 
 
+@asynccontextmanager
+async def mock(
+    handler: Callable[[httpx.Request], httpx.Response] | None = None,
+) -> AsyncIterator[HttpxSender]:
+    """The httpx sender over an in-process transport (what `Relay(transport=...)` uses)."""
+    sender = HttpxSender(transport=httpx.MockTransport(handler or (lambda r: httpx.Response(200))))
+    try:
+        yield sender
+    finally:
+        await sender.aclose()
+
+
 # --- IngressClient.headers ----------------------------------------------------------------------
 
 
@@ -313,7 +327,7 @@ def test_user_agent_carries_the_version() -> None:
 
 @pytest.mark.anyio
 async def test_headers_minimal() -> None:
-    async with httpx.AsyncClient() as http:
+    async with mock() as http:
         client = IngressClient(settings(), http)
         events = [event(1), event(2, traceparent=TRACEPARENT)]
         c = claim(events=events, epoch=41)
@@ -327,7 +341,7 @@ async def test_headers_minimal() -> None:
 
 @pytest.mark.anyio
 async def test_headers_with_token_traceparent_and_signature() -> None:
-    async with httpx.AsyncClient() as http:
+    async with mock() as http:
         client = IngressClient(
             settings(RELAY_INGRESS_TOKEN="tok-123", RELAY_SIGNING_SECRET=WHSEC), http
         )
@@ -351,7 +365,7 @@ async def test_headers_with_token_traceparent_and_signature() -> None:
 
 @pytest.mark.anyio
 async def test_webhook_timestamp_advances_with_the_time_held() -> None:
-    async with httpx.AsyncClient() as http:
+    async with mock() as http:
         client = IngressClient(settings(RELAY_SIGNING_SECRET=WHSEC), http)
         events = [event(1)]
         c = claim(events=events, started=anyio.current_time() - 120.0)
@@ -361,7 +375,7 @@ async def test_webhook_timestamp_advances_with_the_time_held() -> None:
 
 @pytest.mark.anyio
 async def test_headers_token_only() -> None:
-    async with httpx.AsyncClient() as http:
+    async with mock() as http:
         client = IngressClient(settings(RELAY_INGRESS_TOKEN="tok-123"), http)
         events = [event(1)]
         c = claim(events=events)
@@ -382,7 +396,7 @@ async def test_post_sends_the_rendered_url_body_and_headers() -> None:
         seen.append(request)
         return httpx.Response(200, json={"accepted": 1}, headers={"retry-after": "5"})
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+    async with mock(handler) as http:
         client = IngressClient(settings(RELAY_INGRESS_TOKEN="tok-123"), http)
         events = [event(1), event(2)]
         c = claim("..", events)
@@ -410,7 +424,7 @@ async def test_url_userinfo_becomes_basic_auth_unless_a_token_is_set(token: str 
     env = {"RELAY_INGRESS_URL": "http://us%40er:p%3Ass@ingress.test/runs/{run_id}/events"}
     if token:
         env["RELAY_INGRESS_TOKEN"] = token
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+    async with mock(handler) as http:
         client = IngressClient(settings(**env), http)
         events = [event(1)]
         assert (await client.post(claim(events=events), events)).status == 200
@@ -442,7 +456,7 @@ async def test_post_reads_at_most_max_body(streamed: bool) -> None:
             return httpx.Response(400, stream=drip)
         return httpx.Response(400, content=b"y" * (MAX_BODY * 4))
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+    async with mock(handler) as http:
         client = IngressClient(settings(), http)
         events = [event(1)]
         answer = await client.post(claim(events=events), events)
@@ -450,6 +464,32 @@ async def test_post_reads_at_most_max_body(streamed: bool) -> None:
     assert len(answer.body) == MAX_BODY
     if streamed:
         assert drip.sent < 1000  # stopped reading, did not drain the rest
+
+
+@pytest.mark.anyio
+async def test_an_app_owned_transport_is_taken_as_is_and_left_open() -> None:
+    """IngressClient takes an httpx transport in place of a sender; the relay POSTs through it
+    (never through a proxy from the environment) and does not close what it does not own."""
+    seen: list[httpx.Request] = []
+    closed: list[bool] = []
+
+    class Transport(httpx.MockTransport):
+        async def aclose(self) -> None:
+            closed.append(True)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200)
+
+    transport = Transport(handler)
+    client = IngressClient(settings(), transport)
+    events = [event(1)]
+    assert (await client.post(claim(events=events), events)).status == 200
+    await client.sender.aclose()
+    (request,) = seen
+    assert request.headers["host"] == "ingress.internal"
+    assert request.headers["content-length"] == str(len(request.content))
+    assert closed == []
 
 
 # --- the multi-run POST (ingress_batch_url) -----------------------------------------------------
@@ -477,7 +517,7 @@ async def test_post_group_sends_the_same_headers_as_a_single_run_post_but_the_ep
         claim("a", [event(1)], started=later),
         claim("b", [event(1, traceparent=TRACEPARENT), event(2)], started=later),
     ]
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+    async with mock(handler) as http:
         answer = await IngressClient(settings(**env), http).post_group(claims)
     assert answer.status == 200
     (request,) = seen
@@ -533,7 +573,7 @@ async def test_every_post_is_observed_once_single_and_multi_run() -> None:
         return httpx.Response(503 if request.url.path == "/batches" else 200)
 
     cfg = settings(RELAY_INGRESS_BATCH_URL=BATCH_URL)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+    async with mock(handler) as http:
         client = IngressClient(cfg, http, on_request=lambda s, t: seen.append((s, t)))
         events = [event(1)]
         single = await client.post(claim(events=events), events)

@@ -295,7 +295,7 @@ async def test_relay_sink_command_verifies_with_a_secret_from_a_file(tmp_path: P
 # --- transport ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["aiohttp", "httpcore"])
+@pytest.fixture(params=["aiohttp", "httpx"])
 def http_transport(request: pytest.FixtureRequest) -> str:
     """Each transport test runs over both HTTP clients (`http_transport`)."""
     return str(request.param)
@@ -551,6 +551,43 @@ async def test_the_sender_verifies_without_a_ca_file_too(
     async with RawIngress(ok, server_ctx).serving() as url, open_sender(cfg, 1) as sender:
         with pytest.raises(TransportFailure, match="CERTIFICATE_VERIFY_FAILED"):
             await sender.send(url + "/x", b"{}", {})
+
+
+@pytest.mark.parametrize("bypass", [False, True])
+async def test_the_httpx_transport_honours_the_proxy_environment(
+    monkeypatch: pytest.MonkeyPatch, bypass: bool
+) -> None:
+    """`http_transport=httpx` goes through HTTP_PROXY as httpx's client did (`trust_env`),
+    unless NO_PROXY names the ingress; the proxy is chosen at the transport level."""
+
+    async def ok(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+
+    proxy, ingress = RawIngress(ok), RawIngress(ok)
+    async with proxy.serving() as proxy_url, ingress.serving() as url:
+        for name in ("HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+            monkeypatch.delenv(name, raising=False)
+            monkeypatch.delenv(name.lower(), raising=False)
+        monkeypatch.setenv("HTTP_PROXY", proxy_url)
+        monkeypatch.delenv("http_proxy", raising=False)
+        if bypass:
+            monkeypatch.setenv("NO_PROXY", "localhost,127.0.0.1")
+        cfg = relay.settings.load(
+            {
+                "database_url": "postgresql://x/y",
+                "ingress_url": url + "/runs/{run_id}",
+                "http_transport": "httpx",
+            },
+            {},
+        )
+        async with open_sender(cfg, 2) as sender:
+            for _ in range(2):  # the second POST takes the remembered route
+                assert await sender.send(url + "/runs/p1", b"{}", {}) == (200, b"ok", None)
+    if bypass:
+        assert (proxy.requests, ingress.requests) == ([], [("POST", "/runs/p1")] * 2)
+    else:  # a forwarding proxy is sent the absolute URL
+        assert (proxy.requests, ingress.requests) == ([("POST", url + "/runs/p1")] * 2, [])
 
 
 # --- least privilege: the producer and relay roles ---------------------------------------------

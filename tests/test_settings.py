@@ -70,6 +70,7 @@ def test_minimal_configuration_and_defaults() -> None:
     assert s.retention == 86400.0
     assert s.metrics_addr is None
     assert s.log_format == "json"
+    assert s.http_transport == "aiohttp"
     assert s.replica_id  # host:pid
     assert s.replica_id.endswith(f":{os.getpid()}")
 
@@ -169,6 +170,10 @@ def test_duration_options_reject_out_of_range(option: str) -> None:
         ("statement_timeout", "1.5s", 1.5),
         ("log_format", "TEXT", "text"),
         ("log_level", "Debug", "debug"),
+        ("http_transport", "aiohttp", "aiohttp"),
+        ("http_transport", "HTTPX", "httpx"),
+        # The old name (httpx's client over httpcore) still works: it means httpx.
+        ("http_transport", "httpcore", "httpx"),
         ("metrics_addr", "127.0.0.1:9464", "127.0.0.1:9464"),
         ("metrics_addr", "[::1]:9464", "[::1]:9464"),
         ("replica_id", "relay-a", "relay-a"),
@@ -185,6 +190,7 @@ def test_valid_values(option: str, value: str, expected: object) -> None:
     [
         ("log_format", "xml"),
         ("log_level", "trace"),
+        ("http_transport", "requests"),
         ("metrics_addr", "9464"),
         ("metrics_addr", "host:http"),
         ("metrics_addr", "host:70000"),

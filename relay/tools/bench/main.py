@@ -314,6 +314,11 @@ def targets(m: dict[str, Any]) -> list[dict[str, Any]]:
         floor = min(m["db_limit_eps"], m["http_limit_eps"])
         r = m["e2e_eps"] / floor
         add("e2e_eps ≥ 0.5 × min(db_limit_eps, http_limit_eps)", r, 0.5, r >= 0.5)
+    if has("e2e_eps", "e2e_eps_httpx"):
+        # Issue 16's decision rule (docs/performance.md): at 0.85 or more, httpx would become
+        # the default transport and aiohttp an extra.
+        r = m["e2e_eps_httpx"] / m["e2e_eps"]
+        add("e2e_eps_httpx ≥ 0.85 × e2e_eps (decision rule: httpx the default)", r, 0.85, r >= 0.85)
     if has("e2e_eps", "naive_eps"):
         r = m["e2e_eps"] / m["naive_eps"]
         add("e2e_eps ≥ 10 × naive_eps", r, 10, r >= 10)
