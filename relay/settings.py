@@ -235,8 +235,7 @@ def _http_transport(text: str) -> str:
 
 
 def _database_url(text: str) -> Secret:
-    """A PostgreSQL URL or conninfo, parsed here so that a malformed one fails at start with a
-    message of our own: libpq's own parse errors quote the text, password included."""
+    """A PostgreSQL URL or conninfo, parsed here: libpq's parse errors quote the password."""
     from psycopg.conninfo import conninfo_to_dict
 
     if not text.strip():
@@ -294,8 +293,8 @@ def _ca_file(text: str) -> str:
     return text
 
 
-def _ui_token(text: str) -> Secret:
-    if len(text.strip()) < 16:  # a guessable token is no lock: e.g. `openssl rand -hex 16`
+def _ui_token(text: str) -> Secret:  # a guessable token is no lock: `openssl rand -hex 16`
+    if len(text.strip()) < 16:
         raise ValueError("must be at least 16 characters")
     return Secret(text.strip())
 
