@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,8 @@ KEYS = [
     "soak_table_mb_end",
 ]
 HAS_PGQUEUER = importlib.util.find_spec("pgqueuer") is not None
+HAS_NODE = shutil.which("node") is not None and shutil.which("npm") is not None
+PEERS = {"peer_graphile": "peer_graphile_eps", "peer_pgqueuer": "peer_pgqueuer_eps"}
 
 
 def _positive(key: str, value: object) -> None:
@@ -50,7 +53,8 @@ def _positive(key: str, value: object) -> None:
 def test_every_key_is_a_registered_scenarios(tmp_path: Path) -> None:
     declared = {k for s in SCENARIOS.values() for k in s.keys}
     assert set(KEYS) <= declared
-    assert "peer_eps" in declared
+    assert {"peer_eps", *PEERS.values()} <= declared
+    assert {"peer_graphile_order_violations", "peer_pgqueuer_order_violations"} <= declared
 
 
 def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
@@ -86,9 +90,22 @@ def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
                 _positive(f"{key}[{label}]", v)
         else:
             _positive(key, value)
-    if HAS_PGQUEUER:
-        _positive("peer_eps", metrics.get("peer_eps"))
-    else:
-        assert "pgqueuer" in str(report["scenarios"]["peer"]["rows"])
+    # Both peers run, or say why not (Node.js or PgQueuer missing) in their rows.
+    for scenario, key, present, missing in (
+        ("peer_graphile", "peer_graphile_eps", HAS_NODE, "node"),
+        ("peer_pgqueuer", "peer_pgqueuer_eps", HAS_PGQUEUER, "pgqueuer"),
+    ):
+        if present:
+            _positive(key, metrics.get(key))
+            violations = metrics[key.replace("_eps", "_order_violations")]
+            assert isinstance(violations, int) and violations >= 0, (key, violations)
+            assert key in report["settings"], report["settings"]
+            assert any(t["target"].startswith(f"e2e_eps > {key} (") for t in report["targets"])
+        else:
+            assert missing in str(report["scenarios"][scenario]["rows"])
+    # Graphile Worker's named queues keep per-run order, as the relay does.
+    if HAS_NODE:
+        assert metrics["peer_graphile_order_violations"] == 0
+    assert metrics["relay_order_violations"] == 0
     assert report["targets"], "no target could be judged"
     assert "wake" in report["scenarios"]
