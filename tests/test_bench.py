@@ -13,9 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import orjson
+import pytest
 
 from relay.tools.bench import SCENARIOS
+from relay.tools.bench.kit import BenchFailed
+from relay.tools.bench.peers import HEADERS, event_bodies, sink_check
+from relay.tools.sink import Sink
 
 KEYS = [
     "db_limit_eps",
@@ -109,3 +114,28 @@ def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
     assert metrics["relay_order_violations"] == 0
     assert report["targets"], "no target could be judged"
     assert "wake" in report["scenarios"]
+
+
+@pytest.mark.anyio
+async def test_a_peers_order_violations_are_the_sinks_count(sink: tuple[Sink, str]) -> None:
+    """The figure beside each peer is the sink's count of per-run order violations: an event
+    POSTed after a later one of its run counts, the same bodies in order count none, and a
+    peer that lost an event has no figure."""
+    _, base = sink
+    first, second = (orjson.loads(b) for b in event_bodies(2, 2, "ordered"))
+
+    async def deliver(*bodies: dict[str, object]) -> None:
+        async with httpx.AsyncClient() as client:
+            await client.post(base + "/_sink/reset")
+            for body in bodies:
+                url = f"{base}/runs/{body['run_id']}/events"
+                r = await client.post(url, json=body, headers=HEADERS)
+                assert r.status_code == 200, r.text
+
+    await deliver(second, first)  # seq 2, then seq 1
+    assert await sink_check(base, 2, "test") == 1
+    await deliver(first, second)
+    assert await sink_check(base, 2, "test") == 0
+    await deliver(second)
+    with pytest.raises(BenchFailed, match="1 of 2 events"):
+        await sink_check(base, 2, "test")

@@ -33,11 +33,13 @@ class Setting:
     batch_size: int  # QueueManager.run(batch_size=...) (its benchmark: 10)
     driver: str  # "asyncpg" or "psycopg"
     loop: str  # "uvloop" or "asyncio"
+    max_tasks: int = 0  # QueueManager.run(max_concurrent_tasks=...) per consumer; 0: unlimited
 
     def shown(self) -> dict[str, Any]:
         return {
             "consumers": self.consumers,
             "batch_size": self.batch_size,
+            "max_concurrent_tasks": self.max_tasks or "unlimited",
             "driver": self.driver,
             "loop": self.loop,
             "http": "aiohttp",
@@ -54,6 +56,12 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--pgqueuer-batch", default="10", help="dequeue batch size, or several to try (10)"
+    )
+    g.add_argument(
+        "--pgqueuer-max-tasks",
+        type=int,
+        default=0,
+        help="max_concurrent_tasks per consumer (0: unlimited, PgQueuer's default)",
     )
     g.add_argument(
         "--pgqueuer-driver",
@@ -97,13 +105,18 @@ async def _consumer(setting: Setting, url: str, sink: str, state: dict[str, Any]
         state["done"] += 1
         state["last"] = time.monotonic()
 
-    await qm.run(mode=QueueExecutionMode.drain, batch_size=setting.batch_size)
+    await qm.run(
+        mode=QueueExecutionMode.drain,
+        batch_size=setting.batch_size,
+        max_concurrent_tasks=setting.max_tasks or None,
+    )
 
 
 async def _worker(setting: Setting, url: str, sink: str) -> None:
     import aiohttp
 
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+    # aiohttp's default pool (100 connections), kept alive; one session for every consumer
+    connector = aiohttp.TCPConnector(keepalive_timeout=30)
     async with aiohttp.ClientSession(connector=connector) as session:
         state: dict[str, Any] = {"session": session, "done": 0, "last": 0.0}
         print("ready", flush=True)
@@ -116,8 +129,8 @@ async def _worker(setting: Setting, url: str, sink: str) -> None:
 
 
 def worker_main(argv: list[str]) -> None:
-    url, sink, consumers, batch, driver, loop = argv
-    setting = Setting(int(consumers), int(batch), driver, loop)
+    url, sink, consumers, batch, driver, loop, max_tasks = argv
+    setting = Setting(int(consumers), int(batch), driver, loop, int(max_tasks))
     if loop == "uvloop":
         import uvloop
 
@@ -155,7 +168,13 @@ async def _once(
             with log.open("wb") as err:
                 argv = [
                     str(v)
-                    for v in (setting.consumers, setting.batch_size, setting.driver, setting.loop)
+                    for v in (
+                        setting.consumers,
+                        setting.batch_size,
+                        setting.driver,
+                        setting.loop,
+                        setting.max_tasks,
+                    )
                 ]
                 with anyio.fail_after(max(120, jobs / 50)):
                     proc = await anyio.run_process(
@@ -191,7 +210,7 @@ async def peer_pgqueuer(env: Env, a: argparse.Namespace) -> Result:
     best: tuple[float, int, Setting] | None = None
     for consumers in (int(c) for c in a.pgqueuer_consumers.split(",") if c.strip()):
         for batch in (int(b) for b in a.pgqueuer_batch.split(",") if b.strip()):
-            setting = Setting(consumers, batch, driver, loop)
+            setting = Setting(consumers, batch, driver, loop, a.pgqueuer_max_tasks)
             rates, violations = [], 0
             for rep in range(a.reps):
                 label = f"peer_pgqueuer_eps: {settings_text(setting.shown())}, rep {rep + 1}"
