@@ -460,7 +460,8 @@ def plot(path: Path, metrics: dict[str, Any]) -> None:
     except ImportError:
         raise BenchFailed("--plot needs matplotlib: pip install 'ledger-relay[bench]'") from None
     flat = _flat(metrics)
-    rates = [(k, v) for k, v in flat if "_eps" in k or "_tps" in k]
+    # peer_eps is peer_pgqueuer_eps under its old name: one bar for it
+    rates = [(k, v) for k, v in flat if ("_eps" in k or "_tps" in k) and k != "peer_eps"]
     lat = [(k, v) for k, v in flat if "_ms" in k]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 6.5))
     for ax, items, title, unit in (
