@@ -11,8 +11,8 @@ Settings (worker.graphile.org/docs/performance, "Batching"): `concurrency` 10 an
 the better counts (with a queue per run each job fetch locks every available queue row, so
 workers contend for the same rows: 1, 4 and 50 measured slower); `maxPoolSize` =
 max(10, concurrency + 2) as the option's documentation advises; `completeJobBatchDelay` and
-`failJobBatchDelay` 0 (batched completions, which its docs advise everyone to enable: 1.5x
-here); the local queue off (it reorders the jobs of a named queue, docs/performance.md,
+`failJobBatchDelay` 0 (batched completions, which its docs advise everyone to enable; within
+noise here); the local queue off (it reorders the jobs of a named queue, docs/performance.md,
 "Peers"); poll interval 2 s, the default (jobs are found through LISTEN/NOTIFY; the poll only
 finds jobs scheduled for later).
 """
