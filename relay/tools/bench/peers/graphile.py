@@ -71,13 +71,16 @@ def install() -> tuple[Path | None, str]:
             target.mkdir()
             for name in ("package.json", "package-lock.json"):
                 shutil.copy2(JS / name, target / name)
-            proc = subprocess.run(
-                [npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
-                cwd=target,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
+            try:
+                proc = subprocess.run(
+                    [npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+                    cwd=target,
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                return None, f"npm ci of graphile-worker {version()} failed: {exc}"
             if proc.returncode != 0:
                 tail = (proc.stderr or proc.stdout).strip()[-300:]
                 return None, f"npm ci of graphile-worker {version()} failed: {tail}"
