@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import orjson
+import pytest
 
 from relay.tools.bench import SCENARIOS
+from relay.tools.bench.kit import BenchFailed
+from relay.tools.bench.peers import HEADERS, event_bodies, sink_check
+from relay.tools.sink import Sink
 
 KEYS = [
     "db_limit_eps",
@@ -41,6 +47,8 @@ KEYS = [
     "soak_table_mb_end",
 ]
 HAS_PGQUEUER = importlib.util.find_spec("pgqueuer") is not None
+HAS_NODE = shutil.which("node") is not None and shutil.which("npm") is not None
+PEERS = {"peer_graphile": "peer_graphile_eps", "peer_pgqueuer": "peer_pgqueuer_eps"}
 
 
 def _positive(key: str, value: object) -> None:
@@ -51,7 +59,8 @@ def _positive(key: str, value: object) -> None:
 def test_every_key_is_a_registered_scenarios(tmp_path: Path) -> None:
     declared = {k for s in SCENARIOS.values() for k in s.keys}
     assert set(KEYS) <= declared
-    assert "peer_eps" in declared
+    assert {"peer_eps", *PEERS.values()} <= declared
+    assert {"peer_graphile_order_violations", "peer_pgqueuer_order_violations"} <= declared
 
 
 def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
@@ -87,9 +96,47 @@ def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
                 _positive(f"{key}[{label}]", v)
         else:
             _positive(key, value)
-    if HAS_PGQUEUER:
-        _positive("peer_eps", metrics.get("peer_eps"))
-    else:
-        assert "pgqueuer" in str(report["scenarios"]["peer"]["rows"])
+    # Both peers run, or say why not (Node.js or PgQueuer missing) in their rows.
+    for scenario, key, present, missing in (
+        ("peer_graphile", "peer_graphile_eps", HAS_NODE, "node"),
+        ("peer_pgqueuer", "peer_pgqueuer_eps", HAS_PGQUEUER, "pgqueuer"),
+    ):
+        if present:
+            _positive(key, metrics.get(key))
+            violations = metrics[key.replace("_eps", "_order_violations")]
+            assert isinstance(violations, int) and violations >= 0, (key, violations)
+            assert key in report["settings"], report["settings"]
+            assert any(t["target"].startswith(f"e2e_eps > {key} (") for t in report["targets"])
+        else:
+            assert missing in str(report["scenarios"][scenario]["rows"])
+    # Graphile Worker's named queues keep per-run order, as the relay does.
+    if HAS_NODE:
+        assert metrics["peer_graphile_order_violations"] == 0
+    assert metrics["relay_order_violations"] == 0
     assert report["targets"], "no target could be judged"
     assert "wake" in report["scenarios"]
+
+
+@pytest.mark.anyio
+async def test_a_peers_order_violations_are_the_sinks_count(sink: tuple[Sink, str]) -> None:
+    """The figure beside each peer is the sink's count of per-run order violations: an event
+    POSTed after a later one of its run counts, the same bodies in order count none, and a
+    peer that lost an event has no figure."""
+    _, base = sink
+    first, second = (orjson.loads(b) for b in event_bodies(2, 2, "ordered"))
+
+    async def deliver(*bodies: dict[str, object]) -> None:
+        async with httpx.AsyncClient() as client:
+            await client.post(base + "/_sink/reset")
+            for body in bodies:
+                url = f"{base}/runs/{body['run_id']}/events"
+                r = await client.post(url, json=body, headers=HEADERS)
+                assert r.status_code == 200, r.text
+
+    await deliver(second, first)  # seq 2, then seq 1
+    assert await sink_check(base, 2, "test") == 1
+    await deliver(first, second)
+    assert await sink_check(base, 2, "test") == 0
+    await deliver(second)
+    with pytest.raises(BenchFailed, match="1 of 2 events"):
+        await sink_check(base, 2, "test")

@@ -66,6 +66,8 @@ class Env:
     stack: AsyncExitStack
     queues: list[str] = field(default_factory=list)
     _external: str | None = None
+    # the most per-run order violations the sink saw in one relay run (`until_received`)
+    relay_order_violations: int | None = None
 
     def settings(self, **overrides: str) -> Settings:
         flags: dict[str, str | None] = {
@@ -103,6 +105,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)  # extra machine-readable detail
     metrics: Metrics = field(default_factory=dict)  # the JSON keys
+    settings: dict[str, str] = field(default_factory=dict)  # JSON key -> how it was run
 
 
 @dataclass(frozen=True)
@@ -341,9 +344,12 @@ async def until_received(
     async with httpx.AsyncClient() as client:
         with env.console.status(f"{what}: 0/{total}") as status:
             while True:
-                got = int((await sink_stats(client, base))["unique_events"])
+                stats = await sink_stats(client, base)
+                got = int(stats["unique_events"])
                 now = time.monotonic()
                 if got >= total:
+                    seen = int(stats["order_violations"])
+                    env.relay_order_violations = max(env.relay_order_violations or 0, seen)
                     return now
                 on_tick()
                 rate = got / max(now - started, 1e-9)

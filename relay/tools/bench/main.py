@@ -50,6 +50,8 @@ from relay.tools.absurd import install_absurd
 from relay.tools.bench import latency as bench_latency
 from relay.tools.bench import throughput as bench_throughput
 from relay.tools.bench.kit import BenchFailed, BenchSink, Env, Result, Scenario, positive
+from relay.tools.bench.peers import graphile as bench_graphile
+from relay.tools.bench.peers import pgqueuer as bench_pgqueuer
 from relay.tools.demo import percentile
 from relay.tools.sink import serve_sink
 
@@ -278,6 +280,8 @@ SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in [
         *bench_throughput.SCENARIOS,
+        *bench_graphile.SCENARIOS,
+        *bench_pgqueuer.SCENARIOS,
         *bench_latency.SCENARIOS,
         Scenario(
             "wake",
@@ -290,11 +294,15 @@ SCENARIOS: dict[str, Scenario] = {
 }
 
 
+ALIASES = {"peer": ["peer_graphile", "peer_pgqueuer"]}
+
 # -- targets (issue 6): ratios from one run ------------------------------------------------------
 
 
-def targets(m: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target of issue 6 that this run's metrics can judge: its measured ratio and verdict."""
+def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Each target (issues 6 and 16) that this run's metrics can judge: its measured ratio and
+    verdict. `settings`: how a figure was run (the peers'), printed beside its target."""
+    settings = settings or {}
     out: list[dict[str, Any]] = []
 
     def add(target: str, have: Any, need: float, ok: bool) -> None:
@@ -322,9 +330,27 @@ def targets(m: dict[str, Any]) -> list[dict[str, Any]]:
     if has("e2e_eps", "naive_eps"):
         r = m["e2e_eps"] / m["naive_eps"]
         add("e2e_eps ≥ 10 × naive_eps", r, 10, r >= 10)
-    if has("e2e_eps", "peer_eps"):
-        r = m["e2e_eps"] / m["peer_eps"]
-        add("e2e_eps > peer_eps", r, 1, r > 1)
+    for peer in ("peer_graphile_eps", "peer_pgqueuer_eps"):
+        if has("e2e_eps", peer):
+            r = m["e2e_eps"] / m[peer]
+            how = f" ({settings[peer]})" if peer in settings else ""
+            add(f"e2e_eps > {peer}{how}", r, 1, r > 1)
+    if "relay_order_violations" in m:
+        peers = ", ".join(
+            f"{name} {m[key]:,}"
+            for name, key in (
+                ("Graphile Worker", "peer_graphile_order_violations"),
+                ("PgQueuer", "peer_pgqueuer_order_violations"),
+            )
+            if key in m
+        )
+        have = m["relay_order_violations"]
+        add(
+            f"relay keeps per-run order: 0 violations (peers: {peers or 'not run'})",
+            have,
+            0,
+            have == 0,
+        )
     if has("e2e_eps", "tiny_runs_eps"):
         r = m["tiny_runs_eps"] / m["e2e_eps"]
         add("tiny_runs_eps ≥ 0.25 × e2e_eps", r, 0.25, r >= 0.25)
@@ -439,7 +465,8 @@ def plot(path: Path, metrics: dict[str, Any]) -> None:
     except ImportError:
         raise BenchFailed("--plot needs matplotlib: pip install 'ledger-relay[bench]'") from None
     flat = _flat(metrics)
-    rates = [(k, v) for k, v in flat if "_eps" in k or "_tps" in k]
+    # peer_eps is peer_pgqueuer_eps under its old name: one bar for it
+    rates = [(k, v) for k, v in flat if ("_eps" in k or "_tps" in k) and k != "peer_eps"]
     lat = [(k, v) for k, v in flat if "_ms" in k]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 6.5))
     for ax, items, title, unit in (
@@ -483,7 +510,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     for s in SCENARIOS.values():
         s.add_arguments(p)
     a = p.parse_args(argv)
-    a.only = [n.strip() for n in a.only.split(",") if n.strip()]
+    # `peer` (one scenario before issue 16) names both peers
+    a.only = [
+        m for n in a.only.split(",") if n.strip() for m in ALIASES.get(n.strip(), [n.strip()])
+    ]
     unknown = [n for n in a.only if n not in SCENARIOS]
     if unknown or not a.only:
         p.error(f"--only: unknown scenario {unknown}; choose from {', '.join(SCENARIOS)}")
@@ -503,6 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure("text", "warning")
     results: dict[str, Result] = {}
     failed: dict[str, str] = {}
+    order: dict[str, int] = {}  # the relay's per-run order violations over its runs
 
     async def run_all() -> None:
         async with environment(a.database_url, console) as env:
@@ -517,6 +548,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     console.print(f"[bold red]{name} failed:[/bold red] {failed[name]}")
                     continue
                 console.print(render(name, results[name]))
+                if env.relay_order_violations is not None:
+                    order["relay"] = env.relay_order_violations
                 console.print(f"({time.monotonic() - started:.0f} s)")
 
     failure: BaseException | None = None
@@ -530,11 +563,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print(f"[bold red]relay bench failed:[/bold red] {failure}")
         return 1
     metrics: dict[str, Any] = {}
+    settings: dict[str, str] = {}
     for r in results.values():
         metrics.update(r.metrics)
+        settings.update(r.settings)
+    if "relay" in order:
+        metrics["relay_order_violations"] = order["relay"]
     if "peak_rss" in results:
         metrics["rss_events"] = a.rss_events
-    judged = targets(metrics)
+    judged = targets(metrics, settings)
     metrics.pop("rss_events", None)
     for table in summary(metrics, judged):
         console.print(table)
@@ -546,6 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "reps": a.reps,
             "smoke": a.smoke,
             "metrics": metrics,
+            "settings": settings,
             "targets": judged,
             "failed": failed,
             "scenarios": {

@@ -1,6 +1,6 @@
 """Throughput scenarios of `relay bench`: the machine's limits (database, HTTP), the relay end
-to end, what people write or pick instead (a naive relay, PgQueuer), claims against a deep
-backlog, and the relay's memory over a 1M-event run.
+to end, what people write first instead (a naive relay), claims against a deep backlog, and
+the relay's memory over a 1M-event run. The queues people pick instead are in `peers/`.
 
 Events per second are distinct events received by the ingress over the time from the commit
 of the backlog (the relay already running, idle) to the last receipt.
@@ -9,8 +9,6 @@ of the backlog (the relay already running, idle) to the last receipt.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -49,7 +47,6 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--limit-runs", type=positive(int), default=10_000, help="db/http runs (10k)")
     g.add_argument("--tiny-runs", type=positive(int), default=50_000, help="1-event runs (50k)")
     g.add_argument("--naive-seconds", type=positive(float), default=10.0, help="(10 s)")
-    g.add_argument("--peer-events", type=positive(int), default=20_000, help="PgQueuer jobs")
     g.add_argument("--claim-seconds", type=positive(float), default=3.0, help="per rep (3 s)")
     g.add_argument("--claim-big", type=positive(int), default=1_000_000, help="pending (1M)")
     g.add_argument("--rss-events", type=positive(int), default=1_000_000, help="(1M)")
@@ -63,7 +60,6 @@ SMOKE = {
     "limit_runs": 200,
     "tiny_runs": 500,
     "naive_seconds": 1.0,
-    "peer_events": 200,
     "claim_seconds": 0.5,
     "claim_big": 20_000,
     "rss_events": 5_000,
@@ -421,134 +417,6 @@ async def naive(env: Env, a: argparse.Namespace) -> Result:
     )
 
 
-# -- PgQueuer -------------------------------------------------------------------------------
-
-
-async def _peer_worker(url: str, sink: str, jobs: int) -> None:
-    from pgqueuer.db import PsycopgDriver
-    from pgqueuer.models import Job
-    from pgqueuer.qm import QueueManager
-    from pgqueuer.queries import Queries
-    from pgqueuer.types import QueueExecutionMode
-
-    async with (
-        await psycopg.AsyncConnection.connect(url, autocommit=True) as conn,
-        httpx.AsyncClient(limits=httpx.Limits(max_connections=8)) as http,
-    ):
-        qm = QueueManager(Queries(PsycopgDriver(conn)))
-        first: list[float] = []
-        last = [0.0]
-
-        @qm.entrypoint("post_event")
-        async def post_event(job: Job) -> None:
-            assert job.payload is not None
-            if not first:
-                first.append(time.monotonic())
-            run_id = orjson.loads(job.payload)["run_id"]
-            r = await http.post(
-                f"{sink}/runs/{run_id}/events",
-                content=job.payload,
-                headers=NAIVE_HEADERS,
-            )
-            r.raise_for_status()
-            last[0] = time.monotonic()
-
-        print("ready", flush=True)
-        started = time.monotonic()
-        await qm.run(mode=QueueExecutionMode.drain, batch_size=PEER_BATCH)
-        # From the worker's start to its last POST: its drain-mode exit check is not counted.
-        out = {"seconds": last[0] - started, "first_job_after": first[0] - started if first else 0}
-        print(orjson.dumps(out).decode(), flush=True)
-
-
-PEER_BATCH = 100  # jobs per dequeue (PgQueuer's default is 10: measured slower here)
-PEER_CODE = (
-    "import sys; from relay.tools.bench.throughput import peer_main; peer_main(sys.argv[1:])"
-)
-
-
-def peer_main(argv: list[str]) -> None:
-    url, sink, jobs = argv
-    anyio.run(_peer_worker, url, sink, int(jobs))
-
-
-async def peer(env: Env, a: argparse.Namespace) -> Result:
-    try:
-        from pgqueuer.db import PsycopgDriver
-        from pgqueuer.queries import Queries
-    except ImportError as exc:
-        why = f"pgqueuer is not installed ({exc}): pip install 'ledger-relay[bench]'"
-        return _peer_skipped(why)
-    base = await env.external_sink()
-    rates = []
-    for rep in range(a.reps):
-        await reset(env)
-        async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
-            queries = Queries(PsycopgDriver(conn))
-            if await queries.schema_is_installed():
-                await queries.uninstall()
-            await queries.install()
-            try:
-                now = datetime.now(UTC).isoformat()
-                payloads: list[bytes | None] = []
-                for i in range(a.peer_events):
-                    run = f"p{rep}-{i // a.e2e_per_run}"
-                    seq = i % a.e2e_per_run + 1
-                    event = {
-                        "event_id": f"{run}-{seq}",
-                        "seq": seq,
-                        "type": "step",
-                        "terminal": False,
-                        "payload": {"run": run, "step": seq, "note": "benchmark event"},
-                        "created_at": now,
-                    }
-                    payloads.append(orjson.dumps({"run_id": run, "epoch": 1, "events": [event]}))
-                with env.console.status(f"peer_eps: enqueueing {a.peer_events} jobs"):
-                    for lo in range(0, len(payloads), 5000):
-                        chunk = payloads[lo : lo + 5000]
-                        await queries.enqueue(["post_event"] * len(chunk), chunk, [0] * len(chunk))
-                code = PEER_CODE
-                proc = await anyio.open_process(
-                    [sys.executable, "-c", code, env.url, base, str(a.peer_events)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                )
-                async with proc:
-                    with env.console.status(f"peer_eps: PgQueuer worker, rep {rep + 1}/{a.reps}"):
-                        with anyio.fail_after(max(120, a.peer_events / 100)):
-                            await proc.wait()
-                    out = await proc.stdout.receive() if proc.stdout else b""
-                    lines = [ln for ln in out.decode().splitlines() if ln.startswith("{")]
-                    if proc.returncode != 0 or not lines:
-                        err = await proc.stderr.receive() if proc.stderr else b""
-                        raise BenchFailed(f"the PgQueuer worker failed: {err.decode()[-400:]}")
-                seconds = orjson.loads(lines[-1])["seconds"]
-                rates.append(a.peer_events / seconds)
-            finally:
-                await queries.uninstall()
-    eps = median(rates)
-    return Result(
-        ["key", "events_per_s", "reps"],
-        [{"key": "peer_eps", "events_per_s": eps, "reps": [round(r) for r in rates]}],
-        [
-            f"PgQueuer {_pgqueuer_version()} worker in its own process (psycopg driver, drain "
-            f"mode, batch {PEER_BATCH}), one job per event, its entrypoint POSTs it with httpx; "
-            f"{a.peer_events:,} jobs; no per-run order"
-        ],
-        metrics={"peer_eps": eps},
-    )
-
-
-def _pgqueuer_version() -> str:
-    from importlib.metadata import version
-
-    return version("pgqueuer")
-
-
-def _peer_skipped(why: str) -> Result:
-    return Result(["key", "skipped"], [{"key": "peer_eps", "skipped": why}], [why], {"why": why})
-
-
 # -- claims against a deep backlog ----------------------------------------------------------
 
 
@@ -629,7 +497,6 @@ SCENARIOS = [
         naive,
         keys=("naive_eps",),
     ),
-    Scenario("peer", "PgQueuer, one job per event POSTed with httpx", peer, keys=("peer_eps",)),
     Scenario(
         "claim",
         "claim throughput with 10k and with 1M pending events",

@@ -1,0 +1,245 @@
+"""Graphile Worker as a peer: one job per event in the named queue `run_id` (a named queue runs
+its jobs one at a time, so per-run order holds), a task that POSTs the event to the sink with
+Node's built-in fetch, jobs added with `addJobs` one call (one transaction) per 1,000.
+
+The Node.js side is `js/worker.mjs`, with `js/package.json` and `js/package-lock.json` pinning
+the version. On first use they are copied into a cache folder
+(`$XDG_CACHE_HOME/ledger-relay/graphile-worker-<version>`) and installed with `npm ci`; where
+node or npm is missing, or the install fails, the scenario is skipped with the reason.
+
+Settings (worker.graphile.org/docs/performance, "Batching"): `concurrency` 10 and 24 tried,
+the better counts (with a queue per run each job fetch locks every available queue row, so
+workers contend for the same rows: 1, 4 and 50 measured slower); `maxPoolSize` =
+max(10, concurrency + 2) as the option's documentation advises; `completeJobBatchDelay` and
+`failJobBatchDelay` 0 (batched completions, which its docs advise everyone to enable; within
+noise here); the local queue off (it reorders the jobs of a named queue, docs/performance.md,
+"Peers"); poll interval 2 s, the default (jobs are found through LISTEN/NOTIFY; the poll only
+finds jobs scheduled for later).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import psycopg
+
+from relay.tools.bench.kit import BenchFailed, Env, Result, Scenario, median, positive, reset
+from relay.tools.bench.peers import event_bodies, settings_text, sink_check, skipped
+
+JS = Path(__file__).resolve().parent / "js"
+SCHEMA = "graphile_worker"
+CHUNK = 1_000  # jobs per addJobs call, i.e. per transaction
+
+
+def version() -> str:
+    deps = json.loads((JS / "package.json").read_text())["dependencies"]
+    return str(deps["graphile-worker"])
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ledger-relay" / f"graphile-worker-{version()}"
+
+
+def install() -> tuple[Path | None, str]:
+    """(the folder to run worker.mjs in, "") once installed, else (None, why not)."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        return None, "Graphile Worker needs Node.js and npm, and " + (
+            "node is not on PATH" if node is None else "npm is not on PATH"
+        )
+    target = cache_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = (JS / "package-lock.json").read_bytes()
+    stamp = hashlib.sha256(lock).hexdigest()
+    with (target.parent / f"{target.name}.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # two benches at once install once
+        done = target / ".installed"
+        if not (done.exists() and done.read_text() == stamp):
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir()
+            for name in ("package.json", "package-lock.json"):
+                shutil.copy2(JS / name, target / name)
+            try:
+                proc = subprocess.run(
+                    [npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+                    cwd=target,
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                return None, f"npm ci of graphile-worker {version()} failed: {exc}"
+            if proc.returncode != 0:
+                tail = (proc.stderr or proc.stdout).strip()[-300:]
+                return None, f"npm ci of graphile-worker {version()} failed: {tail}"
+            done.write_text(stamp)
+        # The worker is copied each time: ESM resolves `graphile-worker` next to the script.
+        shutil.copy2(JS / "worker.mjs", target / "worker.mjs")
+    return target, ""
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("peer_graphile")
+    g.add_argument("--graphile-jobs", type=positive(int), default=5_000, help="jobs (5k)")
+    g.add_argument(
+        "--graphile-concurrency",
+        default="10,24",
+        help="worker concurrency, or several to try, comma-separated; the best counts (10,24)",
+    )
+    g.add_argument(
+        "--graphile-local-queue",
+        type=int,
+        default=-1,
+        help="localQueue.size (-1: off; it reorders named queues, docs/performance.md)",
+    )
+    g.add_argument(
+        "--graphile-complete-delay",
+        type=int,
+        default=0,
+        help="completeJobBatchDelay and failJobBatchDelay in ms (0: batched at once; -1: off)",
+    )
+
+
+@dataclass(frozen=True)
+class Setting:
+    concurrency: int
+    local_queue: int
+    complete_delay: int
+    poll_interval: int = 2_000
+
+    @property
+    def pool(self) -> int:
+        return max(10, self.concurrency + 2)
+
+    def shown(self) -> dict[str, Any]:
+        return {
+            "concurrency": self.concurrency,
+            "maxPoolSize": self.pool,
+            "localQueue.size": self.local_queue,
+            "completeJobBatchDelay": self.complete_delay,
+            "pollInterval": self.poll_interval,
+        }
+
+
+async def _once(
+    env: Env, folder: Path, base: str, setting: Setting, jobs: int, per_run: int, tag: str
+) -> tuple[float, int]:
+    """One repetition: a fresh graphile_worker schema and sink, the jobs added, the worker
+    run to the last job. Returns (jobs/s, order violations)."""
+    await reset(env)
+    async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
+        await conn.execute(f"drop schema if exists {SCHEMA} cascade")
+    jobs_file = env.workdir / f"graphile-{tag}.jsonl"
+    jobs_file.write_bytes(b"\n".join(event_bodies(jobs, per_run, tag)) + b"\n")
+    config = {
+        "url": env.url,
+        "schema": SCHEMA,
+        "jobs": str(jobs_file),
+        "chunk": CHUNK,
+        "sink": base,
+        "concurrency": setting.concurrency,
+        "pollInterval": setting.poll_interval,
+        "maxPoolSize": setting.pool,
+        "localQueueSize": setting.local_queue,
+        "completeJobBatchDelay": setting.complete_delay,
+        "timeoutMs": int(max(120, jobs / 20) * 1000),
+    }
+    log = env.workdir / f"graphile-{tag}.log"
+    with log.open("wb") as err:
+        proc = await anyio.run_process(
+            ["node", str(folder / "worker.mjs"), json.dumps(config)],
+            cwd=folder,
+            stderr=err,
+            check=False,
+        )
+    lines = [ln for ln in proc.stdout.decode().splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        why = log.read_text(errors="replace")[-400:]
+        raise BenchFailed(f"the Graphile Worker peer failed ({proc.returncode}): {why}")
+    out = orjson.loads(lines[-1])
+    violations = await sink_check(base, jobs, "peer_graphile")
+    return jobs / out["seconds"], violations
+
+
+async def peer_graphile(env: Env, a: argparse.Namespace) -> Result:
+    folder, why = await anyio.to_thread.run_sync(install)
+    if folder is None:
+        return skipped("peer_graphile_eps", why)
+    base = await env.external_sink()
+    counts = [int(c) for c in a.graphile_concurrency.split(",") if c.strip()]
+    rows: list[dict[str, Any]] = []
+    best: tuple[float, int, Setting] | None = None
+    for c in counts:
+        setting = Setting(c, a.graphile_local_queue, a.graphile_complete_delay)
+        rates, violations = [], 0
+        for rep in range(a.reps):
+            label = f"peer_graphile_eps: concurrency {c}, rep {rep + 1}/{a.reps}"
+            with env.console.status(label):
+                eps, v = await _once(
+                    env, folder, base, setting, a.graphile_jobs, a.e2e_per_run, f"g{c}r{rep}"
+                )
+            rates.append(eps)
+            violations = max(violations, v)
+        eps = median(rates)
+        rows.append(
+            {
+                "key": "peer_graphile_eps",
+                "events_per_s": eps,
+                "reps": [round(r) for r in rates],
+                "order_violations": violations,
+                "settings": settings_text(setting.shown()),
+            }
+        )
+        if best is None or eps > best[0]:
+            best = (eps, violations, setting)
+    assert best is not None
+    eps, violations, setting = best
+    shown = {"version": version(), **setting.shown()}
+    return Result(
+        ["key", "events_per_s", "reps", "order_violations", "settings"],
+        rows,
+        [
+            f"Graphile Worker {version()} (Node {_node_version()}) in its own process: "
+            f"{a.graphile_jobs:,} jobs, one per event, queueName = run_id "
+            f"({a.e2e_per_run} events per run), added with addJobs {CHUNK:,} per transaction "
+            "before the worker starts; the task POSTs the event with Node's fetch (keep-alive); "
+            "events/s from run() to the last POST answered (median of reps); order violations: "
+            "the most in one rep; the best row counts",
+            f"best: {settings_text(shown)}",
+        ],
+        metrics={"peer_graphile_eps": eps, "peer_graphile_order_violations": violations},
+        settings={"peer_graphile_eps": settings_text(shown)},
+    )
+
+
+def _node_version() -> str:
+    try:
+        return subprocess.run(
+            ["node", "--version"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+
+
+SCENARIOS = [
+    Scenario(
+        "peer_graphile",
+        "Graphile Worker, one job per event in the named queue run_id, POSTed with fetch",
+        peer_graphile,
+        _arguments,
+        {"graphile_jobs": 200, "graphile_concurrency": "10"},
+        ("peer_graphile_eps", "peer_graphile_order_violations"),
+    ),
+]
