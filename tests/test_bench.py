@@ -20,7 +20,7 @@ import pytest
 from relay.tools.bench import SCENARIOS
 from relay.tools.bench.kit import BenchFailed
 from relay.tools.bench.peers import HEADERS, event_bodies, sink_check
-from relay.tools.sink import Sink
+from relay.tools.sink import Sink, serve_sink
 
 KEYS = [
     "db_limit_eps",
@@ -118,16 +118,20 @@ def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_peers_order_violations_are_the_sinks_count(sink: tuple[Sink, str]) -> None:
+async def test_a_peers_order_violations_are_the_sinks_count() -> None:
     """The figure beside each peer is the sink's count of per-run order violations: an event
     POSTed after a later one of its run counts, the same bodies in order count none, and a
     peer that lost an event has no figure."""
-    _, base = sink
+    async with serve_sink(Sink(fault_control=True)) as base:  # the bench resets its sink
+        await _order_violations_are_the_sinks_count(base)
+
+
+async def _order_violations_are_the_sinks_count(base: str) -> None:
     first, second = (orjson.loads(b) for b in event_bodies(2, 2, "ordered"))
 
     async def deliver(*bodies: dict[str, object]) -> None:
         async with httpx.AsyncClient() as client:
-            await client.post(base + "/_sink/reset")
+            assert (await client.post(base + "/_sink/reset")).status_code == 200
             for body in bodies:
                 url = f"{base}/runs/{body['run_id']}/events"
                 r = await client.post(url, json=body, headers=HEADERS)
