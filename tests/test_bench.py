@@ -77,6 +77,8 @@ def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
             pg_url,
             "--json",
             str(out),
+            "--plot",
+            str(tmp_path / "chart.png"),
         ],
         env=env | {"COLUMNS": "120"},
         capture_output=True,
@@ -86,6 +88,7 @@ def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = orjson.loads(out.read_bytes())
     assert report["smoke"] is True and report["failed"] == {}
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     metrics = report["metrics"]
     for key in KEYS:
         assert key in metrics, f"{key} missing from {sorted(metrics)}"

@@ -468,14 +468,31 @@ def plot(path: Path, metrics: dict[str, Any]) -> None:
     # peer_eps is peer_pgqueuer_eps under its old name: one bar for it
     rates = [(k, v) for k, v in flat if ("_eps" in k or "_tps" in k) and k != "peer_eps"]
     lat = [(k, v) for k, v in flat if "_ms" in k]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 6.5))
-    for ax, items, title, unit in (
-        (left, rates, "throughput", "per second"),
-        (right, lat, "latency (commit → ingress)", "ms"),
-    ):
+    # The relay beside each peer doing its job (one job per event, a POST each), with each
+    # one's per-run order violations; peers in orange.
+    peers = [
+        (f"{label}\n{metrics[viol]:,} order violations" if viol in metrics else label, metrics[key])
+        for key, label, viol in (
+            ("e2e_eps", "relay (e2e_eps)", "relay_order_violations"),
+            ("tiny_runs_eps_batched", "relay, runs of 1 event, /batch", ""),
+            ("tiny_runs_eps", "relay, runs of 1 event", ""),
+            ("peer_graphile_eps", "Graphile Worker", "peer_graphile_order_violations"),
+            ("peer_pgqueuer_eps", "PgQueuer", "peer_pgqueuer_order_violations"),
+        )
+        if isinstance(metrics.get(key), int | float)
+    ]
+    panels = [
+        (rates, "throughput", "per second"),
+        (lat, "latency (commit → ingress)", "ms"),
+    ]
+    if any(name.startswith(("Graphile", "PgQueuer")) for name, _ in peers):
+        panels.append((peers, "the relay beside its peers (events/s)", "per second"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 6.5))
+    for ax, (items, title, unit) in zip(axes, panels, strict=True):
         names = [k for k, _ in items]
         values = [v for _, v in items]
-        bars = ax.barh(names, values, color="#4477aa")
+        colors = ["#dd8833" if k.startswith(("Graphile", "PgQueuer")) else "#4477aa" for k in names]
+        bars = ax.barh(names, values, color=colors)
         ax.invert_yaxis()
         ax.set_title(title)
         ax.set_xlabel(unit)
