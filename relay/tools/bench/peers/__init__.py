@@ -12,13 +12,14 @@ POST answered, the settings they ran with, and the sink's per-run order violatio
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import orjson
 
-from relay.tools.bench.kit import BenchFailed, Result, sink_stats
+from relay.tools.bench.kit import BenchFailed, Env, Result, median, sink_stats
 
 HEADERS = {"content-type": "application/json", "relay-lease-epoch": "1"}
 
@@ -59,3 +60,29 @@ def skipped(key: str, why: str) -> Result:
 
 def settings_text(settings: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v}" for k, v in settings.items())
+
+
+async def measure(
+    env: Env,
+    key: str,
+    shown: dict[str, Any],
+    reps: int,
+    once: Callable[[int], Awaitable[tuple[float, int]]],
+) -> tuple[float, int, dict[str, Any]]:
+    """`reps` repetitions of one peer setting (`once(rep)` -> events/s, order violations):
+    the median rate, the most violations of any repetition, and the setting's table row."""
+    rates, violations = [], 0
+    for rep in range(reps):
+        with env.console.status(f"{key}: {settings_text(shown)}, rep {rep + 1}/{reps}"):
+            eps, v = await once(rep)
+        rates.append(eps)
+        violations = max(violations, v)
+    eps = median(rates)
+    row = {
+        "key": key,
+        "events_per_s": eps,
+        "reps": [round(r) for r in rates],
+        "order_violations": violations,
+        "settings": settings_text(shown),
+    }
+    return eps, violations, row

@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,8 @@ import anyio
 import orjson
 import psycopg
 
-from relay.tools.bench.kit import BenchFailed, Env, Result, Scenario, median, positive, reset
-from relay.tools.bench.peers import event_bodies, settings_text, sink_check, skipped
+from relay.tools.bench.kit import BenchFailed, Env, Result, Scenario, positive, reset
+from relay.tools.bench.peers import event_bodies, measure, settings_text, sink_check, skipped
 
 JS = Path(__file__).resolve().parent / "js"
 SCHEMA = "graphile_worker"
@@ -183,25 +184,14 @@ async def peer_graphile(env: Env, a: argparse.Namespace) -> Result:
     best: tuple[float, int, Setting] | None = None
     for c in counts:
         setting = Setting(c, a.graphile_local_queue, a.graphile_complete_delay)
-        rates, violations = [], 0
-        for rep in range(a.reps):
-            label = f"peer_graphile_eps: concurrency {c}, rep {rep + 1}/{a.reps}"
-            with env.console.status(label):
-                eps, v = await _once(
-                    env, folder, base, setting, a.graphile_jobs, a.e2e_per_run, f"g{c}r{rep}"
-                )
-            rates.append(eps)
-            violations = max(violations, v)
-        eps = median(rates)
-        rows.append(
-            {
-                "key": "peer_graphile_eps",
-                "events_per_s": eps,
-                "reps": [round(r) for r in rates],
-                "order_violations": violations,
-                "settings": settings_text(setting.shown()),
-            }
+
+        def once(rep: int, setting: Setting = setting, c: int = c) -> Awaitable[tuple[float, int]]:
+            return _once(env, folder, base, setting, a.graphile_jobs, a.e2e_per_run, f"g{c}r{rep}")
+
+        eps, violations, row = await measure(
+            env, "peer_graphile_eps", setting.shown(), a.reps, once
         )
+        rows.append(row)
         if best is None or eps > best[0]:
             best = (eps, violations, setting)
     assert best is not None

@@ -15,6 +15,7 @@ import asyncio
 import importlib.util
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from importlib.metadata import version
 from typing import Any
@@ -23,8 +24,15 @@ import anyio
 import orjson
 import psycopg
 
-from relay.tools.bench.kit import BenchFailed, Env, Result, Scenario, median, positive, reset
-from relay.tools.bench.peers import HEADERS, event_bodies, settings_text, sink_check, skipped
+from relay.tools.bench.kit import BenchFailed, Env, Result, Scenario, positive, reset
+from relay.tools.bench.peers import (
+    HEADERS,
+    event_bodies,
+    measure,
+    settings_text,
+    sink_check,
+    skipped,
+)
 
 
 @dataclass(frozen=True)
@@ -211,25 +219,14 @@ async def peer_pgqueuer(env: Env, a: argparse.Namespace) -> Result:
     for consumers in (int(c) for c in a.pgqueuer_consumers.split(",") if c.strip()):
         for batch in (int(b) for b in a.pgqueuer_batch.split(",") if b.strip()):
             setting = Setting(consumers, batch, driver, loop, a.pgqueuer_max_tasks)
-            rates, violations = [], 0
-            for rep in range(a.reps):
-                label = f"peer_pgqueuer_eps: {settings_text(setting.shown())}, rep {rep + 1}"
-                with env.console.status(label):
-                    eps, v = await _once(
-                        env, base, setting, a.peer_events, a.e2e_per_run, f"p{rep}"
-                    )
-                rates.append(eps)
-                violations = max(violations, v)
-            eps = median(rates)
-            rows.append(
-                {
-                    "key": "peer_pgqueuer_eps",
-                    "events_per_s": eps,
-                    "reps": [round(r) for r in rates],
-                    "order_violations": violations,
-                    "settings": settings_text(setting.shown()),
-                }
+
+            def once(rep: int, setting: Setting = setting) -> Awaitable[tuple[float, int]]:
+                return _once(env, base, setting, a.peer_events, a.e2e_per_run, f"p{rep}")
+
+            eps, violations, row = await measure(
+                env, "peer_pgqueuer_eps", setting.shown(), a.reps, once
             )
+            rows.append(row)
             if best is None or eps > best[0]:
                 best = (eps, violations, setting)
     assert best is not None
