@@ -131,7 +131,8 @@ class HttpxSender:
                         break  # closing the unread answer closes its connection
             finally:
                 await response.aclose()
-            return response.status_code, b"".join(chunks)[:READ_LIMIT], _retry_after(response)
+            retry_after: str | None = response.headers.get("retry-after")
+            return response.status_code, b"".join(chunks)[:READ_LIMIT], retry_after
         except (httpx.HTTPError, OSError) as exc:
             raise TransportFailure(f"{type(exc).__name__}: {exc}") from exc
 
@@ -139,11 +140,6 @@ class HttpxSender:
         # Only what this sender opened: an app-owned transport is the application's to close.
         for transport in self._owned:
             await transport.aclose()
-
-
-def _retry_after(response: httpx.Response) -> str | None:
-    value: str | None = response.headers.get("retry-after")
-    return value
 
 
 # -- a leaner network layer under httpcore ---------------------------------------------------

@@ -301,7 +301,6 @@ security definer
 as $$
 declare
     v_prev text;
-    v_known boolean;
 begin
     if p_owner is null or p_owner = '' then
         raise exception 'relay.hold_liveness: owner must be a non-empty string' using errcode = '22023';
@@ -313,8 +312,8 @@ begin
     if not pg_try_advisory_lock(liveness_key(p_owner)) then
         return false;
     end if;
-    select rp.incarnation, true into v_prev, v_known from replicas rp where rp.owner = p_owner;
-    if v_known and p_incarnation is not null and v_prev is distinct from p_incarnation then
+    select rp.incarnation into v_prev from replicas rp where rp.owner = p_owner;
+    if found and p_incarnation is not null and v_prev is distinct from p_incarnation then
         update runs r
         set lease_expires_at = clock_timestamp(), updated_at = clock_timestamp(),
             next_attempt_at = least(r.next_attempt_at, clock_timestamp())

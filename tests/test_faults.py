@@ -176,6 +176,26 @@ async def freeze_holding(lab: Lab, rep: Replica) -> dict[str, float]:
     return got
 
 
+async def frozen_under_steady_traffic(
+    lab: Lab, *, runs: int, spread: float, received: int
+) -> tuple[Replica, dict[str, float]]:
+    """A steady flow below capacity (no backlog), with POSTs slow enough that each replica
+    holds several runs at any moment; then the first replica frozen while it holds a lease:
+    it and what it holds (`freeze_holding`)."""
+    lab.sink.faults.delay(0.2, times=100_000)
+    lab.produce(Workload(runs=runs, spread=spread).scaled())
+    await lab.wait_received(received)
+    victim = lab.replicas[0]
+    return victim, await freeze_holding(lab, victim)
+
+
+async def kill_and_replace(lab: Lab, victim: Replica, rid: str | None = None) -> None:
+    """SIGKILL `victim` (frozen or not) and start a replica in its slot (named `rid`)."""
+    await lab.kill(victim)
+    victim.stopped = False
+    await lab.spawn(victim.index, rid=rid)
+
+
 def run_of(event_id: str) -> str:
     return event_id.rsplit("-", 1)[0]
 
@@ -195,17 +215,9 @@ async def test_sigkill_a_replica_its_runs_are_reclaimed_at_once(
     async with Lab.open(
         fault_pg, "sigkill_reclaim", tmp_path, replicas=2, env={"RELAY_LEASE_TTL": "30s"}
     ) as lab:
-        # A steady flow below capacity (no backlog), with POSTs slow enough that each replica
-        # holds several runs at any moment.
-        lab.sink.faults.delay(0.2, times=100_000)
-        lab.produce(Workload(runs=120, spread=5).scaled())
-        await lab.wait_received(40)
-        victim = lab.replicas[0]
-        held = await freeze_holding(lab, victim)
+        victim, held = await frozen_under_steady_traffic(lab, runs=120, spread=5, received=40)
         killed_at = time.time()
-        await lab.kill(victim)
-        victim.stopped = False
-        await lab.spawn(victim.index)  # a fresh replica in its place
+        await kill_and_replace(lab, victim)  # a fresh replica in its place
     row = assert_valid(lab)
     runs = {run_of(e) for e in held}
     assert runs, "the killed replica held no lease: nothing to reclaim"
@@ -234,20 +246,14 @@ async def test_a_replica_restarted_under_its_own_id_takes_its_runs_back_at_once(
     async with Lab.open(
         fault_pg, "restart_same_id", tmp_path, replicas=1, env={"RELAY_LEASE_TTL": "30s"}
     ) as lab:
-        lab.sink.faults.delay(0.2, times=100_000)
-        lab.produce(Workload(runs=40, spread=3).scaled())
-        await lab.wait_received(10)
-        victim = lab.replicas[0]
-        held = await freeze_holding(lab, victim)
+        victim, held = await frozen_under_steady_traffic(lab, runs=40, spread=3, received=10)
         rows = await lab.query(
             "select run_id, extract(epoch from lease_expires_at)::float8 from {s}.runs"
             " where lease_owner = %s and lease_expires_at > clock_timestamp()",
             (victim.id,),
         )
         expiry = {r[0]: float(r[1]) for r in rows}
-        await lab.kill(victim)
-        victim.stopped = False
-        await lab.spawn(victim.index, rid=victim.id)  # the same id, a new process
+        await kill_and_replace(lab, victim, rid=victim.id)  # the same id, a new process
         # When the held events were acked (the sink may have had them before the kill).
         acked: dict[str, float] = {}
 

@@ -7,6 +7,8 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import anyio
 import httpx
 import orjson
 import pytest
+from anyio.abc import Process
 
 from tests.support import wait_for
 from tests.test_cli import RELAY
@@ -46,17 +49,39 @@ def test_host_and_port_have_help_text() -> None:
     assert "--port PORT TCP port to listen on" in text, got.stdout
 
 
-@pytest.mark.anyio
-async def test_json_mode_makes_uvicorn_lines_json_too(tmp_path: Path) -> None:
-    err = tmp_path / "stderr.log"
+def listening_url(err: Path) -> str:
+    url: str = orjson.loads(err.read_text().splitlines()[0])["url"]
+    return url
+
+
+@asynccontextmanager
+async def json_sink(err: Path, *flags: str) -> AsyncIterator[tuple[Process, str]]:
+    """`relay sink --log-format json` in a subprocess, stderr to `err`: (it, its URL). Leaving
+    the block kills it if the test did not stop it."""
     with err.open("wb") as f:
         proc = await anyio.open_process(
-            [*RELAY, "sink", "--port", "0", "--log-format", "json"],
+            [*RELAY, "sink", "--port", "0", "--log-format", "json", *flags],
             env=ENV, stdout=subprocess.DEVNULL, stderr=f,
         )  # fmt: skip
     try:
         await wait_for(lambda: "sink_listening" in err.read_text(), what="listening")
-        url = orjson.loads(err.read_text().splitlines()[0])["url"]
+        yield proc, listening_url(err)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def stop(proc: Process) -> None:
+    proc.send_signal(signal.SIGTERM)
+    with anyio.fail_after(30):
+        assert await proc.wait() == 0
+
+
+@pytest.mark.anyio
+async def test_json_mode_makes_uvicorn_lines_json_too(tmp_path: Path) -> None:
+    err = tmp_path / "stderr.log"
+    async with json_sink(err) as (proc, url):
         host, _, port = url.removeprefix("http://").rpartition(":")
         # Garbage instead of HTTP: uvicorn logs "Invalid HTTP request received." (a warning).
         async with await anyio.connect_tcp(host, int(port)) as conn:
@@ -64,13 +89,7 @@ async def test_json_mode_makes_uvicorn_lines_json_too(tmp_path: Path) -> None:
             with anyio.move_on_after(10):
                 await conn.receive()
         await wait_for(lambda: '"logger":"uvicorn' in err.read_text(), what="uvicorn's warning")
-        proc.send_signal(signal.SIGTERM)
-        with anyio.fail_after(30):
-            assert await proc.wait() == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await stop(proc)
     for line in err.read_text().splitlines():
         record: dict[str, Any] = orjson.loads(line)
         assert {"ts", "level", "logger"} <= record.keys() and ("event" in record or "msg" in record)
@@ -83,16 +102,8 @@ async def test_fault_and_reset_controls_answer_403_unless_enabled(
 ) -> None:
     """/_sink/faults and /_sink/reset take no authentication, even with a signing secret: a sink
     refuses them unless started with --fault-control, and a refused call changes nothing."""
-    err = tmp_path / "stderr.log"
     flags = ["--fault-control"] if enabled else []
-    with err.open("wb") as f:
-        proc = await anyio.open_process(
-            [*RELAY, "sink", "--port", "0", "--log-format", "json", *flags],
-            env=ENV, stdout=subprocess.DEVNULL, stderr=f,
-        )  # fmt: skip
-    try:
-        await wait_for(lambda: "sink_listening" in err.read_text(), what="listening")
-        url = orjson.loads(err.read_text().splitlines()[0])["url"]
+    async with json_sink(tmp_path / "stderr.log", *flags) as (proc, url):
         async with httpx.AsyncClient(base_url=url) as client:
             body = sink_body("r1", [1])
             headers = {"relay-lease-epoch": "1"}
@@ -111,10 +122,4 @@ async def test_fault_and_reset_controls_answer_403_unless_enabled(
             assert again.status_code == 503 and stats["unique_events"] == 0, stats
         else:  # nothing changed: r1's event is still counted, and the sink answers 200
             assert again.status_code == 200 and stats["unique_events"] == 1, stats
-        proc.send_signal(signal.SIGTERM)
-        with anyio.fail_after(30):
-            assert await proc.wait() == 0
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await stop(proc)

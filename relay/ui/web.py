@@ -18,7 +18,14 @@ from relay import logs
 from relay.settings import Secret
 from relay.ui import page
 from relay.ui.assets import CSP
-from relay.ui.data import BLOCKED_PAGE, RUN_EVENTS_PAGE, Data, build_report, ingress_state
+from relay.ui.data import (
+    BLOCKED_PAGE,
+    RUN_EVENTS_PAGE,
+    Data,
+    build_report,
+    ingress_state,
+    shape_status,
+)
 from relay.ui.series import LagWindow, RateSeries
 from relay.ui.view import status_view
 
@@ -194,8 +201,6 @@ class StatusPage:
 
     async def status(self, offset: int = 0) -> dict[str, Any]:
         """What /api/status answers: the data plus the view the page shows (one statement)."""
-        from relay.ui.data import shape_status
-
         doc = await self.data.status(offset, BLOCKED_PAGE)
         data = shape_status(doc, self.series, time.monotonic(), self.replica_id)
         data["view"] = status_view(data)
