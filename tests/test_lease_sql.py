@@ -402,10 +402,15 @@ def test_renew_extends_only_a_live_lease_with_its_token(
     assert row["next_attempt_at"] >= row["lease_expires_at"]
 
 
+# A batch with an engine wake is acked one by one, a plain one set-based: both are fenced.
+WAKE_OR_PLAIN = pytest.mark.parametrize("wake", [True, False], ids=["engine-wake", "plain"])
+
+
+@WAKE_OR_PLAIN
 def test_stale_token_renew_release_fail_and_ack_change_nothing(
-    conn: psycopg.Connection[Any], schema: str, queue: str, inbox: Inbox
+    conn: psycopg.Connection[Any], schema: str, queue: str, inbox: Inbox, wake: bool
 ) -> None:
-    enq(conn, schema, "r1", "e1", wake=(queue, "w:e1"))
+    enq(conn, schema, "r1", "e1", wake=(queue, "w:e1") if wake else None)
     enq(conn, schema, "r1", "e2")
     old = claim(conn, schema, ttl="50 milliseconds")
     wait_lease_expired(conn, schema, "r1")
@@ -430,10 +435,11 @@ def test_stale_token_renew_release_fail_and_ack_change_nothing(
     ]
 
 
+@WAKE_OR_PLAIN
 def test_ack_with_an_expired_lease_that_was_not_replaced_changes_nothing(
-    conn: psycopg.Connection[Any], schema: str, queue: str, inbox: Inbox
+    conn: psycopg.Connection[Any], schema: str, queue: str, inbox: Inbox, wake: bool
 ) -> None:
-    enq(conn, schema, "r1", "e1", wake=(queue, "w:e1"))
+    enq(conn, schema, "r1", "e1", wake=(queue, "w:e1") if wake else None)
     got = claim(conn, schema, ttl="50 milliseconds")
     wait_lease_expired(conn, schema, "r1")
     before = snapshot(conn, schema)
@@ -664,6 +670,81 @@ def test_a_grouped_ack_acks_the_good_batch_and_skips_the_stale_one(
     notes = inbox.received()
     delivered = [json.loads(p) for c, p in notes if c == f"{schema}_terminal"]
     assert [d["run_id"] for d in delivered] == ["good"]
+
+
+def test_one_ack_call_answers_every_kind_of_batch_in_order(
+    conn: psycopg.Connection[Any], schema: str, queue: str, inbox: Inbox
+) -> None:
+    """Plain batches take a set-based path and the rest (stale, keep, an engine wake, a run
+    named twice) the per-batch one: one call mixing them all answers each batch, in input
+    order, exactly as if the batches had been acked one after another."""
+    enq(conn, schema, "s", "s1")  # the oldest due: claimed first
+    for run in ("a", "b", "k", "d"):
+        enq(conn, schema, run, f"{run}1")
+        enq(conn, schema, run, f"{run}2")
+    enq(conn, schema, "w", "w1", wake=(queue, "w:w1"))
+    old = claim(conn, schema, ttl="50 milliseconds", runs=1)
+    assert set(old) == {"s"}
+    got = claim(conn, schema)
+    assert set(got) == {"a", "b", "k", "d", "w"}
+    wait_lease_expired(conn, schema, "s")
+    assert set(claim(conn, schema, owner="o2")) == {"s"}
+    kept = run_row(conn, schema, "k")
+    inbox.received()
+
+    def item(run: str, upto: int, **more: Any) -> dict[str, Any]:
+        return {"run_id": run, "token": token(got, run), "upto": upto, **more}
+
+    batches = [
+        item("a", 2),
+        {"run_id": "s", "token": token(old, "s"), "upto": 1},
+        item("k", 1, keep=True),
+        item("w", 1),
+        item("d", 1),
+        item("d", 2),  # the first "d" released the lease: this one is stale
+        item("b", 1),
+    ]
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(sql.SQL("select * from {}(%s)").format(fn(schema, "ack")), (Jsonb(batches),))
+        result = cur.fetchall()
+
+    assert [(r["run_id"], r["status"], r["acked"], r["last_seq"]) for r in result] == [
+        ("a", "acked", 2, 2),
+        ("s", "stale", 0, None),
+        ("k", "acked", 1, 1),
+        ("w", "acked", 1, 1),
+        ("d", "acked", 1, 1),
+        ("d", "stale", 0, None),
+        ("b", "acked", 1, 1),
+    ]
+    assert all(r["lag_seconds"] >= 0 for r in result if r["status"] == "acked")
+    assert states(conn, schema, "a") == [(1, "delivered"), (2, "delivered")]
+    assert states(conn, schema, "s") == [(1, "pending")]
+    assert states(conn, schema, "k") == [(1, "delivered"), (2, "pending")]
+    assert states(conn, schema, "d") == [(1, "delivered"), (2, "pending")]
+    assert states(conn, schema, "b") == [(1, "delivered"), (2, "pending")]
+    assert set(engine_events(conn, queue)) == {"w:w1"}
+    rows = {r: run_row(conn, schema, r) for r in ("a", "b", "k", "d", "w", "s")}
+    assert rows["k"]["lease_token"] == kept["lease_token"]  # keep: still leased
+    assert rows["s"]["lease_owner"] == "o2"  # the stale batch changed nothing
+    for run in ("a", "b", "d", "w"):
+        assert rows[run]["lease_token"] is None, run
+    assert (rows["a"]["idle"], rows["w"]["idle"], rows["b"]["idle"]) == (True, True, False)
+    notes = inbox.received()
+    delivered = sorted(
+        (d["run_id"], d["last_seq"], tuple(d["event_ids"]))
+        for d in (json.loads(p) for c, p in notes if c == f"{schema}_terminal")
+    )
+    assert delivered == [
+        ("a", 2, ("a1", "a2")),
+        ("b", 1, ("b1",)),
+        ("d", 1, ("d1",)),
+        ("k", 1, ("k1",)),
+        ("w", 1, ("w1",)),
+    ]
+    assert ("absurd_wake", queue) in notes
+    # what is left is claimable at once, the kept run excepted
+    assert set(claim(conn, schema, owner="o3")) == {"b", "d"}
 
 
 def test_outbox_delivered_notification_carries_run_seq_and_ids(
