@@ -46,6 +46,22 @@ class AckGroup:
         assert item.result is not None
         return item.result
 
+    async def ack_many(self, items: list[tuple[Claim, int, bool]]) -> list[AckResult]:
+        """Several acks at once (a multi-run POST's runs): queued together, so they share a
+        group, without a task per run."""
+        pending = [_PendingAck(claim, upto, keep) for claim, upto, keep in items]
+        for item in pending:
+            await self._send.send(item)
+        for item in pending:
+            await item.done.wait()
+        results = []
+        for item in pending:
+            if item.error is not None:
+                raise item.error
+            assert item.result is not None
+            results.append(item.result)
+        return results
+
     async def run(self) -> None:
         try:
             await self._run()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import anyio
@@ -25,25 +25,8 @@ from relay.policy import Ack, Decision, Pause, Poison, Retry, decide, misconfigu
 from relay.renewal import Renewer
 from relay.retries import QuickRetries
 from relay.settings import Settings, redact_url
+from relay.stats import LaneStats
 from relay.store import AckResult, Claim, ClaimedEvent, Store
-
-
-@dataclass
-class LaneStats:
-    passes: int = 0
-    claimed_runs: int = 0
-    delivered: int = 0
-    posts: int = 0
-    acks: int = 0
-    lease_lost: int = 0
-    retries: int = 0
-    failed: int = 0
-    stale_acks: int = 0
-    renewed_before_post: int = 0
-    adopted: int = 0  # critical runs taken over from the ordinary lane's queue
-    widened: int = 0  # events added to a claim before its first POST
-    reclaimed: int = 0  # runs claimed from a dead owner before their lease expired (issue 18)
-    by_type: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,10 +191,20 @@ class Delivery:
         async def carry(c: Claim) -> None:
             settled[c.run_id] = await self._carry(c, c.events, replies[c.run_id])
 
-        # Concurrently, so the acks of the group share one transaction in the ack group.
+        # Runs whose whole batch was accepted are acked in one call to the ack group, the rest
+        # carried out concurrently (so their acks can share that group's transaction).
+        whole = [c for c in group if _accepted_whole(replies[c.run_id], len(c.events))]
         async with anyio.create_task_group() as carrying:
             for c in group:
-                carrying.start_soon(carry, c)
+                if c not in whole:
+                    carrying.start_soon(carry, c)
+            if whole:
+                self._ingress_ok()
+                acked = await self.acks.ack_many([(c, c.events[-1].seq, False) for c in whole])
+                for c, one in zip(whole, acked, strict=True):
+                    answer = replies[c.run_id].answer
+                    assert isinstance(answer, Answer)  # decide acks only an answer
+                    settled[c.run_id] = self._acked(c, c.events, answer, one)
         return settled
 
     async def _post_group_once(self, group: list[Claim]) -> GroupReply:
@@ -256,6 +249,12 @@ class Delivery:
         """Ack `acked` (a prefix of the claim). Returns True when the ack committed and the run
         is still ours (when `keep`), False when the lease was lost or the ack failed."""
         result = await self.acks.ack(claim, acked[-1].seq, keep=keep)
+        return self._acked(claim, acked, answer, result)
+
+    def _acked(
+        self, claim: Claim, acked: list[ClaimedEvent], answer: Answer, result: AckResult
+    ) -> bool:
+        """What an ack's result means for the claim (see `_ack`)."""
         if result.status == "not_committed":
             return False  # not settled: the caller's cleanup releases the lease for a redelivery
         if result.status == "stale":
@@ -270,17 +269,18 @@ class Delivery:
         self.stats.delivered += result.acked
         for e in acked[: result.acked]:
             self.stats.by_type[e.event_type] = self.stats.by_type.get(e.event_type, 0) + 1
-        logs.info(
-            "delivered",
-            **self.who(claim),
-            first_seq=acked[0].seq,
-            last_seq=result.last_seq,
-            events=result.acked,
-            status=answer.status,
-            http_ms=round(answer.seconds * 1000, 2),
-            lag_ms=round((result.lag_seconds or 0.0) * 1000, 2),
-            trace_id=_trace_id(acked[0].traceparent),
-        )
+        if logs.enabled(logging.INFO):  # the hot path: not even built otherwise
+            logs.info(
+                "delivered",
+                **self.who(claim),
+                first_seq=acked[0].seq,
+                last_seq=result.last_seq,
+                events=result.acked,
+                status=answer.status,
+                http_ms=round(answer.seconds * 1000, 2),
+                lag_ms=round((result.lag_seconds or 0.0) * 1000, 2),
+                trace_id=_trace_id(acked[0].traceparent),
+            )
         return result.status == "acked"
 
     async def _reschedule(self, claim: Claim, retry: Retry) -> bool:
@@ -424,6 +424,10 @@ class Delivery:
             last_seq=claim.last_seq,
             where=where,
         )
+
+
+def _accepted_whole(reply: Reply, n_events: int) -> bool:
+    return isinstance(reply.decision, Ack) and reply.decision.k == n_events
 
 
 def _quick(reply: Reply) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,10 +26,11 @@ import psycopg
 from anyio.abc import TaskGroup
 
 from relay import logs
-from relay.delivery import Delivery, LaneStats
+from relay.delivery import Delivery
 from relay.ingress import IngressClient
 from relay.policy import plan_groups
 from relay.settings import Settings
+from relay.stats import LaneStats
 from relay.store import AckResult, Claim, Store, payload_bytes
 
 MIN_EMPTY_PASS_SPACING = 0.01  # coalesces bursts of wakes into a handful of passes
@@ -247,14 +249,15 @@ class Lane:
                 logs.info(
                     "lease_reclaimed", **self.delivery.who(claim), dead_owner=claim.reclaimed_from
                 )
-            logs.debug(
-                "claimed",
-                **self.delivery.who(claim),
-                first_seq=claim.first_seq,
-                last_seq=claim.last_seq,
-                events=len(claim.events),
-                critical=claim.critical,
-            )
+            if logs.enabled(logging.DEBUG):  # per claim: not even built otherwise
+                logs.debug(
+                    "claimed",
+                    **self.delivery.who(claim),
+                    first_seq=claim.first_seq,
+                    last_seq=claim.last_seq,
+                    events=len(claim.events),
+                    critical=claim.critical,
+                )
         share = bool(self.settings.ingress_batch_url)
         groups = plan_groups(
             claims,

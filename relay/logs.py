@@ -141,6 +141,11 @@ def install_hooks() -> None:
     logging.captureWarnings(True)
 
 
+def enabled(level: int) -> bool:
+    """Whether a line at `level` is written: callers on the hot path skip building it."""
+    return _logger.isEnabledFor(level)
+
+
 def log(event: str, level: int = logging.INFO, **fields: Any) -> None:
     if _logger.isEnabledFor(level):
         _logger.log(level, event, extra={"fields": fields})
