@@ -147,3 +147,20 @@ async def _order_violations_are_the_sinks_count(base: str) -> None:
     await deliver(second)
     with pytest.raises(BenchFailed, match="1 of 2 events"):
         await sink_check(base, 2, "test")
+
+
+def test_one_event_runs_are_judged_against_pgqueuer() -> None:
+    """Issue 16: on runs of one event PgQueuer's per-job cost is the relay's per-run cost, so
+    both of the relay's one-event figures are judged against it, each by its own ratio."""
+    from relay.tools.bench.main import targets
+
+    judged = {
+        t["target"]: t
+        for t in targets(
+            {"tiny_runs_eps_batched": 6000.0, "tiny_runs_eps": 2000.0, "peer_pgqueuer_eps": 4000.0}
+        )
+    }
+    batched = judged["tiny_runs_eps_batched > peer_pgqueuer_eps (runs of one event)"]
+    single = judged["tiny_runs_eps > peer_pgqueuer_eps (runs of one event)"]
+    assert (batched["measured"], batched["verdict"]) == (1.5, "met")
+    assert (single["measured"], single["verdict"]) == (0.5, "MISSED")
