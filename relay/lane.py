@@ -17,9 +17,11 @@ from __future__ import annotations
 import copy
 import enum
 import logging
+import math
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import psycopg
@@ -32,26 +34,11 @@ from relay.policy import plan_groups
 from relay.settings import Settings
 from relay.stats import LaneStats
 from relay.store import AckResult, Claim, Store, payload_bytes
+from relay.wake import Wake
 
 MIN_EMPTY_PASS_SPACING = 0.01  # coalesces bursts of wakes into a handful of passes
-
-
-class Wake:
-    """A level-triggered, coalescing wake-up: many set() calls, one wait() return."""
-
-    def __init__(self) -> None:
-        self._event = anyio.Event()
-
-    def set(self) -> None:
-        self._event.set()
-
-    async def wait(self, within: float) -> bool:
-        with anyio.move_on_after(within):
-            await self._event.wait()
-        fired = self._event.is_set()
-        if fired:
-            self._event = anyio.Event()
-        return fired
+Work = Callable[[Any], Awaitable[None]]
+Job = tuple[Work, Any]  # what a delivery task runs next
 
 
 class Slot(enum.Enum):
@@ -134,6 +121,7 @@ class Lane:
         self.stopping = False
         self._last_empty_pass = -1.0
         self._deliveries: TaskGroup | None = None
+        self._idle_runners = 0  # delivery tasks waiting for their next claim (see _launch)
         # The ordinary lane hands a critical run it cannot POST at once to the critical lane
         # (set by the runner): a terminal event never waits in the ordinary queue.
         self.handoff: Callable[[Claim], bool] = lambda claim: False
@@ -174,6 +162,11 @@ class Lane:
 
     async def run(self) -> None:
         """The lane's loop; returns after stop() once in-flight work is finished or released."""
+        self._jobs, self._job_queue = anyio.create_memory_object_stream[Job](math.inf)
+        with self._jobs, self._job_queue:
+            await self._run()
+
+    async def _run(self) -> None:
         async with anyio.create_task_group() as deliveries:
             self._deliveries = deliveries
             deliveries.start_soon(self.delivery.run)  # the ack group and the renewer
@@ -210,12 +203,7 @@ class Lane:
         if now < paused_until:
             await self.wake.wait(min(paused_until - now, self.settings.poll_interval))
             return False
-        room = self.capacity - len(self.inflight)
-        fits = (self.settings.max_lane_bytes - self.held_bytes) // self.settings.max_batch_bytes
-        if fits < 1 and self.inflight:
-            await self.slot_freed.wait(self.settings.poll_interval)  # the byte budget is spent
-            return True
-        if room < max(1, self.settings.claim_runs // 2) and len(self.inflight) >= self.concurrency:
+        if not self._may_claim():  # the byte budget is spent, or too little room for a claim
             await self.slot_freed.wait(self.settings.poll_interval)
             return True
         if self.targets:
@@ -229,6 +217,8 @@ class Lane:
         since = now - self._last_empty_pass
         if since < MIN_EMPTY_PASS_SPACING:
             await anyio.sleep(MIN_EMPTY_PASS_SPACING - since)
+        room = self.capacity - len(self.inflight)
+        fits = (self.settings.max_lane_bytes - self.held_bytes) // self.settings.max_batch_bytes
         want = max(1, min(room, self.settings.claim_runs, fits))
         self.stats.passes += 1
         claims = await self.store.claim(self.name, want)
@@ -237,6 +227,35 @@ class Lane:
             self._last_empty_pass = anyio.current_time()
             return False
         return True
+
+    def _may_claim(self) -> bool:
+        """The byte budget has room for one more run (or nothing is held), and the lane for half
+        a claim of runs (or a POST slot is idle)."""
+        s, held = self.settings, len(self.inflight)
+        if held and self.held_bytes + s.max_batch_bytes > s.max_lane_bytes:
+            return False
+        return self.capacity - held >= max(1, s.claim_runs // 2) or held < self.concurrency
+
+    def _settled(self) -> None:
+        """Wake the discovery loop when it may claim again (not at each settle: for nothing)."""
+        if self.stopping or self._may_claim():
+            self.slot_freed.set()
+
+    def _launch(self, work: Work, arg: Any) -> None:
+        """`work(arg)` in one of the lane's delivery tasks, kept and reused: a task started per
+        claim cost more than the claim's own bookkeeping (docs/performance.md)."""
+        if self._idle_runners:
+            self._idle_runners -= 1
+            self._jobs.send_nowait((work, arg))  # handed to a runner waiting in receive()
+        else:
+            assert self._deliveries is not None
+            self._deliveries.start_soon(self._runner, (work, arg))
+
+    async def _runner(self, job: Job) -> None:
+        while True:
+            await job[0](job[1])
+            self._idle_runners += 1  # counted before waiting: _launch hands it the next job
+            job = await self._job_queue.receive()
 
     def _start(self, claims: list[Claim]) -> None:
         assert self._deliveries is not None
@@ -268,9 +287,9 @@ class Lane:
         )
         for group in groups:
             if len(group) == 1:
-                self._deliveries.start_soon(self._deliver_one, group[0])
+                self._launch(self._deliver_one, group[0])
             else:
-                self._deliveries.start_soon(self._deliver_group, group)
+                self._launch(self._deliver_group, group)
 
     def _hold(self, claim: Claim) -> None:
         older = self.inflight.get(claim.run_id)
@@ -322,7 +341,7 @@ class Lane:
             return False
         self._hold(claim)
         self.stats.adopted += 1
-        self._deliveries.start_soon(self._deliver_one, claim)
+        self._launch(self._deliver_one, claim)
         return True
 
     # -- POST slots --------------------------------------------------------------------------
@@ -391,7 +410,7 @@ class Lane:
                     self._free_slot(claim)
                 if claim.critical or self.name == "critical":
                     self.wake.set()
-            self.slot_freed.set()
+            self._settled()
 
     async def _deliver_group(self, group: list[Claim]) -> None:
         """Several small runs in one POST to `ingress_batch_url` (one slot for all of them)."""
@@ -412,6 +431,6 @@ class Lane:
                     await self.delivery.hand_back(claim)
                 self._drop(claim)
             self._wake_next_waiter()
-            self.slot_freed.set()
+            self._settled()
             if self.name == "critical" or any(c.critical for c in group):
                 self.wake.set()
