@@ -143,9 +143,12 @@ class Delivery:
 
     # -- several small runs in one POST (ingress_batch_url) -----------------------------------
 
-    async def deliver_group(self, group: list[Claim]) -> dict[str, bool]:
+    async def deliver_group(
+        self, group: list[Claim], free_slot: Callable[[], None] = lambda: None
+    ) -> dict[str, bool]:
         """One POST to `ingress_batch_url`; each run's answer is then carried out exactly like a
-        single-run answer. Returns, per run, whether its lease was settled."""
+        single-run answer. Returns, per run, whether its lease was settled. `free_slot` as in
+        `deliver`: once every run's batch was accepted whole."""
         settled: dict[str, bool] = {}
         now = anyio.current_time()
         waited = [c for c in group if not c.trust.allows_post(now, self.settings.http_timeout)]
@@ -194,6 +197,8 @@ class Delivery:
         # Runs whose whole batch was accepted are acked in one call to the ack group, the rest
         # carried out concurrently (so their acks can share that group's transaction).
         whole = [c for c in group if _accepted_whole(replies[c.run_id], len(c.events))]
+        if len(whole) == len(group):
+            free_slot()  # pipelining, as in `deliver`: nothing but the acks is left
         async with anyio.create_task_group() as carrying:
             for c in group:
                 if c not in whole:

@@ -415,10 +415,20 @@ class Lane:
     async def _deliver_group(self, group: list[Claim]) -> None:
         """Several small runs in one POST to `ingress_batch_url` (one slot for all of them)."""
         settled: dict[str, bool] = {}
+        held = False
+
+        def free_slot() -> None:  # once: early when only the acks are left, else at the end
+            nonlocal held
+            if held:
+                held = False
+                self.posting.release()
+                self._wake_next_waiter()
+
         try:
-            async with self.posting:
-                if not self.stopping:
-                    settled = await self.delivery.deliver_group(group)
+            await self.posting.acquire()
+            held = True
+            if not self.stopping:
+                settled = await self.delivery.deliver_group(group, free_slot)
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:
@@ -426,11 +436,11 @@ class Lane:
                 "delivery_error", lane=self.name, runs=len(group), error=logs.error_text(exc)
             )
         finally:
+            free_slot()
             for claim in group:
                 if not settled.get(claim.run_id):
                     await self.delivery.hand_back(claim)
                 self._drop(claim)
-            self._wake_next_waiter()
             self._settled()
             if self.name == "critical" or any(c.critical for c in group):
                 self.wake.set()

@@ -491,6 +491,14 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_refused_multi_run_request_blocks_no_run_until_each_is_sent_alone",
         ),
     ),
+    Mutant(
+        "batch-slot-held-through-acks",
+        "§4.3 pipelining: a multi-run POST frees its slot once every run was accepted whole",
+        "relay/delivery.py",
+        "            free_slot()  # pipelining, as in `deliver`: nothing but the acks is left",
+        "            pass",
+        ("tests/test_relay.py::test_a_multi_run_post_frees_its_slot_before_its_acks",),
+    ),
     # -- order (§9.2) ----------------------------------------------------------------------------
     Mutant(
         "order-prefix-reversed",

@@ -12,6 +12,7 @@ import pytest
 
 import relay
 from relay.runner import Relay
+from relay.store import Store
 from relay.tools.sink import Sink, serve_sink
 from tests.support import assert_acked_only_if_received, bulk_backlog, count, q, settings, wait_for
 
@@ -425,6 +426,39 @@ async def test_small_runs_fill_every_post_slot_through_the_batch_endpoint(
         )
         await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 12, what="delivery")
     assert lane.stats.posts == 3 and s.state.duplicates == 0
+
+
+async def test_a_multi_run_post_frees_its_slot_before_its_acks(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pipelining on the multi-run path too (issue 16): once the ingress has accepted every
+    run of a request, its POST slot goes to the next request while the acks commit. With one
+    slot and every ack held at the store until the test lets go, the second request still goes
+    out; nothing is acked before."""
+    s, url = sink
+    enqueue_runs(conn, schema, 4, 1, terminal=False)
+    cfg = settings(
+        pg_url, schema, url, ingress_batch_url=url + "/batch", concurrency=1, claim_runs=2
+    )
+    held = anyio.Event()
+    real_ack = Store.ack
+
+    async def held_ack(store: Store, items: Any) -> Any:
+        await held.wait()
+        return await real_ack(store, items)
+
+    monkeypatch.setattr(Store, "ack", held_ack)
+    async with Relay(cfg).running() as r:
+        await wait_for(lambda: len(s.state.first_order) == 4, timeout=20, what="both requests")
+        assert count(conn, schema, "state = 'delivered'") == 0
+        assert r.lanes["ordinary"].stats.posts == 2
+        held.set()
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 4, what="acks")
+    assert s.state.duplicates == 0 and s.state.order_violations == 0
 
 
 async def test_a_multi_run_post_outlives_one_lost_lease_but_not_all(
