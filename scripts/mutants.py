@@ -285,6 +285,23 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{LEASE}::test_outbox_delivered_notification_carries_run_seq_and_ids",),
     ),
     Mutant(
+        "claim-critical-flag-lost",
+        "§4.3: a claimed run with a pending terminal event is flagged critical (set-based claim)",
+        SQL,
+        "exists (select 1 from events t where t.run_id = u.run_id\n"
+        "                       and t.terminal and t.state = 'pending'),",
+        "false,",
+        (f"{LEASE}::test_the_critical_lane_takes_only_runs_with_a_pending_terminal_event",),
+    ),
+    Mutant(
+        "claim-reclaimed-from-lost",
+        "§4.2 liveness: a claim says whose unexpired lease it took (lease_reclaimed, the metric)",
+        SQL,
+        "p.traceparent, p.wake_queue, v_now, u.reclaimed",
+        "p.traceparent, p.wake_queue, v_now, null::text",
+        (f"{LIVE}::test_all_three_paths_reclaim_a_dead_owners_runs",),
+    ),
+    Mutant(
         "claim-empty-run-keeps-lease",
         "§4.2: a claimed run with nothing pending gives its lease back and settles",
         SQL,
