@@ -38,13 +38,8 @@ class AckGroup:
         self.groups = 0
 
     async def ack(self, claim: Claim, upto: int, *, keep: bool = False) -> AckResult:
-        item = _PendingAck(claim, upto, keep)
-        await self._send.send(item)
-        await item.done.wait()
-        if item.error is not None:
-            raise item.error
-        assert item.result is not None
-        return item.result
+        (result,) = await self.ack_many([(claim, upto, keep)])
+        return result
 
     async def ack_many(self, items: list[tuple[Claim, int, bool]]) -> list[AckResult]:
         """Several acks at once (a multi-run POST's runs): queued together, so they share a

@@ -196,13 +196,15 @@ class Delivery:
 
         # Runs whose whole batch was accepted are acked in one call to the ack group, the rest
         # carried out concurrently (so their acks can share that group's transaction).
-        whole = [c for c in group if _accepted_whole(replies[c.run_id], len(c.events))]
-        if len(whole) == len(group):
+        whole: list[Claim] = []
+        rest: list[Claim] = []
+        for c in group:
+            (whole if _accepted_whole(replies[c.run_id], len(c.events)) else rest).append(c)
+        if not rest:
             free_slot()  # pipelining, as in `deliver`: nothing but the acks is left
         async with anyio.create_task_group() as carrying:
-            for c in group:
-                if c not in whole:
-                    carrying.start_soon(carry, c)
+            for c in rest:
+                carrying.start_soon(carry, c)
             if whole:
                 self._ingress_ok()
                 acked = await self.acks.ack_many([(c, c.events[-1].seq, False) for c in whole])

@@ -217,9 +217,7 @@ class Lane:
         since = now - self._last_empty_pass
         if since < MIN_EMPTY_PASS_SPACING:
             await anyio.sleep(MIN_EMPTY_PASS_SPACING - since)
-        room = self.capacity - len(self.inflight)
-        fits = (self.settings.max_lane_bytes - self.held_bytes) // self.settings.max_batch_bytes
-        want = max(1, min(room, self.settings.claim_runs, fits))
+        want = max(1, min(self._room(), self.settings.claim_runs, self._fits()))
         self.stats.passes += 1
         claims = await self.store.claim(self.name, want)
         self._start(claims)
@@ -228,13 +226,19 @@ class Lane:
             return False
         return True
 
+    def _room(self) -> int:
+        return self.capacity - len(self.inflight)
+
+    def _fits(self) -> int:  # runs the byte budget has room for, each at max_batch_bytes
+        return (self.settings.max_lane_bytes - self.held_bytes) // self.settings.max_batch_bytes
+
     def _may_claim(self) -> bool:
         """The byte budget has room for one more run (or nothing is held), and the lane for half
         a claim of runs (or a POST slot is idle)."""
-        s, held = self.settings, len(self.inflight)
-        if held and self.held_bytes + s.max_batch_bytes > s.max_lane_bytes:
+        held = len(self.inflight)
+        if held and self._fits() < 1:
             return False
-        return self.capacity - held >= max(1, s.claim_runs // 2) or held < self.concurrency
+        return self._room() >= max(1, self.settings.claim_runs // 2) or held < self.concurrency
 
     def _settled(self) -> None:
         """Wake the discovery loop when it may claim again (not at each settle: for nothing)."""

@@ -374,8 +374,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "bytes-lane-unbounded",
         "memory bound: a lane holds at most max_lane_bytes of claims",
         "relay/lane.py",
-        "fits = (self.settings.max_lane_bytes - self.held_bytes) // self.settings.max_batch_bytes",
-        "fits = 10**6",
+        "return (self.settings.max_lane_bytes - self.held_bytes) // self.settings.max_batch_bytes",
+        "return 10**6",
         ("tests/test_memory.py::test_a_lane_holds_no_more_than_its_byte_budget_of_claims",),
     ),
     # -- lanes (§4.3, §9.6) ----------------------------------------------------------------------
