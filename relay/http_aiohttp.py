@@ -1,5 +1,5 @@
-"""The default way POSTs go out (`http_transport=aiohttp`): aiohttp's connection pool and C
-HTTP parser, called directly.
+"""POSTs through aiohttp (`http_transport=aiohttp`; the default before the httptools sender):
+aiohttp's connection pool and C HTTP parser, called directly.
 
 Per POST this costs well under half the client CPU of httpx over httpcore: httpcore's pool
 scans every pooled connection (a `poll` per connection) on each request and each release, and

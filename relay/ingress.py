@@ -248,17 +248,23 @@ def split_results(answer: Answer, claims: Sequence[Claim]) -> dict[str, Answer |
 async def open_sender(
     settings: Settings, connections: int, transport: httpx.AsyncBaseTransport | None = None
 ) -> AsyncIterator[Sender]:
-    """A lane's HTTP client, `connections` wide (the lane's POST slots), closed on exit:
-    aiohttp's connection pool and C parser called directly (`http_transport=aiohttp`), or httpx
-    at its transport level (`http_transport=httpx`, relay/http_httpx.py); an app-owned httpx
-    transport always goes through the latter. `relay bench` measures both (e2e_eps,
-    e2e_eps_httpx; docs/performance.md)."""
+    """A lane's HTTP client, `connections` wide (the lane's POST slots), closed on exit: the
+    request written onto asyncio's transport and parsed by llhttp (`http_transport=httptools`,
+    the default, relay/http_httptools.py), aiohttp's pool and parser (`aiohttp`), or httpx at its
+    transport level (`httpx`, relay/http_httpx.py); an app-owned httpx transport always goes
+    through the latter. `relay bench` measures them side by side (docs/performance.md)."""
     # TLS is verified always: against `ingress_ca_file` when given, else the system's CAs.
     verify: ssl.SSLContext | bool = True
     if settings.ingress_ca_file:
         verify = ssl.create_default_context(cafile=settings.ingress_ca_file)
     sender: Sender
-    if transport is None and settings.http_transport == "aiohttp":
+    if transport is None and settings.http_transport == "httptools":
+        from relay.http_httptools import HttptoolsSender
+
+        sender = HttptoolsSender(
+            verify=verify, connections=connections, timeout=settings.http_timeout
+        )
+    elif transport is None and settings.http_transport == "aiohttp":
         from relay.http_aiohttp import AiohttpSender
 
         sender = AiohttpSender(

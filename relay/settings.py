@@ -112,7 +112,7 @@ class Settings:
     ingress_token: Secret | None = None
     signing_secret: tuple[Secret, ...] = ()
     ingress_ca_file: str | None = None
-    http_transport: str = "aiohttp"
+    http_transport: str = "httptools"
     batch_size: int = 100
     lease_ttl: float = 30.0
     concurrency: int = 8
@@ -231,7 +231,7 @@ def _choice(*options: str) -> Callable[[str], str]:
 
 def _http_transport(text: str) -> str:
     name = text.strip().lower()  # `httpcore`, its old name (httpx's client over httpcore):
-    return _choice("aiohttp", "httpx")("httpx" if name == "httpcore" else name)
+    return _choice("aiohttp", "httptools", "httpx")("httpx" if name == "httpcore" else name)
 
 
 def _database_url(text: str) -> Secret:

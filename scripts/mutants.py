@@ -486,6 +486,44 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_hostile_http.py",
         ),
     ),
+    # -- the httptools sender's own parts (relay/http_httptools.py): the rest is llhttp's ------
+    Mutant(
+        "httptools-body-unbounded",
+        "issue 13: an answer is read to READ_LIMIT bytes only, then the connection is dropped",
+        "relay/http_httptools.py",
+        "        if self.size >= READ_LIMIT:",
+        "        if False:",
+        (
+            "tests/test_http_httptools.py::"
+            "test_an_endless_body_is_read_to_the_limit_and_the_connection_dropped",
+            "tests/test_hostile_http.py",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "httptools-header-injection",
+        "issue 8/13: no header value or path can end its line and add one of its own",
+        "relay/http_httptools.py",
+        '        if _BAD_HEADER.search(name) or _BAD_HEADER.search(value) or ":" in name:',
+        "        if False:",
+        ("tests/test_http_httptools.py::test_the_request_head_refuses_what_would_split_it",),
+    ),
+    Mutant(
+        "httptools-cut-body-accepted",
+        "§5 2xx: an answer whose connection closed before its stated length is no answer",
+        "relay/http_httptools.py",
+        "            if self.headers_done and not self.has_length:",
+        "            if self.headers_done:",
+        ("tests/test_http_httptools.py::test_a_broken_answer_is_a_transport_failure",),
+    ),
+    Mutant(
+        "httptools-cancelled-connection-kept",
+        "a request cancelled mid-flight leaves its connection in an unknown state: never reused",
+        "relay/http_httptools.py",
+        "            self.close()  # cancelled or failed mid-request: the wire's state is unknown",
+        "            pass",
+        ("tests/test_http_httptools.py::test_a_broken_answer_is_a_transport_failure",),
+    ),
     Mutant(
         "poison-narrowing-continues",
         "§9.2: nothing after a poison event is delivered (narrowing stops at it)",

@@ -12,6 +12,10 @@ from psycopg import sql
 
 from relay.settings import Settings, load
 
+# Every HTTP client the relay can POST with (`http_transport`): the contract, hostile-answer and
+# transport suites run once per entry.
+HTTP_TRANSPORTS = ["httptools", "aiohttp", "httpx"]
+
 
 def settings(pg_url: str, schema: str, sink_url: str, **overrides: Any) -> Settings:
     flags: dict[str, str | None] = {

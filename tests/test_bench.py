@@ -26,6 +26,7 @@ KEYS = [
     "db_limit_eps",
     "http_limit_eps",
     "e2e_eps",
+    "e2e_eps_aiohttp",
     "e2e_eps_httpx",
     "e2e_eps_by_replicas",
     "tiny_runs_eps",
@@ -164,3 +165,20 @@ def test_one_event_runs_are_judged_against_pgqueuer() -> None:
     single = judged["tiny_runs_eps > peer_pgqueuer_eps (runs of one event)"]
     assert (batched["measured"], batched["verdict"]) == (1.5, "met")
     assert (single["measured"], single["verdict"]) == (0.5, "MISSED")
+
+
+def test_the_default_transport_is_judged_against_aiohttp_and_httpx() -> None:
+    """The default sender (httptools) must stay ahead of aiohttp end to end, and httpx is judged
+    by issue 16's rule against the default; each by its own ratio."""
+    from relay.tools.bench.main import targets
+
+    judged = {
+        t["target"]: t
+        for t in targets({"e2e_eps": 9000.0, "e2e_eps_aiohttp": 6000.0, "e2e_eps_httpx": 4500.0})
+    }
+    ahead = judged["e2e_eps ≥ e2e_eps_aiohttp (httptools the default)"]
+    httpx_rule = judged["e2e_eps_httpx ≥ 0.85 × e2e_eps (decision rule: httpx the default)"]
+    assert (ahead["measured"], ahead["verdict"]) == (1.5, "met")
+    assert (httpx_rule["measured"], httpx_rule["verdict"]) == (0.5, "MISSED")
+    behind = targets({"e2e_eps": 5000.0, "e2e_eps_aiohttp": 6000.0})
+    assert [t["verdict"] for t in behind] == ["MISSED"]

@@ -21,7 +21,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.support import assert_acked_only_if_received, wait_for
+from tests.support import HTTP_TRANSPORTS, assert_acked_only_if_received, wait_for
 from tests.test_cli import relay_env, replicas, stop_all
 
 pytestmark = pytest.mark.anyio
@@ -30,9 +30,9 @@ pytestmark = pytest.mark.anyio
 SECRET = "whsec_" + base64.b64encode(b"contract-suite-secret-0123456789").decode()
 
 
-@pytest.fixture(params=["aiohttp", "httpx"])
+@pytest.fixture(params=HTTP_TRANSPORTS)
 def http_transport(request: pytest.FixtureRequest) -> str:
-    """Each contract test runs over both HTTP clients."""
+    """Each contract test runs over every HTTP client."""
     return str(request.param)
 
 

@@ -166,7 +166,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
 
 Instruction = tuple[str, str]
 # The tools wing's packages (the extras): none may reach the production image.
-TOOLS_PACKAGES = ("uvicorn", "httptools", "rich", "pgserver", "absurdctl", "matplotlib", "pgqueuer")
+TOOLS_PACKAGES = ("uvicorn", "rich", "pgserver", "absurdctl", "matplotlib", "pgqueuer")
 
 
 def dockerfile(text: str | None = None) -> list[Instruction]:

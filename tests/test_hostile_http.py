@@ -13,7 +13,7 @@ import relay
 from relay.runner import Relay
 from relay.tools.sink import Sink
 from relay.transport import MAX_BODY
-from tests.support import count, q, settings, wait_for
+from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.anyio
     ],
     ids=["garbled", "cut"],
 )
-@pytest.mark.parametrize("http_transport", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("http_transport", HTTP_TRANSPORTS)
 async def test_a_2xx_that_cannot_be_read_is_retried_not_acked(
     pg_url: str,
     schema: str,

@@ -56,7 +56,7 @@ from relay.roles import Roles, validate_role_name
 from relay.runner import Relay
 from relay.settings import ConfigError, Secret
 from relay.tools.sink import Receive, Scope, Send, Sink, serve_sink, signing_keys, verify_signature
-from tests.support import count, q, settings, wait_for
+from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
 from tests.test_cli import RELAY, relay_env
 from tests.test_sink import body as sink_body
 
@@ -295,9 +295,9 @@ async def test_relay_sink_command_verifies_with_a_secret_from_a_file(tmp_path: P
 # --- transport ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["aiohttp", "httpx"])
+@pytest.fixture(params=HTTP_TRANSPORTS)
 def http_transport(request: pytest.FixtureRequest) -> str:
-    """Each transport test runs over both HTTP clients (`http_transport`)."""
+    """Each transport test runs over every HTTP client (`http_transport`)."""
     return str(request.param)
 
 

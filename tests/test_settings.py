@@ -70,7 +70,7 @@ def test_minimal_configuration_and_defaults() -> None:
     assert s.retention == 86400.0
     assert s.metrics_addr is None
     assert s.log_format == "json"
-    assert s.http_transport == "aiohttp"
+    assert s.http_transport == "httptools"
     assert s.replica_id  # host:pid
     assert s.replica_id.endswith(f":{os.getpid()}")
 
@@ -171,6 +171,7 @@ def test_duration_options_reject_out_of_range(option: str) -> None:
         ("log_format", "TEXT", "text"),
         ("log_level", "Debug", "debug"),
         ("http_transport", "aiohttp", "aiohttp"),
+        ("http_transport", " HTTPTools", "httptools"),
         ("http_transport", "HTTPX", "httpx"),
         # The old name (httpx's client over httpcore) still works: it means httpx.
         ("http_transport", "httpcore", "httpx"),

@@ -324,9 +324,12 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
         add("e2e_eps ≥ 0.5 × min(db_limit_eps, http_limit_eps)", r, 0.5, r >= 0.5)
     if has("e2e_eps", "e2e_eps_httpx"):
         # Issue 16's decision rule (docs/performance.md): at 0.85 or more, httpx would become
-        # the default transport and aiohttp an extra.
+        # the default transport. The default is now the httptools sender, which beat both.
         r = m["e2e_eps_httpx"] / m["e2e_eps"]
         add("e2e_eps_httpx ≥ 0.85 × e2e_eps (decision rule: httpx the default)", r, 0.85, r >= 0.85)
+    if has("e2e_eps", "e2e_eps_aiohttp"):
+        r = m["e2e_eps"] / m["e2e_eps_aiohttp"]
+        add("e2e_eps ≥ e2e_eps_aiohttp (httptools the default)", r, 1, r >= 1)
     if has("e2e_eps", "naive_eps"):
         r = m["e2e_eps"] / m["naive_eps"]
         add("e2e_eps ≥ 10 × naive_eps", r, 10, r >= 10)
