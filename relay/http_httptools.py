@@ -204,6 +204,7 @@ class HttptoolsSender:
         self, url: str, body: bytes, headers: dict[str, str]
     ) -> tuple[int, bytes, str | None]:
         scheme, _, rest = url.partition("://")
+        rest = rest.partition("#")[0]  # a fragment is the client's own: never sent
         netloc, slash, target = rest.partition("/")
         origin = _origin(scheme.lower(), netloc)
         data = request_head(origin, slash + target if slash else "/", body, headers) + body

@@ -100,6 +100,15 @@ async def test_a_plain_answer_and_the_request_it_answers() -> None:
     assert b"\r\nx-a: 1\r\n" in head
 
 
+async def test_a_fragment_of_the_url_is_not_sent() -> None:
+    server = Scripted(lambda n: [OK])
+    async with server.serving() as url:
+        sender = HttptoolsSender(verify=True, connections=1, timeout=5)
+        assert (await sender.send(url + "?a=1#part", b"{}", {}))[0] == 200
+        await sender.aclose()
+    assert server.requests[0].startswith(b"POST /runs/r1/events?a=1 HTTP/1.1\r\n")
+
+
 async def test_a_kept_alive_connection_is_reused_and_a_closing_one_is_not() -> None:
     _, kept = await post(lambda n: [OK], times=3)
     assert kept.connections == 1, "keep-alive answers: one connection for every request"

@@ -488,7 +488,7 @@ SCENARIOS = [
     Scenario(
         "e2e",
         "the relay end to end (relay run + relay sink subprocesses), 1/2/4 replicas; one "
-        "replica over aiohttp and over httpx",
+        "replica over each HTTP client (httptools, the default; aiohttp; httpx)",
         e2e,
         keys=("e2e_eps", "e2e_eps_aiohttp", "e2e_eps_httpx", "e2e_eps_by_replicas"),
     ),
