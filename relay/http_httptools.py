@@ -38,7 +38,11 @@ import httpx
 from relay.transport import READ_LIMIT, TransportFailure
 
 MAX_HEAD = 64 * 1024  # bytes of the answer's header lines, in all
-IDLE_FOR = 5.0  # seconds a kept connection may sit idle before it is dropped, not reused
+# Seconds a kept connection may sit idle before it is dropped rather than reused: under the
+# shortest keep-alive timers of common servers (gunicorn 2 s, uvicorn 5 s), so a request is
+# rarely sent on a connection the server is closing at that moment (that request fails, and
+# the relay's retries send it again on a new one).
+IDLE_FOR = 1.0
 _BAD_PATH = re.compile(r"[\x00-\x20\x7f-\U0010ffff]")  # encoded already: no space, no CR/LF
 _BAD_HEADER = re.compile(r"[\x00\r\n]")
 
@@ -205,9 +209,12 @@ class HttptoolsSender:
     ) -> tuple[int, bytes, str | None]:
         scheme, _, rest = url.partition("://")
         rest = rest.partition("#")[0]  # a fragment is the client's own: never sent
-        netloc, slash, target = rest.partition("/")
-        origin = _origin(scheme.lower(), netloc)
-        data = request_head(origin, slash + target if slash else "/", body, headers) + body
+        end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+        target = rest[end:]
+        origin = _origin(scheme.lower(), rest[:end])
+        if not target.startswith("/"):
+            target = "/" + target  # no path: the origin's root
+        data = request_head(origin, target, body, headers) + body
         async with self._slots:
             conn = self._kept(origin) or await self._connect(origin)
             answer = await conn.request(data)

@@ -100,13 +100,20 @@ async def test_a_plain_answer_and_the_request_it_answers() -> None:
     assert b"\r\nx-a: 1\r\n" in head
 
 
-async def test_a_fragment_of_the_url_is_not_sent() -> None:
+async def test_a_fragment_is_not_sent_and_a_url_without_a_path_posts_to_the_root() -> None:
     server = Scripted(lambda n: [OK])
     async with server.serving() as url:
         sender = HttptoolsSender(verify=True, connections=1, timeout=5)
         assert (await sender.send(url + "?a=1#part", b"{}", {}))[0] == 200
+        origin = url.removesuffix("/runs/r1/events")
+        assert (await sender.send(origin + "?b=2#part", b"{}", {}))[0] == 200
+        assert (await sender.send(origin, b"{}", {}))[0] == 200
         await sender.aclose()
-    assert server.requests[0].startswith(b"POST /runs/r1/events?a=1 HTTP/1.1\r\n")
+    assert [head.split(b"\r\n", 1)[0] for head in server.requests] == [
+        b"POST /runs/r1/events?a=1 HTTP/1.1",
+        b"POST /?b=2 HTTP/1.1",
+        b"POST / HTTP/1.1",
+    ]
 
 
 async def test_a_kept_alive_connection_is_reused_and_a_closing_one_is_not() -> None:
@@ -116,6 +123,14 @@ async def test_a_kept_alive_connection_is_reused_and_a_closing_one_is_not() -> N
     answers, closed = await post(lambda n: [closing], times=3)
     assert [a[0] for a in answers] == [200, 200, 200]
     assert closed.connections == 3, "`connection: close` answers: a new connection each time"
+
+
+async def test_a_connection_idle_too_long_is_not_used_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("relay.http_httptools.IDLE_FOR", 0.0)  # every kept one is too old
+    _, server = await post(lambda n: [OK], times=2)
+    assert server.connections == 2
 
 
 async def test_a_connection_the_server_closed_while_idle_is_not_used_again() -> None:
