@@ -89,9 +89,32 @@ async def off(fn: Callable[..., T], *args: Any) -> T:
 
 
 def texts(driver: Any, css: str) -> list[str]:
+    """The texts of every element `css` matches, read again from the start when the page
+    replaced one of them meanwhile (it re-renders its tables on each refresh)."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
+    for _ in range(20):
+        try:
+            return [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)]
+        except StaleElementReferenceException:
+            continue
     return [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)]
+
+
+def click(driver: Any, css: str) -> None:
+    """Click the first element `css` matches, found again when the page replaced it between
+    the find and the click."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    for _ in range(20):
+        try:
+            driver.find_element(By.CSS_SELECTOR, css).click()
+            return
+        except StaleElementReferenceException:
+            continue
+    driver.find_element(By.CSS_SELECTOR, css).click()
 
 
 def figure(driver: Any, key: str) -> str:
@@ -195,8 +218,7 @@ async def test_status_page_in_chromium(
         # The run page, through the page's own link: events in seq order, the commands.
         from selenium.webdriver.common.by import By
 
-        link = await off(browser.find_element, By.CSS_SELECTOR, "#blocked-rows a")
-        await off(link.click)
+        await off(click, browser, "#blocked-rows a")
         await wait_page(browser, lambda d: d.find_elements(By.ID, "run-events"), "the run page")
         rows = await off(texts, browser, "#run-events tr")
         assert [r.split()[0] for r in rows] == ["1", "2", "3"]
