@@ -183,8 +183,7 @@ class _Connection(asyncio.Protocol):
 
     async def request(self, data: bytes) -> tuple[int, bytes, str | None]:
         assert self.transport is not None
-        self.parser = httptools.HttpResponseParser(self)
-        self._reset()
+        self._reset()  # the parser stays: llhttp reads one answer after another on a connection
         self.waiter = asyncio.get_running_loop().create_future()
         self.transport.write(data)
         try:

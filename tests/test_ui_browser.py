@@ -88,33 +88,31 @@ async def off(fn: Callable[..., T], *args: Any) -> T:
     return await anyio.to_thread.run_sync(fn, *args)
 
 
-def texts(driver: Any, css: str) -> list[str]:
-    """The texts of every element `css` matches, read again from the start when the page
-    replaced one of them meanwhile (it re-renders its tables on each refresh)."""
+def fresh(read: Callable[[], T]) -> T:
+    """`read()`, done again from the start when the page replaced an element it found
+    meanwhile (the page re-renders its tables on each refresh)."""
     from selenium.common.exceptions import StaleElementReferenceException
-    from selenium.webdriver.common.by import By
 
     for _ in range(20):
         try:
-            return [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)]
+            return read()
         except StaleElementReferenceException:
             continue
-    return [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)]
+    return read()
+
+
+def texts(driver: Any, css: str) -> list[str]:
+    """The texts of every element `css` matches."""
+    from selenium.webdriver.common.by import By
+
+    return fresh(lambda: [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)])
 
 
 def click(driver: Any, css: str) -> None:
-    """Click the first element `css` matches, found again when the page replaced it between
-    the find and the click."""
-    from selenium.common.exceptions import StaleElementReferenceException
+    """Click the first element `css` matches."""
     from selenium.webdriver.common.by import By
 
-    for _ in range(20):
-        try:
-            driver.find_element(By.CSS_SELECTOR, css).click()
-            return
-        except StaleElementReferenceException:
-            continue
-    driver.find_element(By.CSS_SELECTOR, css).click()
+    fresh(lambda: driver.find_element(By.CSS_SELECTOR, css).click())
 
 
 def figure(driver: Any, key: str) -> str:
