@@ -1154,3 +1154,33 @@ def test_claim_is_index_backed_whatever_the_backlog(
     walk(plan[0][0]["Plan"])
     assert any(n.get("Index Name") == "runs_leased" for n in nodes), nodes
     assert not any(n["Node Type"] == "Seq Scan" for n in nodes), nodes
+
+
+def test_the_ack_is_index_backed_whatever_the_backlog(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """The ack runs on generic plans (`plan_cache_mode = force_generic_plan` in its definition:
+    planning its statements afresh cost more than running them, per call). A generic plan does
+    not see how many batches a call carries, so it must stay on the indexes for any count."""
+    _backlog(conn, schema, 20_000)
+    for size in (1, 5, 40):  # several calls on one session: the cached plans are reused
+        got = claim(conn, schema, runs=size)
+        assert len(got) == size
+        batches = [(r, token(got, r), seqs(got, r)[-1]) for r in got]
+        with conn.transaction():  # pending counters are not flushed inside a transaction
+            before = _scan_counters(conn, schema)
+            acked = ack(conn, schema, *batches)
+            after = _scan_counters(conn, schema)
+        assert [(a["run_id"], a["status"], a["acked"]) for a in acked] == [
+            (r, "acked", 1) for r, _, _ in batches
+        ]
+        delta = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
+        assert delta["runs"][0] == 0, delta  # no sequential scan of runs
+        assert delta["events"][0] == 0, delta  # nor of events
+        read = sum(tuples for name, (_, tuples) in delta.items() if name not in ("runs", "events"))
+        assert read <= 10 * size, delta  # reads the batches' rows, not the backlog
+    config = conn.execute(
+        "select proconfig from pg_proc where proname = 'ack' and pronamespace = %s::regnamespace",
+        (schema,),
+    ).fetchone()
+    assert config is not None and "plan_cache_mode=force_generic_plan" in (config[0] or []), config
