@@ -146,8 +146,8 @@ class Store:
         self.statement_timeout = statement_timeout
         self.deadline = statement_timeout + 2.0
         s = sql.Identifier(schema)
-        # No plan_cache_mode override: LIMITS.md measured generic plans helping a bare claim
-        # query, but for these plpgsql functions they cost 0.93 -> 1.57 ms per claim here.
+        # Generic plans are set where they pay, in the definitions of claim() and ack()
+        # (`plan_cache_mode`, function-local), never on the session: docs/performance.md.
         self._begin = (
             "begin; select"
             f" set_config('statement_timeout', '{int(statement_timeout * 1000)}ms', true),"

@@ -372,6 +372,7 @@ create or replace function claim(
 )
 language plpgsql volatile
 set search_path from current
+set plan_cache_mode = force_generic_plan
 security definer
 as $$
 declare

@@ -1159,9 +1159,10 @@ def test_claim_is_index_backed_whatever_the_backlog(
 def test_the_ack_is_index_backed_whatever_the_backlog(
     conn: psycopg.Connection[Any], schema: str
 ) -> None:
-    """The ack runs on generic plans (`plan_cache_mode = force_generic_plan` in its definition:
-    planning its statements afresh cost more than running them, per call). A generic plan does
-    not see how many batches a call carries, so it must stay on the indexes for any count."""
+    """The ack and the claim run on generic plans (`plan_cache_mode = force_generic_plan` in
+    their definitions: planning their statements afresh cost more than running them, per call).
+    A generic plan does not see how many batches a call carries, so it must stay on the indexes
+    for any count."""
     _backlog(conn, schema, 20_000)
     for size in (1, 5, 40):  # several calls on one session: the cached plans are reused
         got = claim(conn, schema, runs=size)
@@ -1179,8 +1180,10 @@ def test_the_ack_is_index_backed_whatever_the_backlog(
         assert delta["events"][0] == 0, delta  # nor of events
         read = sum(tuples for name, (_, tuples) in delta.items() if name not in ("runs", "events"))
         assert read <= 10 * size, delta  # reads the batches' rows, not the backlog
-    config = conn.execute(
-        "select proconfig from pg_proc where proname = 'ack' and pronamespace = %s::regnamespace",
-        (schema,),
-    ).fetchone()
-    assert config is not None and "plan_cache_mode=force_generic_plan" in (config[0] or []), config
+    for name in ("claim", "ack"):  # the claim's pick is index-backed too (the test above)
+        config = conn.execute(
+            "select proconfig from pg_proc where proname = %s and pronamespace = %s::regnamespace",
+            (name, schema),
+        ).fetchone()
+        assert config is not None, name
+        assert "plan_cache_mode=force_generic_plan" in (config[0] or []), (name, config)
