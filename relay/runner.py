@@ -29,6 +29,15 @@ from relay.store import CONNECT_KWARGS, AckResult, IdleCheck, Pool, Store
 
 PRUNE_BATCH = 1000
 POOL_CHECK_IDLE = 1.0  # seconds idle after which a pooled connection is checked before use
+# A lane's database work does not grow with its POST slots: one claim loop, one ack group and
+# one renewer, plus the releases of failed POSTs, which may wait for a connection.
+POOL_FOR_DELIVERIES = 8
+
+
+def pool_size(concurrency: int) -> int:
+    """A lane's pool: what its deliveries use at once (at most POOL_FOR_DELIVERIES), plus two
+    (docs/operations.md, the connection budget)."""
+    return min(concurrency, POOL_FOR_DELIVERIES) + 2
 
 
 @dataclass
@@ -93,8 +102,8 @@ class Relay:
         s = self.settings
         url = s.database_url.reveal()
         pools = [
-            self._pool(url, "ordinary", s.concurrency + 2),
-            self._pool(url, "critical", s.critical_concurrency + 2),
+            self._pool(url, "ordinary", pool_size(s.concurrency)),
+            self._pool(url, "critical", pool_size(s.critical_concurrency)),
         ]
         # Wait for the database first (relay/startup.py): a stop request during the wait ends it.
         from relay.startup import wait_for_database

@@ -115,7 +115,7 @@ class Settings:
     http_transport: str = "httptools"
     batch_size: int = 100
     lease_ttl: float = 30.0
-    concurrency: int = 8
+    concurrency: int = 32
     critical_concurrency: int = 4
     claim_runs: int = 64
     # Memory bounds (issue 13): payload bytes per POST (a claim's prefix stops early at it; a

@@ -591,3 +591,23 @@ async def test_a_terminal_committed_for_a_queued_run_is_handed_to_the_critical_l
     assert critical.stats.adopted == 1 and critical.stats.widened == 1
     assert s.state.first_order["t0"] == [1, 2]  # one POST carried the step and the terminal
     assert [len(x["seqs"]) for x in s.state.received if x["run_id"] == "t0"] == [2]
+
+
+async def test_the_database_pools_do_not_grow_with_the_post_slots(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """64 POST slots share the lane's pool of min(concurrency, 8) + 2 connections
+    (docs/operations.md, the connection budget), also when they all fail and release their
+    leases together, and everything is delivered once the ingress is back."""
+    s, url = sink
+    enqueue_runs(conn, schema, 150, 1)
+    s.faults.set_default(503)  # the ingress is down
+    cfg = settings(pg_url, schema, url, concurrency=64, max_backoff="0.5")
+    async with Relay(cfg).running() as r:
+        assert r.lanes["ordinary"].store.pool.max_size == 10
+        assert r.lanes["critical"].store.pool.max_size == 6
+        stats = r.lanes["ordinary"].stats
+        await wait_for(lambda: stats.retries >= 64, what="64 failed POSTs released")
+        s.faults.set_default(None)
+        await wait_for(lambda: count(conn, schema, "state <> 'delivered'") == 0, what="all acked")
+    assert s.state.order_violations == 0
