@@ -46,7 +46,12 @@ class AckGroup:
         group, without a task per run."""
         pending = [_PendingAck(claim, upto, keep) for claim, upto, keep in items]
         for item in pending:
-            await self._send.send(item)
+            try:
+                # Handed straight to the group task waiting for it: `send()` would first yield
+                # to the event loop, a task step per ack for nothing.
+                self._send.send_nowait(item)
+            except anyio.WouldBlock:
+                await self._send.send(item)  # 10,000 acks queued: wait for room
         for item in pending:
             await item.done.wait()
         results = []

@@ -368,7 +368,10 @@ class Lane:
             # One waiter per freed slot: a shared wake-up woke every queued task each time.
             waiter = self._slot_waiters[claim.run_id] = (claim, anyio.Event())
             try:
-                with anyio.move_on_after(self.settings.poll_interval):
+                if claim.critical:  # tries the handoff again each poll_interval
+                    with anyio.move_on_after(self.settings.poll_interval):
+                        await waiter[1].wait()
+                else:  # woken by a freed slot, by promote() (it may turn critical), by stop()
                     await waiter[1].wait()
             finally:
                 if self._slot_waiters.get(claim.run_id) is waiter:
