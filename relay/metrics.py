@@ -271,9 +271,14 @@ class Metrics:
         """For `IngressClient(on_request=...)`: every POST, single-run and multi-run, by status
         class (None: no answer) and its duration."""
         seconds = self.request_seconds.labels(lane)
+        by_class: dict[str, Counter] = {}  # status class -> its labelled counter, looked up once
 
         def observe(status: int | None, elapsed: float) -> None:
-            self.requests.labels(lane, status_class(status)).inc()
+            cls = status_class(status)
+            counter = by_class.get(cls)
+            if counter is None:
+                counter = by_class[cls] = self.requests.labels(lane, cls)
+            counter.inc()
             seconds.observe(elapsed)
 
         return observe
