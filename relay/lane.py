@@ -94,13 +94,11 @@ class Lane:
         self.slot_freed = Wake()
         self.targets: list[str] = []  # runs to drain now (critical lane)
         self.wanted: set[str] = set()  # terminal runs we could not claim yet
-        # Claims this lane holds: POSTing, or queued for a POST slot. Holding up to claim_runs
-        # more than the concurrency keeps the POST slots busy without a claim round trip (and
-        # its commit) between one run and the next: what makes runs of one event fast.
+        # Claims this lane holds: POSTing, or queued for a POST slot. Holding claim_runs more
+        # than the concurrency keeps the slots busy with no claim round trip between runs.
         self.inflight: dict[str, Claim] = {}
-        # The payload bytes those claims hold (issue 13): a lane claims no more once it holds
-        # max_lane_bytes, and a claim asks for no more runs than fit in what is left, counting
-        # each at max_batch_bytes (the most the claim's SQL gives one run).
+        # Payload bytes those claims hold (issue 13): no claim once max_lane_bytes are held; a
+        # claim asks for no more runs than fit, each counted at max_batch_bytes (its SQL's most).
         self.held_bytes = 0
         self._held: dict[int, int] = {}  # id(claim) -> its payload bytes
         # Claims whose run this lane claimed again after their lease expired (a zombie of our
@@ -364,14 +362,13 @@ class Lane:
             if claim.critical and self.handoff(claim):
                 return Slot.HANDED_OFF
             # Queued: woken when a slot frees and this claim is next (critical ones first), when
-            # it is promoted, on shutdown, or after poll_interval to try the handoff again.
-            # One waiter per freed slot: a shared wake-up woke every queued task each time.
+            # promoted (it may turn critical), on shutdown. One waiter per freed slot.
             waiter = self._slot_waiters[claim.run_id] = (claim, anyio.Event())
             try:
                 if claim.critical:  # tries the handoff again each poll_interval
                     with anyio.move_on_after(self.settings.poll_interval):
                         await waiter[1].wait()
-                else:  # woken by a freed slot, by promote() (it may turn critical), by stop()
+                else:  # no timer: one per queued claim was measurable (docs/performance.md)
                     await waiter[1].wait()
             finally:
                 if self._slot_waiters.get(claim.run_id) is waiter:
