@@ -421,12 +421,14 @@ begin
         limit p_runs
         for update of r skip locked
     ), dead_picked as (
-        -- A dead owner's runs first, through runs_leased (nothing to do while none died).
+        -- A dead owner's runs first, through runs_leased (nothing to do while none died). The
+        -- order is by an expression runs_due cannot give: walking runs_due in order to its
+        -- leased runs (due an hour on) read every due run first, a claim O(backlog).
         select r.run_id, r.lease_owner as prev_owner, r.lease_expires_at as prev_expires
         from runs r
         where p_run_id is null and p_lane = 'ordinary' and cardinality(v_dead) > 0
           and r.lease_owner = any(v_dead) and not r.idle and r.blocked_seq is null
-        order by r.next_attempt_at
+        order by r.next_attempt_at + interval '0'
         limit p_runs
         for update skip locked
     ), ordinary_picked as (

@@ -1187,3 +1187,18 @@ def test_the_ack_is_index_backed_whatever_the_backlog(
         ).fetchone()
         assert config is not None, name
         assert "plan_cache_mode=force_generic_plan" in (config[0] or []), (name, config)
+
+
+def test_a_dead_owners_runs_are_claimed_through_runs_leased_on_the_functions_own_plan(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """The claim's pick of a dead owner's runs (issue 18), measured on claim()'s own generic
+    plan rather than on EXPLAIN of its text: through runs_leased, never a scan of runs."""
+    _backlog(conn, schema, 20_000)  # 20k runs leased by 'other' for another hour
+    conn.execute(sql.SQL("insert into {} (owner) values ('other')").format(fn(schema, "replicas")))
+    got, delta = _claim_scans(conn, schema, "ordinary")
+    assert len(got) == 5 and all(r.startswith("leased") for r in got), sorted(got)
+    assert delta["runs"][0] == 0, delta  # no sequential scan of runs
+    assert delta["events"][0] == 0, delta
+    assert delta["runs_leased"][0] >= 1, delta
+    assert delta["runs_due"][1] <= 10, delta  # not a walk past every due run to the leased ones
