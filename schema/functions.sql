@@ -653,7 +653,6 @@ declare
     v_fast_runs text[];
     v_fast_upto bigint[];
     v_locked text[];
-    v_done_i bigint[];
     v_done_n int[];
     v_done_last bigint[];
     v_done_lag double precision[];
@@ -717,10 +716,10 @@ begin
             from unnest(v_fast_i, v_fast_runs) as f(i, run_id)
             left join per_run p on p.run_id = f.run_id
         )
-        select array_agg(x.i order by x.i), array_agg(x.n order by x.i),
-               array_agg(x.last_seq order by x.i), array_agg(x.lag order by x.i),
-               array_remove(array_agg(x.note order by x.i), null)
-        into v_done_i, v_done_n, v_done_last, v_done_lag, v_notes
+        -- in v_fast_i's order (the input order), so each lines up with v_fast_i and v_fast_runs
+        select array_agg(x.n order by x.i), array_agg(x.last_seq order by x.i),
+               array_agg(x.lag order by x.i), array_remove(array_agg(x.note order by x.i), null)
+        into v_done_n, v_done_last, v_done_lag, v_notes
         from noted x;
         -- one outbox_delivered notification per batch that acked something, in input order
         perform pg_notify(terminal_channel(), n.note)
@@ -746,7 +745,7 @@ begin
     -- input order (a `return query` per batch cost an executor start per run).
     for v_b, v_i in select x.value, x.i from jsonb_array_elements(p_batches)
                                               with ordinality as x(value, i)
-                    where not (x.i = any(coalesce(v_done_i, '{}'))) loop
+                    where not (x.i = any(coalesce(v_fast_i, '{}'))) loop
         v_run := v_b ->> 'run_id';
         v_token := (v_b ->> 'token')::uuid;
         v_upto := (v_b ->> 'upto')::bigint;
@@ -852,7 +851,7 @@ begin
         select u.run_id, u.status, u.acked, u.last_seq, u.lag, u.error
         from (select f.i, f.run_id, 'acked'::text as status, f.n as acked, f.last_seq, f.lag,
                      null::text as error
-              from unnest(v_done_i, v_fast_runs, v_done_n, v_done_last, v_done_lag)
+              from unnest(v_fast_i, v_fast_runs, v_done_n, v_done_last, v_done_lag)
                    as f(i, run_id, n, last_seq, lag)
               union all
               select r.* from unnest(r_i, r_run, r_status, r_n, r_last, r_lag, r_err)

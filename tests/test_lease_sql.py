@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
@@ -20,6 +20,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 Row = dict[str, Any]
+T = TypeVar("T")
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -1072,15 +1073,22 @@ def _scan_counters(conn: psycopg.Connection[Any], schema: str) -> dict[str, tupl
     }
 
 
-def _claim_scans(
-    conn: psycopg.Connection[Any], schema: str, lane: str
-) -> tuple[dict[str, list[Row]], dict[str, tuple[int, int]]]:
+def _scans(
+    conn: psycopg.Connection[Any], schema: str, call: Callable[[], T]
+) -> tuple[T, dict[str, tuple[int, int]]]:
+    """`call()`'s result and the (scans, tuples read) it caused, per table and index."""
     with conn.transaction():  # pending counters are not flushed inside a transaction
         before = _scan_counters(conn, schema)
-        got = claim(conn, schema, runs=5, lane=lane)
+        got = call()
         after = _scan_counters(conn, schema)
     delta = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
     return got, delta
+
+
+def _claim_scans(
+    conn: psycopg.Connection[Any], schema: str, lane: str
+) -> tuple[dict[str, list[Row]], dict[str, tuple[int, int]]]:
+    return _scans(conn, schema, lambda: claim(conn, schema, runs=5, lane=lane))
 
 
 def test_claim_is_index_backed_whatever_the_backlog(
@@ -1168,14 +1176,10 @@ def test_the_ack_is_index_backed_whatever_the_backlog(
         got = claim(conn, schema, runs=size)
         assert len(got) == size
         batches = [(r, token(got, r), seqs(got, r)[-1]) for r in got]
-        with conn.transaction():  # pending counters are not flushed inside a transaction
-            before = _scan_counters(conn, schema)
-            acked = ack(conn, schema, *batches)
-            after = _scan_counters(conn, schema)
+        acked, delta = _scans(conn, schema, lambda b=batches: ack(conn, schema, *b))
         assert [(a["run_id"], a["status"], a["acked"]) for a in acked] == [
             (r, "acked", 1) for r, _, _ in batches
         ]
-        delta = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
         assert delta["runs"][0] == 0, delta  # no sequential scan of runs
         assert delta["events"][0] == 0, delta  # nor of events
         read = sum(tuples for name, (_, tuples) in delta.items() if name not in ("runs", "events"))
