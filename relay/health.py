@@ -65,6 +65,16 @@ def refresh_interval(s: Settings) -> float:
     return min(15.0, max(1.0, 5 * s.poll_interval))
 
 
+# The backlog refresh reads every pending event (`backlog()`): at least this many times its own
+# duration passes before the next one, so it never takes more than ~1/20 of a database core.
+REFRESH_COST_FACTOR = 20.0
+
+
+def refresh_gap(interval: float, took: float) -> float:
+    """Time from one backlog refresh to the next: the period, or longer after a costly one."""
+    return max(interval, REFRESH_COST_FACTOR * took)
+
+
 def readiness(
     *,
     started: bool,
@@ -104,6 +114,7 @@ class Endpoints:
         self.database = False
         self.schema_problem: str | None = "not checked yet"
         self.probes = 0
+        self.refresh_took = 0.0  # the last backlog refresh's duration (refresh_gap)
         self.port = 0
         self.page = StatusPage(
             Data(lambda query, params: self.store.query(query, params), settings.schema),
@@ -140,7 +151,7 @@ class Endpoints:
         while True:
             await anyio.sleep(min(READY_PROBE_INTERVAL, interval))
             now = anyio.current_time()
-            due = now - refreshed >= interval
+            due = now - refreshed >= refresh_gap(interval, self.refresh_took)
             await self.probe(refresh=due)
             if due:
                 refreshed = now
@@ -173,6 +184,7 @@ class Endpoints:
         self.probes += 1
 
     async def _refresh_backlog(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        started = anyio.current_time()
         try:
             async with conn.transaction():
                 await conn.execute(
@@ -189,6 +201,8 @@ class Endpoints:
             # The functions were shipped after this database's last `relay migrate`.
             logs.warning("backlog_unavailable", hint="run `relay migrate`")
             return
+        finally:  # a refresh that timed out cost the database as much: it spaces the next too
+            self.refresh_took = anyio.current_time() - started
         self.metrics.set_backlog((str(r[0]), int(r[1]), int(r[2]), float(r[3])) for r in rows)
         self.metrics.backlog_refreshed.set_to_current_time()
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import psycopg
 from psycopg import sql
 
 from relay.settings import Settings, load
+
+T = TypeVar("T")
 
 # Every HTTP client the relay can POST with (`http_transport`): the contract, hostile-answer and
 # transport suites run once per entry.
@@ -106,3 +108,29 @@ def assert_acked_only_if_received(
     acked = {r[0] for r in rows.fetchall()}
     missing = acked - set(received)
     assert not missing, f"acknowledged but never received by the ingress: {sorted(missing)[:10]}"
+
+
+def scan_counters(conn: psycopg.Connection[Any], schema: str) -> dict[str, tuple[int, int]]:
+    """This transaction's (scans, tuples read) per table and index of the schema: seq scans for
+    a table, index scans for an index."""
+    return {
+        name: (int(scans), int(tuples))
+        for name, scans, tuples in conn.execute(
+            "select c.relname, pg_stat_get_xact_numscans(c.oid),"
+            " pg_stat_get_xact_tuples_returned(c.oid)"
+            " from pg_class c where c.relnamespace = %s::regnamespace and c.relkind in ('r', 'i')",
+            (schema,),
+        ).fetchall()
+    }
+
+
+def scans(
+    conn: psycopg.Connection[Any], schema: str, call: Callable[[], T]
+) -> tuple[T, dict[str, tuple[int, int]]]:
+    """`call()`'s result and the (scans, tuples read) it caused, per table and index."""
+    with conn.transaction():  # pending counters are not flushed inside a transaction
+        before = scan_counters(conn, schema)
+        got = call()
+        after = scan_counters(conn, schema)
+    delta = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
+    return got, delta

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from anyio.abc import SocketStream, TaskGroup
 
-from relay.health import Endpoints, readiness, refresh_interval, split_addr
+from relay.health import Endpoints, readiness, refresh_gap, refresh_interval, split_addr
 from relay.lane import LaneStats, LaneView
 from relay.metrics import Metrics
 from relay.progress import ListenerView, RelayView, loops_alive, stall_limit
@@ -284,3 +284,8 @@ async def test_metrics_addr_in_use_is_a_clear_refusal(
         exc = exc.exceptions[0]
     assert isinstance(exc, ConnectionError)
     assert f"metrics_addr 127.0.0.1:{taken}" in str(exc)
+
+
+def test_a_costly_refresh_is_followed_by_a_longer_gap() -> None:
+    assert refresh_gap(2.5, 0.01) == 2.5  # cheap: the period
+    assert refresh_gap(2.5, 0.4) == 8.0  # 0.4 s of database time: 20 times that before the next

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any
 
 import psycopg
 import pytest
@@ -19,8 +19,9 @@ from psycopg import errors, sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from tests.support import scans
+
 Row = dict[str, Any]
-T = TypeVar("T")
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -1059,36 +1060,10 @@ def _backlog(conn: psycopg.Connection[Any], schema: str, n: int) -> None:
         conn.execute(query, {"n": n} if "%(n)s" in statement else None)
 
 
-def _scan_counters(conn: psycopg.Connection[Any], schema: str) -> dict[str, tuple[int, int]]:
-    """This transaction's (scans, tuples read) per table and index of the schema: seq scans for
-    a table, index scans for an index."""
-    return {
-        name: (int(scans), int(tuples))
-        for name, scans, tuples in conn.execute(
-            "select c.relname, pg_stat_get_xact_numscans(c.oid),"
-            " pg_stat_get_xact_tuples_returned(c.oid)"
-            " from pg_class c where c.relnamespace = %s::regnamespace and c.relkind in ('r', 'i')",
-            (schema,),
-        ).fetchall()
-    }
-
-
-def _scans(
-    conn: psycopg.Connection[Any], schema: str, call: Callable[[], T]
-) -> tuple[T, dict[str, tuple[int, int]]]:
-    """`call()`'s result and the (scans, tuples read) it caused, per table and index."""
-    with conn.transaction():  # pending counters are not flushed inside a transaction
-        before = _scan_counters(conn, schema)
-        got = call()
-        after = _scan_counters(conn, schema)
-    delta = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
-    return got, delta
-
-
 def _claim_scans(
     conn: psycopg.Connection[Any], schema: str, lane: str
 ) -> tuple[dict[str, list[Row]], dict[str, tuple[int, int]]]:
-    return _scans(conn, schema, lambda: claim(conn, schema, runs=5, lane=lane))
+    return scans(conn, schema, lambda: claim(conn, schema, runs=5, lane=lane))
 
 
 def test_claim_is_index_backed_whatever_the_backlog(
@@ -1176,7 +1151,7 @@ def test_the_ack_is_index_backed_whatever_the_backlog(
         got = claim(conn, schema, runs=size)
         assert len(got) == size
         batches = [(r, token(got, r), seqs(got, r)[-1]) for r in got]
-        acked, delta = _scans(conn, schema, lambda b=batches: ack(conn, schema, *b))
+        acked, delta = scans(conn, schema, lambda b=batches: ack(conn, schema, *b))
         assert [(a["run_id"], a["status"], a["acked"]) for a in acked] == [
             (r, "acked", 1) for r, _, _ in batches
         ]
