@@ -483,6 +483,17 @@ def test_release_gives_the_lease_back_and_counts_a_failed_attempt(
 # --- ack --------------------------------------------------------------------------------------
 
 
+def test_the_batch_lock_keys_are_the_run_lock_keys(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """The ack takes a batch's run locks by run_lock_keys (one call for all its runs); a
+    producer takes a run's by run_lock_key. They must be the same locks."""
+    ids = ["r1", "r1", "", "ü-€-\U0001f600", "x" * 200]
+    keys = call(conn, schema, "run_lock_keys", ids)[0][0]
+    assert keys == [call(conn, schema, "run_lock_key", i)[0][0] for i in ids]
+    assert len(set(keys)) == 4
+
+
 def test_ack_marks_only_events_up_to_upto(conn: psycopg.Connection[Any], schema: str) -> None:
     for i in range(5):
         enq(conn, schema, "r1", f"e{i}")

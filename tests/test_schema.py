@@ -155,6 +155,7 @@ EXPECTED_INDEXES = {
 # shipped functions (operator tools) may exist too: every installed function must be shipped.
 EXPECTED_FUNCTIONS = {
     "run_lock_key": "p_run_id text",
+    "run_lock_keys": "p_run_ids text[]",
     "liveness_key": "p_owner text",
     "hold_liveness": "p_owner text, p_incarnation text",
     "terminal_channel": "",
