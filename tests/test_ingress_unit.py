@@ -596,3 +596,51 @@ async def test_a_post_without_an_answer_is_observed_as_none() -> None:
         await hanging.post(claim(events=events), events)
     assert [status for status, _ in seen] == [None, None]
     assert seen[1][1] >= 0.05
+
+
+# --- the request deadline (one timer for every request in flight) -------------------------------
+
+
+class Stalling:
+    """A sender that never answers a URL ending in /stall and answers 200 at once otherwise."""
+
+    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, None]:
+        if url.endswith("/stall"):
+            await anyio.sleep_forever()
+        return 200, b"{}", None
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.anyio
+async def test_every_request_in_flight_is_cut_at_its_own_deadline() -> None:
+    """Requests started at different times under one timer: each stalled one fails at its own
+    deadline (the timer is armed again for the next after it fires, and again once the table
+    was empty); answered ones leave the table at once and are never cut."""
+    client = IngressClient(settings(RELAY_HTTP_TIMEOUT="0.3s"), Stalling())
+    ended: dict[str, float] = {}
+
+    async def post(name: str, url: str, after: float) -> None:
+        await anyio.sleep(after)
+        started = anyio.current_time()
+        try:
+            await client._send(url, b"{}", {})
+        except TransportFailure as exc:
+            assert str(exc) == "timed out after 0.3s"
+            ended[name] = anyio.current_time() - started
+        else:
+            ended[name] = -1.0  # answered
+
+    with anyio.fail_after(10):  # a hang (a deadline never enforced) fails here, not forever
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(post, "a", "http://i/stall", 0.0)
+            tg.start_soon(post, "b", "http://i/stall", 0.1)
+            tg.start_soon(post, "ok", "http://i/ok", 0.15)
+            tg.start_soon(post, "c", "http://i/stall", 0.2)
+        async with anyio.create_task_group() as tg:  # after the table emptied
+            tg.start_soon(post, "d", "http://i/stall", 0.0)
+    assert ended["ok"] == -1.0
+    for name in "abcd":
+        assert ended[name] >= 0.3, (name, ended)  # never cut before its deadline
+    assert not client.deadlines._scopes
