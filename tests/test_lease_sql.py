@@ -240,9 +240,11 @@ def test_claim_takes_whole_runs_and_returns_prefixes_in_seq_order(
     a = claimed["a"]
     assert [r["event_id"] for r in a] == ["a0", "a1", "a2"]
     assert json.loads(a[0]["payload"]) == {"id": "a0"}
-    # one lease per run: the same token, epoch and expiry on every row of the run
+    # the run's own columns on its first row only (read there), NULL on the others
+    own = ("epoch", "lease_token", "lease_expires_at", "attempts", "critical", "claimed_at")
     for rows in claimed.values():
-        assert len({(r["lease_token"], r["epoch"], r["lease_expires_at"]) for r in rows}) == 1
+        assert all(rows[0][k] is not None for k in own), rows[0]
+        assert all(r[k] is None for r in rows[1:] for k in (*own, "reclaimed_from")), rows
         assert rows[0]["epoch"] == 1
         assert rows[0]["lease_expires_at"] > rows[0]["claimed_at"]
         assert rows[0]["critical"] is False
