@@ -73,7 +73,8 @@ def encode_body(claim: Claim, events: Sequence[ClaimedEvent]) -> bytes:
                 }
                 for e in events
             ],
-        }
+        },
+        option=orjson.OPT_NAIVE_UTC,  # created_at comes from the database naive, in UTC
     )
 
 

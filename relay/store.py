@@ -76,7 +76,7 @@ class ClaimedEvent(NamedTuple):
     event_type: str
     payload: str  # jsonb as text: embedded in the POST body with orjson.Fragment, never decoded
     terminal: bool
-    created_at: datetime
+    created_at: datetime  # the database's clock, in UTC, naive (the body says +00:00)
     traceparent: str | None
     wake_queue: str | None
 
@@ -154,7 +154,12 @@ class Store:
             f" set_config('lock_timeout', '{int(lock_timeout * 1000)}ms', true); "
         )
         self._claim = sql.SQL(
-            "select * from {}.claim(%s, %s, %s, make_interval(secs => %s), %s, %s, %s)"
+            # created_at in UTC without a zone: psycopg loads a timestamptz into the
+            # session's zone (a ZoneInfo, ~3 us a value), a timestamp in well under 1 us
+            "select c.run_id, c.epoch, c.lease_token, c.attempts, c.critical, c.seq, c.event_id,"
+            " c.event_type, c.payload, c.terminal, c.created_at at time zone 'UTC',"
+            " c.traceparent, c.wake_queue, c.claimed_at, c.reclaimed_from"
+            " from {}.claim(%s, %s, %s, make_interval(secs => %s), %s, %s, %s) c"
         ).format(s)
         self._renew = sql.SQL(
             "select * from {}.renew(%s::text[], %s::uuid[], make_interval(secs => %s))"
@@ -165,7 +170,8 @@ class Store:
         self._fail = sql.SQL("select {}.fail_event(%s, %s, %s, %s, %s)").format(s)
         self._ack = sql.SQL("select * from {}.ack(%s::jsonb)").format(s)
         self._widen = sql.SQL(
-            "select e.seq, e.event_id, e.event_type, e.payload::text, e.terminal, e.created_at,"
+            "select e.seq, e.event_id, e.event_type, e.payload::text, e.terminal,"
+            " e.created_at at time zone 'UTC',"
             " e.traceparent, e.wake_queue"
             " from {0}.events e join {0}.runs r on r.run_id = e.run_id"
             " where e.run_id = %s and r.lease_token = %s and e.state = 'pending' and e.seq > %s"
@@ -231,13 +237,13 @@ class Store:
                     run_id=run,
                     epoch=r[1],
                     token=r[2],
-                    attempts=r[4],
-                    critical=r[5],
-                    claimed_at=r[14],
+                    attempts=r[3],
+                    critical=r[4],
+                    claimed_at=r[13],
                     trust=trust,
-                    reclaimed_from=r[15],
+                    reclaimed_from=r[14],
                 )
-            claim.events.append(ClaimedEvent._make(r[6:14]))
+            claim.events.append(ClaimedEvent._make(r[5:13]))
         return list(claims.values())
 
     async def renew(self, claims: Sequence[Claim]) -> dict[str, Trust]:

@@ -10,6 +10,7 @@ import base64
 import hashlib
 import hmac
 import json
+import re
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -49,6 +50,12 @@ def signature_problems(headers: Any, raw: bytes) -> list[str]:
     return []
 
 
+def _rfc3339_with_offset(value: object) -> bool:
+    """`2026-12-02T12:56:42.450426+00:00`: a date, a time and an offset (or Z), nothing else."""
+    pattern = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?([+-]\d\d:\d\d|Z)"
+    return isinstance(value, str) and re.fullmatch(pattern, value) is not None
+
+
 class PlainIngress(BaseHTTPRequestHandler):
     """An ingress per §5: idempotent on event_id, answers 2xx; records first deliveries."""
 
@@ -83,6 +90,8 @@ class PlainIngress(BaseHTTPRequestHandler):
         for event in body.get("events", []):
             if set(event) != fields:
                 problems.append(f"event fields {sorted(event)} are not {sorted(fields)}")
+            elif not _rfc3339_with_offset(event["created_at"]):
+                problems.append(f"created_at {event['created_at']!r} is not RFC 3339 with offset")
         if problems:
             with self.lock:
                 self.violations.extend(problems)

@@ -212,6 +212,15 @@ def test_body_has_the_design_shape_in_seq_order() -> None:
     assert body["events"][-1]["terminal"] is True
 
 
+def test_a_naive_created_at_is_sent_as_utc() -> None:
+    """The store reads created_at in UTC without a zone (a timestamptz costs ~3 us a value to
+    load into the session's zone): the body still carries it with its offset, +00:00."""
+    naive = datetime(2026, 12, 2, 12, 56, 42, 450426)
+    events = [event(1)._replace(created_at=naive)]
+    body = orjson.loads(encode_body(claim(events=events), events))
+    assert body["events"][0]["created_at"] == "2026-12-02T12:56:42.450426+00:00"
+
+
 @pytest.mark.parametrize(
     "payload",
     [
