@@ -212,9 +212,10 @@ def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
         migrate(settings.database_url.reveal(), settings.schema)
 
     from relay.migrate import SchemaError
-    from relay.runner import Relay
+    from relay.runner import Relay, tune_gc
 
     relay = Relay(settings)
+    tune_gc()
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:

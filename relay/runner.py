@@ -6,6 +6,7 @@ the application's own task group, with its own httpx transport) and by `relay ru
 
 from __future__ import annotations
 
+import gc
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -38,6 +39,19 @@ def pool_size(concurrency: int) -> int:
     """A lane's pool: what its deliveries use at once (at most POOL_FOR_DELIVERIES), plus two
     (docs/operations.md, the connection budget)."""
     return min(concurrency, POOL_FOR_DELIVERIES) + 2
+
+
+# Young collections every 10,000 net allocations of tracked objects instead of 700: one claim of
+# 64 runs loads hundreds of rows, each ran a collection of its own (docs/performance.md).
+GC_THRESHOLDS = (10_000, 20, 20)
+
+
+def tune_gc() -> None:
+    """For a long-lived `relay run`, once everything is imported and built: the objects of
+    start-up are frozen out of every collection (the full ones walked them all, ~50k), and
+    young collections are rarer. Paired, four reps: ~13% less CPU per one-event run."""
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 @dataclass

@@ -3,6 +3,7 @@ and back; the pure decisions behind them."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -17,7 +18,7 @@ from relay.health import Endpoints, readiness, refresh_gap, refresh_interval, sp
 from relay.lane import LaneStats, LaneView
 from relay.metrics import Metrics
 from relay.progress import ListenerView, RelayView, loops_alive, stall_limit
-from relay.runner import Relay
+from relay.runner import GC_THRESHOLDS, Relay, tune_gc
 from relay.tools.sink import Sink, serve_sink
 from tests.support import q, settings, wait_for
 from tests.test_metrics import get, relay_port
@@ -289,3 +290,15 @@ async def test_metrics_addr_in_use_is_a_clear_refusal(
 def test_a_costly_refresh_is_followed_by_a_longer_gap() -> None:
     assert refresh_gap(2.5, 0.01) == 2.5  # cheap: the period
     assert refresh_gap(2.5, 0.4) == 8.0  # 0.4 s of database time: 20 times that before the next
+
+
+def test_relay_run_tunes_the_garbage_collector_for_a_long_life() -> None:
+    before = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold() == GC_THRESHOLDS
+        assert GC_THRESHOLDS[0] > 700  # rarer young collections than the default
+        assert gc.get_freeze_count() > 1000  # the start-up objects: out of every collection
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
