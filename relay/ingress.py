@@ -104,7 +104,7 @@ RequestObserver = Callable[[int | None, float], None]
 
 class Deadlines:
     """Every request's deadline under one timer. `fail_after` armed and cancelled a timer per
-    POST: ~40 us of the relay's CPU per POST with 32 in flight (docs/performance.md), where the
+    POST: ~30 us of the relay's CPU per POST with 32 in flight (docs/performance.md), where the
     loop's heap of timers, most of them cancelled, is what costs. Here a request's scope is
     registered with its deadline, one timer waits for the earliest, and the requests past
     theirs are cancelled when it fires; a request that ends only leaves the table.
