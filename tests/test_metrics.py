@@ -310,7 +310,9 @@ async def test_a_costly_backlog_refresh_spaces_out_the_next_ones(
         await wait_for(lambda: len(refreshes()) >= 4, what="four refreshes")
     at = refreshes()
     gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(at)]
-    assert min(gaps) >= 1.9, gaps  # 20 x 0.1 s; the period alone would give ~1 s
+    # 20 x 0.1 s = 2 s between the probes' starts; each insert above comes a variable moment
+    # after its probe starts, so allow for that. The period alone gives ~1.1 s.
+    assert min(gaps) >= 1.6, gaps
 
 
 def test_label_names_match_prometheus_rules() -> None:
