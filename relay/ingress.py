@@ -116,10 +116,13 @@ class Deadlines:
         self._scopes: dict[anyio.CancelScope, float] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def add(self, scope: anyio.CancelScope, deadline: float) -> None:
         self._scopes[scope] = deadline
-        if self._timer is None or deadline < self._timer_at:
+        loop = asyncio.get_running_loop()
+        if self._timer is None or deadline < self._timer_at or loop is not self._loop:
+            self._loop = loop  # a client used under a new loop: its old timer never fires
             self._arm(deadline)
 
     def discard(self, scope: anyio.CancelScope) -> None:
@@ -128,7 +131,8 @@ class Deadlines:
     def _arm(self, at: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_at(at, self._fire)
+        assert self._loop is not None
+        self._timer = self._loop.call_at(at, self._fire)
         self._timer_at = at
 
     def _fire(self) -> None:

@@ -653,3 +653,23 @@ async def test_every_request_in_flight_is_cut_at_its_own_deadline() -> None:
     for name in "abcd":
         assert ended[name] >= 0.3, (name, ended)  # never cut before its deadline
     assert not client.deadlines._scopes
+
+
+def test_a_client_used_again_under_a_new_event_loop_still_cuts_its_requests() -> None:
+    """The first loop ends with the deadline timer armed (its request was answered at once);
+    that timer never fires. A stalled request under the next loop is cut all the same."""
+    client = IngressClient(settings(RELAY_HTTP_TIMEOUT="0.3s"), Stalling())
+
+    async def answered() -> None:
+        await client._send("http://i/ok", b"{}", {})
+
+    async def stalled() -> str:
+        with anyio.fail_after(10):  # a hang fails here, not forever
+            try:
+                await client._send("http://i/stall", b"{}", {})
+            except TransportFailure as exc:
+                return str(exc)
+        return "answered"
+
+    anyio.run(answered)
+    assert anyio.run(stalled) == "timed out after 0.3s"
