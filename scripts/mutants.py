@@ -247,7 +247,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "settle-grouped-without-lock",
         "§9.1 no loss: a run goes idle only while no producer is mid-enqueue on it",
         SQL,
-        "where pg_try_advisory_xact_lock(run_lock_key(f.run_id)));",
+        "where pg_try_advisory_xact_lock(f.k));",
         "where true);",
         (f"{LEASE}::test_an_ack_racing_a_producer_never_strands_its_event",),
         ci=True,
@@ -280,7 +280,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "ack-grouped-notify-missing",
         "§6: each acked batch notifies its waiters (outbox_delivered)",
         SQL,
-        "        perform pg_notify(terminal_channel(), n.note)\n",
+        "        perform pg_notify(v_channel, n.note)\n",
         "        perform n.note\n",
         (f"{LEASE}::test_outbox_delivered_notification_carries_run_seq_and_ids",),
     ),
@@ -288,17 +288,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "claim-critical-flag-lost",
         "§4.3: a claimed run with a pending terminal event is flagged critical (set-based claim)",
         SQL,
-        "exists (select 1 from events t where t.run_id = u.run_id\n"
-        "                       and t.terminal and t.state = 'pending'),",
-        "false,",
+        "then exists (select 1 from events t where t.run_id = u.run_id\n"
+        + " " * 46
+        + "and t.terminal and t.state = 'pending') end,",
+        "then false end,",
         (f"{LEASE}::test_the_critical_lane_takes_only_runs_with_a_pending_terminal_event",),
     ),
     Mutant(
         "claim-reclaimed-from-lost",
         "§4.2 liveness: a claim says whose unexpired lease it took (lease_reclaimed, the metric)",
         SQL,
-        "p.traceparent, p.wake_queue, v_now, u.reclaimed",
-        "p.traceparent, p.wake_queue, v_now, null::text",
+        "case when p.n = 1 then u.reclaimed end",
+        "case when p.n = 1 then null::text end",
         (f"{LIVE}::test_all_three_paths_reclaim_a_dead_owners_runs",),
     ),
     Mutant(
