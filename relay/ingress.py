@@ -229,14 +229,13 @@ class IngressClient:
         try:
             with scope:
                 status, answer, retry_after = await self.sender.send(url, body, headers)
+            if scope.cancelled_caught:
+                raise TransportFailure(f"timed out after {self.settings.http_timeout:g}s")
         except TransportFailure:
             self._observe(None, anyio.current_time() - started)
             raise
         finally:
             self.deadlines.discard(scope)
-        if scope.cancelled_caught:
-            self._observe(None, anyio.current_time() - started)
-            raise TransportFailure(f"timed out after {self.settings.http_timeout:g}s")
         # (A POST cancelled because its lease was lost is neither answered nor failed: it is
         # not observed.)
         seconds = anyio.current_time() - started
