@@ -187,7 +187,7 @@ async def http_limit(env: Env, a: argparse.Namespace) -> Result:
 # -- end to end -----------------------------------------------------------------------------
 
 
-async def _e2e_once(
+async def e2e_once(
     env: Env,
     what: str,
     replicas: int,
@@ -242,7 +242,7 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
         modes = list(E2E_MODES)
         order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
         for key in order:
-            eps, _ = await _e2e_once(
+            eps, _ = await e2e_once(
                 env,
                 f"{key} 1 replica, rep {rep + 1}",
                 1,
@@ -268,7 +268,7 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
             continue
         rates = []
         for rep in range(a.e2e_reps):
-            eps, _ = await _e2e_once(
+            eps, _ = await e2e_once(
                 env, f"e2e {n} replica(s), rep {rep + 1}", n, a.e2e_runs, a.e2e_per_run
             )
             rates.append(eps)
@@ -306,9 +306,7 @@ async def tiny_runs(env: Env, a: argparse.Namespace) -> Result:
     for key, batched in (("tiny_runs_eps", False), ("tiny_runs_eps_batched", True)):
         rates = []
         for rep in range(a.e2e_reps):
-            eps, _ = await _e2e_once(
-                env, f"{key} rep {rep + 1}", 1, a.tiny_runs, 1, batched=batched
-            )
+            eps, _ = await e2e_once(env, f"{key} rep {rep + 1}", 1, a.tiny_runs, 1, batched=batched)
             rates.append(eps)
         metrics[key] = median(rates)
         rows.append({"key": key, "events_per_s": metrics[key], "reps": [round(r) for r in rates]})
@@ -326,7 +324,7 @@ async def tiny_runs(env: Env, a: argparse.Namespace) -> Result:
 async def peak_rss(env: Env, a: argparse.Namespace) -> Result:
     per_run = 10
     runs = max(1, a.rss_events // per_run)
-    eps, peak = await _e2e_once(env, "peak_rss_mb", 1, runs, per_run, watch_rss=True)
+    eps, peak = await e2e_once(env, "peak_rss_mb", 1, runs, per_run, watch_rss=True)
     peak = round(peak, 1)
     return Result(
         ["key", "value", "events", "events_per_s"],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import statistics
 import sys
 import time
 from collections.abc import Awaitable
@@ -24,7 +25,15 @@ import anyio
 import orjson
 import psycopg
 
-from relay.tools.bench.kit import BenchFailed, Env, Result, Scenario, positive, reset
+from relay.tools.bench.kit import (
+    BenchFailed,
+    Env,
+    Result,
+    Scenario,
+    median,
+    positive,
+    reset,
+)
 from relay.tools.bench.peers import (
     HEADERS,
     event_bodies,
@@ -232,6 +241,8 @@ async def peer_pgqueuer(env: Env, a: argparse.Namespace) -> Result:
     assert best is not None
     eps, violations, setting = best
     shown = {"version": version("pgqueuer"), **setting.shown()}
+    pairs = await _paired(env, base, setting, a)
+    rows += pairs.rows
     return Result(
         ["key", "events_per_s", "reps", "order_violations", "settings"],
         rows,
@@ -242,13 +253,63 @@ async def peer_pgqueuer(env: Env, a: argparse.Namespace) -> Result:
             "the worker's start to its last POST (median of reps); no per-run order, violations: "
             "the most in one rep; the best row counts",
             f"best: {settings_text(shown)}",
+            *pairs.notes,
         ],
         metrics={
             "peer_pgqueuer_eps": eps,
             "peer_pgqueuer_order_violations": violations,
             "peer_eps": eps,  # the name of this figure before issue 16
+            **pairs.metrics,
         },
         settings={"peer_pgqueuer_eps": settings_text(shown)},
+    )
+
+
+async def _paired(env: Env, base: str, setting: Setting, a: argparse.Namespace) -> Result:
+    """The relay on runs of one event against PgQueuer's best setting, in alternating reps of
+    the same number of events (issue 16). On runs of one event the relay POSTs once per event,
+    as PgQueuer does per job; their figures measured minutes apart in a full run differ by
+    more than the two differ (docs/performance.md), so this comparison pairs each relay rep
+    with a PgQueuer rep run next to it, alternating which goes first, and judges the median of
+    the pairs' ratios."""
+    from relay.tools.bench.throughput import e2e_once
+
+    relay: list[float] = []
+    peer: list[float] = []
+    for rep in range(a.reps):
+        for who in ("peer", "relay") if rep % 2 == 0 else ("relay", "peer"):
+            if who == "peer":
+                peer.append((await _once(env, base, setting, a.peer_events, 1, f"q{rep}"))[0])
+            else:
+                what = f"tiny_runs_eps paired, rep {rep + 1}"
+                relay.append((await e2e_once(env, what, 1, a.peer_events, 1))[0])
+    ratios = [r / p for r, p in zip(relay, peer, strict=True)]
+    per_pair = ", ".join(f"{r:.2f}" for r in ratios)
+    return Result(
+        [],
+        [
+            {
+                "key": "tiny_runs_eps_paired",
+                "events_per_s": median(relay),
+                "reps": [round(r) for r in relay],
+            },
+            {
+                "key": "peer_pgqueuer_eps_paired",
+                "events_per_s": median(peer),
+                "reps": [round(p) for p in peer],
+                "settings": "the best row's",
+            },
+        ],
+        [
+            f"paired: {a.reps} pairs of {a.peer_events:,} runs of one event through one `relay "
+            f"run` and {a.peer_events:,} PgQueuer jobs (the best setting), alternating which "
+            f"goes first (one event per run: no order to keep); relay / PgQueuer: {per_pair}"
+        ],
+        metrics={
+            "tiny_runs_eps_paired": median(relay),
+            "peer_pgqueuer_eps_paired": median(peer),
+            "tiny_runs_paired_ratio": round(statistics.median(ratios), 3),
+        },
     )
 
 
@@ -259,6 +320,13 @@ SCENARIOS = [
         peer_pgqueuer,
         _arguments,
         {"peer_events": 200, "pgqueuer_consumers": "5"},
-        ("peer_pgqueuer_eps", "peer_pgqueuer_order_violations", "peer_eps"),
+        (
+            "peer_pgqueuer_eps",
+            "peer_pgqueuer_order_violations",
+            "peer_eps",
+            "tiny_runs_eps_paired",
+            "peer_pgqueuer_eps_paired",
+            "tiny_runs_paired_ratio",
+        ),
     ),
 ]
