@@ -361,10 +361,10 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
         r = m["tiny_runs_eps_batched"] / m["e2e_eps"]
         add("tiny_runs_eps_batched ≥ 0.25 × e2e_eps", r, 0.25, r >= 0.25)
     # Runs of one event (issue 16): PgQueuer's cost per job does not depend on the run, so its
-    # figure holds there; the relay's per-run costs become per-event costs.
-    # One POST per event on both sides is the closest race, and its two figures taken minutes
-    # apart differ by more than the two differ: where the PgQueuer scenario ran its paired reps
-    # (relay and PgQueuer alternating, same events), the median of their ratios judges it.
+    # figure holds there; the relay's per-run costs become per-event costs. With one POST per
+    # run on both sides it is the closest race, and two figures taken minutes apart differ by
+    # more than the two do: where the PgQueuer scenario ran its paired reps (relay and PgQueuer
+    # alternating, as many events each), the median of the pairs' ratios judges it.
     for key in ("tiny_runs_eps_batched", "tiny_runs_eps"):
         if key == "tiny_runs_eps" and has("tiny_runs_paired_ratio"):
             r = m["tiny_runs_paired_ratio"]

@@ -272,6 +272,8 @@ async def _paired(env: Env, base: str, setting: Setting, a: argparse.Namespace) 
     more than the two differ (docs/performance.md), so this comparison pairs each relay rep
     with a PgQueuer rep run next to it, alternating which goes first, and judges the median of
     the pairs' ratios."""
+    # Imported here: the PgQueuer worker process imports this module, and loads none of the
+    # relay's own delivery code.
     from relay.tools.bench.throughput import e2e_once
 
     relay: list[float] = []
