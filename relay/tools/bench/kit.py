@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -128,8 +128,18 @@ def positive(kind: Callable[[str], float]) -> Callable[[str], Any]:
     return parse
 
 
+T = TypeVar("T")
+
+
 def median(values: Sequence[float]) -> float:
     return round(statistics.median(values), 2) if values else 0.0
+
+
+def rotated(items: Sequence[T], rep: int) -> list[T]:
+    """`items` in the order of paired rep `rep`: each rep starts one further along, so every
+    item goes first as often as the others (the machine drifts during a run)."""
+    k = rep % len(items)
+    return [*items[k:], *items[:k]]
 
 
 def free_port() -> int:

@@ -34,6 +34,7 @@ from relay.tools.bench.kit import (
     positive,
     relay_processes,
     reset,
+    rotated,
     until_received,
 )
 
@@ -239,9 +240,7 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
     by: dict[str, float] = {}
     paired: dict[str, list[float]] = {key: [] for key in E2E_MODES}
     for rep in range(a.e2e_reps):
-        modes = list(E2E_MODES)
-        order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
-        for key in order:
+        for key in rotated(list(E2E_MODES), rep):
             eps, _ = await e2e_once(
                 env,
                 f"{key} 1 replica, rep {rep + 1}",

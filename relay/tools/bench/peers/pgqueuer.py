@@ -33,6 +33,7 @@ from relay.tools.bench.kit import (
     median,
     positive,
     reset,
+    rotated,
 )
 from relay.tools.bench.peers import (
     HEADERS,
@@ -276,15 +277,17 @@ async def _paired(env: Env, base: str, setting: Setting, a: argparse.Namespace) 
     # relay's own delivery code.
     from relay.tools.bench.throughput import e2e_once
 
-    relay: list[float] = []
-    peer: list[float] = []
+    rates: dict[str, list[float]] = {"peer": [], "relay": []}
     for rep in range(a.reps):
-        for who in ("peer", "relay") if rep % 2 == 0 else ("relay", "peer"):
+        for who in rotated(["peer", "relay"], rep):
             if who == "peer":
-                peer.append((await _once(env, base, setting, a.peer_events, 1, f"q{rep}"))[0])
+                eps, _ = await _once(env, base, setting, a.peer_events, 1, f"q{rep}")
             else:
                 what = f"tiny_runs_eps paired, rep {rep + 1}"
-                relay.append((await e2e_once(env, what, 1, a.peer_events, 1))[0])
+                eps, _ = await e2e_once(env, what, 1, a.peer_events, 1)
+            rates[who].append(eps)
+    relay, peer = rates["relay"], rates["peer"]
+    relay_eps, peer_eps = median(relay), median(peer)
     ratios = [r / p for r, p in zip(relay, peer, strict=True)]
     per_pair = ", ".join(f"{r:.2f}" for r in ratios)
     return Result(
@@ -292,12 +295,12 @@ async def _paired(env: Env, base: str, setting: Setting, a: argparse.Namespace) 
         [
             {
                 "key": "tiny_runs_eps_paired",
-                "events_per_s": median(relay),
+                "events_per_s": relay_eps,
                 "reps": [round(r) for r in relay],
             },
             {
                 "key": "peer_pgqueuer_eps_paired",
-                "events_per_s": median(peer),
+                "events_per_s": peer_eps,
                 "reps": [round(p) for p in peer],
                 "settings": "the best row's",
             },
@@ -308,8 +311,8 @@ async def _paired(env: Env, base: str, setting: Setting, a: argparse.Namespace) 
             f"goes first (one event per run: no order to keep); relay / PgQueuer: {per_pair}"
         ],
         metrics={
-            "tiny_runs_eps_paired": median(relay),
-            "peer_pgqueuer_eps_paired": median(peer),
+            "tiny_runs_eps_paired": relay_eps,
+            "peer_pgqueuer_eps_paired": peer_eps,
             "tiny_runs_paired_ratio": round(statistics.median(ratios), 3),
         },
     )
