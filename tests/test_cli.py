@@ -99,7 +99,15 @@ async def test_four_replicas_deliver_everything_in_order(
     s.faults.delay(0.02, times=100_000)
     enqueue_runs(conn, schema, 100, 6, prefix="a")
     async with replicas(4, relay_env(pg_url, schema, url), tmp_path) as procs:
-        enqueue_runs(conn, schema, 100, 6, prefix="b")  # the rest while they run
+        # The rest once all four listen (each records itself in `replicas` as its LISTEN
+        # session takes its liveness lock): the first replica up may drain "a" alone on a
+        # loaded machine, but not "b", which every replica is woken for.
+        def up() -> int:
+            row = conn.execute(q(schema, "select count(*) from {s}.replicas")).fetchone()
+            return int(row[0]) if row else 0
+
+        await wait_for(lambda: up() == 4, timeout=60, what="four replicas listening")
+        enqueue_runs(conn, schema, 100, 6, prefix="b")
         await wait_for(lambda: len(s.state.deliveries) == 1200, timeout=120, what="1200 events")
         await wait_for(lambda: count(conn, schema, "state <> 'delivered'") == 0, what="acks")
         codes = await stop_all(procs)
