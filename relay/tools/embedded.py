@@ -5,18 +5,30 @@ PostgreSQL. As root, PostgreSQL refuses to run, so the cluster runs as an unpriv
 system user (`pgserver`, created when missing, as the pgserver package does itself).
 The server listens on 127.0.0.1 on a free port (real TCP, like production) and on a unix
 socket in its data directory.
+
+That user must reach the binaries. The wheel's live inside the project's `.venv`, and a clone
+in root's home (`/root` is 0700) puts them where no other user may go. Rather than open the
+user's directories, the install is copied once, as root, to a root-owned place every user can
+read (`/var/cache/ledger-relay/`, keyed by its `postgres` binary) and run from
+there. The data directory is the caller's: its own temporary directories are opened for
+traversal (o+x), as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pwd
 import shutil
 import socket
+import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 _RUN_AS = "pgserver"
+# Where root keeps a copy of binaries the server user could not reach where they are installed.
+_SHARED_CACHE = Path("/var/cache/ledger-relay")
 
 
 def _bin_dir() -> Path:
@@ -38,6 +50,70 @@ def _bin_dir() -> Path:
         "no PostgreSQL binaries: install the `pgserver` wheel or PostgreSQL, "
         "or set RELAY_DATABASE_URL to an existing server"
     )
+
+
+def _others_can_reach(path: Path) -> bool:
+    """Whether a user with no special rights can traverse to `path` and run it."""
+    if not path.exists() or not path.stat().st_mode & stat.S_IXOTH:
+        return False
+    return all(parent.stat().st_mode & stat.S_IXOTH for parent in path.resolve().parents)
+
+
+def _install_copy_key(bin_dir: Path) -> str:
+    """Names one build: the same wheel installed in two clones shares one copy."""
+    postgres = (bin_dir / "postgres").stat()
+    ident = f"{postgres.st_size}|{postgres.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _open_for_reading(root: Path) -> None:
+    """Let every user read the tree under `root`, and traverse or run what its owner can."""
+    for path in (root, *root.rglob("*")):
+        if path.is_symlink():
+            continue
+        mode = path.stat().st_mode
+        mode |= stat.S_IRGRP | stat.S_IROTH
+        if path.is_dir() or mode & stat.S_IXUSR:
+            mode |= stat.S_IXGRP | stat.S_IXOTH
+        path.chmod(mode)
+
+
+def _reachable_bin_dir(bin_dir: Path, cache: Path | None = None) -> Path:
+    """`bin_dir`, or a copy of its install that the unprivileged server user can reach.
+
+    The install root (`bin_dir`'s parent: bin, lib, share) is copied with the two levels above
+    it and the package's `*.libs` folder beside them, because the wheel's binaries find their
+    bundled libraries at `$ORIGIN/../../../pgserver.libs`. The copy is made under a temporary name
+    and renamed into place, so concurrent starts (test workers) never see half of one.
+    """
+    if _others_can_reach(bin_dir / "postgres") and _others_can_reach(bin_dir / "initdb"):
+        return bin_dir
+    cache = cache or _SHARED_CACHE
+    install = bin_dir.resolve().parent
+    package, site = install.parent, install.parent.parent
+    dest = cache / f"postgresql-{_install_copy_key(bin_dir)}"
+    copied_bin = dest / package.name / install.name / "bin"
+    if (copied_bin / "postgres").exists():
+        return copied_bin
+    cache.mkdir(parents=True, exist_ok=True)
+    cache.chmod(0o755)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache))
+    try:
+        for part in ("bin", "lib", "share"):
+            if (install / part).is_dir():
+                shutil.copytree(install / part, staging / package.name / install.name / part)
+        libs = site / f"{package.name}.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, staging / libs.name)
+        _open_for_reading(staging)
+        try:
+            staging.rename(dest)
+        except OSError:  # another process put its copy in place first: use that one
+            if not (copied_bin / "postgres").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return copied_bin
 
 
 def _free_port() -> int:
@@ -71,13 +147,16 @@ class EmbeddedPostgres:
         port: int | None = None,
         durable: bool = True,
         max_connections: int = 300,
+        bin_dir: Path | None = None,
     ) -> None:
         self.datadir = Path(datadir)
         self.port = port or _free_port()
         self.durable = durable
         self.max_connections = max_connections
-        self.bin = _bin_dir()
         self._ids = _ensure_user()
+        self.bin = bin_dir or _bin_dir()
+        if self._ids is not None:
+            self.bin = _reachable_bin_dir(self.bin)
 
     @property
     def url(self) -> str:
