@@ -18,7 +18,9 @@ refreshes the backlog gauges with the `backlog()` SQL function): scrapes and pro
 the database themselves.
 
 The server is the lightest that is correct: an anyio TCP listener with h11 (already under
-httpx), one request per connection, bounded in time, no keep-alive.
+httpx), one request per connection, no keep-alive, bounded in time and in connections, with an
+error boundary around every request and around accept() (relay/serving.py): nothing a client
+of `metrics_addr` does can end the process.
 
 The same address serves the read-only status page (relay/ui/: `/`, `/runs/...`, `/api/...`),
 behind `ui_token` when one is set; the probe loop also writes this replica's report for it.
@@ -26,20 +28,19 @@ behind `ui_token` when one is set; the probe loop also writes this replica's rep
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import h11
 import orjson
 import psycopg
-from anyio.abc import SocketAttribute, SocketStream, TaskStatus
+from anyio.abc import SocketAttribute, TaskStatus
 from psycopg import sql
 
 from relay import logs
 from relay.migrate import read_version, version_problem
 from relay.progress import RelayView, loops_alive, stall_limit
+from relay.serving import serve_listeners
 from relay.settings import Settings
 from relay.ui.data import Data
 from relay.ui.web import Request, Response, StatusPage
@@ -48,9 +49,6 @@ if TYPE_CHECKING:
     from relay.metrics import Metrics
     from relay.store import Store
 
-REQUEST_DEADLINE = 10.0
-# Room for a run page's URL: a 10 kB run id percent-encoded, plus headers.
-MAX_REQUEST = 64 * 1024
 # The readiness probe has its own short deadline and period, apart from the backlog refresh:
 # /readyz turns not-ready within about two seconds of losing the database (and back as soon).
 READY_PROBE_INTERVAL = 1.0
@@ -212,7 +210,10 @@ class Endpoints:
         if method not in ("GET", "HEAD"):
             return 405, "text/plain; charset=utf-8", b"method not allowed\n"
         if path == "/metrics":
-            body, content_type = self.metrics.exposition(accept)
+            try:
+                body, content_type = self.metrics.exposition(accept)
+            except (TypeError, ValueError):  # prometheus_client on an Accept it cannot parse
+                return 406, "text/plain; charset=utf-8", b"unacceptable Accept header\n"
             return 200, content_type, body
         if path == "/healthz":
             if self.alive():
@@ -231,9 +232,6 @@ class Endpoints:
         accept = request.headers.get("accept", "")
         return Response(*self.route(request.method, request.path, accept))
 
-    async def handle(self, stream: SocketStream) -> None:
-        await answer_request(stream, self.dispatch)
-
 
 def waiting_route(method: str, path: str, _accept: str) -> tuple[int, str, bytes]:
     """The endpoints while `relay run` waits for its database at start (relay/startup.py):
@@ -249,75 +247,6 @@ def waiting_route(method: str, path: str, _accept: str) -> tuple[int, str, bytes
     if path == "/metrics":
         return 503, "text/plain; charset=utf-8", b"waiting for the database\n"
     return 404, "text/plain; charset=utf-8", b"not found\n"
-
-
-async def answer(
-    stream: SocketStream, route: Callable[[str, str, str], tuple[int, str, bytes]]
-) -> None:
-    """One request on `stream`, answered by `route(method, path, accept)`."""
-
-    async def respond(request: Request) -> Response:
-        accept = request.headers.get("accept", "")
-        return Response(*route(request.method, request.path, accept))
-
-    await answer_request(stream, respond)
-
-
-def _headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for name, value in raw:
-        key = name.decode("latin-1").lower()
-        text = value.decode("latin-1")
-        if key in out:
-            text = out[key] + ("; " if key == "cookie" else ", ") + text
-        out[key] = text
-    return out
-
-
-async def answer_request(
-    stream: SocketStream, respond: Callable[[Request], Awaitable[Response]]
-) -> None:
-    """One request on `stream`, answered by `respond(request)`."""
-    async with stream:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST)
-        with anyio.move_on_after(REQUEST_DEADLINE):
-            try:
-                request = await _read_request(conn, stream)
-            except (h11.RemoteProtocolError, anyio.EndOfStream, anyio.BrokenResourceError):
-                return
-            if request is None:
-                return
-            method = request.method.decode("latin-1")
-            incoming = Request(
-                method, request.target.decode("latin-1"), _headers(list(request.headers))
-            )
-            out = await respond(incoming)
-            headers = [
-                ("content-type", out.content_type),
-                ("content-length", str(len(out.body))),
-                ("cache-control", "no-store"),
-                ("connection", "close"),
-                *out.headers,
-            ]
-            try:
-                await stream.send(conn.send(h11.Response(status_code=out.status, headers=headers)))
-                if method != "HEAD":
-                    await stream.send(conn.send(h11.Data(data=out.body)))
-                await stream.send(conn.send(h11.EndOfMessage()))
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                return
-
-
-async def _read_request(conn: h11.Connection, stream: SocketStream) -> h11.Request | None:
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            data = await stream.receive(65536)
-            conn.receive_data(data)
-            continue
-        if isinstance(event, h11.Request):
-            return event
-        return None
 
 
 async def serve(
@@ -344,7 +273,7 @@ async def serve(
         await endpoints.probe()
         tg.start_soon(_probe_after, endpoints)
         task_status.started(endpoints)
-        await listener.serve(endpoints.handle, task_group=tg)
+        await serve_listeners(listener.listeners, endpoints.dispatch)
 
 
 async def _probe_after(endpoints: Endpoints) -> None:
@@ -364,4 +293,9 @@ async def serve_waiting(
         return
     async with listener:
         task_status.started(listener.listeners[0].extra(SocketAttribute.local_port))
-        await listener.serve(lambda stream: answer(stream, waiting_route))
+        await serve_listeners(listener.listeners, _waiting)
+
+
+async def _waiting(request: Request) -> Response:
+    accept = request.headers.get("accept", "")
+    return Response(*waiting_route(request.method, request.path, accept))

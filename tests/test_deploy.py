@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from relay.serving import MAX_CONNECTIONS
 from relay.settings import SECRET_OPTIONS, parse_duration
 
 yaml = pytest.importorskip("yaml")
@@ -98,6 +99,8 @@ def test_systemd_template_unit_relations() -> None:
     assert not any(k.removeprefix("RELAY_").lower() in SECRET_OPTIONS for k in env)
     for key, want in HARDENING.items():
         assert want in values(svc, key), key
+    # Descriptors well above what metrics_addr may hold (issue 32: 1,024 idle clients ended it).
+    assert int(values(svc, "LimitNOFILE")[0]) >= 16 * MAX_CONNECTIONS
     assert values(svc, "ExecStart")[0].endswith("relay run")
     assert "ledger-relay-migrate.service" in " ".join(values(s["Unit"], "After"))
 
@@ -432,6 +435,7 @@ def test_compose() -> None:
     drain = parse_duration(env["RELAY_SHUTDOWN_TIMEOUT"])
     assert parse_duration(relay["stop_grace_period"]) > drain
     assert relay["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert relay["ulimits"]["nofile"]["soft"] >= 16 * MAX_CONNECTIONS
     assert services["migrate"]["command"] == ["migrate"]
     assert services["sink"]["command"][0] == "sink"
     assert "sink:" in env["RELAY_INGRESS_URL"] and "{run_id}" in env["RELAY_INGRESS_URL"]
