@@ -15,6 +15,7 @@ import anyio
 import psycopg
 
 from relay import logs
+from relay.policy import backoff
 from relay.store import AckResult, Claim, Store
 
 
@@ -102,7 +103,8 @@ class AckGroup:
             try:
                 committed = await self.store.ack_committed(p.claim.run_id, p.upto)
             except (psycopg.Error, OSError, TimeoutError):
-                await anyio.sleep(min(2.0, 0.1 * 2**attempt))
+                # No jitter: this is one replica re-reading its own rows, nobody to spread from.
+                await anyio.sleep(backoff(attempt, base=0.1, cap=2.0, rand=0.0, jitter=0.0))
                 continue
             status = "acked" if committed else "not_committed"
             logs.info("ack_outcome_resolved", run_id=p.claim.run_id, upto=p.upto, outcome=status)

@@ -30,7 +30,7 @@ from anyio.abc import TaskGroup
 from relay import logs
 from relay.delivery import Delivery
 from relay.ingress import IngressClient
-from relay.policy import plan_groups
+from relay.policy import backoff, plan_groups
 from relay.settings import Settings
 from relay.stats import LaneStats
 from relay.store import AckResult, Claim, Store, payload_bytes
@@ -177,9 +177,8 @@ class Lane:
                     failures = 0
                 except (psycopg.Error, OSError, TimeoutError) as exc:
                     failures += 1
-                    delay = random.uniform(
-                        0, min(self.settings.poll_interval * 5, 0.05 * 2**failures)
-                    )
+                    cap = self.settings.poll_interval * 5
+                    delay = backoff(failures, base=0.05, cap=cap, rand=random.random())
                     logs.warning(
                         "claim_failed",
                         lane=self.name,

@@ -246,13 +246,16 @@ def plan_groups(
 # --- timing ---------------------------------------------------------------------------------
 
 
-def backoff(attempt: int, *, base: float, cap: float, rand: float) -> float:
-    """Exponential backoff with full jitter (AWS architecture blog): uniform in
-    [0, min(cap, base * 2**attempt)]. `attempt` counts from 0; `rand` is uniform in [0, 1)."""
+def backoff(attempt: int, *, base: float, cap: float, rand: float, jitter: float = 1.0) -> float:
+    """Exponential backoff, the one every retry loop of the relay uses: the ceiling
+    min(cap, base * 2**attempt), of which the share `jitter` is random. Full jitter (1.0, AWS
+    architecture blog) is uniform in [0, ceiling]; 0.5 spreads it over the upper half (replicas
+    started together do not knock in step, yet none retries at once); 0.0 is the ceiling itself.
+    `attempt` counts from 0; `rand` is uniform in [0, 1)."""
     if attempt < 0:
         raise ValueError("attempt must be >= 0")
     ceiling = cap if attempt >= 62 else min(cap, base * (2**attempt))
-    return rand * ceiling
+    return ceiling * (1.0 - jitter + jitter * rand)
 
 
 def parse_retry_after(

@@ -18,6 +18,7 @@ import anyio
 import psycopg
 
 from relay import health, logs, sdnotify
+from relay.policy import backoff
 from relay.settings import redact_url
 
 FIRST_DELAY = 0.5
@@ -29,8 +30,7 @@ def startup_delay(attempt: int, rand: float, cap: float = MAX_DELAY) -> float:
     """Seconds to wait after failed attempt `attempt` (1, 2, ...): doubling from FIRST_DELAY up
     to `cap`, with `rand` in [0, 1) spreading it over its upper half so that replicas started
     together do not knock in step."""
-    base = min(cap, FIRST_DELAY * 2.0 ** max(0, attempt - 1))
-    return base * (0.5 + 0.5 * rand)
+    return backoff(max(0, attempt - 1), base=FIRST_DELAY, cap=cap, rand=rand, jitter=0.5)
 
 
 # Refusals that waiting will not cure: the server answered and said no. They fail the start

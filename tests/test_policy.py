@@ -3,9 +3,11 @@ no clock but the one passed in."""
 
 from __future__ import annotations
 
+import ast
 import email.utils
 import itertools
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -220,6 +222,42 @@ def test_backoff_ceiling_never_shrinks_with_attempts(attempt: int, rand: float) 
     a = backoff(attempt, base=0.25, cap=300.0, rand=rand)
     b = backoff(attempt + 1, base=0.25, cap=300.0, rand=rand)
     assert a <= b
+
+
+@pytest.mark.parametrize(("attempt", "ceiling"), [(0, 0.5), (3, 4.0), (9, 60.0)])
+def test_half_jitter_spreads_the_delay_over_the_upper_half_of_the_ceiling(
+    attempt: int, ceiling: float
+) -> None:
+    assert backoff(attempt, base=0.5, cap=60.0, rand=0.0, jitter=0.5) == ceiling / 2
+    got = backoff(attempt, base=0.5, cap=60.0, rand=JUST_BELOW_ONE, jitter=0.5)
+    assert got == pytest.approx(ceiling)
+
+
+@given(attempt=st.integers(min_value=0, max_value=100), rand=st.floats(0.0, 1.0, exclude_max=True))
+def test_no_jitter_is_the_ceiling_whatever_rand(attempt: int, rand: float) -> None:
+    got = backoff(attempt, base=0.1, cap=2.0, rand=rand, jitter=0.0)
+    assert got == min(2.0, 0.1 * 2.0 ** min(attempt, 100))
+
+
+# The hand-made backoffs not yet on policy.backoff (issue 27 item 5): this list only shrinks.
+HAND_MADE_BACKOFF_LEFT = {"listener.py"}
+
+
+def test_every_retry_loop_backs_off_through_policy_backoff() -> None:
+    """Exponential growth (a power of 2) is written once, in relay/policy.py; a retry loop that
+    grows its delay by hand has its own cap and jitter to get wrong."""
+    package = Path(__file__).resolve().parent.parent / "relay"
+    hand_made = set()
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.BinOp)
+                and isinstance(node.op, ast.Pow)
+                and isinstance(node.left, ast.Constant)
+                and node.left.value == 2
+            ):
+                hand_made.add(path.name)
+    assert hand_made - {"policy.py"} <= HAND_MADE_BACKOFF_LEFT
 
 
 # --- Retry-After --------------------------------------------------------------------------------
