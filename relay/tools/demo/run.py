@@ -12,6 +12,8 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -126,11 +128,14 @@ class Demo:
                 progress.update(enq, completed=len(self.tally), info="backlog, before the relays")
                 time.sleep(0.1)
             self._check_producers()
-            # 2. The replicas start and drain it.
+            # 2. The replicas start and drain it: timed from the first receipt at the sink to
+            # the last acknowledgement, which is what the live pace below is derived from.
             self._start_replicas(sink_url)
             self.deadline = time.monotonic() + self.o.timeout
-            self._wait_listening(progress, enq)
             drain = self._wait_acked(progress, enq, dlv, total, sink, "draining the backlog")
+            # Live traffic must not start before every replica can hear it: each one's /readyz
+            # says its LISTEN connection is up (and its database, schema and ingress are fine).
+            self._wait_ready(progress, enq)
             # 3. Live traffic while they run, paced below what the drain showed they can take,
             # so its latency is the relay's own and not time spent queued behind a backlog.
             live = plans[half:]
@@ -282,24 +287,27 @@ class Demo:
                     )
                 time.sleep(POLL_INTERVAL)
 
-    def _wait_listening(self, progress: Progress, enq: TaskID) -> None:
-        """Wait (a bounded while) until every replica's LISTEN connection is up, so the live
-        half does not start before anyone can hear it. Best effort: the replicas name their
-        connections alike, so count LISTENing backends that started after ours were spawned."""
-        progress.update(enq, info="waiting for the replicas to LISTEN")
-        query = (
-            "select count(*) from pg_stat_activity where application_name = 'ledger-relay'"
-            " and query ilike 'listen%%' and backend_start >= to_timestamp(%s)"
-        )
-        since = time.time() - 1.0 + self.clock_offset
-        until = min(self.deadline, time.monotonic() + 30.0)
-        with psycopg.connect(self.url, autocommit=True, application_name="relay-demo") as conn:
-            while time.monotonic() < until:
-                self._check_replicas()
-                row = conn.execute(query, (since,)).fetchone()
-                if row and int(row[0]) >= len(self.replicas):
-                    return
-                time.sleep(0.05)
+    def _wait_ready(self, progress: Progress, enq: TaskID) -> None:
+        """Wait until every replica's /readyz answers 200: started, database and schema fine,
+        LISTEN connection up, ingress not misconfigured. A replica that is not ready by the
+        deadline fails the demo, with what its /readyz said."""
+        progress.update(enq, info="waiting for every replica to be ready (LISTEN up)")
+        pending = {url + "readyz" for url in self.page_urls}
+        last: dict[str, str] = {}
+        while pending:
+            self._check_replicas()
+            for url in sorted(pending):
+                status, body = _get(url)
+                if status == 200:
+                    pending.discard(url)
+                else:
+                    last[url] = body or f"no answer ({status})"
+            if not pending:
+                return
+            if time.monotonic() > self.deadline:
+                said = "; ".join(f"{u}: {last.get(u, '')[:200]}" for u in sorted(pending))
+                raise DemoFailed(f"replicas not ready after {self.o.timeout:g} s: {said}")
+            time.sleep(0.05)
 
     def _check_producers(self) -> None:
         for p in self.producers:
@@ -384,6 +392,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _get(url: str) -> tuple[int, str]:
+    """(status, body) of a GET on one of the replicas' endpoints; (0, "") while it is down."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as answer:
+            return answer.status, answer.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except OSError:
+        return 0, ""
 
 
 def _clock_offset(conn: psycopg.Connection[Any], samples: int = 5) -> float:
