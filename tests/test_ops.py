@@ -414,6 +414,24 @@ def test_clean_defuses_terminal_escapes_and_shortens() -> None:
     assert ops.clean("abcdef", 4) == "abc…"
 
 
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("run\u2066evil\u2069", "run\\u2066evil\\u2069"),  # bidi isolates (issue 32, item 7)
+        ("a\u2067b\u2068c", "a\\u2067b\\u2068c"),
+        ("zero\u200bwidth", "zero\\u200bwidth"),  # format characters (Cf)
+        ("\ufeffbom", "\\ufeffbom"),
+        ("arabic\u061cmark", "arabic\\u061cmark"),
+        ("line\u2028sep", "line\\u2028sep"),
+        ("nb\u00a0sp", "nb\\xa0sp"),  # looks like a space, is not one
+        ("a b", "a b"),
+        ("日本語 ñ", "日本語 ñ"),
+    ],
+)
+def test_clean_escapes_every_format_and_separator_character(raw: str, shown: str) -> None:
+    assert ops.clean(raw) == shown
+
+
 def test_default_operator_and_exit_codes() -> None:
     assert ops.default_operator({"USER": "alice"}, "host1") == "alice@host1"
     assert ops.default_operator({"LOGNAME": "bob"}, "h") == "bob@h"

@@ -4,7 +4,6 @@ and figures the tables show. No I/O, no database."""
 from __future__ import annotations
 
 import getpass
-import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -46,13 +45,20 @@ def default_operator(environ: Mapping[str, str], hostname: str) -> str:
     return f"{user}@{hostname}"
 
 
-_UNPRINTABLE = re.compile(r"[^\x20-\x7e\u00a0-\U0010ffff]|[\u2028\u2029\u200e\u200f\u202a-\u202e]")
+def _escape(ch: str) -> str:
+    """One character as printable text: itself, or its Python escape (\\x1b, \\u2066)."""
+    return ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
 
 
 def clean(text: object, limit: int | None = None) -> str:
-    """Text from the outbox (ids, ingress body excerpts) made safe for a terminal: control
-    characters, escape sequences and bidi overrides shown as escapes, optionally shortened."""
-    s = _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), str(text))
+    """Text from the outbox (ids, ingress body excerpts) made safe for a terminal and a page:
+    every character Unicode calls "Other" or "Separator" but the ASCII space (str.isprintable:
+    control characters, escape sequences, bidi overrides and isolates, zero-width and other
+    format characters, line and paragraph separators, unassigned code points) shown as an
+    escape, optionally shortened."""
+    s = str(text)
+    if not s.isprintable():
+        s = "".join(map(_escape, s))
     if limit is not None and len(s) > limit:
         s = s[: limit - 1] + "…"
     return s
