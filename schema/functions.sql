@@ -12,7 +12,7 @@
 --
 -- Error messages start with "relay." and name the offending argument; SQLSTATEs:
 --   22023 invalid_parameter_value   bad input (nothing inserted)
---   23505 unique_violation          same event_id, different content
+--   23505 unique_violation          same event_id, different content or another run
 --   55000 object_not_in_prerequisite_state  event after the terminal event / not failed
 --   55P03 lock_not_available        waited too long for another writer of the same run (retry)
 
@@ -154,14 +154,21 @@ begin
 
     select * into v_existing from events where event_id = p_event_id;
     if found then
-        if v_existing.run_id = p_run_id and v_existing.event_type = p_event_type
+        -- An event id another run holds says nothing of that run (its id, its type, its seq):
+        -- otherwise a producer could learn other runs' ids, or confirm a guessed payload
+        -- through the idempotent answer below (security pass 3, item 9).
+        if v_existing.run_id <> p_run_id then
+            raise exception 'relay.enqueue: event_id % is already taken by another run',
+                p_event_id using errcode = '23505';
+        end if;
+        if v_existing.event_type = p_event_type
                 and v_existing.payload = p_payload and v_existing.terminal = p_terminal
                 and v_existing.wake_queue is not distinct from p_wake_queue
                 and v_existing.wake_event is not distinct from p_wake_event then
-            return v_existing.seq;   -- idempotent re-enqueue
+            return v_existing.seq;   -- idempotent re-enqueue into the run that holds it
         end if;
-        raise exception 'relay.enqueue: event_id % already exists with different content (run %, type %)',
-            p_event_id, v_existing.run_id, v_existing.event_type using errcode = '23505';
+        raise exception 'relay.enqueue: event_id % already exists in run % with different content',
+            p_event_id, p_run_id using errcode = '23505';
     end if;
 
     select terminal_seq into v_terminal_seq from run_seqs where run_id = p_run_id;

@@ -320,11 +320,10 @@ def test_event_after_the_terminal_event_is_rejected(
     [
         {"payload": {"n": 2}},
         {"event_type": "other"},
-        {"run_id": "r2"},
         {"terminal": True},
         {"wake_queue": "QUEUE", "wake_event": "w"},
     ],
-    ids=["payload", "type", "run", "terminal", "wake"],
+    ids=["payload", "type", "terminal", "wake"],
 )
 def test_same_event_id_with_different_content_is_rejected(
     conn: psycopg.Connection[Any],
@@ -339,8 +338,28 @@ def test_same_event_id_with_different_content_is_rejected(
     with pytest.raises(errors.UniqueViolation) as err:
         enq(conn, schema, **args)
     assert err.value.sqlstate == "23505"
-    assert "event_id e0 already exists with different content" in str(err.value)
+    assert "event_id e0 already exists in run r1 with different content" in str(err.value)
     assert snapshot(conn, schema) == seeded
+
+
+@pytest.mark.parametrize("same_content", [True, False], ids=["same-content", "other-content"])
+def test_an_event_id_of_another_run_is_taken_and_tells_nothing_of_that_run(
+    conn: psycopg.Connection[Any], schema: str, same_content: bool
+) -> None:
+    """Security pass 3, item 9: the error named the other run's id and type, and re-sending
+    its exact content returned its seq (confirming a guessed payload)."""
+    enq(conn, schema, "secret-run", "e9", event_type="secret-type", payload={"n": 1})
+    before = snapshot(conn, schema)
+    payload = {"n": 1} if same_content else {"n": 2}
+    with pytest.raises(errors.UniqueViolation) as err:
+        enq(conn, schema, "r2", "e9", event_type="secret-type", payload=payload)
+    assert err.value.sqlstate == "23505"
+    message = str(err.value)
+    assert "event_id e9 is already taken by another run" in message
+    assert "secret" not in message and "seq" not in message, message
+    assert snapshot(conn, schema) == before
+    # The run that holds it keeps its idempotent re-enqueue.
+    assert enq(conn, schema, "secret-run", "e9", event_type="secret-type", payload={"n": 1}) == 1
 
 
 def test_same_event_id_with_identical_content_returns_the_same_seq(
@@ -721,7 +740,7 @@ BAD_BATCHES = [
         "duplicate with other content",
         [{"event_id": "e0", "event_type": "t", "payload": {"n": 99}}],
         "23505",
-        "already exists with different content",
+        "already exists in run r1 with different content",
     ),
     (
         "terminal then more",
