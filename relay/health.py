@@ -115,7 +115,11 @@ class Endpoints:
         self.refresh_took = 0.0  # the last backlog refresh's duration (refresh_gap)
         self.port = 0
         self.page = StatusPage(
-            Data(lambda query, params: self.store.query(query, params), settings.schema),
+            Data(
+                lambda query, params: self.store.query(query, params),
+                settings.schema,
+                view.on_liveness_session,
+            ),
             replica_id=settings.replica_id,
             token=settings.ui_token,
             refresh_seconds=min(5.0, max(1.0, refresh_interval(settings) / 2)),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -76,6 +76,7 @@ class Listener:
         )
         self.incarnation = secrets.token_hex(8)
         self.liveness_held = False
+        self._liveness_conn: psycopg.AsyncConnection[Any] | None = None  # the session holding it
         # Set once the first session came up (LISTEN done, liveness lock tried): the runner
         # lets the lanes claim only then, so no replica takes a fresh one for dead.
         self.first_session = anyio.Event()
@@ -149,6 +150,20 @@ class Listener:
                 backend_pid=conn.info.backend_pid,
             )
         self.liveness_held = held
+        self._liveness_conn = conn if held else None
+
+    async def on_liveness_session(
+        self, query: sql.Composed, params: Sequence[Any]
+    ) -> list[tuple[Any, ...]]:
+        """One statement on the session that holds the liveness lock: the replica report, which
+        the database takes only from there (schema/functions_ui.sql). It waits for the
+        connection between two waits for notifications (at most `check_interval`); the caller
+        bounds it. Raises ConnectionError while no session holds the lock."""
+        conn = self._liveness_conn
+        if conn is None or conn.closed or not self.liveness_held:
+            raise ConnectionError("no LISTEN session holds the liveness lock")
+        cur = await conn.execute(query, params)
+        return await cur.fetchall()
 
     def dispatch(self, channel: str, payload: str) -> None:
         self.received += 1

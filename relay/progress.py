@@ -13,12 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from relay.settings import Settings
 
 if TYPE_CHECKING:
+    from psycopg import sql
+
     from relay.lane import LaneView
+
+SessionQuery = Callable[["sql.Composed", Sequence[Any]], Awaitable[list[tuple[Any, ...]]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,9 @@ class RelayView:
     lanes: Callable[[], Sequence[LaneView]]  # a snapshot of each lane
     listener: Callable[[], ListenerView | None]  # None until the listener is built
     ingress_ok: Callable[[], bool]  # the ingress is not answering "misconfigured"
+    # One statement on the LISTEN session that holds the liveness lock: the replica report,
+    # which the database takes only from that session (relay/listener.py). None: no listener.
+    on_liveness_session: SessionQuery | None = None
 
 
 def stall_limit(s: Settings) -> float:

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import gc
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import httpx
 import psycopg
 from anyio.abc import TaskStatus
+from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 from relay import health, logs, sdnotify
@@ -85,6 +87,7 @@ class Relay:
             lanes=self._lane_views,
             listener=self._listener_view,
             ingress_ok=lambda: self.health.ingress_ok,
+            on_liveness_session=self._on_liveness_session,
         )
 
     # -- public ------------------------------------------------------------------------------
@@ -292,6 +295,13 @@ class Relay:
         if listener is None:
             return None
         return ListenerView(listener.up, listener.reconnects, listener.received)
+
+    async def _on_liveness_session(
+        self, query: sql.Composed, params: Sequence[Any]
+    ) -> list[tuple[Any, ...]]:
+        if self.listener is None:
+            raise ConnectionError("the LISTEN connection is not built yet")
+        return await self.listener.on_liveness_session(query, params)
 
     async def _retention(self, store: Store) -> None:
         """Prune delivered events in small batches, off the delivery path (DESIGN §4.4)."""

@@ -3,12 +3,111 @@
 -- pinned like functions.sql. `security definer` like the functions `relay run` calls, so the
 -- relay role needs only EXECUTE on them (relay/roles.py).
 
+-- Whether the calling session holds p_owner's liveness lock: the exclusive advisory lock
+-- hold_liveness takes on the replica's LISTEN connection. pg_locks shows a bigint advisory key
+-- as classid (its high 32 bits) and objid (its low 32 bits) with objsubid 1.
+create or replace function session_holds_liveness(p_owner text) returns boolean
+language sql stable
+set search_path from current
+as $$
+    select exists (
+        select 1 from pg_locks l
+        where l.locktype = 'advisory' and l.objsubid = 1 and l.mode = 'ExclusiveLock'
+          and l.granted and l.pid = pg_backend_pid()
+          and l.database = (select d.oid from pg_database d where d.datname = current_database())
+          and ((l.classid::int8 << 32) | l.objid::int8) = liveness_key(p_owner))
+$$;
+
+-- What is wrong with one figure of a lane's report, or null: the counters are non-negative
+-- integers, the lag quantiles non-negative seconds or null, and no other field is known.
+-- Says the JSON type it got (or the number), never the text: the message reaches logs.
+create or replace function report_field_problem(p_path text, p_field text, p_value jsonb)
+returns text
+language plpgsql immutable
+set search_path from current
+as $$
+declare
+    v_type text := jsonb_typeof(p_value);
+    v_got text := case when v_type = 'number' then left(p_value::text, 30) else v_type end;
+begin
+    if p_field in ('lag_p50', 'lag_p99') then
+        if v_type = 'null' then
+            return null;
+        elsif v_type = 'number' then  -- (nested: the cast only ever sees a number)
+            if p_value::numeric >= 0 then
+                return null;
+            end if;
+        end if;
+        return format('%s must be a non-negative number of seconds or null (got %s)', p_path, v_got);
+    end if;
+    if p_field in ('delivered', 'claimed', 'renewals', 'retries', 'blocked', 'leases_lost',
+                   'inflight') then
+        if v_type = 'number' then
+            if p_value::numeric between 0 and 9223372036854775807
+               and p_value::numeric = trunc(p_value::numeric) then
+                return null;
+            end if;
+        end if;
+        return format('%s must be a non-negative integer (got %s)', p_path, v_got);
+    end if;
+    return format('%s is not a known field', p_path);
+end
+$$;
+
+-- What is wrong with one lane's part of a report, or null.
+create or replace function report_lane_problem(p_lane text, p_counters jsonb) returns text
+language sql immutable
+set search_path from current
+as $$
+    select case
+        when p_lane not in ('critical', 'ordinary') then
+            format('lanes.%s is not a lane (critical, ordinary)', left(p_lane, 40))
+        when jsonb_typeof(p_counters) <> 'object' then
+            format('lanes.%s must be an object', p_lane)
+        else (select x.problem
+              from (select f.key, report_field_problem(
+                               format('lanes.%s.%s', p_lane, left(f.key, 40)), f.key, f.value)
+                           as problem
+                    from jsonb_each(p_counters) f) x
+              where x.problem is not null
+              order by x.key limit 1)
+    end
+$$;
+
+-- What is wrong with a replica's report, or null when nothing is. A report is what
+-- relay/ui/data.py `build_report` makes: {"lanes": {lane: {figure: n}}, "ingress": state},
+-- at most 8 kB; its fixed shape bounds its depth. Checked when it is written and again when
+-- it is read (a row written before these checks is shown as its problem, never its figures).
+create or replace function report_problem(p_report jsonb) returns text
+language sql immutable
+set search_path from current
+as $$
+    select case
+        when jsonb_typeof(p_report) is distinct from 'object' then 'the report must be a JSON object'
+        when length(p_report::text) > 8192 then 'the report is over 8 kB'
+        when exists (select 1 from jsonb_object_keys(p_report) k where k not in ('lanes', 'ingress'))
+            then 'only "lanes" and "ingress" are known keys'
+        when coalesce(p_report ->> 'ingress', 'ok') not in ('ok', 'recovering', 'misconfigured')
+          or jsonb_typeof(p_report -> 'ingress') not in ('string', 'null') then
+            'ingress must be one of ok, recovering, misconfigured'
+        when jsonb_typeof(coalesce(p_report -> 'lanes', '{}')) <> 'object' then
+            'lanes must be an object'
+        else (select x.problem
+              from (select l.key, report_lane_problem(l.key, l.value) as problem
+                    from jsonb_each(coalesce(p_report -> 'lanes', '{}')) l) x
+              where x.problem is not null
+              order by x.key limit 1)
+    end
+$$;
+
 -- A replica's own report: its counters and ingress health, into the `replicas` row its liveness
--- lock created (never a new row: see 0005_replica_reports.sql). Returns every replica's
--- cumulative delivered count per lane from reports younger than p_ttl_seconds, as
--- {"owner": {"critical": n, "ordinary": n}}: the status page's rate series are the differences
--- between two such answers, so a replica learns the fleet's rates with the one statement it
--- sends anyway. A report is a small object (at most 8 kB).
+-- lock created (never a new row: see 0005_replica_reports.sql). Only the session that holds the
+-- owner's liveness lock may report for it (the replica's LISTEN connection: relay/listener.py),
+-- so a role holder cannot write another replica's figures; the report's shape is checked
+-- (report_problem). Returns every replica's cumulative delivered count per lane from valid
+-- reports younger than p_ttl_seconds, as {"owner": {"critical": n, "ordinary": n}}: the status
+-- page's rate series are the differences between two such answers, so a replica learns the
+-- fleet's rates with the one statement it sends anyway.
 create or replace function report_replica(p_owner text, p_report jsonb, p_ttl_seconds float8)
 returns jsonb
 language plpgsql volatile
@@ -17,14 +116,19 @@ security definer
 as $$
 declare
     v_now timestamptz := clock_timestamp();
+    v_problem text := report_problem(p_report);
 begin
     if p_owner is null or p_owner = '' then
         raise exception 'relay.report_replica: owner must be a non-empty string'
             using errcode = '22023';
     end if;
-    if jsonb_typeof(p_report) is distinct from 'object' or length(p_report::text) > 8192 then
-        raise exception 'relay.report_replica: the report must be a JSON object under 8 kB'
-            using errcode = '22023';
+    if not session_holds_liveness(p_owner) then
+        raise exception 'relay.report_replica: this session does not hold the liveness lock of '
+                        'that owner (a replica reports on the connection that holds it)'
+            using errcode = '55000';
+    end if;
+    if v_problem is not null then
+        raise exception 'relay.report_replica: %', v_problem using errcode = '22023';
     end if;
     update replicas set reported_at = v_now, report = p_report where owner = p_owner;
     return coalesce((
@@ -32,15 +136,33 @@ begin
                    'critical', coalesce((rp.report #>> '{lanes,critical,delivered}')::bigint, 0),
                    'ordinary', coalesce((rp.report #>> '{lanes,ordinary,delivered}')::bigint, 0)))
         from replicas rp
-        where rp.reported_at > v_now - make_interval(secs => p_ttl_seconds)
-           or rp.owner = p_owner), '{}');
+        where (rp.reported_at > v_now - make_interval(secs => p_ttl_seconds)
+               or rp.owner = p_owner)
+          and report_problem(rp.report) is null), '{}');
 end
+$$;
+
+-- Each replica's last report with its age, by owner: the report itself only when it passes
+-- report_problem, else its problem instead (a row written before the checks, or by hand), so
+-- what the page reads of a report always has the shape it renders.
+create or replace function ui_reports(p_ttl_seconds float8) returns jsonb
+language sql volatile
+set search_path from current
+as $$
+    select coalesce(jsonb_object_agg(x.owner, jsonb_build_object(
+               'reported_at', x.reported_at,
+               'age_seconds', extract(epoch from clock_timestamp() - x.reported_at)::float8,
+               'stale', x.reported_at <= clock_timestamp() - make_interval(secs => p_ttl_seconds),
+               'report', case when x.problem is null then x.report end,
+               'problem', x.problem)), '{}')
+    from (select rp.owner, rp.reported_at, rp.report, report_problem(rp.report) as problem
+          from replicas rp where rp.reported_at is not null) x
 $$;
 
 -- The status page's refresh: `status()` (the document `relay status --json` prints) with the
 -- blocked runs paged (p_blocked_offset, at most p_blocked_limit of them, oldest failure first;
 -- the offset is capped at 10,000 so a page never costs more than that many index entries), and
--- each replica's last report with its age. One statement.
+-- each replica's last report with its age (ui_reports). One statement.
 create or replace function ui_status(
     p_blocked_limit int, p_blocked_offset int, p_ttl_seconds float8
 ) returns jsonb
@@ -59,15 +181,7 @@ begin
             select jsonb_agg(b.x order by b.i)
             from jsonb_array_elements(v_status -> 'blocked_runs') with ordinality b(x, i)
             where b.i > v_offset), '[]'),
-        'reports', coalesce((
-            select jsonb_object_agg(rp.owner, jsonb_build_object(
-                       'reported_at', rp.reported_at,
-                       'age_seconds',
-                           extract(epoch from clock_timestamp() - rp.reported_at)::float8,
-                       'stale', rp.reported_at
-                                <= clock_timestamp() - make_interval(secs => p_ttl_seconds),
-                       'report', rp.report))
-            from replicas rp where rp.reported_at is not null), '{}'));
+        'reports', ui_reports(p_ttl_seconds));
 end
 $$;
 

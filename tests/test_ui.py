@@ -306,28 +306,34 @@ async def test_ui_token_guards_the_page_not_the_probes(
 
 
 def test_report_replica_updates_only_an_existing_row(
-    conn: psycopg.Connection[Any], schema: str
+    pg_url: str, conn: psycopg.Connection[Any], schema: str
 ) -> None:
-    def report(owner: str, doc: Any, ttl: float = 60.0) -> Any:
-        row = conn.execute(
+    def report(owner: str, doc: Any, ttl: float = 60.0, on: Any = conn) -> Any:
+        row = on.execute(
             q(schema, "select {s}.report_replica(%s, %s::jsonb, %s)"),
             (owner, json.dumps(doc), ttl),
         ).fetchone()
         assert row is not None
         return row[0]
 
+    def hold(on: Any, owner: str) -> None:
+        on.execute(q(schema, "select {s}.hold_liveness(%s)"), (owner,))
+
     lanes = {"lanes": {"ordinary": {"delivered": 5}, "critical": {"delivered": 2}}}
     # No liveness row, no report: a report must never make an owner look like a dead replica.
+    conn.execute(q(schema, "select pg_advisory_lock({s}.liveness_key('ghost'))"))
     assert report("ghost", lanes) == {}
     assert count_rows(conn, schema) == 0
-    conn.execute(q(schema, "insert into {s}.replicas (owner) values ('a'), ('b')"))
-    assert report("a", lanes) == {"a": {"critical": 2, "ordinary": 5}}
-    assert report("b", {"lanes": {}}) == {
-        "a": {"critical": 2, "ordinary": 5},
-        "b": {"critical": 0, "ordinary": 0},
-    }
-    conn.execute(q(schema, "update {s}.replicas set reported_at = now() - interval '1 hour'"))
-    assert report("b", {}, 60.0) == {"b": {"critical": 0, "ordinary": 0}}  # a is stale
+    with psycopg.connect(pg_url, autocommit=True) as other:
+        hold(conn, "a")
+        hold(other, "b")  # each replica reports on the session that holds its own lock
+        assert report("a", lanes) == {"a": {"critical": 2, "ordinary": 5}}
+        assert report("b", {"lanes": {}}, on=other) == {
+            "a": {"critical": 2, "ordinary": 5},
+            "b": {"critical": 0, "ordinary": 0},
+        }
+        conn.execute(q(schema, "update {s}.replicas set reported_at = now() - interval '1 hour'"))
+        assert report("b", {}, 60.0, on=other) == {"b": {"critical": 0, "ordinary": 0}}  # a stale
     for bad in ([1], "x", {"big": "y" * 9000}):
         with pytest.raises(psycopg.errors.InvalidParameterValue):
             report("a", bad)

@@ -1,15 +1,16 @@
 """The status page's database side and the pure shaping of what it reads.
 
 Per refresh of the page the data layer sends one statement (`ui_status()`), and per run page
-one (`ui_run()`); each goes through `Store.query`, so it runs in its own transaction with the
-relay's statement and lock timeouts and under the store's application deadline. `queries`
-counts them (the docs state the number, tests/test_ui.py measures it). The replica report
-(`report_replica()`) is the third, sent by the health probe loop every refresh interval whether
-or not anyone looks at the page; its answer feeds the rate series.
+one (`ui_run()`); `queries` counts them (the docs state the number, tests/test_ui.py measures
+it). The replica report (`report_replica()`) is the third, sent by the health probe loop every
+refresh interval whether or not anyone looks at the page, on the LISTEN connection's session
+(the database refuses a report from any session but the one holding the owner's liveness lock);
+its answer feeds the rate series.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +28,16 @@ BLOCKED_PAGE = 50  # blocked runs per page
 RUN_EVENTS_PAGE = 200  # events per run page
 REPORT_TTL = 120.0  # seconds after which a replica's report shows as stale
 RECOVERING_FOR = 60.0  # seconds an ingress counts as "recovering" after it was misconfigured
+INGRESS_STATES = ("ok", "recovering", "misconfigured")  # what a report's `ingress` may say
 
 
 class Data:
-    def __init__(self, query: Query, schema: str) -> None:
+    """`query` runs the page's statements; `on_liveness_session` the report, on the session
+    that holds this replica's liveness lock (the only one the database takes it from)."""
+
+    def __init__(self, query: Query, schema: str, on_liveness_session: Query | None) -> None:
         self._query = query
+        self._on_liveness_session = on_liveness_session
         self.queries = 0  # statements sent for pages (tests and docs: queries per refresh)
         self.reports = 0  # report statements sent (the probe loop's, one per refresh interval)
         s = sql.Identifier(schema)
@@ -40,10 +46,7 @@ class Data:
         self._report = sql.SQL("select {}.report_replica(%s, %s::jsonb, %s)::text").format(s)
 
     async def _one(self, query: sql.Composed, params: Sequence[Any]) -> Any:
-        if query is self._report:
-            self.reports += 1
-        else:
-            self.queries += 1
+        self.queries += 1
         rows = await self._query(query, params)
         return orjson.loads(rows[0][0])
 
@@ -56,9 +59,12 @@ class Data:
         return await self._one(self._run, (run_id, from_seq, limit))
 
     async def report(self, owner: str, report: Mapping[str, Any]) -> dict[str, dict[str, int]]:
-        counts: dict[str, dict[str, int]] = await self._one(
-            self._report, (owner, orjson.dumps(report).decode(), REPORT_TTL)
-        )
+        if self._on_liveness_session is None:
+            raise ConnectionError("no LISTEN connection to report on")
+        self.reports += 1
+        params = (owner, orjson.dumps(report).decode(), REPORT_TTL)
+        rows = await self._on_liveness_session(self._report, params)
+        counts: dict[str, dict[str, int]] = orjson.loads(rows[0][0])
         return counts
 
 
@@ -102,48 +108,88 @@ def _worst(values: Iterable[float | None]) -> float | None:
     return max(present) if present else None
 
 
+# A report is another process's claim about itself: the database checks its shape when it is
+# written (`report_problem`), and these read it as if it had not, so a row from before that
+# check (or written by hand) is shown as text and never breaks the page.
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _count(value: Any) -> int:
+    """A counter of a report: a non-negative integer, else 0."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if ok else 0
+
+
+def _seconds(value: Any) -> float | None:
+    """A lag of a report: non-negative finite seconds, else unknown."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if ok and 0 <= value < math.inf else None
+
+
+def _fresh_lanes(reports: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The `lanes` part of every fresh report."""
+    out = []
+    for entry in reports.values():
+        entry = _obj(entry)
+        if not entry.get("stale"):
+            out.append(_obj(_obj(entry.get("report")).get("lanes")))
+    return out
+
+
+def _lag(reports: Mapping[str, Any]) -> dict[str, dict[str, float | None]]:
+    """Per lane the worst fresh report's lag p50/p99."""
+    fresh = _fresh_lanes(reports)
+    lag = {}
+    for lane in LANES:
+        lanes = [_obj(rep.get(lane)) for rep in fresh]
+        lag[lane] = {q: _worst(_seconds(x.get(f"lag_{q}")) for x in lanes) for q in ("p50", "p99")}
+    return lag
+
+
+def _fleet_row(owner: str, lease: dict[str, Any], alive: Any, entry: Any) -> dict[str, Any]:
+    rep = _obj(entry)
+    body = _obj(rep.get("report"))
+    lanes = [_obj(v) for v in _obj(body.get("lanes")).values()]
+    ingress = body.get("ingress")
+    problem = rep.get("problem")
+    return {
+        "owner": owner,
+        "alive": alive,
+        "runs_held": lease.get("runs", 0),
+        "next_expiry": lease.get("next_expiry"),
+        # None (shown "-") without a valid report: no figure is made up for a rejected one
+        "renewals": sum(_count(v.get("renewals")) for v in lanes) if body else None,
+        "delivered": sum(_count(v.get("delivered")) for v in lanes) if body else None,
+        "ingress": ingress if ingress in INGRESS_STATES and not rep.get("stale") else None,
+        "report_problem": str(problem) if problem is not None else None,
+        "seen_age_seconds": _seconds(rep.get("age_seconds")),
+        "stale": bool(rep.get("stale")) if rep else None,
+    }
+
+
 def shape_status(
     doc: dict[str, Any], series: RateSeries, now: float, replica_id: str
 ) -> dict[str, Any]:
     """`ui_status()`'s document plus what the page adds: the rate series (this process), per
     lane the worst replica's lag p50/p99 (percentiles of different replicas cannot be merged;
-    the worst is an upper bound), and one row per replica merging liveness, leases and report."""
-    reports: dict[str, Any] = doc.get("reports") or {}
-    fresh = [r["report"] for r in reports.values() if not r.get("stale") and r.get("report")]
-    lag = {}
-    for lane in LANES:
-        lanes = [rep.get("lanes", {}).get(lane, {}) for rep in fresh]
-        lag[lane] = {
-            "p50": _worst(x.get("lag_p50") for x in lanes),
-            "p99": _worst(x.get("lag_p99") for x in lanes),
-        }
+    the worst is an upper bound), and one row per replica merging liveness, leases and report.
+    Never raises on what a report holds."""
+    reports = _obj(doc.get("reports"))
     leases = {x["owner"]: x for x in doc.get("leases") or []}
-    alive = {x["owner"]: x for x in doc.get("replicas") or []}
+    alive = {x["owner"]: x.get("alive") for x in doc.get("replicas") or []}
     rows = []
     for owner in sorted(set(leases) | set(alive) | set(reports)):
-        rep = reports.get(owner) or {}
-        body = rep.get("report") or {}
-        lanes_rep = body.get("lanes") or {}
-        rows.append(
-            {
-                "owner": owner,
-                "this": owner == replica_id,
-                "alive": (alive.get(owner) or {}).get("alive"),
-                "runs_held": (leases.get(owner) or {}).get("runs", 0),
-                "next_expiry": (leases.get(owner) or {}).get("next_expiry"),
-                "renewals": sum(int(v.get("renewals") or 0) for v in lanes_rep.values()),
-                "delivered": sum(int(v.get("delivered") or 0) for v in lanes_rep.values()),
-                "ingress": body.get("ingress") if rep and not rep.get("stale") else None,
-                "seen_age_seconds": rep.get("age_seconds"),
-                "stale": bool(rep.get("stale")) if rep else None,
-            }
-        )
+        row = _fleet_row(owner, leases.get(owner) or {}, alive.get(owner), reports.get(owner))
+        rows.append({**row, "this": owner == replica_id})
     rate = series.latest()
     return {
         **doc,
         "replica_id": replica_id,
         "rates": {lane: rate.get(lane, 0.0) for lane in LANES},
         "series": series.series(now),
-        "lag": lag,
+        "lag": _lag(reports),
         "fleet": rows,
     }

@@ -81,6 +81,14 @@ def blocked_rows(data: dict[str, Any]) -> list[list[Cell]]:
     return rows
 
 
+def _report_text(row: dict[str, Any]) -> str:
+    """The report's ingress state, or why its report is not shown: text, never a link (a
+    report is what another process says of itself)."""
+    if row.get("report_problem"):
+        return "report rejected: " + clean(str(row["report_problem"]), EXCERPT)
+    return clean(str(row.get("ingress") or "-"), 40)
+
+
 def fleet_rows(data: dict[str, Any]) -> list[list[Cell]]:
     rows: list[list[Cell]] = []
     for r in data.get("fleet") or []:
@@ -96,7 +104,7 @@ def fleet_rows(data: dict[str, Any]) -> list[list[Cell]]:
                 fmt_time(r.get("next_expiry"), short=True),
                 _num(r.get("renewals")),
                 _num(r.get("delivered")),
-                r.get("ingress") or "-",
+                _report_text(r),
                 seen,
             ]
         )

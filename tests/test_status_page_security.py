@@ -1,0 +1,216 @@
+"""Security pass 3 on the status page (issue 32, items 3-5): a replica report is data, not
+trust (only the session holding the owner's liveness lock may write one, its shape is checked,
+and a hostile row already stored renders as text); nothing of a report becomes a link; and the
+page cannot hurt delivery (its own connection and timeout, one query for many viewers, cheap
+figures, loopback only without a token)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from relay.lane import LaneStats, LaneView
+from relay.runner import Relay
+from relay.tools.sink import Sink
+from relay.ui.data import build_report, shape_status
+from relay.ui.page import status_page
+from relay.ui.series import RateSeries
+from relay.ui.view import status_view
+from tests.support import q, settings
+
+pytestmark = pytest.mark.anyio
+
+EVIL = "https://evil.example/sso"
+FORGED = {"lanes": {"critical": {"renewals": "x"}}}
+
+
+def own_report() -> dict[str, Any]:
+    """What a relay reports of itself (build_report), both lanes filled in."""
+    lanes = [
+        LaneView(lane, LaneStats(delivered=7, claimed_runs=3), 1, 2, 0.0, False, renewals=4)
+        for lane in ("critical", "ordinary")
+    ]
+    lag = {"critical": {"p50": 0.01, "p99": 0.2}, "ordinary": {"p50": None, "p99": None}}
+    return build_report(lanes, "recovering", lag)
+
+
+def deep(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+def report(on: psycopg.Connection[Any], schema: str, owner: str, doc: Any) -> Any:
+    text = doc if isinstance(doc, str) else json.dumps(doc)
+    row = on.execute(
+        q(schema, "select {s}.report_replica(%s, %s::jsonb, 60)"), (owner, text)
+    ).fetchone()
+    assert row is not None
+    return row[0]
+
+
+def hold(on: psycopg.Connection[Any], schema: str, owner: str) -> None:
+    row = on.execute(q(schema, "select {s}.hold_liveness(%s)"), (owner,)).fetchone()
+    assert row == (True,)
+
+
+# -- item 4: only the lock holder reports ---------------------------------------------------------
+
+
+def test_a_report_needs_the_owners_liveness_lock(
+    pg_url: str, conn: psycopg.Connection[Any], schema: str
+) -> None:
+    hold(conn, schema, "victim")  # as the victim's LISTEN connection does
+    assert report(conn, schema, "victim", own_report())["victim"] == {
+        "critical": 7,
+        "ordinary": 7,
+    }
+    with psycopg.connect(pg_url, autocommit=True) as forger:
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match="liveness lock"):
+            report(forger, schema, "victim", {"lanes": {"critical": {"delivered": 10**9}}})
+        # What the role can still do: make up a replica of its own (a new owner's lock, then
+        # a report). That writes its own row only; the page says whose word the figures are.
+        hold(forger, schema, "invented")
+        assert "invented" in report(forger, schema, "invented", own_report())
+    row = conn.execute(
+        q(schema, "select report #>> '{{lanes,critical,delivered}}' from {s}.replicas"
+                  " where owner = 'victim'")
+    ).fetchall()  # fmt: skip
+    assert row == [("7",)]
+
+
+# -- item 4: the shape of a report ----------------------------------------------------------------
+
+BAD_REPORTS = [
+    (FORGED, "lanes.critical.renewals must be a non-negative integer (got string)"),
+    ({"lanes": {"critical": {"delivered": -1}}}, "lanes.critical.delivered must be a non-neg"),
+    ({"lanes": {"ordinary": {"claimed": 1.5}}}, "lanes.ordinary.claimed must be a non-negative"),
+    ({"lanes": {"ordinary": {"retries": 1e30}}}, "lanes.ordinary.retries must be a non-negative"),
+    ({"lanes": {"critical": {"lag_p99": "slow"}}}, "lanes.critical.lag_p99 must be a non-neg"),
+    ({"lanes": {"critical": {"lag_p50": -2}}}, "lanes.critical.lag_p50 must be a non-negative"),
+    ({"lanes": {"critical": {"delivered": True}}}, "lanes.critical.delivered must be a non-neg"),
+    ({"lanes": {"bulk": {}}}, "lanes.bulk is not a lane"),
+    ({"lanes": {"critical": []}}, "lanes.critical must be an object"),
+    ({"lanes": {"critical": {"href": 1}}}, "lanes.critical.href is not a known field"),
+    ({"lanes": []}, "lanes must be an object"),
+    ({"ingress": [EVIL, "x"]}, "ingress must be one of ok, recovering, misconfigured"),
+    ({"ingress": "<b>pwned</b>"}, "ingress must be one of"),
+    ({"fleet": 1}, 'only "lanes" and "ingress" are known keys'),
+    ('{"lanes": {"critical": {"delivered": ' + deep(1100) + "}}}", "(got array)"),
+    ('{"x": ' + deep(1100) + "}", 'only "lanes" and "ingress"'),
+    ({"ingress": "x" * 9000}, "the report is over 8 kB"),
+    ([1], "the report must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize(("doc", "problem"), BAD_REPORTS)
+def test_a_malformed_report_is_refused_with_what_is_wrong(
+    conn: psycopg.Connection[Any], schema: str, doc: Any, problem: str
+) -> None:
+    hold(conn, schema, "r1")
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as err:
+        report(conn, schema, "r1", doc)
+    assert problem in str(err.value)
+
+
+def test_the_relays_own_report_passes(conn: psycopg.Connection[Any], schema: str) -> None:
+    hold(conn, schema, "r1")
+    assert report(conn, schema, "r1", own_report()) == {"r1": {"critical": 7, "ordinary": 7}}
+    assert report(conn, schema, "r1", {}) == {"r1": {"critical": 0, "ordinary": 0}}
+
+
+# -- item 4 and 5: hostile rows already stored ----------------------------------------------------
+
+HOSTILE_ROWS = {
+    "forged": json.dumps(FORGED),
+    "link": json.dumps({"ingress": [EVIL, "sign in again"], "lanes": {}}),
+    "deep": '{"lanes": ' + deep(1100) + "}",
+    "text": json.dumps("just a string"),
+    "huge": json.dumps({"lanes": {"critical": {"delivered": 10**30}}}),
+}
+
+
+def store_hostile_rows(conn: psycopg.Connection[Any], schema: str) -> None:
+    """Rows as a relay role could write them before the checks (written here as the owner)."""
+    for owner, text in HOSTILE_ROWS.items():
+        conn.execute(
+            q(schema, "insert into {s}.replicas (owner, reported_at, report)"
+                      " values (%s, clock_timestamp(), %s::jsonb)"),
+            (owner, text),
+        )  # fmt: skip
+
+
+def page_of(doc: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    data = shape_status(doc, RateSeries(), 0.0, "me")
+    view = status_view(data)
+    return view, status_page(view, 3.0, 50).decode()
+
+
+def test_stored_hostile_reports_render_as_text(conn: psycopg.Connection[Any], schema: str) -> None:
+    store_hostile_rows(conn, schema)
+    row = conn.execute(q(schema, "select {s}.ui_status(50, 0, 60)::text")).fetchone()
+    assert row is not None
+    doc = json.loads(row[0])  # orjson's depth limit too: the deep report never leaves the DB
+    view, html = page_of(doc)
+    fleet = {r[0]: r for r in view["fleet"]}
+    assert set(fleet) == set(HOSTILE_ROWS)
+    for owner, cells in fleet.items():
+        assert all(isinstance(c, str) for c in cells), owner
+        assert cells[6].startswith("report rejected: "), owner
+        assert cells[4] == cells[5] == "-", owner  # no figure of a rejected report
+    assert "lanes.critical.renewals must be a non-negative integer" in fleet["forged"][6]
+    assert EVIL not in html and "evil.example" not in json.dumps(view)
+
+
+def test_shape_status_never_raises_on_what_a_report_holds() -> None:
+    """What ui_status returned before the checks: whatever the row held, under `report`."""
+    garbage: list[Any] = [
+        FORGED,
+        {"lanes": {"critical": {"renewals": None, "delivered": "12", "lag_p99": "x"}}},
+        {"lanes": {"critical": [1, 2]}, "ingress": [EVIL, "x"]},
+        {"lanes": [], "ingress": {"href": EVIL}},
+        {"lanes": {"critical": {"delivered": float("nan"), "lag_p50": -1, "renewals": True}}},
+        "text",
+        [EVIL],
+        None,
+        7,
+    ]
+    reports: dict[str, Any] = {
+        f"o{i}": {"report": g, "stale": False} for i, g in enumerate(garbage)
+    }
+    reports["odd"] = [1, 2]
+    reports["older"] = {"report": FORGED, "stale": "yes", "age_seconds": "x"}
+    view, html = page_of({"reports": reports, "leases": [], "replicas": []})
+    assert len(view["fleet"]) == len(reports)
+    assert EVIL not in html and "evil.example" not in json.dumps(view)
+    for cells in view["fleet"]:
+        assert all(isinstance(c, str) for c in cells)
+    assert shape_status({"reports": "x"}, RateSeries(), 0.0, "me")["fleet"] == []
+
+
+# -- a running relay ------------------------------------------------------------------------------
+
+
+async def test_a_running_relay_reports_and_a_forger_cannot(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    _, url = sink
+    cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0")
+    async with Relay(cfg).running() as r:
+        assert r.endpoints is not None
+        store_hostile_rows(conn, schema)  # after start: its hold_liveness forgets dead rows
+        e = r.endpoints
+        await e.page.report(r.view.lanes(), e.metrics.recent_lag)  # on the LISTEN session
+        assert not e.page._report_failing
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):
+            report(conn, schema, cfg.replica_id, FORGED)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{e.port}", timeout=30) as c:
+            for path in ("/", "/api/status"):
+                got = await c.get(path)
+                assert got.status_code == 200, path
+                assert EVIL not in got.text
+            fleet = {f["owner"]: f for f in (await c.get("/api/status")).json()["fleet"]}
+        assert fleet[cfg.replica_id]["ingress"] == "ok" and fleet[cfg.replica_id]["alive"]
+        assert fleet["forged"]["report_problem"] and fleet["forged"]["delivered"] is None
