@@ -46,6 +46,11 @@ KEYS = [
     "peak_rss_mb",
     "soak_table_mb_start",
     "soak_table_mb_end",
+    "wal_enqueue_bytes_per_event",
+    "wal_claim_ack_bytes_per_event",
+    "wal_retention_bytes_per_event",
+    "wal_total_bytes_per_event",
+    "wal_lean_bytes_per_event",
 ]
 HAS_PGQUEUER = importlib.util.find_spec("pgqueuer") is not None
 HAS_NODE = shutil.which("node") is not None and shutil.which("npm") is not None

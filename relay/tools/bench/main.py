@@ -49,6 +49,7 @@ from relay.settings import redact_url
 from relay.tools.absurd import install_absurd
 from relay.tools.bench import latency as bench_latency
 from relay.tools.bench import throughput as bench_throughput
+from relay.tools.bench import wal as bench_wal
 from relay.tools.bench.kit import BenchFailed, BenchSink, Env, Result, Scenario, positive
 from relay.tools.bench.peers import graphile as bench_graphile
 from relay.tools.bench.peers import pgqueuer as bench_pgqueuer
@@ -283,6 +284,7 @@ SCENARIOS: dict[str, Scenario] = {
         *bench_graphile.SCENARIOS,
         *bench_pgqueuer.SCENARIOS,
         *bench_latency.SCENARIOS,
+        *bench_wal.SCENARIOS,
         Scenario(
             "wake",
             "ack-to-task-resumed latency: stock Absurd polling vs the wake listener",
@@ -385,6 +387,13 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
     if has("soak_table_mb_start", "soak_table_mb_end"):
         r = m["soak_table_mb_end"] / m["soak_table_mb_start"]
         add("soak_table_mb_end ≤ 1.25 × soak_table_mb_start (levels off)", r, 1.25, r <= 1.25)
+    # What a delivered event costs the application's database (issue 28).
+    if has("wal_total_bytes_per_event", "wal_lean_bytes_per_event"):
+        r = m["wal_total_bytes_per_event"] / m["wal_lean_bytes_per_event"]
+        add("wal_total ≤ 1.3 × the leanest queue's WAL per event", r, 1.3, r <= 1.3)
+    if has("wal_claim_ack_bytes_per_event", "wal_enqueue_bytes_per_event"):
+        r = m["wal_claim_ack_bytes_per_event"] / m["wal_enqueue_bytes_per_event"]
+        add("wal_claim_ack ≤ 0.25 × wal_enqueue per event", r, 0.25, r <= 0.25)
     if has("peak_rss_mb"):
         have = m["peak_rss_mb"]
         add(
