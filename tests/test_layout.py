@@ -17,6 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "relay"
 TOOLS = "relay.tools"
+# Optional integrations: each needs an extra, loaded only when configured (relay/tracing.py).
+INTEGRATIONS = {"relay.integrations": "otel"}
 MAX_PRODUCTION_LINES = 450
 # In the core install on purpose although nothing imports it: httpcore tries to import it on
 # every request (LIMITS.md: +34% requests/s with it installed).
@@ -34,11 +36,15 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+def _in_wing(name: str, wing: str) -> bool:
+    return name == wing or name.startswith(wing + ".")
+
+
 def production() -> dict[str, Path]:
     return {
         name: path
         for name, path in modules().items()
-        if name != TOOLS and not name.startswith(TOOLS + ".")
+        if not any(_in_wing(name, wing) for wing in (TOOLS, *INTEGRATIONS))
     }
 
 
@@ -206,6 +212,39 @@ def test_core_dependencies_are_exactly_what_the_production_wing_imports() -> Non
     # psycopg[binary] pulls psycopg-binary, which nothing imports by that name
     assert imported - declared == set(), "imported by the production wing but not declared"
     assert declared - imported == INSTALLED_NOT_IMPORTED, "declared but not imported"
+
+
+@pytest.mark.parametrize(("wing", "extra"), INTEGRATIONS.items())
+def test_every_integration_dependency_sits_in_its_extra(wing: str, extra: str) -> None:
+    """An integration imports only the core install and its own extra (otel: OpenTelemetry)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    allowed = core_dependencies() | {
+        _normalise(re.match(r"[A-Za-z0-9._-]+", r).group(0))  # type: ignore[union-attr]
+        for r in project["optional-dependencies"][extra]
+    }
+    by_module = packages_distributions()
+    for name, path in modules().items():
+        if not _in_wing(name, wing):
+            continue
+        for imported in imports(path, runtime=True):
+            top = imported.split(".")[0]
+            if top in sys.stdlib_module_names or top == "relay":
+                continue
+            dists = {_normalise(d) for d in by_module.get(top, [top])}
+            assert dists & allowed, f"{path.name} imports {top}, not in the {extra!r} extra"
+
+
+def test_the_production_wing_loads_an_integration_only_inside_a_function() -> None:
+    """`import relay.runner` (what `relay run` loads) pulls in no integration: they are
+    imported lazily where their configuration asks for them."""
+    code = (
+        "import sys, relay.runner, relay.cli, relay.tracing; "
+        "print([m for m in sys.modules if m.startswith(('relay.integrations', 'opentelemetry'))])"
+    )
+    got = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert got.stdout.strip() == "[]", got.stdout
 
 
 @pytest.mark.parametrize("extra", ["sink", "demo", "bench", "dev"])

@@ -1,0 +1,30 @@
+"""Optional integrations: each needs an extra, and the production wing loads one only when its
+configuration asks for it. Nothing here is in the core install."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from relay import logs
+from relay.tracing import NO_TRACING, Tracer, config_from_env
+
+
+def start_tracing(environ: Mapping[str, str]) -> Tracer:
+    """The tracer the environment asks for (relay/tracing.py): NO_TRACING when tracing is off
+    or the `otel` extra is missing (said once in the log), OpenTelemetry's otherwise. Raises
+    ConfigError for a variable it cannot honour."""
+    config = config_from_env(environ)
+    if config is None:
+        return NO_TRACING
+    try:
+        from relay.integrations.otel import OtelTracer
+    except ImportError as exc:
+        logs.warning(
+            "tracing_unavailable",
+            error=logs.error_text(exc),
+            hint="pip install 'ledger-relay[otel]' to export traces",
+        )
+        return NO_TRACING
+    tracer = OtelTracer(config)
+    logs.info("tracing_on", endpoint=config.endpoint, sampler=config.sampler)
+    return tracer

@@ -1,0 +1,231 @@
+"""Tracing (issue 31): the standard variables turn it on, the spans' shape and parentage, and
+the spans arriving at a real OTLP/HTTP receiver through the real exporter."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from relay.integrations import start_tracing
+from relay.settings import ConfigError
+from relay.tracing import NO_TRACING, Delivery, TracingConfig, config_from_env
+
+otel = pytest.importorskip("relay.integrations.otel", reason="the otel extra is not installed")
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
+    ExportTraceServiceRequest,
+)
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
+    InMemorySpanExporter,
+)
+from opentelemetry.trace import SpanKind, StatusCode  # noqa: E402
+
+PRODUCER_TRACE = "0af7651916cd43dd8448eb211c80319c"
+PRODUCER_SPAN = "b7ad6b7169203331"
+TP1 = f"00-{PRODUCER_TRACE}-{PRODUCER_SPAN}-01"
+TP2 = "00-11111111111111111111111111111111-2222222222222222-01"
+ENDPOINT = "http://127.0.0.1:4318"
+
+# -- the variables -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("environ", "want"),
+    [
+        ({}, None),
+        ({"OTEL_SERVICE_NAME": "x"}, None),  # no endpoint: off
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT, "OTEL_SDK_DISABLED": "TRUE"}, None),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT + "/"},
+            TracingConfig(ENDPOINT + "/v1/traces", "ledger-relay", "parentbased_always_on", None),
+        ),
+        (
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://ignored:1",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "https://collector:4318/custom",
+                "OTEL_SERVICE_NAME": "relay-eu",
+                "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                "OTEL_TRACES_SAMPLER_ARG": "0.25",
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                "OTEL_SDK_DISABLED": "false",
+            },
+            TracingConfig(
+                "https://collector:4318/custom", "relay-eu", "parentbased_traceidratio", 0.25
+            ),
+        ),
+    ],
+)
+def test_the_standard_variables_turn_tracing_on(
+    environ: dict[str, str], want: TracingConfig | None
+) -> None:
+    assert config_from_env(environ) == want
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"}, "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        ({"OTEL_TRACES_SAMPLER": "sometimes"}, "OTEL_TRACES_SAMPLER"),
+        (
+            {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.5"},
+            "OTEL_TRACES_SAMPLER_ARG",
+        ),
+        ({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),
+        ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"),
+    ],
+)
+def test_a_bad_value_is_a_clear_error_naming_the_variable(
+    extra: dict[str, str], named: str
+) -> None:
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT, **extra}
+    with pytest.raises(ConfigError, match=named):
+        config_from_env(environ)
+
+
+def test_without_an_endpoint_the_relay_runs_untraced() -> None:
+    tracer = start_tracing({"OTEL_SERVICE_NAME": "x"})
+    assert tracer is NO_TRACING and not tracer.enabled
+    span = tracer.delivery(_delivery())
+    with span.post("http://ingress/x") as post:
+        assert post.traceparent is None  # the event's own header goes out, as before
+    assert span.trace_id is None
+
+
+# -- the spans, in memory ------------------------------------------------------------------------
+
+
+def _delivery(**change: Any) -> Delivery:
+    fields: dict[str, Any] = {
+        "lane": "critical",
+        "run_id": "run-1",
+        "epoch": 3,
+        "first_seq": 5,
+        "last_seq": 8,
+        "events": 4,
+        "attempt": 1,
+        "traceparents": [TP1, TP2, TP1, None],
+        "outbox_wait_seconds": 0.25,
+    }
+    return Delivery(**(fields | change))
+
+
+@pytest.fixture
+def memory() -> Iterator[tuple[Any, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    config = TracingConfig(ENDPOINT + "/v1/traces", "ledger-relay", "parentbased_always_on", None)
+    tracer = otel.OtelTracer(config, processor=SimpleSpanProcessor(exporter))
+    yield tracer, exporter
+    tracer.shutdown()
+
+
+def test_a_delivery_is_a_child_of_the_first_events_trace_with_links_to_the_others(
+    memory: tuple[Any, InMemorySpanExporter],
+) -> None:
+    tracer, exporter = memory
+    span = tracer.delivery(_delivery())
+    with span.post("http://ingress.example:8080/runs/run-1/events?sig=secret") as post:
+        sent = post.traceparent
+        post.answered(200)
+    span.outcome("accepted", status=200)
+    span.event("acked", wakes=1)
+    span.end()
+    post_span, delivery = exporter.get_finished_spans()
+
+    assert delivery.name == "deliver critical" and delivery.kind == SpanKind.CONSUMER
+    assert delivery.parent is not None
+    assert f"{delivery.parent.trace_id:032x}" == PRODUCER_TRACE
+    assert f"{delivery.parent.span_id:016x}" == PRODUCER_SPAN
+    assert [f"{link.context.trace_id:032x}" for link in delivery.links] == ["1" * 32]
+    attrs = dict(delivery.attributes or {})
+    assert attrs["relay.run_id"] == "run-1" and attrs["relay.epoch"] == 3
+    assert (attrs["relay.seq.first"], attrs["relay.seq.last"]) == (5, 8)
+    assert attrs["messaging.batch.message_count"] == 4 and attrs["relay.attempt"] == 1
+    assert attrs["relay.outcome"] == "accepted" and attrs["relay.outbox_wait_seconds"] == 0.25
+    assert [e.name for e in delivery.events] == ["acked"]
+    assert span.trace_id == PRODUCER_TRACE and span.span_id == f"{delivery.context.span_id:016x}"
+
+    # The POST: a client span inside the delivery, whose context is the header sent.
+    assert post_span.kind == SpanKind.CLIENT and post_span.name == "POST"
+    assert post_span.parent is not None and post_span.parent.span_id == delivery.context.span_id
+    assert sent == f"00-{PRODUCER_TRACE}-{post_span.context.span_id:016x}-01"
+    post_attrs = dict(post_span.attributes or {})
+    assert post_attrs["http.response.status_code"] == 200
+    assert post_attrs["url.full"] == "http://ingress.example:8080/runs/run-1/events"  # no query
+    assert post_attrs["server.port"] == 8080
+
+
+def test_failures_show_on_the_spans(memory: tuple[Any, InMemorySpanExporter]) -> None:
+    tracer, exporter = memory
+    span = tracer.delivery(_delivery(traceparents=[None]))
+    with span.post("http://ingress/x") as post:
+        post.answered(503)
+    span.outcome("transient", status=503, retry_after=2.0, error="503 Service Unavailable")
+    span.end()
+    post_span, delivery = exporter.get_finished_spans()
+    assert delivery.parent is None  # no producer trace: a root span
+    assert delivery.status.status_code == StatusCode.ERROR
+    assert dict(delivery.attributes or {})["relay.retry_after"] == 2.0
+    assert post_span.status.status_code == StatusCode.ERROR
+    assert dict(post_span.attributes or {})["error.type"] == "503"
+
+
+# -- through the real exporter into a real OTLP/HTTP receiver ------------------------------------
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    got: list[tuple[str, bytes]]
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["content-length"]))
+        self.got.append((self.path, body))
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def receiver() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
+    got: list[tuple[str, bytes]] = []
+    handler = type("Handler", (_Receiver,), {"got": got})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", got
+    server.shutdown()
+    server.server_close()
+
+
+def test_spans_arrive_at_an_otlp_receiver_with_their_parent_and_service(
+    receiver: tuple[str, list[tuple[str, bytes]]],
+) -> None:
+    base, got = receiver
+    tracer = start_tracing({"OTEL_EXPORTER_OTLP_ENDPOINT": base, "OTEL_SERVICE_NAME": "relay-t"})
+    assert tracer.enabled
+    span = tracer.delivery(_delivery(lane="ordinary"))
+    with span.post(base + "/ingress") as post:
+        post.answered(200)
+    span.outcome("accepted", status=200)
+    span.end()
+    tracer.shutdown()  # flushes the batch processor
+
+    assert [path for path, _ in got] == ["/v1/traces"]
+    request = ExportTraceServiceRequest()
+    request.ParseFromString(got[0][1])
+    (resource_spans,) = request.resource_spans
+    service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+    assert service["service.name"] == "relay-t"
+    spans = {s.name: s for scope in resource_spans.scope_spans for s in scope.spans}
+    assert set(spans) == {"deliver ordinary", "POST"}
+    delivery, post_span = spans["deliver ordinary"], spans["POST"]
+    assert delivery.trace_id.hex() == PRODUCER_TRACE
+    assert delivery.parent_span_id.hex() == PRODUCER_SPAN
+    assert post_span.parent_span_id == delivery.span_id
+    assert [link.trace_id.hex() for link in delivery.links] == ["1" * 32]
