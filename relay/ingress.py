@@ -303,10 +303,11 @@ async def open_sender(
     the default, relay/http_httptools.py), aiohttp's pool and parser (`aiohttp`), or httpx at its
     transport level (`httpx`, relay/http_httpx.py); an app-owned httpx transport always goes
     through the latter. `relay bench` measures them side by side (docs/performance.md)."""
-    # TLS is verified always: against `ingress_ca_file` when given, else the system's CAs.
-    verify: ssl.SSLContext | bool = True
-    if settings.ingress_ca_file:
-        verify = ssl.create_default_context(cafile=settings.ingress_ca_file)
+    # TLS is verified always: against `ingress_ca_file` when given, else the operating system's
+    # trust store (OpenSSL's default paths; SSL_CERT_FILE / SSL_CERT_DIR honoured). Handing the
+    # senders `True` would have them load certifi's bundle instead (httpx.create_ssl_context),
+    # and refuse an ingress whose CA the OS trusts (issue 30, item 2).
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=settings.ingress_ca_file)
     sender: Sender
     if transport is None and settings.http_transport == "httptools":
         from relay.http_httptools import HttptoolsSender
