@@ -8,8 +8,9 @@ failed, as a sum of bits, so a script can tell "database down" from "ingress unr
     2   configuration invalid (nothing else was checked; the same code as `relay run`)
     4   database: cannot connect or authenticate
     8   schema: not installed, older or newer than this relay (run `relay migrate` / upgrade)
-    16  listen: the LISTEN connection cannot receive notifications (e.g. it goes through a
-        transaction-mode pooler: set listen_database_url to a direct connection)
+    16  listen: the LISTEN session is handed to another client between its transactions, or
+        cannot receive notifications (e.g. it goes through a transaction-mode pooler: set
+        listen_database_url to a direct connection)
     32  ingress: no HTTP answer (DNS, connection, TLS, timeout) or credentials rejected (401/403)
 
 e.g. 36 = database and ingress failed. Nothing a check prints carries a password or token:
@@ -22,6 +23,7 @@ import argparse
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import httpx
@@ -111,32 +113,61 @@ async def check_database(s: Settings, within: float) -> tuple[Result, Result]:
 
 
 async def check_listen(s: Settings, within: float) -> Result:
-    """LISTEN on a private channel and NOTIFY it from the same session: the notification must
-    come back, which it does not through a transaction-mode pooler."""
+    """The LISTEN session must stay this relay's between its transactions: a transaction-mode
+    pooler hands it to other clients, and the notifications go nowhere. One session LISTENs and
+    notes its server pid in one transaction; a second client then opens a transaction on the same
+    URL while the first is idle (as other clients do in production) and notifies from it.
+
+    - the second client got the first one's server session (the same `pg_backend_pid()`): a
+      pooler hands sessions around between transactions. PgBouncer does, in transaction mode.
+    - otherwise the notification must come back to the first session within the timeout.
+
+    A LISTEN and NOTIFY on one connection, as this check did before, passes through a
+    transaction pool that has nothing else to do: both land on the one idle server session."""
     source = s.listen_database_url or s.database_url
     url = source.reveal()
+    where = redact_url(url)
     channel = f"relay_check_{uuid.uuid4().hex[:12]}"
+    kwargs = {**CONNECT_KWARGS, "connect_timeout": max(1, int(within))}
     try:
         with anyio.fail_after(within):
-            conn = await psycopg.AsyncConnection.connect(
-                url, **{**CONNECT_KWARGS, "connect_timeout": max(1, int(within))}
-            )
-            async with conn:
-                await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-                await conn.execute("select pg_notify(%s, 'check')", (channel,))
-                async for note in conn.notifies(timeout=within, stop_after=1):
+            listener = await psycopg.AsyncConnection.connect(url, **kwargs)
+            async with listener:
+                async with listener.transaction():
+                    await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    listening = await _backend_pid(listener)
+                other = await psycopg.AsyncConnection.connect(url, **kwargs)
+                async with other, other.transaction():
+                    if await _backend_pid(other) == listening:
+                        return Result("listen", False, f"{where}: {_SHARED_SESSION}")
+                    await other.execute("select pg_notify(%s, 'check')", (channel,))
+                async for note in listener.notifies(timeout=within, stop_after=1):
                     if note.channel == channel:
-                        return Result("listen", True, f"{redact_url(url)} receives notifications")
+                        return Result("listen", True, f"{where} receives notifications")
     except TimeoutError:
         pass
     except (psycopg.Error, OSError) as exc:
-        return Result("listen", False, f"{redact_url(url)}: {_error(exc, s)}")
+        return Result("listen", False, f"{where}: {_error(exc, s)}")
     return Result(
         "listen",
         False,
-        f"{redact_url(url)}: no notification came back within {within:g}s; LISTEN needs a "
-        "direct connection, not a transaction-mode pooler (set listen_database_url)",
+        f"{where}: no notification came back within {within:g}s; LISTEN needs a direct "
+        "connection, not a transaction-mode pooler (set listen_database_url)",
     )
+
+
+_SHARED_SESSION = (
+    "the session that LISTENs was handed to another client between its transactions (a "
+    "transaction-mode pooler such as PgBouncer): notifications would go nowhere; set "
+    "listen_database_url to a direct connection"
+)
+
+
+async def _backend_pid(conn: psycopg.AsyncConnection[Any]) -> int:
+    cur = await conn.execute("select pg_backend_pid()")
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 async def check_ingress(

@@ -3,6 +3,13 @@
 Runs inside the caller's transaction (nothing is sent until it commits), exactly like calling
 the SQL function. Errors are the SQL function's own (`psycopg.errors.InvalidParameterValue`
 for bad input, `LockNotAvailable` when another writer of the run held it too long: retry).
+
+Its statements are never prepared on the server (`prepare=False`), whatever the connection's
+`prepare_threshold`: through PgBouncer before 1.21 in transaction mode a prepared statement
+lives in whichever server session ran it, so the next client there fails with `prepared
+statement "_pg3_0" already exists` (tests/test_pgbouncer.py). A connection that runs the
+caller's own statements through such a pooler still needs `prepare_threshold=None`
+(docs/operations.md §3).
 """
 
 from __future__ import annotations
@@ -96,6 +103,7 @@ def enqueue(
     row = conn.execute(
         _enqueue_query(schema),
         _args(run_id, event_id, event_type, payload, terminal, wake, traceparent),
+        prepare=False,
     ).fetchone()
     assert row is not None
     return int(row[0])
@@ -117,6 +125,7 @@ async def enqueue_async(
     cur = await conn.execute(
         _enqueue_query(schema),
         _args(run_id, event_id, event_type, payload, terminal, wake, traceparent),
+        prepare=False,
     )
     row = await cur.fetchone()
     assert row is not None
@@ -128,7 +137,9 @@ def enqueue_many(
 ) -> list[int]:
     """Enqueue several events of one run in order; all or nothing. Returns their seqs."""
     row = conn.execute(
-        _many_query(schema), (run_id, orjson.dumps([e.as_json() for e in events]).decode())
+        _many_query(schema),
+        (run_id, orjson.dumps([e.as_json() for e in events]).decode()),
+        prepare=False,
     ).fetchone()
     assert row is not None
     return [int(s) for s in row[0]]
@@ -143,7 +154,9 @@ async def enqueue_many_async(
 ) -> list[int]:
     """Async form of `enqueue_many`."""
     cur = await conn.execute(
-        _many_query(schema), (run_id, orjson.dumps([e.as_json() for e in events]).decode())
+        _many_query(schema),
+        (run_id, orjson.dumps([e.as_json() for e in events]).decode()),
+        prepare=False,
     )
     row = await cur.fetchone()
     assert row is not None

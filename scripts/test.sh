@@ -18,13 +18,15 @@ fi
 
 # The skewed-clock fault scenario needs libfaketime (Debian `faketime`); the alert rules' unit
 # tests need promtool (Debian `prometheus`); the status page's browser tests need Chromium and
-# its driver (Debian `chromium`, `chromium-driver`). Best effort, as root with apt: without them
-# those tests are skipped with their reason, nothing else changes.
+# its driver (Debian `chromium`, `chromium-driver`); the PgBouncer tests need PgBouncer (Debian
+# `pgbouncer`: the tests start their own, the package's service is not used). Best effort, as
+# root with apt: without them those tests are skipped with their reason, nothing else changes.
 want_pkgs=()
 command -v faketime >/dev/null 2>&1 || want_pkgs+=(faketime)
 command -v promtool >/dev/null 2>&1 || want_pkgs+=(prometheus)
 [ -x /usr/bin/chromium ] || want_pkgs+=(chromium)
 [ -x /usr/bin/chromedriver ] || want_pkgs+=(chromium-driver)
+command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || want_pkgs+=(pgbouncer)
 if [ "${#want_pkgs[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     timeout 300 apt-get install -y -q --no-install-recommends "${want_pkgs[@]}" >/dev/null 2>&1 \
         || { timeout 120 apt-get update -q >/dev/null 2>&1 && timeout 300 apt-get install -y -q --no-install-recommends "${want_pkgs[@]}" >/dev/null 2>&1; } \
