@@ -10,7 +10,7 @@ import os
 import signal
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -23,7 +23,7 @@ import pytest
 from relay import logs
 from relay.runner import Relay
 from relay.settings import describe
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.support import count, settings, wait_for
 from tests.test_cli import RELAY, relay_env
 from tests.test_relay import enqueue_runs
@@ -78,13 +78,6 @@ def failing_login_url(pg_url: str) -> str:
 def with_userinfo(sink_url: str) -> str:
     parts = urlsplit(sink_url)
     return urlunsplit(parts._replace(netloc=f"user:{URL_PASSWORD}@{parts.netloc}"))
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 @pytest.mark.anyio

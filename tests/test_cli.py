@@ -17,7 +17,7 @@ import pytest
 from anyio.abc import Process
 
 from relay.migrate import code_version
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.support import assert_acked_only_if_received, count, q, wait_for
 from tests.test_relay import enqueue_runs
 
@@ -78,13 +78,6 @@ async def stop_all(procs: list[Process]) -> list[int]:
         for p in procs:
             codes.append(await p.wait())
     return codes
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 async def test_four_replicas_deliver_everything_in_order(

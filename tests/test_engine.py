@@ -35,7 +35,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 import relay
 from relay.engine import WakeListener, WakeWorker
 from relay.runner import Relay
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.support import count, q, settings, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -68,13 +68,6 @@ def register_sync(client: Absurd, blocker: tuple[threading.Event, threading.Even
     def block(params: dict[str, Any], ctx: TaskContext) -> Any:
         started.set()
         return release.wait(60)
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 @pytest.fixture

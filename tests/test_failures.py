@@ -5,7 +5,7 @@ and acks that fail or whose outcome is unknown."""
 from __future__ import annotations
 
 import io
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from typing import Any
@@ -18,7 +18,7 @@ import relay
 from relay import logs
 from relay.runner import Relay
 from relay.store import AckResult, Store
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.support import assert_acked_only_if_received, count, q, settings, wait_for
 from tests.test_relay import enqueue_runs
 
@@ -38,13 +38,6 @@ def log_lines() -> Iterator[LogLines]:
 
     yield read
     logs.configure("json", "warning")
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 def events_of(conn: psycopg.Connection[Any], schema: str, run_id: str) -> list[tuple[Any, ...]]:

@@ -4,7 +4,6 @@ and back; the pure decisions behind them."""
 from __future__ import annotations
 
 import gc
-from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -19,7 +18,7 @@ from relay.lane import LaneStats, LaneView
 from relay.metrics import Metrics
 from relay.progress import ListenerView, RelayView, loops_alive, stall_limit
 from relay.runner import GC_THRESHOLDS, Relay, tune_gc
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.support import q, settings, wait_for
 from tests.test_metrics import get, relay_port
 
@@ -171,13 +170,6 @@ def via(url: str, port: int) -> str:
     netloc = parts.netloc.rsplit("@", 1)
     user = netloc[0] + "@" if len(netloc) == 2 else ""
     return urlunsplit(parts._replace(netloc=f"{user}127.0.0.1:{port}"))
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 @pytest.mark.anyio

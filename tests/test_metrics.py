@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -19,18 +18,11 @@ from relay.metrics import Metrics, status_class, type_labels
 from relay.progress import ListenerView
 from relay.runner import Relay
 from relay.store import AckResult
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.support import bulk_backlog, count, q, scans, settings, wait_for
 from tests.test_relay import enqueue_runs
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 async def get(port: int, path: str) -> httpx.Response:

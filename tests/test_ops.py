@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +21,7 @@ from psycopg.rows import dict_row
 import relay
 from relay import ops
 from relay.runner import Relay
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.support import count, q, settings, wait_for
 from tests.test_relay import enqueue_runs
 
@@ -666,13 +665,6 @@ def test_cli_shows_markup_in_ids_as_text(pg_url: str, schema: str, conn: Conn) -
 
 
 # -- on a live relay ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 async def _cli_async(env: dict[str, str], *args: str) -> Any:

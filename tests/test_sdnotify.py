@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -23,7 +23,7 @@ from relay.sdnotify import (
     supervise,
     watchdog_interval,
 )
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.support import settings
 from tests.test_cli import RELAY, relay_env
 from tests.test_health import FakeRelay
@@ -76,13 +76,6 @@ def notify_socket(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[No
     s = NotifySocket(address)
     yield s
     s.close()
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 # -- pure -----------------------------------------------------------------------------------
