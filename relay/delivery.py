@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -20,7 +20,7 @@ import anyio
 
 from relay import logs
 from relay.ack import AckGroup
-from relay.ingress import Answer, IngressClient, TransportFailure, split_results
+from relay.ingress import Answer, Batch, IngressClient, TransportFailure, split_results
 from relay.policy import Ack, Decision, Pause, Poison, Retry, decide, misconfigured_backoff
 from relay.renewal import Renewer
 from relay.retries import QuickRetries
@@ -124,7 +124,7 @@ class Delivery:
         self.stats.posts += 1
         answer: Answer | TransportFailure
         try:
-            answer = await self.ingress.post(claim, events)
+            answer = await self.ingress.post(_batch(claim, events))
         except TransportFailure as exc:
             answer = exc
         return self._reply(claim, len(events), answer)
@@ -218,11 +218,11 @@ class Delivery:
         self.stats.posts += 1
         answer: Answer | TransportFailure
         try:
-            answer = await self.ingress.post_group(group)
+            answer = await self.ingress.post_group([_batch(c, c.events) for c in group])
         except TransportFailure as exc:
             answer = exc
         if isinstance(answer, Answer) and 200 <= answer.status < 300:
-            per_run = split_results(answer, group)
+            per_run = split_results(answer, [c.run_id for c in group])
             whole = False
         else:
             per_run = {c.run_id: answer for c in group}  # the whole request failed
@@ -431,6 +431,11 @@ class Delivery:
             last_seq=claim.last_seq,
             where=where,
         )
+
+
+def _batch(claim: Claim, events: Sequence[ClaimedEvent]) -> Batch:
+    """What the ingress client sends of a claim (it never sees the lease)."""
+    return Batch(claim.run_id, claim.epoch, events, claim.database_time(anyio.current_time()))
 
 
 def _accepted_whole(reply: Reply, n_events: int) -> bool:

@@ -6,6 +6,9 @@ signs them when a Standard Webhooks secret is configured, never follows redirect
 most `MAX_BODY` bytes of the answer, and bounds the whole request with one deadline (httpx's
 timeouts, and aiohttp's, are per phase: a slow-drip server could otherwise hold a request open
 forever).
+
+The client sends plain request values (`Batch`: a run's id, epoch and events, and the database's
+clock as it goes out): it never sees a lease, and imports nothing from relay/store.py.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime
+from typing import Protocol
 from urllib.parse import quote, unquote_to_bytes
 
 import anyio
@@ -27,7 +31,6 @@ import orjson
 
 from relay import __version__
 from relay.settings import Secret, Settings
-from relay.store import Claim, ClaimedEvent
 
 # The senders' shared contract lives in relay/transport.py (so relay/http_aiohttp.py never
 # imports this module); re-exported here, where callers have always found it.
@@ -47,6 +50,36 @@ class Answer:
     truncated: bool = False  # the answer went on past MAX_BODY: `body` is cut
 
 
+class Event(Protocol):
+    """An event as its POST carries it (relay.store.ClaimedEvent is one)."""
+
+    @property
+    def seq(self) -> int: ...
+    @property
+    def event_id(self) -> str: ...
+    @property
+    def event_type(self) -> str: ...
+    @property
+    def payload(self) -> str: ...  # JSON text, embedded as it is
+    @property
+    def terminal(self) -> bool: ...
+    @property
+    def created_at(self) -> datetime: ...
+    @property
+    def traceparent(self) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One run's batch as a POST carries it (DESIGN §5): the request value this client sends.
+    The lease it was claimed under stays with the caller, who builds it (relay/delivery.py)."""
+
+    run_id: str
+    epoch: int
+    events: Sequence[Event]  # at least one, in seq order
+    timestamp: datetime  # the database's clock as the POST goes out: `webhook-timestamp`
+
+
 def render_url(template: str, run_id: str) -> str:
     # safe="" encodes '/' too: a run id can never change the path. quote() leaves '.' alone,
     # and httpx removes "." and ".." segments (RFC 3986 dot-segment removal), so an id made
@@ -57,11 +90,11 @@ def render_url(template: str, run_id: str) -> str:
     return template.replace("{run_id}", segment)
 
 
-def encode_body(claim: Claim, events: Sequence[ClaimedEvent]) -> bytes:
+def encode_body(batch: Batch) -> bytes:
     return orjson.dumps(
         {
-            "run_id": claim.run_id,
-            "epoch": claim.epoch,
+            "run_id": batch.run_id,
+            "epoch": batch.epoch,
             "events": [
                 {
                     "event_id": e.event_id,
@@ -71,16 +104,16 @@ def encode_body(claim: Claim, events: Sequence[ClaimedEvent]) -> bytes:
                     "payload": orjson.Fragment(e.payload),
                     "created_at": e.created_at,
                 }
-                for e in events
+                for e in batch.events
             ],
         },
         option=orjson.OPT_NAIVE_UTC,  # created_at comes from the database naive, in UTC
     )
 
 
-def webhook_id(claim: Claim, events: Sequence[ClaimedEvent]) -> str:
+def webhook_id(batch: Batch) -> str:
     """Stable across retries of the same batch: the same run and seq range give the same id."""
-    key = f"{claim.run_id}\x1f{events[0].seq}\x1f{events[-1].seq}".encode()
+    key = f"{batch.run_id}\x1f{batch.events[0].seq}\x1f{batch.events[-1].seq}".encode()
     return "msg_" + hashlib.sha256(key).hexdigest()[:32]
 
 
@@ -163,20 +196,20 @@ class IngressClient:
         self.on_request = on_request  # metrics (relay/metrics.py): status class and duration
         self.deadlines = Deadlines()
 
-    def headers(self, claim: Claim, events: Sequence[ClaimedEvent], body: bytes) -> dict[str, str]:
-        tp = events[0].traceparent
-        return self._headers(body, claim, claim.epoch, tp, lambda: webhook_id(claim, events))
+    def headers(self, batch: Batch, body: bytes) -> dict[str, str]:
+        tp = batch.events[0].traceparent
+        return self._headers(body, batch, batch.epoch, tp, lambda: webhook_id(batch))
 
-    def group_headers(self, claims: Sequence[Claim], body: bytes) -> dict[str, str]:
+    def group_headers(self, batches: Sequence[Batch], body: bytes) -> dict[str, str]:
         """A multi-run POST's: each run's epoch is in the body; the trace is the first run's
-        that has one; the signature's timestamp is the first claim's."""
-        tp = next((c.events[0].traceparent for c in claims if c.events[0].traceparent), None)
-        return self._headers(body, claims[0], None, tp, lambda: group_webhook_id(claims))
+        that has one; the signature's timestamp is the first batch's."""
+        tp = next((b.events[0].traceparent for b in batches if b.events[0].traceparent), None)
+        return self._headers(body, batches[0], None, tp, lambda: group_webhook_id(batches))
 
     def _headers(
         self,
         body: bytes,
-        claim: Claim,
+        first: Batch,
         epoch: int | None,
         traceparent: str | None,
         msg_id: Callable[[], str],
@@ -190,26 +223,23 @@ class IngressClient:
         if traceparent:
             h["traceparent"] = traceparent
         if self.settings.signing_secret:
-            # The database clock: the claim's timestamp plus the time held since, on our
-            # monotonic clock.
-            held = anyio.current_time() - claim.trust.started
-            ts = int((claim.claimed_at + timedelta(seconds=max(0.0, held))).timestamp())
+            ts = int(first.timestamp.timestamp())
             h["webhook-id"] = msg_id()
             h["webhook-timestamp"] = str(ts)
             h["webhook-signature"] = sign(self.settings.signing_secret, h["webhook-id"], ts, body)
         return h
 
-    async def post(self, claim: Claim, events: Sequence[ClaimedEvent]) -> Answer:
-        body = encode_body(claim, events)
-        url = render_url(self.settings.ingress_url, claim.run_id)
-        return await self._send(url, body, self.headers(claim, events, body))
+    async def post(self, batch: Batch) -> Answer:
+        body = encode_body(batch)
+        url = render_url(self.settings.ingress_url, batch.run_id)
+        return await self._send(url, body, self.headers(batch, body))
 
-    async def post_group(self, claims: Sequence[Claim]) -> Answer:
+    async def post_group(self, batches: Sequence[Batch]) -> Answer:
         """One POST carrying several runs' batches to `ingress_batch_url` (DESIGN §5)."""
         assert self.settings.ingress_batch_url is not None
-        body = encode_group(claims)
+        body = encode_group(batches)
         return await self._send(
-            self.settings.ingress_batch_url, body, self.group_headers(claims, body)
+            self.settings.ingress_batch_url, body, self.group_headers(batches, body)
         )
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
@@ -254,17 +284,19 @@ def _basic_auth(url: httpx.URL) -> str:
     return "Basic " + base64.b64encode(raw).decode()
 
 
-def encode_group(claims: Sequence[Claim]) -> bytes:
+def encode_group(batches: Sequence[Batch]) -> bytes:
     """The multi-run body of `ingress_batch_url`: `{"batches": [<one run's body>, ...]}`."""
-    return b'{"batches":[' + b",".join(encode_body(c, c.events) for c in claims) + b"]}"
+    return b'{"batches":[' + b",".join(encode_body(b) for b in batches) + b"]}"
 
 
-def group_webhook_id(claims: Sequence[Claim]) -> str:
-    key = "\x1e".join(f"{c.run_id}\x1f{c.first_seq}\x1f{c.last_seq}" for c in claims).encode()
+def group_webhook_id(batches: Sequence[Batch]) -> str:
+    key = "\x1e".join(
+        f"{b.run_id}\x1f{b.events[0].seq}\x1f{b.events[-1].seq}" for b in batches
+    ).encode()
     return "msg_" + hashlib.sha256(key).hexdigest()[:32]
 
 
-def split_results(answer: Answer, claims: Sequence[Claim]) -> dict[str, Answer | TransportFailure]:
+def split_results(answer: Answer, run_ids: Sequence[str]) -> dict[str, Answer | TransportFailure]:
     """Per-run answers from a 2xx multi-run reply `{"results": [{"run_id", "status",
     "accepted"?}, ...]}`; a run the reply does not mention was not answered (transient)."""
     out: dict[str, Answer | TransportFailure] = {}
@@ -273,7 +305,7 @@ def split_results(answer: Answer, claims: Sequence[Claim]) -> dict[str, Answer |
         results = parsed.get("results") if isinstance(parsed, dict) else None
     except orjson.JSONDecodeError:
         results = None
-    wanted = {c.run_id for c in claims}
+    wanted = set(run_ids)
     for item in results if isinstance(results, list) else []:
         if not isinstance(item, dict):
             continue
@@ -288,9 +320,9 @@ def split_results(answer: Answer, claims: Sequence[Claim]) -> dict[str, Answer |
         elif "rejected_event_id" in item:
             body = orjson.dumps({"rejected_event_id": item["rejected_event_id"]})
         out[run_id] = Answer(status, body, None, answer.seconds)
-    for c in claims:
-        if c.run_id not in out:
-            out[c.run_id] = TransportFailure("the multi-run reply had no result for this run")
+    for run_id in run_ids:
+        if run_id not in out:
+            out[run_id] = TransportFailure("the multi-run reply had no result for this run")
     return out
 
 

@@ -18,7 +18,7 @@ import uuid
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 import anyio
@@ -112,6 +112,13 @@ class Claim:
     @property
     def last_seq(self) -> int:
         return self.events[-1].seq
+
+    def database_time(self, now: float) -> datetime:
+        """The database's clock at `now` (this process's monotonic clock), as a POST's
+        `webhook-timestamp` carries it: the claim's timestamp plus the time held since its trust
+        window started. That start moves with each renewal and `claimed_at` does not, so after
+        a renewal this lags the database's clock by the time held before it (never ahead)."""
+        return self.claimed_at + timedelta(seconds=max(0.0, now - self.trust.started))
 
 
 @dataclass(frozen=True, slots=True)

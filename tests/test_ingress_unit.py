@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
@@ -26,6 +25,7 @@ from relay.http_httpx import HttpxSender
 from relay.ingress import (
     MAX_BODY,
     USER_AGENT,
+    Batch,
     IngressClient,
     TransportFailure,
     encode_body,
@@ -35,9 +35,8 @@ from relay.ingress import (
     sign,
     webhook_id,
 )
-from relay.policy import Trust
 from relay.settings import Secret, Settings, load
-from relay.store import Claim, ClaimedEvent
+from relay.store import ClaimedEvent
 
 TEMPLATE = "https://ingress.internal/runs/{run_id}/events"
 CLAIMED_AT = datetime(2024, 5, 17, 12, 0, 0, tzinfo=UTC)
@@ -65,23 +64,14 @@ def event(
     )
 
 
-def claim(
+def batch(
     run_id: str = "run-1",
     events: list[ClaimedEvent] | None = None,
     *,
     epoch: int = 3,
-    started: float = 0.0,
-) -> Claim:
-    return Claim(
-        run_id=run_id,
-        epoch=epoch,
-        token=uuid.uuid4(),
-        attempts=0,
-        critical=False,
-        claimed_at=CLAIMED_AT,
-        trust=Trust(started=started, ttl=30.0, margin=6.0),
-        events=events if events is not None else [event(1), event(2)],
-    )
+    timestamp: datetime = CLAIMED_AT,
+) -> Batch:
+    return Batch(run_id, epoch, events if events is not None else [event(1), event(2)], timestamp)
 
 
 def settings(**env: str) -> Settings:
@@ -196,8 +186,8 @@ def test_render_url_fills_every_placeholder() -> None:
 
 def test_body_has_the_design_shape_in_seq_order() -> None:
     events = [event(5), event(6), event(7, terminal=True, event_type="run.completed")]
-    c = claim("run-9", events, epoch=12)
-    body = orjson.loads(encode_body(c, events))
+    c = batch("run-9", events, epoch=12)
+    body = orjson.loads(encode_body(c))
     assert list(body) == ["run_id", "epoch", "events"]
     assert body["run_id"] == "run-9"
     assert body["epoch"] == 12
@@ -217,7 +207,7 @@ def test_a_naive_created_at_is_sent_as_utc() -> None:
     load into the session's zone): the body still carries it with its offset, +00:00."""
     naive = datetime(2026, 12, 2, 12, 56, 42, 450426)
     events = [event(1)._replace(created_at=naive)]
-    body = orjson.loads(encode_body(claim(events=events), events))
+    body = orjson.loads(encode_body(batch(events=events)))
     assert body["events"][0]["created_at"] == "2026-12-02T12:56:42.450426+00:00"
 
 
@@ -234,29 +224,30 @@ def test_a_naive_created_at_is_sent_as_utc() -> None:
 )
 def test_payload_is_embedded_verbatim(payload: str) -> None:
     events = [event(1, payload=payload)]
-    body = encode_body(claim(events=events), events)
+    body = encode_body(batch(events=events))
     assert b'"payload":' + payload.encode() + b',"created_at"' in body
 
 
 def test_body_is_stable_for_a_retry() -> None:
     events = [event(1), event(2)]
-    assert encode_body(claim(events=events), events) == encode_body(claim(events=events), events)
+    assert encode_body(batch(events=events)) == encode_body(batch(events=events))
 
 
 def test_body_run_id_is_plain_json_text() -> None:
     run_id = 'a/"b"\\\n\x00é'
     events = [event(1)]
-    assert orjson.loads(encode_body(claim(run_id, events), events))["run_id"] == run_id
+    assert orjson.loads(encode_body(batch(run_id, events)))["run_id"] == run_id
 
 
 # --- webhook_id ---------------------------------------------------------------------------------
 
 
 def test_webhook_id_is_stable_across_retries_of_the_same_batch() -> None:
-    a = claim("run-1", [event(3), event(4)], epoch=1)
-    b = claim("run-1", [event(3, payload='{"x": 2}'), event(4)], epoch=2, started=99.0)
-    assert webhook_id(a, a.events) == webhook_id(b, b.events)
-    assert webhook_id(a, a.events).startswith("msg_")
+    a = batch("run-1", [event(3), event(4)], epoch=1)
+    later = CLAIMED_AT + timedelta(seconds=99)
+    b = batch("run-1", [event(3, payload='{"x": 2}'), event(4)], epoch=2, timestamp=later)
+    assert webhook_id(a) == webhook_id(b)
+    assert webhook_id(a).startswith("msg_")
 
 
 @pytest.mark.parametrize(
@@ -264,9 +255,9 @@ def test_webhook_id_is_stable_across_retries_of_the_same_batch() -> None:
     [("run-2", [3, 4]), ("run-1", [3]), ("run-1", [4]), ("run-1", [2, 4]), ("run-1", [3, 5])],
 )
 def test_webhook_id_differs_for_another_run_or_seq_range(run_id: str, seqs: list[int]) -> None:
-    base = claim("run-1", [event(3), event(4)])
-    other = claim(run_id, [event(s) for s in seqs])
-    assert webhook_id(other, other.events) != webhook_id(base, base.events)
+    base = batch("run-1", [event(3), event(4)])
+    other = batch(run_id, [event(s) for s in seqs])
+    assert webhook_id(other) != webhook_id(base)
 
 
 @hsettings(deadline=None)  # no wall-clock threshold: the machine may be busy
@@ -279,9 +270,9 @@ def test_webhook_id_is_injective(
     b: tuple[str, int, int],
 ) -> None:
     # Separators inside run ids ("\x1f") must not make two batches share an id.
-    ca = claim(a[0], [event(a[1]), event(a[2])])
-    cb = claim(b[0], [event(b[1]), event(b[2])])
-    assert (webhook_id(ca, ca.events) == webhook_id(cb, cb.events)) == (a == b)
+    ca = batch(a[0], [event(a[1]), event(a[2])])
+    cb = batch(b[0], [event(b[1]), event(b[2])])
+    assert (webhook_id(ca) == webhook_id(cb)) == (a == b)
 
 
 # --- sign: Standard Webhooks --------------------------------------------------------------------
@@ -339,8 +330,8 @@ async def test_headers_minimal() -> None:
     async with mock() as http:
         client = IngressClient(settings(), http)
         events = [event(1), event(2, traceparent=TRACEPARENT)]
-        c = claim(events=events, epoch=41)
-        h = client.headers(c, events, encode_body(c, events))
+        c = batch(events=events, epoch=41)
+        h = client.headers(c, encode_body(c))
     assert h == {
         "content-type": "application/json",
         "user-agent": f"ledger-relay/{__version__}",
@@ -355,15 +346,13 @@ async def test_headers_with_token_traceparent_and_signature() -> None:
             settings(RELAY_INGRESS_TOKEN="tok-123", RELAY_SIGNING_SECRET=WHSEC), http
         )
         events = [event(1, traceparent=TRACEPARENT), event(2)]
-        # The claim's trust window starts in the future of the monotonic clock: no time has
-        # been held, so the timestamp is exactly the claim's database time.
-        c = claim(events=events, epoch=2, started=anyio.current_time() + 3600.0)
-        body = encode_body(c, events)
-        h = client.headers(c, events, body)
+        c = batch(events=events, epoch=2)
+        body = encode_body(c)
+        h = client.headers(c, body)
     assert h["authorization"] == "Bearer tok-123"
     assert h["traceparent"] == TRACEPARENT
     assert h["relay-lease-epoch"] == "2"
-    assert h["webhook-id"] == webhook_id(c, events)
+    assert h["webhook-id"] == webhook_id(c)
     ts = int(CLAIMED_AT.timestamp())
     assert h["webhook-timestamp"] == str(ts)
     assert h["webhook-signature"] == sign([Secret(WHSEC)], h["webhook-id"], ts, body)
@@ -373,13 +362,14 @@ async def test_headers_with_token_traceparent_and_signature() -> None:
 
 
 @pytest.mark.anyio
-async def test_webhook_timestamp_advances_with_the_time_held() -> None:
+async def test_webhook_timestamp_is_the_batch_s_database_time() -> None:
+    """The caller says what the database's clock reads (relay.store.Claim.database_time): the
+    client signs that, and never reads a lease."""
     async with mock() as http:
         client = IngressClient(settings(RELAY_SIGNING_SECRET=WHSEC), http)
-        events = [event(1)]
-        c = claim(events=events, started=anyio.current_time() - 120.0)
-        h = client.headers(c, events, encode_body(c, events))
-    assert int(h["webhook-timestamp"]) >= int(CLAIMED_AT.timestamp()) + 120
+        c = batch(events=[event(1)], timestamp=CLAIMED_AT + timedelta(seconds=120.9))
+        h = client.headers(c, encode_body(c))
+    assert h["webhook-timestamp"] == str(int(CLAIMED_AT.timestamp()) + 120)
 
 
 @pytest.mark.anyio
@@ -387,8 +377,8 @@ async def test_headers_token_only() -> None:
     async with mock() as http:
         client = IngressClient(settings(RELAY_INGRESS_TOKEN="tok-123"), http)
         events = [event(1)]
-        c = claim(events=events)
-        h = client.headers(c, events, encode_body(c, events))
+        c = batch(events=events)
+        h = client.headers(c, encode_body(c))
     assert h["authorization"] == "Bearer tok-123"
     assert not any(k.startswith("webhook-") for k in h)
 
@@ -408,15 +398,15 @@ async def test_post_sends_the_rendered_url_body_and_headers() -> None:
     async with mock(handler) as http:
         client = IngressClient(settings(RELAY_INGRESS_TOKEN="tok-123"), http)
         events = [event(1), event(2)]
-        c = claim("..", events)
-        answer = await client.post(c, events)
+        c = batch("..", events)
+        answer = await client.post(c)
     assert answer.status == 200
     assert orjson.loads(answer.body) == {"accepted": 1}
     assert answer.retry_after == "5"
     (request,) = seen
     assert request.method == "POST"
     assert request.url.raw_path == b"/runs/%2E%2E/events"
-    assert request.content == encode_body(c, events)
+    assert request.content == encode_body(c)
     assert request.headers["authorization"] == "Bearer tok-123"
     assert request.headers["relay-lease-epoch"] == "3"
 
@@ -436,7 +426,7 @@ async def test_url_userinfo_becomes_basic_auth_unless_a_token_is_set(token: str 
     async with mock(handler) as http:
         client = IngressClient(settings(**env), http)
         events = [event(1)]
-        assert (await client.post(claim(events=events), events)).status == 200
+        assert (await client.post(batch(events=events))).status == 200
     (request,) = seen
     assert request.url.userinfo == b""  # never in the URL sent
     expected = "Bearer tok-123" if token else "Basic " + base64.b64encode(b"us@er:p:ss").decode()
@@ -468,7 +458,7 @@ async def test_post_reads_at_most_max_body(streamed: bool) -> None:
     async with mock(handler) as http:
         client = IngressClient(settings(), http)
         events = [event(1)]
-        answer = await client.post(claim(events=events), events)
+        answer = await client.post(batch(events=events))
     assert answer.status == 400
     assert len(answer.body) == MAX_BODY
     if streamed:
@@ -493,7 +483,7 @@ async def test_an_app_owned_transport_is_taken_as_is_and_left_open() -> None:
     transport = Transport(handler)
     client = IngressClient(settings(), transport)
     events = [event(1)]
-    assert (await client.post(claim(events=events), events)).status == 200
+    assert (await client.post(batch(events=events))).status == 200
     await client.sender.aclose()
     (request,) = seen
     assert request.headers["host"] == "ingress.internal"
@@ -521,27 +511,27 @@ async def test_post_group_sends_the_same_headers_as_a_single_run_post_but_the_ep
     env = {"RELAY_INGRESS_BATCH_URL": BATCH_URL, "RELAY_INGRESS_TOKEN": "tok-123"}
     if signed:
         env["RELAY_SIGNING_SECRET"] = WHSEC
-    later = anyio.current_time() + 3600.0  # no time held: the claim's database time
-    claims = [
-        claim("a", [event(1)], started=later),
-        claim("b", [event(1, traceparent=TRACEPARENT), event(2)], started=later),
+    later = CLAIMED_AT + timedelta(seconds=7)  # the second batch's: the first one's counts
+    batches = [
+        batch("a", [event(1)]),
+        batch("b", [event(1, traceparent=TRACEPARENT), event(2)], timestamp=later),
     ]
     async with mock(handler) as http:
-        answer = await IngressClient(settings(**env), http).post_group(claims)
+        answer = await IngressClient(settings(**env), http).post_group(batches)
     assert answer.status == 200
     (request,) = seen
     assert str(request.url) == BATCH_URL
-    body = encode_group(claims)
+    body = encode_group(batches)
     assert request.content == body
     h = request.headers
     assert h["content-type"] == "application/json"
     assert h["user-agent"] == USER_AGENT
     assert h["authorization"] == "Bearer tok-123"
-    assert h["traceparent"] == TRACEPARENT  # the first claim that carries one
+    assert h["traceparent"] == TRACEPARENT  # the first batch that carries one
     assert "relay-lease-epoch" not in h  # one per run, in the body
     if signed:
         ts = int(CLAIMED_AT.timestamp())
-        assert h["webhook-id"] == group_webhook_id(claims)
+        assert h["webhook-id"] == group_webhook_id(batches)
         assert h["webhook-timestamp"] == str(ts)
         assert h["webhook-signature"] == sign([Secret(WHSEC)], h["webhook-id"], ts, body)
     else:
@@ -585,8 +575,8 @@ async def test_every_post_is_observed_once_single_and_multi_run() -> None:
     async with mock(handler) as http:
         client = IngressClient(cfg, http, on_request=lambda s, t: seen.append((s, t)))
         events = [event(1)]
-        single = await client.post(claim(events=events), events)
-        group = await client.post_group([claim("a", [event(1)]), claim("b", [event(1)])])
+        single = await client.post(batch(events=events))
+        group = await client.post_group([batch("a", [event(1)]), batch("b", [event(1)])])
     assert [status for status, _ in seen] == [200, 503]
     assert [seconds for _, seconds in seen] == [single.seconds, group.seconds]
 
@@ -597,12 +587,12 @@ async def test_a_post_without_an_answer_is_observed_as_none() -> None:
     events = [event(1)]
     refusing = IngressClient(settings(), _Refusing(), on_request=lambda s, t: seen.append((s, t)))
     with pytest.raises(TransportFailure, match="refused"):
-        await refusing.post(claim(events=events), events)
+        await refusing.post(batch(events=events))
     hanging = IngressClient(
         settings(RELAY_HTTP_TIMEOUT="0.05"), _Hanging(), on_request=lambda s, t: seen.append((s, t))
     )
     with pytest.raises(TransportFailure, match="timed out"):
-        await hanging.post(claim(events=events), events)
+        await hanging.post(batch(events=events))
     assert [status for status, _ in seen] == [None, None]
     assert seen[1][1] >= 0.05
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -21,9 +20,8 @@ import orjson
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from relay.ingress import IngressClient, open_sender
-from relay.policy import Trust
-from relay.store import CONNECT_KWARGS, Claim, ClaimedEvent, Store
+from relay.ingress import Batch, IngressClient, open_sender
+from relay.store import CONNECT_KWARGS, ClaimedEvent, Store
 from relay.tools.bench.kit import (
     BenchFailed,
     Env,
@@ -121,14 +119,12 @@ async def db_limit(env: Env, a: argparse.Namespace) -> Result:
     )
 
 
-def _fake_claims(n_runs: int, per_run: int, tag: str) -> list[Claim]:
+def _fake_batches(n_runs: int, per_run: int, tag: str) -> list[Batch]:
     now = datetime.now(UTC)
-    trust = Trust(started=anyio.current_time(), ttl=30.0, margin=3.0)
-    claims = []
+    batches = []
     for r in range(n_runs):
         run = f"h{tag}-{r}"
-        c = Claim(run, 1, uuid.uuid4(), 0, False, now, trust)
-        c.events = [
+        events = [
             ClaimedEvent(
                 i,
                 f"{run}-{i}",
@@ -141,8 +137,8 @@ def _fake_claims(n_runs: int, per_run: int, tag: str) -> list[Claim]:
             )
             for i in range(1, per_run + 1)
         ]
-        claims.append(c)
-    return claims
+        batches.append(Batch(run, 1, events, now))
+    return batches
 
 
 async def http_limit(env: Env, a: argparse.Namespace) -> Result:
@@ -153,19 +149,19 @@ async def http_limit(env: Env, a: argparse.Namespace) -> Result:
     rates = []
     for rep in range(a.reps):
         await reset(env)
-        claims = _fake_claims(a.limit_runs, a.e2e_per_run, str(rep))
-        it = iter(claims)
+        batches = _fake_batches(a.limit_runs, a.e2e_per_run, str(rep))
+        it = iter(batches)
         done = 0
         async with open_sender(s, s.concurrency) as http:
             client = IngressClient(s, http)
 
-            async def loop(client: IngressClient, it: Iterator[Claim]) -> None:
+            async def loop(client: IngressClient, it: Iterator[Batch]) -> None:
                 nonlocal done
-                for c in it:
-                    answer = await client.post(c, c.events)
+                for b in it:
+                    answer = await client.post(b)
                     if answer.status != 200:
                         raise BenchFailed(f"http_limit: the sink answered {answer.status}")
-                    done += len(c.events)
+                    done += len(b.events)
 
             with env.console.status(f"http_limit_eps: rep {rep + 1}/{a.reps}"):
                 started = time.monotonic()
