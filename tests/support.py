@@ -1,8 +1,10 @@
-"""Helpers shared by the integration tests: settings, waiting on conditions, bulk backlogs."""
+"""Helpers shared by the integration tests: settings, waiting on conditions, bulk backlogs, the
+SQL API's tables as snapshots, and notifications read up to a sentinel."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -56,6 +58,61 @@ async def wait_for(
 def q(schema: str, text: str) -> sql.Composed:
     """`text` with `{s}` replaced by the quoted schema."""
     return sql.SQL(text).format(s=sql.Identifier(schema))
+
+
+def fn(schema: str, name: str) -> sql.Identifier:
+    """A function or table of the relay's schema, quoted."""
+    return sql.Identifier(schema, name)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """`wait_for` for synchronous tests: poll `predicate` until it holds or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        time.sleep(0.005)
+
+
+def snapshot(conn: psycopg.Connection[Any], schema: str) -> dict[str, list[str]]:
+    """Every row of the tables the SQL API writes (events, runs, run_seqs), in full: equal
+    snapshots before and after a call that was refused mean it wrote nothing."""
+    out = {}
+    for table, order in (("events", "run_id, seq"), ("runs", "run_id"), ("run_seqs", "run_id")):
+        out[table] = [
+            r[0]
+            for r in conn.execute(
+                sql.SQL("select to_jsonb(t)::text from {} t order by {}").format(
+                    fn(schema, table), sql.SQL(order)
+                )
+            ).fetchall()
+        ]
+    return out
+
+
+class Inbox:
+    """Notifications received by `listener`, read up to a sentinel so that "nothing was sent"
+    is checked without waiting for a timeout: notifications arrive in commit order, so anything
+    committed before the sentinel arrives before it."""
+
+    def __init__(self, listener: psycopg.Connection[Any], sender: psycopg.Connection[Any]):
+        self.listener = listener
+        self.sender = sender
+        self.sentinel_channel = f"sentinel_{uuid.uuid4().hex[:8]}"
+        self.listen(self.sentinel_channel)
+
+    def listen(self, channel: str) -> None:
+        self.listener.execute(sql.SQL("listen {}").format(sql.Identifier(channel)))
+
+    def received(self) -> list[tuple[str, str]]:
+        mark = uuid.uuid4().hex
+        self.sender.execute("select pg_notify(%s, %s)", (self.sentinel_channel, mark))
+        got: list[tuple[str, str]] = []
+        for n in self.listener.notifies(timeout=10):
+            if n.channel == self.sentinel_channel and n.payload == mark:
+                return got
+            got.append((n.channel, n.payload))
+        raise AssertionError(f"sentinel not received; got {got}")
 
 
 def count(conn: psycopg.Connection[Any], schema: str, where: str = "true") -> int:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -17,6 +15,7 @@ from psycopg.types.json import Jsonb
 
 import relay
 from relay import Event
+from tests.support import Inbox, fn, snapshot, wait_until
 
 SQL_NULL = object()  # a payload argument passed as SQL NULL (not JSON null)
 
@@ -25,10 +24,6 @@ def _jsonb(value: Any) -> Jsonb | None:
     if value is SQL_NULL:
         return None
     return value if isinstance(value, Jsonb) else Jsonb(value)
-
-
-def fn(schema: str, name: str) -> sql.Identifier:
-    return sql.Identifier(schema, name)
 
 
 def enq(
@@ -74,21 +69,6 @@ def enq_many(conn: psycopg.Connection[Any], schema: str, run_id: str, events: An
     return [int(s) for s in row[0]]
 
 
-def snapshot(conn: psycopg.Connection[Any], schema: str) -> dict[str, list[str]]:
-    """Every row the producer API may write, in full."""
-    out = {}
-    for table, order in (("events", "run_id, seq"), ("runs", "run_id"), ("run_seqs", "run_id")):
-        out[table] = [
-            r[0]
-            for r in conn.execute(
-                sql.SQL("select to_jsonb(t)::text from {} t order by {}").format(
-                    fn(schema, table), sql.SQL(order)
-                )
-            ).fetchall()
-        ]
-    return out
-
-
 def events_of(conn: psycopg.Connection[Any], schema: str, run_id: str) -> list[tuple[int, str]]:
     return [
         (int(s), e)
@@ -109,14 +89,6 @@ def set_setting(conn: psycopg.Connection[Any], schema: str, key: str, value: str
     assert cur.rowcount == 1
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.005)
-
-
 @pytest.fixture
 def conn2(pg_url: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(pg_url, autocommit=True) as c:
@@ -127,31 +99,6 @@ def conn2(pg_url: str) -> Iterator[psycopg.Connection[Any]]:
 def listener(pg_url: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(pg_url, autocommit=True) as c:
         yield c
-
-
-class Inbox:
-    """Notifications received by `listener`, read up to a sentinel so that "nothing was sent"
-    is checked without waiting for a timeout: notifications arrive in commit order, so anything
-    committed before the sentinel arrives before it."""
-
-    def __init__(self, listener: psycopg.Connection[Any], sender: psycopg.Connection[Any]):
-        self.listener = listener
-        self.sender = sender
-        self.sentinel_channel = f"sentinel_{uuid.uuid4().hex[:8]}"
-        self.listen(self.sentinel_channel)
-
-    def listen(self, channel: str) -> None:
-        self.listener.execute(sql.SQL("listen {}").format(sql.Identifier(channel)))
-
-    def received(self) -> list[tuple[str, str]]:
-        token = uuid.uuid4().hex
-        self.sender.execute("select pg_notify(%s, %s)", (self.sentinel_channel, token))
-        got: list[tuple[str, str]] = []
-        for n in self.listener.notifies(timeout=10):
-            if n.channel == self.sentinel_channel and n.payload == token:
-                return got
-            got.append((n.channel, n.payload))
-        raise AssertionError(f"sentinel not received; got {got}")
 
 
 @pytest.fixture

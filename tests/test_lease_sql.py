@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
@@ -19,16 +18,12 @@ from psycopg import errors, sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from tests.support import scans
+from tests.support import Inbox, fn, scans, snapshot, wait_until
 
 Row = dict[str, Any]
 
 
 # --- helpers ----------------------------------------------------------------------------------
-
-
-def fn(schema: str, name: str) -> sql.Identifier:
-    return sql.Identifier(schema, name)
 
 
 def enq(
@@ -103,20 +98,6 @@ def call(
     ).fetchall()
 
 
-def snapshot(conn: psycopg.Connection[Any], schema: str) -> dict[str, list[str]]:
-    out = {}
-    for table, order in (("runs", "run_id"), ("events", "run_id, seq"), ("run_seqs", "run_id")):
-        out[table] = [
-            r[0]
-            for r in conn.execute(
-                sql.SQL("select to_jsonb(t)::text from {} t order by {}").format(
-                    fn(schema, table), sql.SQL(order)
-                )
-            ).fetchall()
-        ]
-    return out
-
-
 def run_row(conn: psycopg.Connection[Any], schema: str, run_id: str) -> Row:
     with conn.cursor(row_factory=dict_row) as cur:
         row = cur.execute(
@@ -149,14 +130,6 @@ def engine_events(conn: psycopg.Connection[Any], queue: str) -> dict[str, Any]:
     )
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        time.sleep(0.005)
-
-
 def wait_db_clock_past(conn: psycopg.Connection[Any], moment: datetime) -> None:
     """Lease times are on the database clock: wait until it has passed `moment`."""
 
@@ -175,30 +148,6 @@ def wait_lease_expired(conn: psycopg.Connection[Any], schema: str, run_id: str) 
 
 def wait_due(conn: psycopg.Connection[Any], schema: str, run_id: str) -> None:
     wait_db_clock_past(conn, run_row(conn, schema, run_id)["next_attempt_at"])
-
-
-class Inbox:
-    """Notifications up to a sentinel (they arrive in commit order), so "nothing was sent" is
-    checked without waiting for a timeout."""
-
-    def __init__(self, listener: psycopg.Connection[Any], sender: psycopg.Connection[Any]):
-        self.listener = listener
-        self.sender = sender
-        self.sentinel_channel = f"sentinel_{uuid.uuid4().hex[:8]}"
-        self.listen(self.sentinel_channel)
-
-    def listen(self, channel: str) -> None:
-        self.listener.execute(sql.SQL("listen {}").format(sql.Identifier(channel)))
-
-    def received(self) -> list[tuple[str, str]]:
-        mark = uuid.uuid4().hex
-        self.sender.execute("select pg_notify(%s, %s)", (self.sentinel_channel, mark))
-        got: list[tuple[str, str]] = []
-        for n in self.listener.notifies(timeout=10):
-            if n.channel == self.sentinel_channel and n.payload == mark:
-                return got
-            got.append((n.channel, n.payload))
-        raise AssertionError(f"sentinel not received; got {got}")
 
 
 @pytest.fixture
