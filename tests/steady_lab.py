@@ -50,6 +50,12 @@ class SteadyLab(Lab):
                 self.pg.url, autocommit=True, application_name="relay-steady-producer"
             )
         async with conn.transaction():
-            await relay.enqueue_many_async(conn, run_id, events, schema=self.schema)
+            await self.enqueue_many(conn, run_id, events)
         self.sent.update(e.event_id for e in events)
         return conn
+
+    async def enqueue_many(
+        self, conn: psycopg.AsyncConnection[Any], run_id: str, events: list[relay.Event]
+    ) -> None:
+        """The producer's call: this checkout's helper."""
+        await relay.enqueue_many_async(conn, run_id, events, schema=self.schema)
