@@ -42,8 +42,9 @@ from relay.migrate import read_version, version_problem
 from relay.progress import RelayView, loops_alive, stall_limit
 from relay.serving import serve_listeners
 from relay.settings import Settings
-from relay.ui.data import Data
-from relay.ui.web import Request, Response, StatusPage
+from relay.ui.data import Backlog, Data
+from relay.ui.pool import PagePool
+from relay.ui.web import Request, Response, StatusPage, serves_without_token
 
 if TYPE_CHECKING:
     from relay.metrics import Metrics
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
 # /readyz turns not-ready within about two seconds of losing the database (and back as soon).
 READY_PROBE_INTERVAL = 1.0
 READY_PROBE_DEADLINE = 1.0
+# The longest the replica report waits for the LISTEN connection (its check_interval,
+# relay/listener.py), on top of the statement deadline.
+LISTEN_WAIT = 5.0
 
 
 # -- pure decisions ---------------------------------------------------------------------------
@@ -114,15 +118,17 @@ class Endpoints:
         self.probes = 0
         self.refresh_took = 0.0  # the last backlog refresh's duration (refresh_gap)
         self.port = 0
+        # The status page reads on a connection of its own, never the delivery pools (issue 32)
+        self.page_pool = PagePool(settings.database_url.reveal())
+        self.backlog: Backlog | None = None  # the backlog gauges' last refresh, for the page
+        self._reporting = False
         self.page = StatusPage(
-            Data(
-                lambda query, params: self.store.query(query, params),
-                settings.schema,
-                view.on_liveness_session,
-            ),
+            Data(self.page_pool.query, settings.schema, view.on_liveness_session),
             replica_id=settings.replica_id,
             token=settings.ui_token,
             refresh_seconds=min(5.0, max(1.0, refresh_interval(settings) / 2)),
+            backlog=lambda: self.backlog,
+            open_without_token=serves_without_token(split_addr(settings.metrics_addr or ":0")[0]),
         )
 
     # liveness and readiness
@@ -150,16 +156,31 @@ class Endpoints:
     async def probe_loop(self) -> None:
         interval = refresh_interval(self.settings)
         refreshed = anyio.current_time()
-        while True:
-            await anyio.sleep(min(READY_PROBE_INTERVAL, interval))
-            now = anyio.current_time()
-            due = now - refreshed >= refresh_gap(interval, self.refresh_took)
-            await self.probe(refresh=due)
-            if due:
-                refreshed = now
-                if self.database and self.schema_problem is None:
-                    with anyio.move_on_after(self.store.deadline):
-                        await self.page.report(self.view.lanes(), self.metrics.recent_lag)
+        try:
+            async with anyio.create_task_group() as reports:
+                while True:
+                    await anyio.sleep(min(READY_PROBE_INTERVAL, interval))
+                    now = anyio.current_time()
+                    due = now - refreshed >= refresh_gap(interval, self.refresh_took)
+                    await self.probe(refresh=due)
+                    if due:
+                        refreshed = now
+                        ok = self.database and self.schema_problem is None
+                        if ok and not self._reporting:
+                            self._reporting = True
+                            reports.start_soon(self._report)
+        finally:  # the page's connection ends with the endpoints
+            with anyio.CancelScope(shield=True):
+                await self.page_pool.close()
+
+    async def _report(self) -> None:
+        """This replica's report, beside the probes rather than in their way: it waits for the
+        LISTEN connection (between two of its waits for notifications) before it is sent."""
+        try:
+            with anyio.move_on_after(self.store.deadline + LISTEN_WAIT):
+                await self.page.report(self.view.lanes(), self.metrics.recent_lag)
+        finally:
+            self._reporting = False
 
     async def probe(self, *, refresh: bool = True) -> None:
         """Read the schema version within READY_PROBE_DEADLINE and record reachability; then,
@@ -205,7 +226,9 @@ class Endpoints:
             return
         finally:  # a refresh that timed out cost the database as much: it spaces the next too
             self.refresh_took = anyio.current_time() - started
-        self.metrics.set_backlog((str(r[0]), int(r[1]), int(r[2]), float(r[3])) for r in rows)
+        figures = tuple((str(r[0]), int(r[1]), int(r[2]), float(r[3])) for r in rows)
+        self.metrics.set_backlog(figures)
+        self.backlog = Backlog(figures, anyio.current_time())  # the status page's totals too
         self.metrics.backlog_refreshed.set_to_current_time()
 
     # HTTP

@@ -9,18 +9,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anyio
 import httpx
 import psycopg
 import pytest
+from psycopg import sql
 
 from relay.lane import LaneStats, LaneView
 from relay.runner import Relay
 from relay.tools.sink import Sink
-from relay.ui.data import build_report, shape_status
+from relay.ui.coalesce import Coalesced
+from relay.ui.data import Backlog, backlog_figures, build_report, shape_status
 from relay.ui.page import status_page
+from relay.ui.pool import PagePool
 from relay.ui.series import RateSeries
 from relay.ui.view import status_view
-from tests.support import q, settings
+from relay.ui.web import serves_without_token
+from tests.support import bulk_backlog, q, scans, settings, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -214,3 +219,198 @@ async def test_a_running_relay_reports_and_a_forger_cannot(
             fleet = {f["owner"]: f for f in (await c.get("/api/status")).json()["fleet"]}
         assert fleet[cfg.replica_id]["ingress"] == "ok" and fleet[cfg.replica_id]["alive"]
         assert fleet["forged"]["report_problem"] and fleet["forged"]["delivered"] is None
+
+
+# -- item 3: the page cannot hurt delivery --------------------------------------------------------
+
+
+async def test_viewers_at_once_share_one_fetch() -> None:
+    now = [0.0]
+    gate = anyio.Event()
+    calls: list[int] = []
+
+    async def fetch(key: int) -> dict[str, int]:
+        calls.append(key)
+        await gate.wait()
+        return {"answer": len(calls)}
+
+    shared: Coalesced[int, dict[str, int]] = Coalesced(fetch, 1.5, clock=lambda: now[0])
+    got: list[dict[str, int]] = []
+
+    async def viewer() -> None:
+        got.append(await shared.get(0))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(12):
+            tg.start_soon(viewer)
+        await wait_for(lambda: shared.waiting(0) == 11, what="eleven waiting for the first")
+        gate.set()
+    assert calls == [0] and got == [{"answer": 1}] * 12
+    now[0] = 1.0
+    assert await shared.get(0) == {"answer": 1}  # kept for the ttl
+    assert await shared.get(1) == {"answer": 2} and calls == [0, 1]  # per key
+    now[0] = 1.6
+    assert await shared.get(0) == {"answer": 3}  # then fetched again
+    assert shared.fetches == 3
+
+
+async def test_a_failed_fetch_is_shared_and_not_kept() -> None:
+    gate = anyio.Event()
+    calls = 0
+
+    async def fetch(key: int) -> int:
+        nonlocal calls
+        calls += 1
+        await gate.wait()
+        if calls == 1:
+            raise psycopg.errors.QueryCanceled("statement timeout")
+        return calls
+
+    shared: Coalesced[int, int] = Coalesced(fetch, 1.5)
+    errors: list[Exception] = []
+
+    async def viewer() -> None:
+        try:
+            await shared.get(0)
+        except psycopg.Error as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(5):
+            tg.start_soon(viewer)
+        await wait_for(lambda: shared.waiting(0) == 4, what="four waiting for the first")
+        gate.set()
+    assert calls == 1 and len(errors) == 5
+    assert await shared.get(0) == 2  # the next request tries again
+
+
+async def test_a_cancelled_fetch_hands_over_to_a_waiter() -> None:
+    started = anyio.Event()
+
+    async def fetch(key: int) -> str:
+        if not started.is_set():
+            started.set()
+            await anyio.sleep_forever()
+        return "second"
+
+    shared: Coalesced[int, str] = Coalesced(fetch, 1.5)
+    got: list[str] = []
+    scopes: list[anyio.CancelScope] = []
+
+    async def leader() -> None:
+        with anyio.CancelScope() as scope:  # its client goes away
+            scopes.append(scope)
+            await shared.get(0)
+
+    async def waiter() -> None:
+        got.append(await shared.get(0))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(leader)
+        await started.wait()
+        tg.start_soon(waiter)
+        await wait_for(lambda: shared.waiting(0) == 1, what="the waiter")
+        scopes[0].cancel()
+    assert got == ["second"]
+
+
+def page_backends(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute(
+        "select count(*) from pg_stat_activity"
+        " where application_name = 'ledger-relay-status-page' and pid <> pg_backend_pid()"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_twelve_viewers_cost_one_query_on_the_pages_own_connection(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    _, url = sink
+    cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0")
+    async with Relay(cfg).running() as r:
+        assert r.endpoints is not None
+        e = r.endpoints
+        before = e.page.data.queries
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{e.port}", timeout=30) as c:
+            async with anyio.create_task_group() as tg:
+                for i in range(12):
+                    tg.start_soon(c.get, "/api/status" if i % 2 else "/")
+        assert e.page.data.queries - before <= 1  # shared (coalesce.py), whatever N is
+        assert page_backends(conn) == 1  # its own connection, not the delivery pools'
+    await wait_for(lambda: page_backends(conn) == 0, what="the page's connection closed")
+
+
+async def test_the_pages_connection_is_bounded_and_read_only(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any]
+) -> None:
+    pool = PagePool(pg_url, statement_timeout=0.2)
+    try:
+        with pytest.raises(psycopg.errors.QueryCanceled):
+            await pool.query(sql.SQL("select pg_sleep(5)"), ())
+        with pytest.raises(psycopg.errors.ReadOnlySqlTransaction):
+            await pool.query(q(schema, "delete from {s}.replicas"), ())
+        rows = await pool.query(q(schema, "select {s}.ui_status(50, 0, 60)::text"), ())
+        assert json.loads(rows[0][0])["blocked_runs"] == []
+        assert page_backends(conn) == 1
+    finally:
+        await pool.close()
+    assert page_backends(conn) == 0
+
+
+def test_ui_status_reads_no_pass_over_the_pending_events(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    pending = bulk_backlog(conn, schema, 500, 100)
+
+    def read(call: str) -> int:
+        _, delta = scans(conn, schema, lambda: conn.execute(q(schema, call)).fetchall())
+        return sum(tuples for _, tuples in delta.values())
+
+    assert read("select {s}.status(50)") >= pending  # what the page ran before
+    assert read("select {s}.ui_status(50, 0, 60)") < 100
+
+
+def test_the_lanes_totals_come_from_the_backlog_refresh_and_say_so() -> None:
+    doc = {"blocked_runs": [], "count_cap": 100_000, "held_events": 100_001}
+    view, html = page_of({**doc, **backlog_figures(None, 100_001, 10.0)})
+    assert view["figures"]["ordinary.events"] == "-"
+    assert view["figures"]["backlog_age"] == "not measured yet"
+    assert view["figures"]["blocked.held"] == "100,000+"
+    rows = (("ordinary", 3, 2_000_000, 40.0), ("blocked", 1, 1, 5.0))
+    totals = backlog_figures(Backlog(rows, 4.0), 7, 10.0)
+    assert totals["backlog_age_seconds"] == 6.0
+    view, html = page_of({**doc, **totals})
+    assert view["figures"]["ordinary.events"] == "2,000,000"
+    assert view["figures"]["critical.events"] == "0"
+    assert view["figures"]["backlog_age"] == "6.0 s ago"
+    assert "backlog refresh" in html and "6.0 s ago" in html
+
+
+@pytest.mark.parametrize(
+    ("host", "open_"),
+    [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True),
+     (None, False), ("0.0.0.0", False), ("::", False), ("10.0.0.5", False),
+     ("relay.internal", False)],
+)  # fmt: skip
+def test_without_a_token_the_page_is_served_only_on_loopback(host: str | None, open_: bool) -> None:
+    assert serves_without_token(host) is open_
+
+
+async def test_on_every_interface_without_a_token_the_page_is_off_not_the_probes(
+    pg_url: str, schema: str, sink: tuple[Sink, str]
+) -> None:
+    _, url = sink
+    cfg = settings(pg_url, schema, url, metrics_addr="0.0.0.0:0")
+    async with Relay(cfg).running() as r:
+        assert r.endpoints is not None
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{r.endpoints.port}", timeout=30
+        ) as c:
+            for path in ("/", "/api/status", "/runs/x", "/api/runs/x"):
+                got = await c.get(path)
+                assert got.status_code == 403 and "ui_token" in got.text, path
+            for path in ("/healthz", "/metrics"):
+                assert (await c.get(path)).status_code == 200, path
+            assert (await c.get("/readyz")).status_code in (200, 503)
+        assert r.endpoints.page.data.queries == 0

@@ -162,6 +162,8 @@ async def test_status_page_in_chromium(
         )
         for r in relays:
             await report_now(r)
+        assert a.endpoints is not None
+        await a.endpoints.probe(refresh=True)  # the lanes' totals are the backlog refresh's
 
         await off(browser.get, base + "/")
         await wait_page(browser, lambda d: d.execute_script(

@@ -7,7 +7,8 @@
 
 The package: series.py (pure: the in-process rate and lag windows), data.py (the two queries
 and the replica report, one bounded statement each, and the pure shaping of their answers),
+pool.py (the page's own database connection), coalesce.py (one query shared by many viewers),
 page.py (HTML, every value through html.escape), assets.py (the inline CSS and script, which
-writes data only through textContent), web.py (routing and the optional ui_token).
+writes data only through textContent), web.py (routing, who may see the page, ui_token).
 This package imports nothing of relay/tools.
 """

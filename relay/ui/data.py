@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -29,6 +30,15 @@ RUN_EVENTS_PAGE = 200  # events per run page
 REPORT_TTL = 120.0  # seconds after which a replica's report shows as stale
 RECOVERING_FOR = 60.0  # seconds an ingress counts as "recovering" after it was misconfigured
 INGRESS_STATES = ("ok", "recovering", "misconfigured")  # what a report's `ingress` may say
+
+
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """The backlog gauges' last refresh (relay/health.py): `backlog()`'s rows, and when
+    (monotonic seconds)."""
+
+    rows: tuple[tuple[str, int, int, float], ...]
+    at: float
 
 
 class Data:
@@ -101,6 +111,35 @@ def build_report(
             "lag_p99": q.get("p99"),
         }
     return {"lanes": out, "ingress": ingress}
+
+
+def backlog_figures(backlog: Backlog | None, held_events: Any, now: float) -> dict[str, Any]:
+    """`lanes` and `blocked` shaped as `status()` shapes them, from the backlog gauges' last
+    refresh instead of a pass over the pending events per page view: exact as of
+    `backlog_age_seconds` ago (None, and every figure None, before the first refresh)."""
+    rows = {r[0]: r for r in backlog.rows} if backlog is not None else {}
+
+    def of(lane: str) -> tuple[int | None, int | None, float | None]:
+        row = rows.get(lane)
+        if row is None:
+            return (0, 0, 0.0) if backlog is not None else (None, None, None)
+        return row[1], row[2], row[3]
+
+    lanes = []
+    for lane in LANES:
+        runs, events, oldest = of(lane)
+        lanes.append(
+            {"lane": lane, "runs": runs, "events": events, "oldest_pending_age_seconds": oldest}
+        )
+    runs, events, oldest = of("blocked")
+    blocked = {
+        "runs": runs,
+        "events": events,
+        "oldest_failure_age_seconds": oldest,
+        "held_events": held_events,
+    }
+    age = None if backlog is None else max(0.0, now - backlog.at)
+    return {"lanes": lanes, "blocked": blocked, "backlog_age_seconds": age}
 
 
 def _worst(values: Iterable[float | None]) -> float | None:

@@ -116,7 +116,10 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
         f'<p class="meta">served by {_fig(f, "replica_id")} · database time {_fig(f, "db_now")}'
         ' · <span id="updated">as rendered</span> · read-only</p>'
         f'<div class="cards">{cards}</div>'
-        '<h2>Lanes</h2><table><thead><tr><th>lane</th><th class="n">runs</th>'
+        f'<h2>Lanes</h2><p class="meta">Runs, pending events, oldest pending and the blocked'
+        " totals are the backlog refresh's (one pass over the pending events, spaced by its"
+        f" own cost), as of {_fig(f, 'backlog_age')}; other counts that grow with the backlog"
+        ' stop at a cap (shown with a +).</p><table><thead><tr><th>lane</th><th class="n">runs</th>'
         '<th class="n">pending events</th><th class="n">oldest pending</th>'
         '<th class="n">delivery rate</th><th class="n">lag p50</th><th class="n">lag p99</th>'
         f'</tr></thead><tbody id="lanes">{lanes}</tbody></table>'

@@ -32,6 +32,17 @@ def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}/s"
 
 
+def _capped(value: Any, cap: Any) -> str:
+    """A count the database stopped at `cap` + 1 (ui_count_cap) shows as "cap+"."""
+    if isinstance(value, int) and isinstance(cap, int) and value > cap:
+        return f"{cap:,}+"
+    return _num(value)
+
+
+def _backlog_age(age: float | None) -> str:
+    return "not measured yet" if age is None else fmt_age(age) + " ago"
+
+
 def _lag(value: float | None) -> str:
     return fmt_age(value) if value is not None else "-"
 
@@ -50,12 +61,14 @@ def figures(data: dict[str, Any]) -> dict[str, str]:
         out[f"{lane}.lag_p50"] = _lag(lag.get("p50"))
         out[f"{lane}.lag_p99"] = _lag(lag.get("p99"))
     blocked = data.get("blocked") or {}
+    cap = data.get("count_cap")
     out["blocked.runs"] = _num(blocked.get("runs", 0))
     out["blocked.events"] = _num(blocked.get("events", 0))
-    out["blocked.held"] = _num(blocked.get("held_events", 0))
+    out["blocked.held"] = _capped(blocked.get("held_events", 0), cap)
     out["blocked.oldest"] = fmt_age(blocked.get("oldest_failure_age_seconds", 0))
-    out["delivered_last_minute"] = _num(data.get("delivered_last_minute", 0))
-    out["expired_leases"] = _num(data.get("expired_leases", 0))
+    out["backlog_age"] = _backlog_age(data.get("backlog_age_seconds"))
+    out["delivered_last_minute"] = _capped(data.get("delivered_last_minute", 0), cap)
+    out["expired_leases"] = _capped(data.get("expired_leases", 0), cap)
     out["db_now"] = fmt_time(data.get("db_now"))
     tables = data.get("tables") or {}
     out["table_bytes"] = fmt_bytes(sum(int(v) for v in tables.values()))
@@ -65,6 +78,7 @@ def figures(data: dict[str, Any]) -> dict[str, str]:
 
 def blocked_rows(data: dict[str, Any]) -> list[list[Cell]]:
     rows: list[list[Cell]] = []
+    cap = data.get("count_cap")
     for b in data.get("blocked_runs") or []:
         rows.append(
             [
@@ -75,7 +89,7 @@ def blocked_rows(data: dict[str, Any]) -> list[list[Cell]]:
                 clean(b.get("last_error") or "", EXCERPT),
                 _num(b.get("attempts")),
                 fmt_time(b.get("failed_at"), short=True),
-                _num(b.get("held_events")),
+                _capped(b.get("held_events"), cap),
             ]
         )
     return rows

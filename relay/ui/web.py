@@ -1,16 +1,27 @@
-"""The status page's HTTP side: which paths are its, the optional `ui_token`, and turning the
-data layer's documents into responses. relay/health.py serves it on `metrics_addr` next to
-/metrics, /healthz and /readyz (which stay open to probes)."""
+"""The status page's HTTP side: which paths are its, who may see it, and turning the data
+layer's documents into responses. relay/health.py serves it on `metrics_addr` next to
+/metrics, /healthz and /readyz (which stay open to probes).
+
+Who may see it: with `ui_token` set, whoever sends the token; without one, everyone only when
+`metrics_addr` listens on a loopback address (reached through an SSH tunnel or
+`kubectl port-forward`), else nobody: a page bound to every interface with no token would show
+the fleet to the whole network (issue 32, item 3; docs/operations.md §6a).
+
+What it costs: the status document comes from one `ui_status()` that many viewers share
+(relay/ui/coalesce.py: kept `CACHE_SECONDS`, concurrent requests wait for the same fetch), on
+the page's own connection (relay/ui/pool.py)."""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlencode
 
+import anyio
 import orjson
 import psycopg
 
@@ -18,10 +29,13 @@ from relay import logs
 from relay.settings import Secret
 from relay.ui import page
 from relay.ui.assets import CSP
+from relay.ui.coalesce import Coalesced
 from relay.ui.data import (
     BLOCKED_PAGE,
     RUN_EVENTS_PAGE,
+    Backlog,
     Data,
+    backlog_figures,
     build_report,
     ingress_state,
     shape_status,
@@ -37,6 +51,7 @@ HTML = "text/html; charset=utf-8"
 JSON = "application/json"
 TEXT = "text/plain; charset=utf-8"
 MAX_OFFSET = 10_000
+CACHE_SECONDS = 1.5  # how long viewers share one `ui_status()` answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +105,26 @@ def authorized(token: Secret | None, request: Request) -> bool:
     return from_cookie is not None and same(from_cookie, secret)
 
 
+def serves_without_token(metrics_addr_host: str | None) -> bool:
+    """Whether the page may be served without `ui_token`: only when `metrics_addr` listens on
+    a loopback address. Any other name or address (or every interface) needs the token."""
+    if metrics_addr_host is None:
+        return False
+    if metrics_addr_host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(metrics_addr_host).is_loopback
+    except ValueError:
+        return False
+
+
+OFF_WITHOUT_TOKEN = (
+    b"the status page is off: metrics_addr listens beyond loopback and no ui_token is set"
+    b" (set ui_token, or listen on 127.0.0.1 and use a tunnel; /metrics, /healthz and /readyz"
+    b" stay open)\n"
+)
+
+
 def _offset(query: Mapping[str, str]) -> int:
     try:
         return min(max(int(query.get("offset", "0")), 0), MAX_OFFSET)
@@ -116,19 +151,33 @@ def _html(status: int, body: bytes) -> Response:
 
 
 class StatusPage:
-    """The page's state in this process: the rate series (fed by `report`) and the ingress
-    history behind "recovering"."""
+    """The page's state in this process: the rate series (fed by `report`), the ingress
+    history behind "recovering", and the status document its viewers share. `backlog` reads
+    the backlog gauges' last refresh; `open_without_token` is `serves_without_token`'s answer
+    for `metrics_addr`."""
 
     def __init__(
-        self, data: Data, *, replica_id: str, token: Secret | None, refresh_seconds: float = 3.0
+        self,
+        data: Data,
+        *,
+        replica_id: str,
+        token: Secret | None,
+        refresh_seconds: float = 3.0,
+        backlog: Callable[[], Backlog | None] = lambda: None,
+        open_without_token: bool = True,
     ) -> None:
         self.data = data
         self.replica_id = replica_id
         self.token = token
         self.refresh_seconds = refresh_seconds
+        self.backlog = backlog
+        self.open_without_token = open_without_token
         self.series = RateSeries()
         self.last_misconfigured: float | None = None
         self._report_failing = False
+        self.shared: Coalesced[int, dict[str, Any]] = Coalesced(
+            lambda offset: self.data.status(offset, BLOCKED_PAGE), CACHE_SECONDS
+        )
 
     @staticmethod
     def handles(path: str) -> bool:
@@ -162,6 +211,8 @@ class StatusPage:
     async def handle(self, request: Request) -> Response:
         if request.method not in ("GET", "HEAD"):
             return Response(405, TEXT, b"method not allowed (the status page is read-only)\n")
+        if self.token is None and not self.open_without_token:
+            return Response(403, TEXT, OFF_WITHOUT_TOKEN)
         query = request.query
         if self.token is not None and "token" in query:
             return self._login(request, query)
@@ -200,9 +251,11 @@ class StatusPage:
         return _html(404, page.message_page(404, "No such run."))
 
     async def status(self, offset: int = 0) -> dict[str, Any]:
-        """What /api/status answers: the data plus the view the page shows (one statement)."""
-        doc = await self.data.status(offset, BLOCKED_PAGE)
-        data = shape_status(doc, self.series, time.monotonic(), self.replica_id)
+        """What /api/status answers: the shared document (at most one statement per
+        CACHE_SECONDS), the lanes' totals from the backlog gauges, and the view the page shows."""
+        doc = await self.shared.get(offset)
+        totals = backlog_figures(self.backlog(), doc.get("held_events"), anyio.current_time())
+        data = shape_status({**doc, **totals}, self.series, time.monotonic(), self.replica_id)
         data["view"] = status_view(data)
         return data
 
