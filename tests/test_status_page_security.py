@@ -18,12 +18,13 @@ from psycopg import sql
 from relay.lane import LaneStats, LaneView
 from relay.runner import Relay
 from relay.tools.sink import Sink
+from relay.ui.assets import SCRIPT
 from relay.ui.coalesce import Coalesced
 from relay.ui.data import Backlog, backlog_figures, build_report, shape_status
 from relay.ui.page import status_page
 from relay.ui.pool import PagePool
 from relay.ui.series import RateSeries
-from relay.ui.view import status_view
+from relay.ui.view import run_href, status_view
 from relay.ui.web import serves_without_token
 from tests.support import bulk_backlog, q, scans, settings, wait_for
 
@@ -414,3 +415,28 @@ async def test_on_every_interface_without_a_token_the_page_is_off_not_the_probes
                 assert (await c.get(path)).status_code == 200, path
             assert (await c.get("/readyz")).status_code in (200, 503)
         assert r.endpoints.page.data.queries == 0
+
+
+# -- item 5: nothing of a report becomes a link, nor a trusted figure ----------------------------
+
+
+def test_only_a_run_page_becomes_a_link() -> None:
+    view, _ = page_of({"blocked_runs": [], "reports": {}})
+    view["fleet"] = [[["sign in again", EVIL], "x"]]  # a pair that reached a cell anyway
+    view["blocked"] = [[["run", "javascript:window.pwned=1"]]]
+    html = status_page(view, 3.0, 50).decode()
+    assert EVIL not in html and "javascript:" not in html
+    assert "<td>sign in again</td>" in html and "<td>run</td>" in html
+    assert (
+        'href="/runs/a%2Fb"'
+        in status_page({**view, "blocked": [[["a/b", run_href("a/b")]]]}, 3.0, 50).decode()
+    )
+    assert 'String(value[1]).indexOf("/runs/") === 0' in SCRIPT  # the script's rule too
+
+
+def test_a_reports_figures_are_shown_as_its_own_word() -> None:
+    reports = {"invented": {"report": {"lanes": {"ordinary": {"delivered": 10**9}}}}}
+    view, html = page_of({"reports": reports, "replicas": [{"owner": "invented", "alive": True}]})
+    [row] = view["fleet"]
+    assert row[5] == "1,000,000,000"
+    assert "<th>delivered (reported)</th>" in html and "its own word" in html

@@ -32,13 +32,14 @@ SCRIPT = """
   var offset = document.body.getAttribute("data-offset") || "0";
   function cell(tr, value) {
     var td = document.createElement("td");
-    if (Array.isArray(value)) {
+    // A link only to a run page (view.py builds those); any other pair is text.
+    if (Array.isArray(value) && String(value[1]).indexOf("/runs/") === 0) {
       var a = document.createElement("a");
       a.setAttribute("href", value[1]);
       a.textContent = value[0];
       td.appendChild(a);
     } else {
-      td.textContent = value;
+      td.textContent = Array.isArray(value) ? String(value[0]) : value;
     }
     tr.appendChild(td);
   }

@@ -9,14 +9,23 @@ from typing import Any
 
 from relay.ui.assets import CSS, SCRIPT
 from relay.ui.series import LANES
-from relay.ui.view import CHART_H, CHART_W, Cell, commands, run_figures, run_href, run_rows
+from relay.ui.view import (
+    CHART_H,
+    CHART_W,
+    Cell,
+    commands,
+    is_run_href,
+    run_figures,
+    run_href,
+    run_rows,
+)
 
 BLOCKED_HEAD = (
     "run", "failed event", "seq", "HTTP status", "body excerpt", "attempts", "failed at", "held",
 )  # fmt: skip
 FLEET_HEAD = (
-    "replica", "liveness", "runs held", "next lease expiry", "renewals", "delivered",
-    "ingress", "last report",
+    "replica", "liveness", "runs held", "next lease expiry", "renewals (reported)",
+    "delivered (reported)", "ingress (reported)", "last report",
 )  # fmt: skip
 RUN_HEAD = (
     "seq", "event id", "type", "state", "attempts", "HTTP status", "last error",
@@ -34,8 +43,10 @@ def _fig(figures: dict[str, str], key: str, cls: str = "") -> str:
 
 
 def _cell(value: Cell) -> str:
-    if isinstance(value, list):
+    if isinstance(value, list) and len(value) == 2 and is_run_href(value[1]):
         return f'<td><a href="{esc(value[1])}">{esc(value[0])}</a></td>'
+    if isinstance(value, list):
+        return f"<td>{esc(value[0] if value else '')}</td>"
     return f"<td>{esc(value)}</td>"
 
 
@@ -132,8 +143,11 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
         "<h2>Replicas</h2>"
         + _table(FLEET_HEAD, view["fleet"], "fleet-rows", "No replica has reported yet.")
         + '<p class="meta">Lag: commit to ack, the worst replica\'s percentile over its last'
-        " 15 minutes. Liveness: the replica's session holds its lock. Reports come from each"
-        " replica's health loop through the database.</p>"
+        " 15 minutes. Liveness, runs held and lease expiry are the database's. Renewals,"
+        " delivered, ingress and lag are what each replica reports of itself from its health"
+        " loop: checked for shape, and only from the session that holds the replica's liveness"
+        " lock, but its own word (a role that can hold a lock can invent a replica); a report"
+        " that fails the checks shows as rejected, with no figures.</p>"
     )
     attrs = f' data-refresh="{esc(refresh_seconds)}" data-offset="{offset}" data-updates="0"'
     return _doc("ledger-relay status", body, attrs)

@@ -3,7 +3,9 @@ run page, built from the data layer's documents. The HTML (page.py) and the scri
 refreshes it (assets.py) both show exactly these strings, so the formatting lives here once.
 
 A cell is a string, or `[text, href]` for a link; an href is always built here from a quoted
-id (`/runs/<quoted>`), never taken from the data.
+id (`/runs/<quoted>`), never taken from the data, and page.py and the script make a link of a
+pair only when its href is such a path (`is_run_href`): nothing a replica reports, or any other
+value that reached a cell, becomes a link (issue 32, item 5).
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ CHART_W, CHART_H = 600, 120
 
 def run_href(run_id: str) -> str:
     return "/runs/" + quote(run_id, safe="")
+
+
+def is_run_href(href: object) -> bool:
+    """A path `run_href` builds: the only href a cell may carry."""
+    return isinstance(href, str) and href.startswith("/runs/")
 
 
 def _num(value: Any) -> str:
