@@ -29,7 +29,7 @@ import pytest
 from relay.ops.format import clean
 from relay.runner import Relay
 from relay.tools.sink import Sink
-from tests.support import count, settings, wait_for
+from tests.support import count, q, settings, wait_for
 from tests.test_ui import EXCERPT, HOSTILE, TOKEN, enqueue, report_now, status_cli
 
 CHROMIUM = "/usr/bin/chromium"
@@ -192,6 +192,24 @@ async def test_status_page_in_chromium(
         fleet = await off(texts, browser, "#fleet-rows tr")
         assert any(r.startswith("replica-a (this page)") for r in fleet), fleet
         assert any(r.startswith("replica-b") and "alive" in r for r in fleet), fleet
+
+        # A hostile report already stored (issue 32) refreshes in as text, never as a link.
+        conn.execute(
+            q(schema, "insert into {s}.replicas (owner, reported_at, report)"
+                      " values ('forged', clock_timestamp(), %s::jsonb)"),
+            ('{"ingress": ["https://evil.example/sso", "sign in again"]}',),
+        )  # fmt: skip
+        await wait_page(
+            browser,
+            lambda d: any(r.startswith("forged") for r in texts(d, "#fleet-rows tr")),
+            "the forged row, refreshed in",
+        )
+        links = "return document.querySelectorAll('#fleet-rows a').length"
+        assert await off(browser.execute_script, links) == 0
+        [forged] = [
+            r for r in await off(texts, browser, "#fleet-rows tr") if r.startswith("forged")
+        ]
+        assert "report rejected: ingress must be one of" in forged, forged
 
         # It keeps updating: more traffic, and the delivered count changes without a reload.
         await off(browser.execute_script, "window.notReloaded = true")
