@@ -353,7 +353,15 @@ async def test_the_pages_connection_is_bounded_and_read_only(
             await pool.query(q(schema, "delete from {s}.replicas"), ())
         rows = await pool.query(q(schema, "select {s}.ui_status(50, 0, 60)::text"), ())
         assert json.loads(rows[0][0])["blocked_runs"] == []
-        assert page_backends(conn) == 1
+        assert page_backends(conn) == 1  # the same connection throughout
+        # The bounds live in each transaction, none on the session: through a transaction-mode
+        # pooler the next client of that server connection may be a claim.
+        async with pool._pool.connection() as session:
+            cur = await session.execute(
+                "select current_setting('default_transaction_read_only'),"
+                " current_setting('statement_timeout')"
+            )
+            assert await cur.fetchone() == ("off", "0")
     finally:
         await pool.close()
     assert page_backends(conn) == 0
