@@ -26,7 +26,7 @@ from relay.renewal import Renewer
 from relay.retries import QuickRetries
 from relay.settings import Settings, redact_url
 from relay.stats import LaneStats
-from relay.store import AckResult, Claim, ClaimedEvent, Store
+from relay.store import AckResult, Claim, ClaimedEvent, Held, Store
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,24 +82,22 @@ class Delivery:
 
     # -- one claim ---------------------------------------------------------------------------
 
-    async def deliver(self, claim: Claim, free_slot: Callable[[], None]) -> bool:
-        """Deliver one claim. Returns True when the lease was settled (acked, released or lost).
-        `free_slot` hands the POST slot back early, once only the ack is left."""
-        if claim.widen:
-            claim.widen = False
-            more = await self.store.widen(claim)
-            claim.events.extend(more)
-            if any(e.terminal for e in claim.events):
-                claim.critical = True
+    async def deliver(self, held: Held, free_slot: Callable[[], None]) -> bool:
+        """Deliver one claim (its current value in `held`, where a widening or a renewal is
+        kept). Returns True when the lease was settled (acked, released or lost). `free_slot`
+        hands the POST slot back early, once only the ack is left."""
+        if held.claim.widen:
+            more = await self.store.widen(held.claim)
+            held.claim = held.claim.widened(more)
             self.stats.widened += len(more)
-        if not claim.trust.allows_post(anyio.current_time(), self.settings.http_timeout):
+        if not held.claim.trust.allows_post(anyio.current_time(), self.settings.http_timeout):
             # Waited in the local queue too long to finish a whole request inside the lease.
             self.stats.renewed_before_post += 1
-            if claim.run_id not in await self.renewer.renew([claim]):
-                self._lease_lost(claim, "renew_before_post")
+            if held.claim.run_id not in await self.renewer.renew([held]):
+                self._lease_lost(held.claim, "renew_before_post")
                 return True
-        events = claim.events
-        reply = await self._post_renewing(claim, events)
+        events = held.claim.events
+        reply = await self._post_renewing(held, events)
         if reply is None:
             return True  # lease lost mid-flight: abandoned, no ack
         if isinstance(reply.decision, Ack) and reply.decision.k == len(events):
@@ -107,20 +105,23 @@ class Delivery:
             # so the next claim's POST need not wait for this commit. The run stays claimed
             # (and its lease fenced) until the ack settles it.
             free_slot()
-        return await self._carry(claim, events, reply)
+        return await self._carry(held, events, reply)
 
-    async def _post_renewing(self, claim: Claim, events: list[ClaimedEvent]) -> Reply | None:
-        """POST with quick retries while the lane's renewer keeps the lease; a failed renewal
-        cancels the request. Returns None when the lease was lost."""
+    async def _post_renewing(self, held: Held, events: Sequence[ClaimedEvent]) -> Reply | None:
+        """POST with quick retries while the lane's renewer keeps the lease (each attempt reads
+        the claim's current trust window from `held`); a failed renewal cancels the request.
+        Returns None when the lease was lost."""
         reply: Reply | None = None
-        with self.renewer.renewing([claim]) as renewal:
-            reply = await self._quick(lambda: self._post_once(claim, events), lambda: claim.trust)
+        with self.renewer.renewing([held]) as renewal:
+            reply = await self._quick(
+                lambda: self._post_once(held.claim, events), lambda: held.claim.trust
+            )
         if renewal.lost:
-            self._lease_lost(claim, "renewal_failed")
+            self._lease_lost(held.claim, "renewal_failed")
             return None
         return reply
 
-    async def _post_once(self, claim: Claim, events: list[ClaimedEvent]) -> Reply:
+    async def _post_once(self, claim: Claim, events: Sequence[ClaimedEvent]) -> Reply:
         self.stats.posts += 1
         answer: Answer | TransportFailure
         try:
@@ -144,22 +145,23 @@ class Delivery:
     # -- several small runs in one POST (ingress_batch_url) -----------------------------------
 
     async def deliver_group(
-        self, group: list[Claim], free_slot: Callable[[], None] = lambda: None
+        self, group: list[Held], free_slot: Callable[[], None] = lambda: None
     ) -> dict[str, bool]:
         """One POST to `ingress_batch_url`; each run's answer is then carried out exactly like a
-        single-run answer. Returns, per run, whether its lease was settled. `free_slot` as in
-        `deliver`: once every run's batch was accepted whole."""
+        single-run answer. Returns, per run, whether its lease was settled. `held` and
+        `free_slot` as in `deliver`: the slot once every run's batch was accepted whole."""
         settled: dict[str, bool] = {}
         now = anyio.current_time()
-        waited = [c for c in group if not c.trust.allows_post(now, self.settings.http_timeout)]
+        http_timeout = self.settings.http_timeout
+        waited = [h for h in group if not h.claim.trust.allows_post(now, http_timeout)]
         if waited:
             self.stats.renewed_before_post += len(waited)
             renewed = await self.renewer.renew(waited)
-            for c in waited:
-                if c.run_id not in renewed:
-                    self._lease_lost(c, "renew_before_post")
-                    settled[c.run_id] = True
-            group = [c for c in group if c.run_id not in settled]
+            for h in waited:
+                if h.claim.run_id not in renewed:
+                    self._lease_lost(h.claim, "renew_before_post")
+                    settled[h.claim.run_id] = True
+            group = [h for h in group if h.claim.run_id not in settled]
         if not group:
             return settled
         result: GroupReply | None = None
@@ -167,15 +169,15 @@ class Delivery:
         # fenced. Only when every lease is gone is the request cancelled.
         with self.renewer.renewing(group) as renewal:
             result = await self._quick_group(
-                lambda: self._post_group_once(group),
-                lambda: min((c.trust for c in group), key=lambda t: t.until),
+                lambda: self._post_group_once([h.claim for h in group]),
+                lambda: min((h.claim.trust for h in group), key=lambda t: t.until),
             )
         live = renewal.live
-        for c in group:
-            if c.run_id not in live:
-                self._lease_lost(c, "renewal_failed")
-                settled[c.run_id] = True
-        group = [c for c in group if c.run_id in live]
+        for h in group:
+            if h.claim.run_id not in live:
+                self._lease_lost(h.claim, "renewal_failed")
+                settled[h.claim.run_id] = True
+        group = [h for h in group if h.claim.run_id in live]
         if result is None or not group:
             return settled
         replies = result.replies
@@ -187,28 +189,30 @@ class Delivery:
                 "batch_refused", lane=self.lane, runs=len(group), status=refusal.status,
                 error=refusal.excerpt[:300],
             )  # fmt: skip
-            for c in group:
-                settled[c.run_id] = await self.deliver(c, lambda: None)
+            for h in group:
+                settled[h.claim.run_id] = await self.deliver(h, lambda: None)
             return settled
 
-        async def carry(c: Claim) -> None:
-            settled[c.run_id] = await self._carry(c, c.events, replies[c.run_id])
+        async def carry(h: Held) -> None:
+            settled[h.claim.run_id] = await self._carry(h, h.claim.events, replies[h.claim.run_id])
 
         # Runs whose whole batch was accepted are acked in one call to the ack group, the rest
         # carried out concurrently (so their acks can share that group's transaction).
-        whole: list[Claim] = []
-        rest: list[Claim] = []
-        for c in group:
-            (whole if _accepted_whole(replies[c.run_id], len(c.events)) else rest).append(c)
+        whole: list[Held] = []
+        rest: list[Held] = []
+        for h in group:
+            accepted = _accepted_whole(replies[h.claim.run_id], len(h.claim.events))
+            (whole if accepted else rest).append(h)
         if not rest:
             free_slot()  # pipelining, as in `deliver`: nothing but the acks is left
         async with anyio.create_task_group() as carrying:
-            for c in rest:
-                carrying.start_soon(carry, c)
+            for h in rest:
+                carrying.start_soon(carry, h)
             if whole:
                 self._ingress_ok()
-                acked = await self.acks.ack_many([(c, c.events[-1].seq, False) for c in whole])
-                for c, one in zip(whole, acked, strict=True):
+                claims = [h.claim for h in whole]
+                acked = await self.acks.ack_many([(c, c.events[-1].seq, False) for c in claims])
+                for c, one in zip(claims, acked, strict=True):
                     answer = replies[c.run_id].answer
                     assert isinstance(answer, Answer)  # decide acks only an answer
                     settled[c.run_id] = self._acked(c, c.events, answer, one)
@@ -232,10 +236,11 @@ class Delivery:
 
     # -- carrying out a decision -------------------------------------------------------------
 
-    async def _carry(self, claim: Claim, events: list[ClaimedEvent], reply: Reply) -> bool:
+    async def _carry(self, held: Held, events: Sequence[ClaimedEvent], reply: Reply) -> bool:
         """Do what the answer to `events` (a prefix of the claim) means. Returns True when the
         lease was settled; an ack that did not commit is not (the caller hands the lease back:
         fenced by token, so a no-op when the ack released it or the lease was lost)."""
+        claim = held.claim
         decision = reply.decision
         if isinstance(decision, Ack) or (isinstance(decision, Retry) and decision.endpoint_ok):
             self._ingress_ok()
@@ -248,10 +253,10 @@ class Delivery:
             case Pause():
                 return await self._pause(claim, decision)
             case Poison():
-                return await self._poison(claim, events, decision)
+                return await self._poison(held, events, decision)
 
     async def _ack(
-        self, claim: Claim, acked: list[ClaimedEvent], answer: Answer, *, keep: bool = False
+        self, claim: Claim, acked: Sequence[ClaimedEvent], answer: Answer, *, keep: bool = False
     ) -> bool:
         """Ack `acked` (a prefix of the claim). Returns True when the ack committed and the run
         is still ours (when `keep`), False when the lease was lost or the ack failed."""
@@ -259,7 +264,7 @@ class Delivery:
         return self._acked(claim, acked, answer, result)
 
     def _acked(
-        self, claim: Claim, acked: list[ClaimedEvent], answer: Answer, result: AckResult
+        self, claim: Claim, acked: Sequence[ClaimedEvent], answer: Answer, result: AckResult
     ) -> bool:
         """What an ack's result means for the claim (see `_ack`)."""
         if result.status == "not_committed":
@@ -340,23 +345,24 @@ class Delivery:
             self.on_ready_change(True)
             logs.info("ingress_recovered", lane=self.lane)
 
-    async def _poison(self, claim: Claim, events: list[ClaimedEvent], poison: Poison) -> bool:
+    async def _poison(self, held: Held, events: Sequence[ClaimedEvent], poison: Poison) -> bool:
         """Narrow a rejected batch to the event that causes it. When the ingress names it
         (`{"rejected_event_id": ...}`) the events before it are resent as one batch (the rejection
         accepted none of them) and acked, and the named one is failed; otherwise the batch is
         resent one event at a time under the same lease, acking each accepted event (keeping the
         lease), until one is rejected. Events after the bad one stay pending: its run is blocked,
         every other run keeps flowing. Nothing is acked without a 2xx for it."""
+        claim = held.claim  # its run, token and events: what a renewal leaves as they are
         named = poison.rejected_event_id
         index = next((i for i, e in enumerate(events) if e.event_id == named), None)
         if index is not None:
             if index > 0:
                 before = events[:index]
-                head = await self._post_renewing(claim, before)
+                head = await self._post_renewing(held, before)
                 if head is None:
                     return True
                 if not isinstance(head.decision, Ack) or head.decision.k < len(before):
-                    return await self._carry(claim, before, head)  # acks k, retries the rest
+                    return await self._carry(held, before, head)  # acks k, retries the rest
                 assert isinstance(head.answer, Answer)
                 if not await self._ack(claim, before, head.answer, keep=True):
                     return True
@@ -371,13 +377,13 @@ class Delivery:
             status=poison.status,
         )
         for i, event in enumerate(events):
-            single = await self._post_renewing(claim, [event])
+            single = await self._post_renewing(held, [event])
             if single is None:
                 return True  # lease lost: abandoned
             if isinstance(single.decision, Poison):
                 return await self._block(claim, event, single.decision)
             if not isinstance(single.decision, Ack):
-                return await self._carry(claim, [event], single)
+                return await self._carry(held, [event], single)
             assert isinstance(single.answer, Answer)
             last = i == len(events) - 1
             if not await self._ack(claim, [event], single.answer, keep=not last):

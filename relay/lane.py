@@ -33,7 +33,7 @@ from relay.ingress import IngressClient
 from relay.policy import backoff, plan_groups
 from relay.settings import Settings
 from relay.stats import LaneStats
-from relay.store import AckResult, Claim, Store, payload_bytes
+from relay.store import AckResult, Claim, Held, Store, payload_bytes
 from relay.wake import Wake
 
 MIN_EMPTY_PASS_SPACING = 0.01  # coalesces bursts of wakes into a handful of passes
@@ -96,14 +96,14 @@ class Lane:
         self.wanted: set[str] = set()  # terminal runs we could not claim yet
         # Claims this lane holds: POSTing, or queued for a POST slot. Holding claim_runs more
         # than the concurrency keeps the slots busy with no claim round trip between runs.
-        self.inflight: dict[str, Claim] = {}
+        self.inflight: dict[str, Held] = {}
         # Payload bytes those claims hold (issue 13): no claim once max_lane_bytes are held; a
         # claim asks for no more runs than fit, each counted at max_batch_bytes (its SQL's most).
         self.held_bytes = 0
-        self._held: dict[int, int] = {}  # id(claim) -> its payload bytes
+        self._held: dict[int, int] = {}  # id(held) -> its payload bytes as claimed
         # Claims whose run this lane claimed again after their lease expired (a zombie of our
         # own, e.g. a POST that outlived its lease): still running until they settle.
-        self._superseded: list[Claim] = []
+        self._superseded: list[Held] = []
         # With `ingress_batch_url`, one POST slot carries up to a claim's worth of small runs:
         # the lane then holds enough runs to fill every slot, plus one claim ahead (counted in
         # runs, a claim of small runs would otherwise fill the lane with one POST in flight).
@@ -115,7 +115,7 @@ class Lane:
         self.posting = anyio.Semaphore(concurrency)
         self.posting_runs: set[str] = set()  # claims past their slot wait (POST started)
         self._slot_held: set[str] = set()  # of those, the ones still holding their POST slot
-        self._slot_waiters: dict[str, tuple[Claim, anyio.Event]] = {}  # queued, in FIFO order
+        self._slot_waiters: dict[str, tuple[Held, anyio.Event]] = {}  # queued, in FIFO order
         self.stopping = False
         self._last_empty_pass = -1.0
         self._deliveries: TaskGroup | None = None
@@ -260,9 +260,10 @@ class Lane:
 
     def _start(self, claims: list[Claim]) -> None:
         assert self._deliveries is not None
+        held: list[Held] = []
         for claim in claims:
             self.stats.claimed_runs += 1
-            self._hold(claim)
+            held.append(self._hold(claim))
             self.wanted.discard(claim.run_id)
             if claim.reclaimed_from is not None:
                 self.stats.reclaimed += 1
@@ -280,11 +281,11 @@ class Lane:
                 )
         share = bool(self.settings.ingress_batch_url)
         groups = plan_groups(
-            claims,
+            held,
             share=share,
             batch_size=self.settings.batch_size,
             max_bytes=self.settings.max_batch_bytes,
-            size_of=lambda c: self._held.get(id(c), 0),
+            size_of=lambda h: self._held.get(id(h), 0),
         )
         for group in groups:
             if len(group) == 1:
@@ -292,22 +293,24 @@ class Lane:
             else:
                 self._launch(self._deliver_group, group)
 
-    def _hold(self, claim: Claim) -> None:
+    def _hold(self, claim: Claim) -> Held:
+        held = Held(claim)
         older = self.inflight.get(claim.run_id)
-        if older is not None and older is not claim:
+        if older is not None:
             self._superseded.append(older)  # it settles on its own (its ack is fenced)
-        self.inflight[claim.run_id] = claim
+        self.inflight[claim.run_id] = held
         size = payload_bytes(claim.events)
-        self._held[id(claim)] = size
+        self._held[id(held)] = size
         self.held_bytes += size
+        return held
 
-    def _drop(self, claim: Claim) -> None:
+    def _drop(self, held: Held) -> None:
         """Forget a settled claim (and only it: the run may have been claimed again meanwhile)."""
-        if self.inflight.get(claim.run_id) is claim:
-            del self.inflight[claim.run_id]
+        if self.inflight.get(held.claim.run_id) is held:
+            del self.inflight[held.claim.run_id]
         else:
-            self._superseded = [c for c in self._superseded if c is not claim]
-        self.held_bytes -= self._held.pop(id(claim), 0)
+            self._superseded = [h for h in self._superseded if h is not held]
+        self.held_bytes -= self._held.pop(id(held), 0)
 
     async def _finish_inflight(self) -> None:
         with anyio.move_on_after(self.settings.shutdown_timeout):
@@ -327,10 +330,9 @@ class Lane:
     def promote(self, run_id: str) -> None:
         """A terminal event was committed for a run this lane holds but has not started: mark it
         critical and widen it before its POST; a queued one is handed to the critical lane."""
-        claim = self.inflight.get(run_id)
-        if claim is not None and run_id not in self.posting_runs:
-            claim.critical = True
-            claim.widen = True
+        held = self.inflight.get(run_id)
+        if held is not None and run_id not in self.posting_runs:
+            held.claim = held.claim.promoted()
             self.slot_freed.set()
             waiter = self._slot_waiters.pop(run_id, None)
             if waiter is not None:
@@ -340,43 +342,45 @@ class Lane:
         """Take over a claim another lane holds but cannot start yet, if there is room."""
         if self.stopping or self._deliveries is None or len(self.inflight) >= self.concurrency:
             return False
-        self._hold(claim)
+        held = self._hold(claim)
         self.stats.adopted += 1
-        self._launch(self._deliver_one, claim)
+        self._launch(self._deliver_one, held)
         return True
 
     # -- POST slots --------------------------------------------------------------------------
 
-    async def _take_slot(self, claim: Claim) -> Slot:
+    async def _take_slot(self, held: Held) -> Slot:
         """Wait for a POST slot: POSTING once it has one, STOPPING on shutdown, HANDED_OFF when
-        a critical claim that would wait went to the critical lane instead."""
+        a critical claim that would wait went to the critical lane instead. Each turn reads the
+        claim anew from `held`: a promotion while it waits makes it critical."""
+        run_id = held.claim.run_id
         while not self.stopping:
             try:
                 self.posting.acquire_nowait()
-                self.posting_runs.add(claim.run_id)
-                self._slot_held.add(claim.run_id)
+                self.posting_runs.add(run_id)
+                self._slot_held.add(run_id)
                 return Slot.POSTING
             except anyio.WouldBlock:
                 pass
-            if claim.critical and self.handoff(claim):
+            if held.claim.critical and self.handoff(held.claim):
                 return Slot.HANDED_OFF
             # Queued: woken when a slot frees and this claim is next (critical ones first), when
             # promoted (it may turn critical), on shutdown. One waiter per freed slot.
-            waiter = self._slot_waiters[claim.run_id] = (claim, anyio.Event())
+            waiter = self._slot_waiters[run_id] = (held, anyio.Event())
             try:
-                if claim.critical:  # tries the handoff again each poll_interval
+                if held.claim.critical:  # tries the handoff again each poll_interval
                     with anyio.move_on_after(self.settings.poll_interval):
                         await waiter[1].wait()
                 else:  # no timer: one per queued claim was measurable (docs/performance.md)
                     await waiter[1].wait()
             finally:
-                if self._slot_waiters.get(claim.run_id) is waiter:
-                    del self._slot_waiters[claim.run_id]
+                if self._slot_waiters.get(run_id) is waiter:
+                    del self._slot_waiters[run_id]
         return Slot.STOPPING
 
-    def _free_slot(self, claim: Claim) -> None:
-        if claim.run_id in self._slot_held:
-            self._slot_held.discard(claim.run_id)
+    def _free_slot(self, run_id: str) -> None:
+        if run_id in self._slot_held:
+            self._slot_held.discard(run_id)
             self.posting.release()
             self._wake_next_waiter()
 
@@ -385,37 +389,38 @@ class Lane:
         if not self._slot_waiters:
             return
         run_id = next(
-            (r for r, (c, _) in self._slot_waiters.items() if c.critical),
+            (r for r, (h, _) in self._slot_waiters.items() if h.claim.critical),
             next(iter(self._slot_waiters)),
         )
         self._slot_waiters.pop(run_id)[1].set()
 
-    async def _deliver_one(self, claim: Claim) -> None:
+    async def _deliver_one(self, held: Held) -> None:
         slot = Slot.WAITING
         settled = False
+        run_id = held.claim.run_id
         try:
-            slot = await self._take_slot(claim)
+            slot = await self._take_slot(held)
             if slot is Slot.POSTING:
-                settled = await self.delivery.deliver(claim, lambda: self._free_slot(claim))
+                settled = await self.delivery.deliver(held, lambda: self._free_slot(run_id))
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:
             logs.error(
-                "delivery_error", **self.delivery.who(claim), error=logs.error_text(exc, 300)
+                "delivery_error", **self.delivery.who(held.claim), error=logs.error_text(exc, 300)
             )
         finally:
-            self._drop(claim)
+            self._drop(held)
             if slot is not Slot.HANDED_OFF:  # else the critical lane owns the claim now
                 if not settled:
-                    await self.delivery.hand_back(claim)
+                    await self.delivery.hand_back(held.claim)  # as widened, if it was
                 if slot is Slot.POSTING:
-                    self.posting_runs.discard(claim.run_id)
-                    self._free_slot(claim)
-                if claim.critical or self.name == "critical":
+                    self.posting_runs.discard(run_id)
+                    self._free_slot(run_id)
+                if held.claim.critical or self.name == "critical":
                     self.wake.set()
             self._settled()
 
-    async def _deliver_group(self, group: list[Claim]) -> None:
+    async def _deliver_group(self, group: list[Held]) -> None:
         """Several small runs in one POST to `ingress_batch_url` (one slot for all of them)."""
         settled: dict[str, bool] = {}
         held = False
@@ -440,10 +445,10 @@ class Lane:
             )
         finally:
             free_slot()
-            for claim in group:
-                if not settled.get(claim.run_id):
-                    await self.delivery.hand_back(claim)
-                self._drop(claim)
+            for h in group:
+                if not settled.get(h.claim.run_id):
+                    await self.delivery.hand_back(h.claim)
+                self._drop(h)
             self._settled()
-            if self.name == "critical" or any(c.critical for c in group):
+            if self.name == "critical" or any(h.claim.critical for h in group):
                 self.wake.set()

@@ -6,7 +6,8 @@ duration of the request; when none of their leases is held any more the request 
 (`Renewal.lost`), and the batch is abandoned without an ack.
 
 The store only answers which leases it renewed and their new trust windows; moving a claim's
-window forward happens here, in the lane's own code.
+window forward happens here, in the lane's own code: each renewed claim's holder (`Held`) gets
+the claim under its new window, where the delivery reads it.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import anyio
 import psycopg
 
 from relay.policy import renew_interval
-from relay.store import Claim, Store
+from relay.store import Held, Store
 
 
 class Renewal:
     """Claims on the wire, kept by their lane's renewer while the block runs; the block is
     cancelled once none of their leases is held any more (`lost`)."""
 
-    def __init__(self, claims: list[Claim], registry: set[Renewal]) -> None:
+    def __init__(self, claims: list[Held], registry: set[Renewal]) -> None:
         self.claims = claims
-        self.live = {c.run_id for c in claims}
+        self.live = {h.claim.run_id for h in claims}
         self.lost = False
         self._registry = registry
         self._scope = anyio.CancelScope()
@@ -56,17 +57,18 @@ class Renewer:
         self._renewals: set[Renewal] = set()
         self.renewed = 0  # leases renewed (the status page's "renewals")
 
-    def renewing(self, claims: list[Claim]) -> Renewal:
+    def renewing(self, claims: list[Held]) -> Renewal:
         return Renewal(claims, self._renewals)
 
-    async def renew(self, claims: Sequence[Claim]) -> set[str]:
-        """Renew these leases now; returns the run ids renewed (their trust windows moved)."""
-        trusts = await self.store.renew(claims)
+    async def renew(self, claims: Sequence[Held]) -> set[str]:
+        """Renew these leases now; returns the run ids renewed (their holders keep the claims
+        under the new trust windows)."""
+        trusts = await self.store.renew([h.claim for h in claims])
         self.renewed += len(trusts)
-        for c in claims:
-            trust = trusts.get(c.run_id)
+        for held in claims:
+            trust = trusts.get(held.claim.run_id)
             if trust is not None:
-                c.trust = trust
+                held.claim = held.claim.renewed(trust)
         return set(trusts)
 
     async def run(self) -> None:
@@ -82,10 +84,10 @@ class Renewer:
             now = anyio.current_time()
             first_due = min(
                 (
-                    c.trust.started + interval
+                    h.claim.trust.started + interval
                     for r in self._renewals
-                    for c in r.claims
-                    if c.run_id in r.live
+                    for h in r.claims
+                    if h.claim.run_id in r.live
                 ),
                 default=now + interval,
             )
@@ -93,10 +95,10 @@ class Renewer:
             pause = 0.0
             now = anyio.current_time()
             due = {
-                c.run_id: c
+                h.claim.run_id: h
                 for r in self._renewals
-                for c in r.claims
-                if c.run_id in r.live and now - c.trust.started >= interval
+                for h in r.claims
+                if h.claim.run_id in r.live and now - h.claim.trust.started >= interval
             }
             if not due:
                 continue
@@ -104,7 +106,7 @@ class Renewer:
                 held = await self.renew(list(due.values()))
             except (psycopg.Error, OSError, TimeoutError):
                 now = anyio.current_time()
-                held = {run for run, c in due.items() if c.trust.remaining(now) > interval}
+                held = {run for run, h in due.items() if h.claim.trust.remaining(now) > interval}
                 pause = interval / 4  # their windows did not move: try again soon, not at once
             for r in list(self._renewals):
                 r.lose(due.keys() - held)

@@ -17,7 +17,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
@@ -88,9 +88,10 @@ def payload_bytes(events: Sequence[ClaimedEvent]) -> int:
     return sum(sys.getsizeof(e.payload) for e in events)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Claim:
-    """A run's prefix under this replica's lease."""
+    """A run's prefix under this replica's lease: a value. A renewal, a widening or a promotion
+    returns a new one, and whoever holds the claim keeps that (`Held`)."""
 
     run_id: str
     epoch: int
@@ -99,11 +100,27 @@ class Claim:
     critical: bool
     claimed_at: datetime  # database clock
     trust: Trust
-    events: list[ClaimedEvent] = field(default_factory=list)
+    events: tuple[ClaimedEvent, ...]
     # A terminal event was committed after the claim: widen the prefix before the first POST.
     widen: bool = False
     # The dead owner whose unexpired lease this claim took (issue 18), else None.
     reclaimed_from: str | None = None
+
+    def renewed(self, trust: Trust) -> Claim:
+        """The claim once its lease was renewed: the same prefix under a new trust window."""
+        return replace(self, trust=trust)
+
+    def promoted(self) -> Claim:
+        """A terminal event was committed for the run after the claim: it is critical now, and
+        its prefix is widened before its first POST."""
+        return replace(self, critical=True, widen=True)
+
+    def widened(self, more: Sequence[ClaimedEvent]) -> Claim:
+        """The prefix grown by `more` (the run's events committed since, relay.store.Store.widen);
+        critical once it holds a terminal event."""
+        events = (*self.events, *more)
+        critical = self.critical or any(e.terminal for e in events)
+        return replace(self, events=events, widen=False, critical=critical)
 
     @property
     def first_seq(self) -> int:
@@ -119,6 +136,25 @@ class Claim:
         window started. That start moves with each renewal and `claimed_at` does not, so after
         a renewal this lags the database's clock by the time held before it (never ahead)."""
         return self.claimed_at + timedelta(seconds=max(0.0, now - self.trust.started))
+
+
+class Held:
+    """A claim its lane holds, as its current value: the one mutable thing about a claim. Each
+    change is a new Claim, put here by the part that makes it: the lane promotes a queued claim
+    (relay/lane.py), the delivery widens it before the first POST and renews it when it waited
+    too long (relay/delivery.py), the renewer moves its trust window while it is on the wire
+    (relay/renewal.py). Whoever reads it later (a quick retry's trust check, the signature's
+    timestamp, the hand-back of the lease) reads the current value here."""
+
+    __slots__ = ("claim",)
+
+    def __init__(self, claim: Claim) -> None:
+        self.claim = claim
+
+    @property
+    def events(self) -> tuple[ClaimedEvent, ...]:
+        """What planning counts (relay.policy.plan_groups)."""
+        return self.claim.events
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,23 +271,27 @@ class Store:
             ),
         )
         trust = Trust(started=sent, ttl=self.lease_ttl, margin=lease_margin(self.lease_ttl))
-        claims: dict[str, Claim] = {}
+        # One row per event, each run's in seq order; the lease's columns repeat on each row.
+        runs: dict[str, tuple[TupleRow, list[ClaimedEvent]]] = {}
         for r in rows:
-            run = r[0]
-            claim = claims.get(run)
-            if claim is None:
-                claim = claims[run] = Claim(
-                    run_id=run,
-                    epoch=r[1],
-                    token=r[2],
-                    attempts=r[3],
-                    critical=r[4],
-                    claimed_at=r[13],
-                    trust=trust,
-                    reclaimed_from=r[14],
-                )
-            claim.events.append(ClaimedEvent._make(r[5:13]))
-        return list(claims.values())
+            run = runs.get(r[0])
+            if run is None:
+                run = runs[r[0]] = (r, [])
+            run[1].append(ClaimedEvent._make(r[5:13]))
+        return [
+            Claim(
+                run_id=r[0],
+                epoch=r[1],
+                token=r[2],
+                attempts=r[3],
+                critical=r[4],
+                claimed_at=r[13],
+                trust=trust,
+                events=tuple(events),
+                reclaimed_from=r[14],
+            )
+            for r, events in runs.values()
+        ]
 
     async def renew(self, claims: Sequence[Claim]) -> dict[str, Trust]:
         """Extends the leases of `claims` (fenced by token). Returns the new trust window of
@@ -306,7 +346,7 @@ class Store:
 
     async def widen(self, claim: Claim) -> list[ClaimedEvent]:
         """Events of the claim's run committed since the claim, after its last one (up to the
-        batch size), while the lease is still ours. The caller adds them to its claim."""
+        batch size), while the lease is still ours. The caller keeps `claim.widened(more)`."""
         room = self.batch_size - len(claim.events)
         if room <= 0 or not claim.events:
             return []

@@ -4,12 +4,16 @@ between the lease and the HTTP layer: no database, no network, the clock passed 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
+
 from relay.policy import Trust
-from relay.store import Claim, ClaimedEvent
+from relay.renewal import Renewer
+from relay.store import Claim, ClaimedEvent, Held
 
 PACKAGE = Path(__file__).resolve().parent.parent / "relay"
 CLAIMED_AT = datetime(2024, 5, 17, 12, 0, 0, tzinfo=UTC)
@@ -30,8 +34,76 @@ def claim(*events: ClaimedEvent, started: float = 100.0) -> Claim:
         critical=False,
         claimed_at=CLAIMED_AT,
         trust=Trust(started=started, ttl=30.0, margin=6.0),
-        events=list(events) or [event(1)],
+        events=events or (event(1),),
     )
+
+
+# --- a change is a new value ------------------------------------------------------------------
+
+
+def test_a_claim_cannot_be_changed_in_place() -> None:
+    c = claim()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.critical = True  # type: ignore[misc]
+    assert isinstance(c.events, tuple)  # and neither can its prefix
+
+
+def test_renewed_is_a_new_claim_under_the_new_window_and_the_old_one_is_unchanged() -> None:
+    c = claim(event(1), event(2), started=100.0)
+    window = Trust(started=110.0, ttl=30.0, margin=6.0)
+    renewed = c.renewed(window)
+    assert renewed is not c
+    assert renewed.trust == window
+    assert c.trust.started == 100.0
+    assert dataclasses.replace(renewed, trust=c.trust) == c  # nothing else moved
+
+
+def test_promoted_is_critical_and_asks_for_a_widening_and_the_old_one_is_unchanged() -> None:
+    c = claim()
+    promoted = c.promoted()
+    assert (promoted.critical, promoted.widen) == (True, True)
+    assert (c.critical, c.widen) == (False, False)
+
+
+def test_widened_grows_the_prefix_in_order_and_asks_for_no_more_widening() -> None:
+    c = claim(event(1), event(2)).promoted()
+    widened = c.widened([event(3), event(4)])
+    assert [e.seq for e in widened.events] == [1, 2, 3, 4]
+    assert (widened.first_seq, widened.last_seq) == (1, 4)
+    assert widened.widen is False
+    assert [e.seq for e in c.events] == [1, 2]
+    assert c.widen is True
+
+
+def test_widened_turns_critical_only_with_a_terminal_event() -> None:
+    assert claim(event(1)).widened([event(2)]).critical is False
+    assert claim(event(1)).widened([event(2, terminal=True)]).critical is True
+    assert claim(event(1)).widened([]).critical is False
+
+
+class _Store:
+    """What the renewer asks of the store: which of these leases it renewed, and their new
+    trust windows (here: every run but `lost`)."""
+
+    def __init__(self, window: Trust, lost: str = "") -> None:
+        self.window = window
+        self.lost = lost
+
+    async def renew(self, claims: list[Claim]) -> dict[str, Trust]:
+        return {c.run_id: self.window for c in claims if c.run_id != self.lost}
+
+
+@pytest.mark.anyio
+async def test_the_renewer_gives_each_holder_its_claim_under_the_new_window() -> None:
+    window = Trust(started=500.0, ttl=30.0, margin=6.0)
+    kept, lost = claim(), dataclasses.replace(claim(), run_id="run-2")
+    held = [Held(kept), Held(lost)]
+    renewer = Renewer(_Store(window, lost="run-2"), lease_ttl=30.0)  # type: ignore[arg-type]
+    assert await renewer.renew(held) == {"run-1"}
+    assert held[0].claim == kept.renewed(window)
+    assert kept.trust.started == 100.0  # the value the delivery had is as it was
+    assert held[1].claim is lost  # not renewed: its holder keeps what it had
+    assert renewer.renewed == 1
 
 
 # --- the database's clock, as a POST's webhook-timestamp carries it ----------------------------
