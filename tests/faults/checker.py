@@ -31,6 +31,9 @@ class Facts:
     drain_seconds: float
     faults: int  # fault injections the nemesis made
     notes: list[str] = field(default_factory=list)
+    # A database failover (DESIGN §9.5): the events in flight at it, i.e. received by the ingress
+    # before the new primary took writes and not acked there. Only they may come again.
+    in_flight: set[str] | None = None
 
 
 @dataclass
@@ -57,6 +60,8 @@ class Row:
     valid: bool
     problems: list[str]
     notes: list[str]
+    in_flight: int | None = None  # at a failover (None: the scenario had none)
+    beyond_in_flight: int | None = None  # duplicates of events that were not in flight
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +106,9 @@ def check(f: Facts) -> Row:
         + f.wake_payload_mismatches
     )
     poison_runs = {where[e][0] for e in f.poison if e in where}
+    beyond = None
+    if f.in_flight is not None:
+        beyond = sum(n - 1 for e, n in f.received.items() if n > 1 and e not in f.in_flight)
 
     problems = []
     if lost:
@@ -115,6 +123,8 @@ def check(f: Facts) -> Row:
         problems.append(f"wakes missing: {sorted(missing)[:5]}")
     if extra:
         problems.append(f"wakes extra: {extra}")
+    if beyond:
+        problems.append(f"delivered again though not in flight at the failover: {beyond}")
     if set(f.blocked) != poison_runs:
         problems.append(f"blocked runs {sorted(f.blocked)} != poisoned runs {sorted(poison_runs)}")
     return Row(
@@ -140,4 +150,6 @@ def check(f: Facts) -> Row:
         valid=not problems,
         problems=problems,
         notes=f.notes,
+        in_flight=None if f.in_flight is None else len(f.in_flight),
+        beyond_in_flight=beyond,
     )

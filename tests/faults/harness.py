@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -39,7 +39,6 @@ from psycopg import sql
 
 import relay
 from relay.migrate import migrate
-from relay.tools.embedded import EmbeddedPostgres
 from relay.tools.sink import JSON, Fault, Sink, serve_sink
 from tests.faults import checker, report, scale
 from tests.faults.proxy import FaultProxy, via
@@ -133,9 +132,18 @@ class HookedSink(Sink):
 
     on_answer: Callable[[str, int, list[JSON]], Awaitable[None]] | None = None
 
+    def __init__(self) -> None:
+        super().__init__()
+        # Each event's first arrival, before any injected delay: when it was POSTed, where the
+        # sink's own `first_seen_at` is when it was processed.
+        self.arrived: dict[str, float] = {}
+
     async def _process(
         self, fault: Fault | None, run_id: str, epoch: int, events: list[JSON]
     ) -> tuple[int, JSON]:
+        now = time.time()
+        for e in events:
+            self.arrived.setdefault(e["event_id"], now)
         status, result = await super()._process(fault, run_id, epoch, events)
         if self.on_answer is not None and 200 <= status < 300:
             await self.on_answer(run_id, epoch, events)
@@ -148,8 +156,20 @@ class Marked:
     done: anyio.Event = field(default_factory=anyio.Event)
 
 
+class Server(Protocol):
+    """What a scenario needs of its PostgreSQL: one `EmbeddedPostgres`, or a primary with its
+    standby behind one multi-host URL (tests/faults/failover.py)."""
+
+    @property
+    def url(self) -> str: ...
+
+    def start(self) -> object: ...
+
+    def stop(self, mode: str = ...) -> None: ...
+
+
 class Lab:
-    def __init__(self, pg: EmbeddedPostgres, name: str, tmp: Path, tg: TaskGroup) -> None:
+    def __init__(self, pg: Server, name: str, tmp: Path, tg: TaskGroup) -> None:
         self.pg = pg
         self.name = name
         self.tmp = tmp
@@ -174,6 +194,7 @@ class Lab:
         self.producing = anyio.Event()
         self.produced = anyio.Event()
         self.row: checker.Row | None = None
+        self.in_flight: set[str] | None = None  # at a failover (tests/faults/failover.py)
         self.extra_env: dict[str, str] = {}
         self.command_prefix: list[str] = []
         self._files: list[IO[bytes]] = []
@@ -185,7 +206,7 @@ class Lab:
     @contextlib.asynccontextmanager
     async def open(
         cls,
-        pg: EmbeddedPostgres,
+        pg: Server,
         name: str,
         tmp: Path,
         *,
@@ -205,9 +226,9 @@ class Lab:
                 async with serve_sink(lab.sink) as sink_url:
                     lab.sink_url = sink_url
                     lab.sink.on_answer = lab._on_answer
-                    pg_host = urlsplit(pg.url)
-                    assert pg_host.hostname and pg_host.port
                     if db_proxy:
+                        pg_host = urlsplit(pg.url)
+                        assert pg_host.hostname and pg_host.port
                         lab.db_proxy = FaultProxy(pg_host.hostname, pg_host.port, "db")
                         await lab.db_proxy.start(tg)
                     if ingress_proxy:
@@ -611,4 +632,5 @@ class Lab:
             drain_seconds=drain_seconds,
             faults=self.faults,
             notes=self.notes,
+            in_flight=self.in_flight,
         )

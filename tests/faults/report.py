@@ -3,6 +3,8 @@
 
 JSON (`RELAY_FAULTS_REPORT`, default `.pytest_cache/relay-faults-report.json`):
 `{"scale": s, "rows": [<Row.as_json()>, ...], "valid": bool, "max_duplicates": n}`.
+A failover scenario's row also counts the events in flight at the failover (`in_flight`) and the
+duplicates beyond them (`beyond_in_flight`, DESIGN §9.5: must be 0); other rows have null there.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ COLUMNS = [
     ("lost", "lost"),
     ("duplicated", "dup"),
     ("max_duplicates", "max dup"),
+    ("in_flight", "in flight"),
+    ("beyond_in_flight", "dup beyond"),
     ("out_of_order", "order"),
     ("unexpected", "unexp"),
     ("acked_without_delivery", "ack w/o deliv"),
@@ -86,7 +90,10 @@ def table(rows: list[Row], width: int = 200) -> str:
         cells = []
         for key, _ in COLUMNS:
             v = values[key]
-            cells.append(("yes" if v else "[bold red]NO[/]") if key == "valid" else str(v))
+            if key == "valid":
+                cells.append("yes" if v else "[bold red]NO[/]")
+            else:
+                cells.append("-" if v is None else str(v))
         t.add_row(*cells)
     out = io.StringIO()
     Console(file=out, width=width, force_terminal=False, color_system=None).print(t)

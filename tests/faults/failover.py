@@ -1,0 +1,135 @@
+"""A primary with a synchronous standby, built with the embedded PostgreSQL's own tools, and the
+failover lever: the primary SIGKILLed (the postmaster and every process of it, as a machine
+dies), the standby promoted (issue 29).
+
+The standby is a `pg_basebackup -R` of the primary (`standby.signal` and `primary_conninfo`
+written by the tool), started on its own port. `synchronous_standby_names = '*'` is set on the
+primary only after the copy (the standby's configuration must not wait for a standby of its
+own once promoted), so every commit the primary confirms is on the standby's disk first.
+
+Clients use one multi-host URL (`127.0.0.1:P1,127.0.0.1:P2`, `target_session_attrs=read-write`):
+libpq tries both and keeps the one that accepts writes, the primary before the failover and the
+promoted standby after it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psycopg
+
+from relay.tools.embedded import EmbeddedPostgres
+
+
+class Pair:
+    """The primary, its synchronous standby, and the URL that follows the writable one. Passed
+    to `Lab.open` in place of one server (it needs `url`)."""
+
+    def __init__(self, root: Path) -> None:
+        self.primary = EmbeddedPostgres(root / "primary", durable=True)
+        self.standby = EmbeddedPostgres(root / "standby", durable=True)
+
+    @property
+    def url(self) -> str:
+        hosts = f"127.0.0.1:{self.primary.port},127.0.0.1:{self.standby.port}"
+        return f"postgresql://postgres@{hosts}/postgres?target_session_attrs=read-write"
+
+    def start(self) -> None:
+        self.primary.start()
+        self._base_backup()
+        self.standby.start()
+        with psycopg.connect(self.primary.url, autocommit=True) as conn:
+            conn.execute("alter system set synchronous_standby_names = '*'")
+            conn.execute("select pg_reload_conf()")
+            deadline = time.monotonic() + 30
+            while not conn.execute(
+                "select 1 from pg_stat_replication where sync_state = 'sync'"
+            ).fetchone():
+                if time.monotonic() > deadline:
+                    raise AssertionError("the standby never became synchronous")
+                time.sleep(0.05)
+
+    def _base_backup(self) -> None:
+        target = self.standby.datadir
+        command = [
+            str(self.standby.bin / "pg_basebackup"),
+            *("-D", str(target), "-h", "127.0.0.1", "-p", str(self.primary.port)),
+            *("-U", "postgres", "-X", "stream", "-R", "--no-sync"),
+        ]
+        for attempt in range(3):  # once seen to fail on a loaded machine, and not again
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+            ids = self.standby._ids  # the server user when root (EmbeddedPostgres runs it so)
+            if ids is not None:
+                os.chown(target, *ids)
+            target.chmod(0o700)
+            try:
+                self.standby._run(command)
+                return
+            except subprocess.CalledProcessError as exc:
+                error = f"{exc.stdout.decode()}{exc.stderr.decode()}".strip()
+                if attempt == 2:
+                    raise AssertionError(f"pg_basebackup failed 3 times: {error}") from exc
+                time.sleep(1)
+
+    def kill_primary(self) -> None:
+        """SIGKILL the primary's postmaster and all its processes at once: nothing is flushed,
+        no client gets a goodbye, as when its machine dies."""
+        pid = int((self.primary.datadir / "postmaster.pid").read_text().split()[0])
+        for p in (pid, *_children(pid)):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
+            if time.monotonic() > deadline:
+                raise AssertionError(f"postmaster {pid} survived SIGKILL")
+            time.sleep(0.02)
+
+    def standby_caught_up(self) -> None:
+        """Until the standby replayed all it received (the primary is dead: nothing more comes)."""
+        with psycopg.connect(self.standby.url, autocommit=True) as conn:
+            deadline = time.monotonic() + 30
+            while True:
+                row = conn.execute(
+                    "select pg_last_wal_receive_lsn() <= pg_last_wal_replay_lsn()"
+                ).fetchone()
+                if row and row[0]:
+                    return
+                if time.monotonic() > deadline:
+                    raise AssertionError("the standby did not replay what it received")
+                time.sleep(0.02)
+
+    def promote(self) -> None:
+        self.standby._run(
+            [str(self.standby.bin / "pg_ctl"), "-D", str(self.standby.datadir), "-w", "promote"]
+        )
+
+    def stop(self, mode: str = "immediate") -> None:
+        self.standby.stop(mode)
+        self.primary.stop(mode)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
