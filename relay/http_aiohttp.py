@@ -21,6 +21,7 @@ import ssl
 
 import aiohttp
 import httpx
+from aiohttp.http_exceptions import LineTooLong
 from yarl import URL
 
 from relay.transport import READ_LIMIT, TransportFailure
@@ -72,7 +73,7 @@ class AiohttpSender:
         except TimeoutError:
             raise  # the caller names its deadline
         except (aiohttp.ClientError, OSError) as exc:
-            raise TransportFailure(f"{type(exc).__name__}: {exc}") from exc
+            raise TransportFailure(_failure(exc)) from exc
         except Exception as exc:
             # Anything else aiohttp raises about an answer is still this request's failure.
             if type(exc).__module__.partition(".")[0] != "aiohttp":
@@ -82,3 +83,15 @@ class AiohttpSender:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _failure(exc: BaseException) -> str:
+    """The failure's text; an over-long line of the answer's head (aiohttp's parser refuses one
+    over `max_line_size`/`max_field_size`, 8190 bytes, as it arrives) says so first."""
+    text = f"{type(exc).__name__}: {exc}"
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, LineTooLong):
+            return f"answer head: a line over {cause.args[1]} bytes ({text[:200]})"
+        cause = cause.__cause__ or cause.__context__
+    return text

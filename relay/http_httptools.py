@@ -12,7 +12,8 @@ What is ours, and tested like the other senders (the contract, hostile-answer an
 on every transport):
 - **The request head.** The URL comes encoded (`render_url`); its path and every header are
   refused (ValueError, naming the header) if they hold a byte that could end a line.
-- **The answer's bounds.** Headers over `MAX_HEAD` bytes in all, or a malformed answer, are a
+- **The answer's bounds.** A head over `MAX_HEAD` bytes in all (counted as bytes arrive, interim
+  answers included, so a header line that never ends is cut there), or a malformed answer, is a
   `TransportFailure`; a body is read to `READ_LIMIT` bytes and the connection then closed, as
   aiohttp's sender does. A body with a length that ends early is a failure; a body without one
   (HTTP/1.0 style) ends at the close.
@@ -90,6 +91,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.parser = httptools.HttpResponseParser(self)
+        self.received_before_head = 0  # bytes fed to llhttp before the final headers were done
         self._reset()
 
     def _reset(self) -> None:
@@ -113,11 +115,22 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self.parser.feed_data(data)
+            if not self.headers_done:
+                # The head is capped by what arrives, not by what llhttp hands back: a header
+                # line that never ends (no CRLF) reaches no callback, and the binding grows it
+                # in memory until the line is done (issue 32, item 6). Every byte fed before
+                # the final answer's headers are complete is head (interim answers included),
+                # so at most one read (asyncio's 256 KiB) passes the cap.
+                self.received_before_head += len(data)
+                if self.received_before_head > MAX_HEAD:
+                    raise TransportFailure(f"answer head over {MAX_HEAD} bytes")
         except httptools.HttpParserUpgrade:
             self._fail("the ingress answered with a protocol upgrade")
         except httptools.HttpParserError as exc:
             cause = exc.__context__ if isinstance(exc.__context__, TransportFailure) else exc
             self._fail(f"malformed answer: {cause}")
+        except TransportFailure as exc:
+            self._fail(str(exc))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -134,7 +147,7 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self.head_bytes += len(name) + len(value) + 4
         if self.head_bytes > MAX_HEAD:
-            raise TransportFailure(f"answer headers over {MAX_HEAD} bytes")
+            raise TransportFailure(f"answer head over {MAX_HEAD} bytes")
         lower = name.lower()
         if lower == b"retry-after":
             self.retry_after = value.decode("latin-1")[:100]
@@ -184,6 +197,7 @@ class _Connection(asyncio.Protocol):
     async def request(self, data: bytes) -> tuple[int, bytes, str | None]:
         assert self.transport is not None
         self._reset()  # the parser stays: llhttp reads one answer after another on a connection
+        self.received_before_head = 0  # not reset by interim answers: they count as head too
         self.waiter = asyncio.get_running_loop().create_future()
         self.transport.write(data)
         try:

@@ -134,12 +134,26 @@ class HttpxSender:
             retry_after: str | None = response.headers.get("retry-after")
             return response.status_code, b"".join(chunks)[:READ_LIMIT], retry_after
         except (httpx.HTTPError, OSError) as exc:
-            raise TransportFailure(f"{type(exc).__name__}: {exc}") from exc
+            raise TransportFailure(_failure(exc)) from exc
 
     async def aclose(self) -> None:
         # Only what this sender opened: an app-owned transport is the application's to close.
         for transport in self._owned:
             await transport.aclose()
+
+
+# The head of an answer is bounded by h11 as bytes arrive: httpcore reads 64 KiB at a time into
+# h11, which refuses a head still incomplete past `max_incomplete_event_size` (httpcore passes
+# this class attribute, 100 KiB) with "Receive buffer too long" (issue 32, item 6; tested with
+# an endless header line in tests/test_security.py).
+HEAD_LIMIT: int = httpcore.AsyncHTTP11Connection.MAX_INCOMPLETE_EVENT_SIZE
+
+
+def _failure(exc: Exception) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, httpx.RemoteProtocolError) and "Receive buffer too long" in str(exc):
+        return f"answer head over {HEAD_LIMIT} bytes ({text})"
+    return text
 
 
 # -- a leaner network layer under httpcore ---------------------------------------------------

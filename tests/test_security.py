@@ -440,6 +440,53 @@ async def test_an_endless_answer_is_read_only_up_to_the_cap(
         assert "xxxx" in row[0] and len(row[0]) < MAX_BODY  # an excerpt
 
 
+ENDLESS_HEAD_STOP = 64 * 1024 * 1024  # the hostile server gives up here (a red run still ends)
+
+
+def endless_header(raw: list[RawIngress]) -> Answerer:
+    """A status line, then one header line that never ends (no CRLF), 64 KiB at a time."""
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nx-endless: ")
+        chunk = b"a" * 65536
+        while raw[0].sent < ENDLESS_HEAD_STOP:  # until the client goes away
+            writer.write(chunk)
+            await writer.drain()
+            raw[0].sent += len(chunk)
+        writer.close()
+
+    return answer
+
+
+async def test_an_endless_header_line_is_cut_at_the_head_cap_as_it_arrives(
+    http_transport: str,
+) -> None:
+    """Issue 32 item 6: an answer whose header line never ends is refused once the head has
+    passed its cap (64 KiB; httpcore's h11 limit is 100 KiB), counted as bytes arrive, not
+    when a header is complete: the sender fails the POST naming the head, and the server
+    manages to send no more than the cap plus the sockets' buffers before the client leaves
+    (before the fix: all 64 MiB, held in one growing header value)."""
+    cfg = relay.settings.load(
+        {
+            "database_url": "postgresql://x/y",
+            "ingress_url": "http://i/runs/{run_id}",
+            "http_transport": http_transport,
+            "http_timeout": "20s",  # per phase for the senders; the test's own deadline below
+        },
+        {},
+    )
+    holder: list[RawIngress] = []
+    raw = RawIngress(endless_header(holder))
+    holder.append(raw)
+    async with raw.serving() as url, open_sender(cfg, 1) as sender:
+        with anyio.fail_after(120), pytest.raises(TransportFailure) as failed:
+            await sender.send(url + "/runs/h1", b"{}", {})
+        await wait_for(lambda: raw.client_left >= 1, what="the client to hang up")
+    assert re.search(r"head|header|line", str(failed.value), re.I), failed.value
+    # The cap plus socket buffers (loopback autotuning: a few MiB), not the stream.
+    assert raw.sent < 16 * 1024 * 1024, raw.sent
+
+
 async def test_a_slow_drip_is_cut_at_the_total_deadline(
     pg_url: str, schema: str, conn: psycopg.Connection[Any], http_transport: str
 ) -> None:
