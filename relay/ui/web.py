@@ -9,7 +9,9 @@ the fleet to the whole network (issue 32, item 3; docs/operations.md §6a).
 
 What it costs: the status document comes from one `ui_status()` that many viewers share
 (relay/ui/coalesce.py: kept `CACHE_SECONDS`, concurrent requests wait for the same fetch), on
-the page's own connection (relay/ui/pool.py)."""
+the page's own connection (relay/ui/pool.py), and each body made of it is shaped and rendered
+once for all of them: a viewer in a tight loop costs the relay's event loop little more than
+the HTTP exchange."""
 
 from __future__ import annotations
 
@@ -141,9 +143,12 @@ def _html_headers() -> tuple[tuple[str, str], ...]:
     )
 
 
+_JSON_HEADERS = (("x-content-type-options", "nosniff"),)
+
+
 def _json(doc: Any, status: int = 200) -> Response:
     body = orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS) + b"\n"
-    return Response(status, JSON, body, (("x-content-type-options", "nosniff"),))
+    return Response(status, JSON, body, _JSON_HEADERS)
 
 
 def _html(status: int, body: bytes) -> Response:
@@ -175,9 +180,12 @@ class StatusPage:
         self.series = RateSeries()
         self.last_misconfigured: float | None = None
         self._report_failing = False
-        self.shared: Coalesced[int, dict[str, Any]] = Coalesced(
+        # Shared by every viewer for CACHE_SECONDS: the document (one statement per page of
+        # blocked runs) and each body made of it (shaped and rendered once, not per request).
+        self.docs: Coalesced[int, dict[str, Any]] = Coalesced(
             lambda offset: self.data.status(offset, BLOCKED_PAGE), CACHE_SECONDS
         )
+        self.bodies: Coalesced[tuple[str, int], bytes] = Coalesced(self._render, CACHE_SECONDS)
 
     @staticmethod
     def handles(path: str) -> bool:
@@ -253,18 +261,26 @@ class StatusPage:
     async def status(self, offset: int = 0) -> dict[str, Any]:
         """What /api/status answers: the shared document (at most one statement per
         CACHE_SECONDS), the lanes' totals from the backlog gauges, and the view the page shows."""
-        doc = await self.shared.get(offset)
+        doc = await self.docs.get(offset)
         totals = backlog_figures(self.backlog(), doc.get("held_events"), anyio.current_time())
         data = shape_status({**doc, **totals}, self.series, time.monotonic(), self.replica_id)
         data["view"] = status_view(data)
         return data
 
+    async def _render(self, key: tuple[str, int]) -> bytes:
+        """The body of `/` ("html") or `/api/status` ("json") at a blocked-runs offset."""
+        kind, offset = key
+        data = await self.status(offset)
+        if kind == "html":
+            return page.status_page(data["view"], self.refresh_seconds, BLOCKED_PAGE)
+        return _json(data).body
+
     async def _route(self, path: str, query: Mapping[str, str]) -> Response:
         if path == "/":
-            data = await self.status(_offset(query))
-            return _html(200, page.status_page(data["view"], self.refresh_seconds, BLOCKED_PAGE))
+            return _html(200, await self.bodies.get(("html", _offset(query))))
         if path == "/api/status":
-            return _json(await self.status(_offset(query)))
+            body = await self.bodies.get(("json", _offset(query)))
+            return Response(200, JSON, body, _JSON_HEADERS)
         for prefix in ("/runs/", "/api/runs/"):
             if path.startswith(prefix) and len(path) > len(prefix):
                 run_id = unquote(path[len(prefix) :], errors="replace")
