@@ -332,12 +332,13 @@ async def test_twelve_viewers_cost_one_query_on_the_pages_own_connection(
     async with Relay(cfg).running() as r:
         assert r.endpoints is not None
         e = r.endpoints
-        before = e.page.data.queries
+        before, rendered = e.page.data.queries, e.page.bodies.fetches
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{e.port}", timeout=30) as c:
             async with anyio.create_task_group() as tg:
                 for i in range(12):
                     tg.start_soon(c.get, "/api/status" if i % 2 else "/")
         assert e.page.data.queries - before <= 1  # shared (coalesce.py), whatever N is
+        assert e.page.bodies.fetches - rendered <= 2  # one page and one JSON body, not twelve
         assert page_backends(conn) == 1  # its own connection, not the delivery pools'
     await wait_for(lambda: page_backends(conn) == 0, what="the page's connection closed")
 
