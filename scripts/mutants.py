@@ -555,6 +555,41 @@ MUTANTS: tuple[Mutant, ...] = (
         "            pass",
         ("tests/test_relay.py::test_a_multi_run_post_frees_its_slot_before_its_acks",),
     ),
+    # -- the claim as a value (issue 27 item 4): each change is a new claim its holder keeps ----
+    Mutant(
+        "claim-renewal-dropped",
+        "§4.2 trust window: the delivery reads the window its lease was renewed to",
+        "relay/renewal.py",
+        "                held.claim = held.claim.renewed(trust)",
+        "                held.claim.renewed(trust)",
+        (
+            "tests/test_relay.py::"
+            "test_a_quick_retry_trusts_the_window_a_renewal_moved_during_its_post",
+            "tests/test_claim.py::test_the_renewer_gives_each_holder_its_claim_under_the_new_window",
+        ),
+    ),
+    Mutant(
+        "claim-promotion-dropped",
+        "§4.3/§9.6: a queued run whose terminal event commits turns critical (handed over)",
+        "relay/lane.py",
+        "            held.claim = held.claim.promoted()",
+        "            held.claim.promoted()",
+        (
+            "tests/test_relay.py::"
+            "test_a_terminal_committed_for_a_queued_run_is_handed_to_the_critical_lane",
+        ),
+    ),
+    Mutant(
+        "claim-widening-dropped",
+        "§4.3: a promoted claim's POST carries the terminal event committed since the claim",
+        "relay/delivery.py",
+        "            held.claim = held.claim.widened(more)",
+        "            held.claim.widened(more)",
+        (
+            "tests/test_relay.py::"
+            "test_a_terminal_committed_for_a_queued_run_is_handed_to_the_critical_lane",
+        ),
+    ),
     # -- order (§9.2) ----------------------------------------------------------------------------
     Mutant(
         "order-prefix-reversed",

@@ -385,6 +385,25 @@ async def test_lease_is_renewed_while_a_post_is_in_flight(
     assert lane.stats.lease_lost == 0
 
 
+async def test_a_quick_retry_trusts_the_window_a_renewal_moved_during_its_post(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """The renewer's new trust window is what the delivery reads (issue 27 item 4: the claim is
+    a value, its holder keeps the renewed one). A POST that times out after a renewal may retry
+    at once; on the claim's first window it could not (too little of it left for a request)."""
+    s, url = sink
+    s.faults.delay(2.0, times=1, run_id="r0")
+    enqueue_runs(conn, schema, 1, 1, terminal=False)
+    # Trust window 3 s - 0.6 s margin, renewed after 1 s; the POST times out after 1.5 s. Then
+    # the first window has 0.9 s left (no retry), the renewed one about 1.9 s (retry at once).
+    cfg = settings(pg_url, schema, url, lease_ttl="3s", http_timeout="1.5s")
+    async with Relay(cfg).running() as r:
+        lane = r.lanes["ordinary"]
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="delivery")
+    assert lane.delivery.renewer.renewed >= 1
+    assert (lane.stats.posts, lane.stats.retries, lane.stats.lease_lost) == (2, 0, 0)
+
+
 async def test_a_failed_renewal_abandons_the_batch_without_an_ack(
     pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
 ) -> None:
