@@ -9,8 +9,8 @@ done here, once:
 
 - **Proxies.** A transport either uses a proxy or does not; the client picks one per URL from
   `HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY` and `NO_PROXY` (its `trust_env`). This sender makes
-  the same choice with httpx's own rules (`get_environment_proxies`, `URLPattern`), read once at
-  start, and remembers it per origin. An app-owned transport is used as it is, never proxied
+  the same choice with the same rules (relay/proxies.py), read once at start, and remembers it
+  per origin, with one pool per proxy. An app-owned transport is used as it is, never proxied
   (as httpx's client does with an explicit `transport=`).
 - **Headers.** `Host` and `Content-Length` are set here (a request built from a stream gets no
   automatic headers), with `Host` computed once per origin.
@@ -25,14 +25,15 @@ Every httpx error (refused, reset, TLS, a malformed answer, a timeout of one pha
 
 from __future__ import annotations
 
+import os
 import select
 import ssl
 import typing
 
 import httpcore
 import httpx
-from httpx._utils import URLPattern, get_environment_proxies
 
+from relay.proxies import NO_PROXIES, ProxyRules, proxy_rules
 from relay.transport import READ_LIMIT, TransportFailure
 
 Origin = tuple[str, str]  # (scheme, netloc) as written in the URL
@@ -61,47 +62,52 @@ class HttpxSender:
         connections: int = 1,
         timeout: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        rules: ProxyRules | None = None,
     ) -> None:
         self._owned: list[httpx.AsyncBaseTransport] = []
-        # The proxy rules, most specific first (httpx's order): (pattern, transport or None =
-        # direct). Empty for an app-owned transport, or when the environment names no proxy.
-        self._mounts: list[tuple[URLPattern, httpx.AsyncBaseTransport | None]] = []
+        # The proxy rules of the environment (none for an app-owned transport), and a pool per
+        # proxy, opened when an origin first needs it.
+        self._proxy_rules = NO_PROXIES
+        self._proxied: dict[str, httpx.AsyncBaseTransport] = {}
+        self._limits = httpx.Limits(
+            max_connections=connections, max_keepalive_connections=connections
+        )
+        self._verify = verify
         if transport is not None:
             self._direct = transport
         else:
-            limits = httpx.Limits(
-                max_connections=connections, max_keepalive_connections=connections
-            )
-
-            def pool(proxy: httpx.Proxy | None = None) -> httpx.AsyncBaseTransport:
-                t = httpx.AsyncHTTPTransport(
-                    verify=verify, http1=True, http2=False, limits=limits, proxy=proxy
-                )
-                _lean(t)
-                self._owned.append(t)
-                return t
-
-            self._direct = pool()
-            rules = sorted(
-                (URLPattern(pattern), None if url is None else httpx.Proxy(url))
-                for pattern, url in get_environment_proxies().items()
-            )
-            self._mounts = [(p, None if proxy is None else pool(proxy)) for p, proxy in rules]
+            self._direct = self._pool()
+            self._proxy_rules = proxy_rules(os.environ) if rules is None else rules
         t = float(timeout)
         self._extensions = {"timeout": {"connect": t, "read": t, "write": t, "pool": t}}
         # Per origin: (the transport it goes through, its Host header); the relay POSTs to one
         # or two origins (ingress_url, ingress_batch_url), so this stays tiny.
         self._routes: dict[Origin, tuple[httpx.AsyncBaseTransport, bytes]] = {}
 
-    def _route(self, origin: Origin, url: httpx.URL) -> tuple[httpx.AsyncBaseTransport, bytes]:
+    def _pool(self, proxy: str | None = None) -> httpx.AsyncBaseTransport:
+        t = httpx.AsyncHTTPTransport(
+            verify=self._verify,
+            http1=True,
+            http2=False,
+            limits=self._limits,
+            proxy=None if proxy is None else httpx.Proxy(proxy),
+        )
+        _lean(t)
+        self._owned.append(t)
+        return t
+
+    def _route(
+        self, origin: Origin, url: str, target: httpx.URL
+    ) -> tuple[httpx.AsyncBaseTransport, bytes]:
         transport = self._direct
-        for pattern, mounted in self._mounts:
-            if pattern.matches(url):
-                transport = self._direct if mounted is None else mounted
-                break
+        proxy = self._proxy_rules.for_url(url)
+        if proxy is not None:
+            if proxy not in self._proxied:
+                self._proxied[proxy] = self._pool(proxy)
+            transport = self._proxied[proxy]
         if len(self._routes) < 64:  # a caller POSTing to many origins does not grow it forever
-            self._routes[origin] = (transport, url.netloc)
-        return transport, url.netloc
+            self._routes[origin] = (transport, target.netloc)
+        return transport, target.netloc
 
     async def send(
         self, url: str, body: bytes, headers: dict[str, str]
@@ -110,7 +116,7 @@ class HttpxSender:
             target = httpx.URL(url)
             origin = _origin(url)
             route = self._routes.get(origin)
-            transport, host = self._route(origin, target) if route is None else route
+            transport, host = self._route(origin, url, target) if route is None else route
             raw = [(b"host", host), (b"content-length", b"%d" % len(body))]
             raw += [(k.encode("ascii"), v.encode("ascii")) for k, v in headers.items()]
             request = httpx.Request(

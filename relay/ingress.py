@@ -17,6 +17,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import os
 import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -29,8 +30,9 @@ import anyio
 import httpx
 import orjson
 
-from relay import __version__
-from relay.settings import Secret, Settings
+from relay import __version__, logs
+from relay.proxies import ProxyRules, proxy_rules
+from relay.settings import Secret, Settings, redact_url
 
 # The senders' shared contract lives in relay/transport.py (so relay/http_aiohttp.py never
 # imports this module); re-exported here, where callers have always found it.
@@ -326,6 +328,23 @@ def split_results(answer: Answer, run_ids: Sequence[str]) -> dict[str, Answer | 
     return out
 
 
+# The senders that take proxies from the environment; the others hand their POSTs to httpx's
+# when a proxy applies (`sender_for`).
+PROXY_AWARE = frozenset({"httpx"})
+_told: set[tuple[str, str, str]] = set()  # (configured, used, proxy): the line is said once
+
+
+def sender_for(settings: Settings, rules: ProxyRules) -> tuple[str, str | None]:
+    """The sender that POSTs for `settings` (its `http_transport`, unless a proxy applies to an
+    ingress URL and that sender takes none: then httpx's), and that proxy. Pure: decided once at
+    start, from the environment's proxy rules."""
+    urls = [render_url(settings.ingress_url, "x"), settings.ingress_batch_url]
+    proxy = next((p for u in urls if u and (p := rules.for_url(u))), None)
+    if proxy is None or settings.http_transport in PROXY_AWARE:
+        return settings.http_transport, proxy
+    return "httpx", proxy
+
+
 @asynccontextmanager
 async def open_sender(
     settings: Settings, connections: int, transport: httpx.AsyncBaseTransport | None = None
@@ -334,20 +353,39 @@ async def open_sender(
     request written onto asyncio's transport and parsed by llhttp (`http_transport=httptools`,
     the default, relay/http_httptools.py), aiohttp's pool and parser (`aiohttp`), or httpx at its
     transport level (`httpx`, relay/http_httpx.py); an app-owned httpx transport always goes
-    through the latter. `relay bench` measures them side by side (docs/performance.md)."""
+    through the latter. `relay bench` measures them side by side (docs/performance.md).
+
+    Proxies (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY, NO_PROXY: relay/proxies.py) are honoured
+    whatever `http_transport` says: when one applies to the ingress, a sender that does not
+    take proxies (httptools, aiohttp) hands its POSTs to the httpx sender, and the log says so
+    once (`http_transport_proxied`) — at httpx's cost per POST (docs/performance.md)."""
     # TLS is verified always: against `ingress_ca_file` when given, else the operating system's
     # trust store (OpenSSL's default paths; SSL_CERT_FILE / SSL_CERT_DIR honoured). Handing the
     # senders `True` would have them load certifi's bundle instead (httpx.create_ssl_context),
     # and refuse an ingress whose CA the OS trusts (issue 30, item 2).
     verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=settings.ingress_ca_file)
+    rules = proxy_rules(os.environ)
+    name, proxy = sender_for(settings, rules) if transport is None else ("httpx", None)
+    if transport is None and name != settings.http_transport:
+        told = (settings.http_transport, name, redact_url(proxy or ""))
+        if told not in _told:
+            _told.add(told)
+            logs.info(
+                "http_transport_proxied",
+                configured=settings.http_transport,
+                using=name,
+                proxy=told[2],
+                hint=f"http_transport={settings.http_transport} takes no proxy; POSTs go "
+                "through the httpx sender, which does",
+            )
     sender: Sender
-    if transport is None and settings.http_transport == "httptools":
+    if name == "httptools":
         from relay.http_httptools import HttptoolsSender
 
         sender = HttptoolsSender(
             verify=verify, connections=connections, timeout=settings.http_timeout
         )
-    elif transport is None and settings.http_transport == "aiohttp":
+    elif name == "aiohttp":
         from relay.http_aiohttp import AiohttpSender
 
         sender = AiohttpSender(
@@ -361,6 +399,7 @@ async def open_sender(
             connections=connections,
             timeout=settings.http_timeout,
             transport=transport,
+            rules=rules,
         )
     try:
         yield sender

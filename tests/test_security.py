@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 import anyio
 import httpx
@@ -635,6 +635,196 @@ async def test_the_httpx_transport_honours_the_proxy_environment(
         assert (proxy.requests, ingress.requests) == ([], [("POST", "/runs/p1")] * 2)
     else:  # a forwarding proxy is sent the absolute URL
         assert (proxy.requests, ingress.requests) == ([("POST", url + "/runs/p1")] * 2, [])
+
+
+class ForwardingProxy:
+    """A small real HTTP proxy on 127.0.0.1: `CONNECT host:port` opens a tunnel to the origin; a
+    request in absolute form is forwarded to its origin in origin form with `connection: close`
+    (so one request per proxy connection), its body and answer piped through. Records both."""
+
+    def __init__(self) -> None:
+        self.connects: list[str] = []  # CONNECT targets
+        self.forwarded: list[tuple[str, str]] = []  # (method, absolute URL)
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            line, _, rest = head.partition(b"\r\n")
+            method, target, version = line.split(b" ", 2)
+            if method == b"CONNECT":
+                host, _, port = target.decode().rpartition(":")
+                up_reader, upstream = await asyncio.open_connection(host, int(port))
+                self.connects.append(target.decode())
+                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            else:
+                url = urlsplit(target.decode())
+                assert url.hostname, target
+                up_reader, upstream = await asyncio.open_connection(url.hostname, url.port or 80)
+                self.forwarded.append((method.decode(), target.decode()))
+                path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+                keep = [
+                    h
+                    for h in rest.split(b"\r\n")
+                    if h and not h.lower().startswith((b"connection:", b"proxy-connection:"))
+                ]
+                length = sum(
+                    int(h.partition(b":")[2])
+                    for h in keep
+                    if h.lower().startswith(b"content-length:")
+                )
+                upstream.write(
+                    b" ".join([method, path.encode(), version])
+                    + b"\r\n"
+                    + b"\r\n".join([*keep, b"connection: close"])
+                    + b"\r\n\r\n"
+                    + await reader.readexactly(length)
+                )
+                # The answer is passed on with `connection: close`: the client's next request
+                # comes on a new proxy connection, forwarded (and recorded) like this one.
+                answer = await up_reader.readuntil(b"\r\n\r\n")
+                status, _, fields = answer.partition(b"\r\n")
+                kept = [
+                    f
+                    for f in fields.split(b"\r\n")
+                    if f and not f.lower().startswith(b"connection:")
+                ]
+                writer.write(b"\r\n".join([status, *kept, b"connection: close"]) + b"\r\n\r\n")
+            await self._pipe(reader, writer, up_reader, upstream)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            if upstream is not None:
+                upstream.close()
+            writer.close()
+            self._tasks.discard(task)
+
+    @staticmethod
+    async def _pipe(
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        up_reader: asyncio.StreamReader,
+        upstream: asyncio.StreamWriter,
+    ) -> None:
+        """Bytes both ways until either side closes."""
+
+        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+
+        ways = [
+            asyncio.ensure_future(copy(reader, upstream)),
+            asyncio.ensure_future(copy(up_reader, writer)),
+        ]
+        try:
+            await asyncio.wait(ways, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for way in ways:
+                way.cancel()
+            await asyncio.gather(*ways, return_exceptions=True)
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.close()
+            for task in list(self._tasks):
+                task.cancel()
+            for task in list(self._tasks):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await server.wait_closed()
+
+
+def proxy_environment(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
+    """Exactly these proxy variables (uppercase names) in the environment, no others."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("route", ["forward", "connect", "bypass"])
+async def test_every_sender_goes_through_the_proxy_the_environment_names(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    http_transport: str,
+    route: str,
+    tmp_path: Path,
+    tls: tuple[trustme.CA, trustme.LeafCert],
+) -> None:
+    """Issue 30 item 3: HTTP_PROXY / HTTPS_PROXY / NO_PROXY are honoured whatever
+    `http_transport` says. Through a real proxy: an http:// ingress gets the request forwarded
+    (absolute form to the proxy), an https:// one through a CONNECT tunnel (TLS end to end,
+    verified against the ingress's CA); NO_PROXY naming the ingress keeps it direct. The
+    senders without proxy support hand their POSTs to the httpx sender, and say so once."""
+
+    async def ok(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+
+    ca, cert = tls
+    server_ctx = None
+    flags = {"database_url": "postgresql://x/y", "http_transport": http_transport}
+    if route == "connect":
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        cert.configure_cert(server_ctx)
+        ca_file = tmp_path / "ca.pem"
+        ca.cert_pem.write_to_path(str(ca_file))
+        flags["ingress_ca_file"] = str(ca_file)
+    proxy, ingress = ForwardingProxy(), RawIngress(ok, server_ctx)
+    caplog.set_level("INFO", logger="relay")
+    async with proxy.serving() as proxy_url, ingress.serving() as url:
+        variable = "HTTPS_PROXY" if route == "connect" else "HTTP_PROXY"
+        bypass = {"NO_PROXY": "example.com,127.0.0.1"} if route == "bypass" else {}
+        proxy_environment(monkeypatch, **{variable: proxy_url}, **bypass)
+        cfg = relay.settings.load({**flags, "ingress_url": url + "/runs/{run_id}"}, {})
+        async with open_sender(cfg, 2) as sender:
+            for _ in range(2):
+                assert await sender.send(url + "/runs/p1", b"{}", {}) == (200, b"ok", None)
+    assert ingress.requests == [("POST", "/runs/p1")] * 2  # the ingress got each POST
+    port = url.rpartition(":")[2]
+    if route == "forward":
+        assert (proxy.forwarded, proxy.connects) == ([("POST", url + "/runs/p1")] * 2, [])
+    elif route == "connect":
+        assert proxy.forwarded == [] and set(proxy.connects) == {f"127.0.0.1:{port}"}
+    else:
+        assert (proxy.forwarded, proxy.connects) == ([], [])
+    handed = [r for r in caplog.records if r.getMessage() == "http_transport_proxied"]
+    if route == "bypass" or http_transport == "httpx":
+        assert handed == []
+    else:
+        assert len(handed) == 1, handed
+        fields = handed[0].fields  # type: ignore[attr-defined]
+        assert fields["configured"] == http_transport and fields["using"] == "httpx"
+
+
+async def test_the_relay_delivers_through_a_proxy_with_the_default_sender(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """End to end with the default settings: `relay run`'s POSTs reach the reference ingress
+    through the proxy HTTP_PROXY names, every one of them."""
+    proxy = ForwardingProxy()
+    async with sink_at() as (s, sink_url), proxy.serving() as proxy_url:
+        proxy_environment(monkeypatch, HTTP_PROXY=proxy_url)
+        enqueue_some(conn, schema, 3, 2, prefix="px")
+        async with Relay(settings(pg_url, schema, sink_url)).running():
+            await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 6, what="acks")
+    assert s.state.first_order == {f"px{r}": [1, 2] for r in range(3)}
+    assert len(proxy.forwarded) == len(s.raw) >= 3
+    assert {m for m, _ in proxy.forwarded} == {"POST"}
 
 
 # --- least privilege: the producer and relay roles ---------------------------------------------
