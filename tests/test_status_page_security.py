@@ -329,6 +329,7 @@ async def test_twelve_viewers_cost_one_query_on_the_pages_own_connection(
 ) -> None:
     _, url = sink
     cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0")
+    await wait_for(lambda: page_backends(conn) == 0, what="no other page connection")
     async with Relay(cfg).running() as r:
         assert r.endpoints is not None
         e = r.endpoints
@@ -346,6 +347,8 @@ async def test_twelve_viewers_cost_one_query_on_the_pages_own_connection(
 async def test_the_pages_connection_is_bounded_and_read_only(
     pg_url: str, schema: str, conn: psycopg.Connection[Any]
 ) -> None:
+    # A backend lingers a moment after its client closed (earlier tests' pages).
+    await wait_for(lambda: page_backends(conn) == 0, what="no other page connection")
     pool = PagePool(pg_url, statement_timeout=0.2)
     try:
         with pytest.raises(psycopg.errors.QueryCanceled):
@@ -365,7 +368,7 @@ async def test_the_pages_connection_is_bounded_and_read_only(
             assert await cur.fetchone() == ("off", "0")
     finally:
         await pool.close()
-    assert page_backends(conn) == 0
+    await wait_for(lambda: page_backends(conn) == 0, what="the page's connection closed")
 
 
 def test_ui_status_reads_no_pass_over_the_pending_events(
