@@ -337,9 +337,12 @@ begin
             next_attempt_at = least(r.next_attempt_at, clock_timestamp())
         where r.lease_owner = p_owner and r.lease_expires_at > clock_timestamp();
     end if;
-    insert into replicas as rp (owner, incarnation) values (p_owner, p_incarnation)
+    -- The server's lifetime with it: the lock lives no longer than the server (see claim).
+    insert into replicas as rp (owner, incarnation, server_started_at)
+    values (p_owner, p_incarnation, pg_postmaster_start_time())
     on conflict (owner) do update set seen_at = clock_timestamp(),
-        incarnation = coalesce(excluded.incarnation, rp.incarnation);
+        incarnation = coalesce(excluded.incarnation, rp.incarnation),
+        server_started_at = excluded.server_started_at;
     -- Forget dead replicas that hold no unexpired lease, as prune does: every claim looks at
     -- each row, so the table stays as small as the set of replicas that matter, even when
     -- retention is off and prune never runs (each restart brings a new owner id).
@@ -362,7 +365,8 @@ $$;
 -- after a failure.
 -- A lease is also claimable before its expiry when its owner is dead (issue 18): the owner has a
 -- `replicas` row (so it holds a liveness lock while it lives: a relay of the previous version
--- has none and is never judged dead) and its liveness lock is free. The dead owners are found
+-- has none and is never judged dead), recorded in the server's current lifetime (issue 29: a
+-- restart or failover frees every lock), and its liveness lock is free. The dead owners are found
 -- once per claim in the small `replicas` table, with a shared transaction-level try-lock (it
 -- succeeds only while no session holds the key exclusively, takes nothing from a live owner,
 -- and several claimers may hold it at once); their runs through the `runs_leased` index. The
@@ -416,9 +420,12 @@ begin
     delete from replicas me
     where me.owner = p_owner and pg_try_advisory_xact_lock_shared(liveness_key(me.owner));
     -- Dead owners: a replicas row whose liveness lock no session holds (this claim's own
-    -- owner is never among them).
+    -- owner is never among them), recorded in this server's lifetime: a restart or a failover
+    -- drops every lock, so an older row's free lock proves nothing (its owner may be about to
+    -- take it again); its leases run to their expiry.
     v_dead := array(select rp.owner from replicas rp
                     where rp.owner <> p_owner
+                      and rp.server_started_at = pg_postmaster_start_time()
                       and pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)));
     -- One statement takes the leases, one returns every run's prefix, one releases the runs
     -- found empty (issue 16: a plpgsql round per run made the claim cost ~105 us per run).

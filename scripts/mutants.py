@@ -97,6 +97,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "where false and pg_try_advisory_xact_lock_shared",
         (f"{LIVE}::test_an_owner_that_still_claims_without_its_lock_is_not_robbed",),
     ),
+    Mutant(
+        "liveness-reclaim-wave",
+        "§9.5: after a restart or failover, a free lock of an older server lifetime proves nothing",
+        SQL,
+        "                      and rp.server_started_at = pg_postmaster_start_time()\n",
+        "",
+        (  # the scenario first: it is the one that measured the wave (issue 29)
+            "tests/test_failover.py::test_failover_to_a_synchronous_standby",
+            f"{LIVE}::test_an_owner_recorded_before_a_restart_is_not_judged_dead_by_its_free_lock",
+        ),
+    ),
+    Mutant(
+        "liveness-server-lifetime-not-renewed",
+        "§4.2 liveness: an owner recorded again after a restart is judged by its lock at once",
+        SQL,
+        "        server_started_at = excluded.server_started_at;\n",
+        "        server_started_at = rp.server_started_at;\n",
+        (f"{LIVE}::test_an_owner_recorded_before_a_restart_is_not_judged_dead_by_its_free_lock",),
+    ),
     # -- the lease clock (DESIGN §4.2): statement time, never transaction time ------------------
     Mutant(
         "clock-claim-expiry",

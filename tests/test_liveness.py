@@ -358,3 +358,35 @@ async def test_an_owner_that_still_claims_without_its_lock_is_not_robbed(
     # Its LISTEN connection back: recorded (and protected by its lock) again.
     hold(pg_url, schema, "cut-off", holders)
     assert claim(conn, schema, owner="other") == {}
+
+
+async def test_an_owner_recorded_before_a_restart_is_not_judged_dead_by_its_free_lock(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    """A restart of PostgreSQL or a failover to a standby drops every session lock while the
+    `replicas` rows stay (issue 29, DESIGN §9.5): until its LISTEN session takes its lock again,
+    a live owner's lock is free. A row recorded in an earlier server lifetime is therefore not
+    proof of death: its leases run to their expiry. Recorded again (its LISTEN back) in this
+    lifetime, the owner is judged by its lock as before: dead, its runs are reclaimed at once."""
+    enq(conn, schema, "r1", "e1", terminal=True)
+    h = hold(pg_url, schema, "survivor", holders)
+    assert list(claim(conn, schema, owner="survivor", ttl="1 hour")) == ["r1"]
+    await die(h, conn)
+    # What a restart leaves: the row of the server's previous lifetime, and no lock.
+    conn.execute(
+        sql.SQL(
+            "update {} set server_started_at = server_started_at - interval '1 hour'"
+            " where owner = 'survivor'"
+        ).format(fn(schema, "replicas"))
+    )
+    for lane, run_id in (("ordinary", None), ("critical", None), ("critical", "r1")):
+        assert claim(conn, schema, owner="other", lane=lane, run_id=run_id) == {}
+    assert run_row(conn, schema, "r1")["lease_owner"] == "survivor"
+    # Its LISTEN session reconnects: recorded in this lifetime, alive while it holds the lock.
+    again = hold(pg_url, schema, "survivor", holders)
+    assert claim(conn, schema, owner="other") == {}
+    # ... and dead the moment it lets go: reclaimed at once, an hour before the lease expires.
+    await die(again, conn)
+    got = claim(conn, schema, owner="other")
+    assert list(got) == ["r1"]
+    assert got["r1"][0]["reclaimed_from"] == "survivor"

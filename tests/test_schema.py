@@ -108,6 +108,8 @@ EXPECTED_COLUMNS = {
         # 0005_replica_reports: what each replica reports for the status page (issue 17)
         ("reported_at", "timestamp with time zone", False),
         ("report", "jsonb", False),
+        # 0006_replica_server_lifetime: the server lifetime the lock was taken in (issue 29)
+        ("server_started_at", "timestamp with time zone", True),
     ],
     "schema_migrations": [
         ("version", "integer", True),
