@@ -1,5 +1,7 @@
 """POSTs through aiohttp (`http_transport=aiohttp`; the default before the httptools sender):
-aiohttp's connection pool and C HTTP parser, called directly.
+aiohttp's connection pool and C HTTP parser, called directly. Needs the `aiohttp` extra (out of
+the core install since issue 30: settings refuse the choice without it, naming the install), and
+is loaded only when chosen (relay/ingress.py `open_sender`).
 
 Per POST this costs well under half the client CPU of httpx over httpcore: httpcore's pool
 scans every pooled connection (a `poll` per connection) on each request and each release, and

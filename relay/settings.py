@@ -13,6 +13,7 @@ import socket
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -231,7 +232,11 @@ def _choice(*options: str) -> Callable[[str], str]:
 
 def _http_transport(text: str) -> str:
     name = text.strip().lower()  # `httpcore`, its old name (httpx's client over httpcore):
-    return _choice("aiohttp", "httptools", "httpx")("httpx" if name == "httpcore" else name)
+    name = _choice("aiohttp", "httptools", "httpx")("httpx" if name == "httpcore" else name)
+    if name == "aiohttp" and not all(find_spec(m) for m in ("aiohttp", "yarl")):
+        # An extra since issue 30 (pyproject.toml): said at start, not at the first POST.
+        raise ValueError("aiohttp is not installed: pip install 'ledger-relay[aiohttp]'")
+    return name
 
 
 def _database_url(text: str) -> Secret:

@@ -1,8 +1,9 @@
 """What every way of sending a POST shares (DESIGN §5): the contract of a sender, the failure it
 raises when there is no HTTP answer, and how much of an answer it reads.
 
-A leaf module: relay/ingress.py (the client) and the two senders, relay/http_aiohttp.py and
-relay/http_httpx.py, import it, and no sender imports another's module for it.
+A leaf module: relay/ingress.py (the client) and the senders, relay/http_httptools.py,
+relay/http_aiohttp.py and relay/http_httpx.py, import it, and no sender imports another's module
+for it.
 """
 
 from __future__ import annotations

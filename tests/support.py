@@ -16,8 +16,8 @@ from relay.settings import Settings, load
 
 T = TypeVar("T")
 
-# Every HTTP client the relay can POST with (`http_transport`): the contract, hostile-answer and
-# transport suites run once per entry.
+# Every HTTP client the relay can POST with (`http_transport`; aiohttp from its extra, which dev
+# installs through bench): the contract, hostile-answer and transport suites run once per entry.
 HTTP_TRANSPORTS = ["httptools", "aiohttp", "httpx"]
 
 

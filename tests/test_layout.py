@@ -17,8 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "relay"
 TOOLS = "relay.tools"
-# Optional integrations: each needs an extra, loaded only when configured (relay/tracing.py).
-INTEGRATIONS = {"relay.integrations": "otel"}
+# Optional integrations: each needs an extra, loaded only when configured (relay/tracing.py;
+# the aiohttp sender only when `http_transport=aiohttp`, relay/ingress.py `open_sender`).
+INTEGRATIONS = {"relay.integrations": "otel", "relay.http_aiohttp": "aiohttp"}
 MAX_PRODUCTION_LINES = 450
 # In the core install on purpose although nothing imports it: httpcore tries to import it on
 # every request (LIMITS.md: +34% requests/s with it installed).
@@ -238,8 +239,9 @@ def test_the_production_wing_loads_an_integration_only_inside_a_function() -> No
     """`import relay.runner` (what `relay run` loads) pulls in no integration: they are
     imported lazily where their configuration asks for them."""
     code = (
-        "import sys, relay.runner, relay.cli, relay.tracing; "
-        "print([m for m in sys.modules if m.startswith(('relay.integrations', 'opentelemetry'))])"
+        "import sys, relay.runner, relay.cli, relay.tracing, relay.ingress; "
+        "print([m for m in sys.modules if m.startswith(("
+        "'relay.integrations', 'opentelemetry', 'relay.http_aiohttp', 'aiohttp', 'yarl'))])"
     )
     got = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
