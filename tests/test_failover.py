@@ -6,11 +6,13 @@ replica may take another's runs for dead. The fault report counts both (`in flig
 `dup beyond`).
 
 Bounded by default (one failover, 3,000 events, ~15 s here, 35 s when a lease must expire);
-`RELAY_FAULTS_SCALE` scales its workload (a larger backlog at the kill).
+`RELAY_FAULTS_SCALE` scales its workload (a larger backlog at the kill). The long version
+(marked slow) runs `RELAY_FAULTS_FAILOVERS` failovers back and forth under one producer.
 """
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +127,37 @@ async def test_failover_to_a_synchronous_standby(pair: Pair, tmp_path: Path) -> 
     # Every replica lived through it: none may take another's runs for dead (the reclaim wave).
     row = assert_failover_row(lab, reclaimed=len(log_events(lab, "lease_reclaimed")))
     print(row.notes[-1])
+
+
+def failovers() -> int:
+    """`RELAY_FAULTS_FAILOVERS`: how many failovers the long version runs (0: skipped)."""
+    return int(os.environ.get("RELAY_FAULTS_FAILOVERS", "0") or 0)
+
+
+@pytest.mark.slow
+async def test_failovers_back_and_forth(pair: Pair, tmp_path: Path) -> None:
+    """The long version: `RELAY_FAULTS_FAILOVERS` failovers under one continuous producer, each
+    to the standby, whose dead primary is then rebuilt as its new synchronous standby (so the
+    next one fails back). Skipped unless set: the bounded version is the test above."""
+    n = failovers()
+    if n < 1:
+        pytest.skip("set RELAY_FAULTS_FAILOVERS=N to run N failovers back and forth")
+    async with anyio.create_task_group() as tg:
+        listen = ListenPath(pair)
+        env = {**TIMINGS, "RELAY_LISTEN_DATABASE_URL": await listen.start(tg)}
+        async with Lab.open(pair, "failovers_back_and_forth", tmp_path, replicas=3, env=env) as lab:
+            lab.sink.faults.delay(0.5, times=10_000_000)
+            lab.produce(Workload(runs=scaled(300) * n, spread=10.0 * n))
+            in_flight: set[str] = set()
+            for i in range(n):
+                await lab.wait_received(scaled(300) * 8 * i + scaled(300), timeout=120)
+                in_flight |= await fail_over(lab, pair, listen)
+                await anyio.to_thread.run_sync(pair.rebuild_standby)
+            lab.in_flight = in_flight
+        tg.cancel_scope.cancel()
+    row = assert_failover_row(lab, reclaimed=len(log_events(lab, "lease_reclaimed")))
+    row.notes.append(f"{n} failovers")
+    print(row.notes[-2])
 
 
 def assert_failover_row(lab: Lab, *, reclaimed: int) -> Row:

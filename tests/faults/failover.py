@@ -33,16 +33,31 @@ class Pair:
     def __init__(self, root: Path) -> None:
         self.primary = EmbeddedPostgres(root / "primary", durable=True)
         self.standby = EmbeddedPostgres(root / "standby", durable=True)
+        self.ports = (self.primary.port, self.standby.port)  # the URL's, whichever is primary
 
     @property
     def url(self) -> str:
-        hosts = f"127.0.0.1:{self.primary.port},127.0.0.1:{self.standby.port}"
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.ports)
         return f"postgresql://postgres@{hosts}/postgres?target_session_attrs=read-write"
 
     def start(self) -> None:
         self.primary.start()
         self._base_backup()
         self.standby.start()
+        self._synchronous()
+
+    def rebuild_standby(self) -> None:
+        """After a promotion: the dead primary's directory made anew as a standby of the promoted
+        one (a fresh `pg_basebackup -R`, on its old port), and synchronous again, so the pair
+        can fail over once more, back the other way."""
+        dead = self.primary
+        self.primary = self.standby
+        self.standby = EmbeddedPostgres(dead.datadir, port=dead.port, durable=True)
+        self._base_backup()
+        self.standby.start()
+        self._synchronous()
+
+    def _synchronous(self) -> None:
         with psycopg.connect(self.primary.url, autocommit=True) as conn:
             conn.execute("alter system set synchronous_standby_names = '*'")
             conn.execute("select pg_reload_conf()")
