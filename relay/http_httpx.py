@@ -1,26 +1,30 @@
-"""POSTs through httpx at its transport level (`http_transport=httpx`), and through a transport
-the application owns (`Relay(transport=...)`, e.g. an in-process ASGI app).
+"""POSTs through httpcore, httpx's transport layer (`http_transport=httpx`), and through an httpx
+transport the application owns (`Relay(transport=...)`, e.g. an in-process ASGI app).
 
-The relay builds one `httpx.Request` per POST and hands it straight to
-`AsyncHTTPTransport.handle_async_request`: no `AsyncClient` in between, so none of the client
-layer the relay does not use (URL merging with a base URL, cookie jars, auth and redirect
-flows, default headers, event hooks) runs per POST. What the client did that the relay needs is
-done here, once:
+The relay's own POSTs go straight to `httpcore.AsyncConnectionPool.handle_async_request`, all of
+it httpcore's public API: no `httpx.AsyncClient` (URL merging with a base URL, cookie jars, auth
+and redirect flows, default headers, event hooks) and no `httpx.AsyncHTTPTransport` (a request
+and a response model wrapped around httpcore's per POST) in between. What they did that the
+relay needs is done here, once:
 
-- **Proxies.** A transport either uses a proxy or does not; the client picks one per URL from
-  `HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY` and `NO_PROXY` (its `trust_env`). This sender makes
-  the same choice with the same rules (relay/proxies.py), read once at start, and remembers it
-  per origin, with one pool per proxy. An app-owned transport is used as it is, never proxied
-  (as httpx's client does with an explicit `transport=`).
-- **Headers.** `Host` and `Content-Length` are set here (a request built from a stream gets no
-  automatic headers), with `Host` computed once per origin.
-- **Limits.** One pool per lane, sized to the lane's POST slots; HTTP/1.1; connect, read, write
-  and pool timeouts from `http_timeout` (the whole request is bounded by IngressClient's own
-  deadline); at most `READ_LIMIT` bytes of an answer read, after which the connection is closed
+- **Proxies.** The environment's proxy for each origin (`HTTP_PROXY`, `HTTPS_PROXY`,
+  `ALL_PROXY`, `NO_PROXY`, read as httpx's client reads them with `trust_env`:
+  relay/proxies.py), decided once per origin, with pools per proxy (`httpcore.Proxy`; userinfo
+  in the proxy's URL becomes its Basic auth, a TLS proxy is verified against the system's
+  store). An app-owned transport is used as it is, never proxied (as httpx's client does with
+  an explicit `transport=`).
+- **Headers.** `Host` (computed once per origin) and `Content-Length` are set here.
+- **Limits.** A lane's `connections` are split over pools of at most `POOL_WIDTH` connections,
+  and each POST takes the pool with the fewest in flight: httpcore's pool scans every
+  connection it holds on each request and each release, so one pool of 32 cost the relay 40%
+  of its events/s against pools of 8 (docs/performance.md, "The httpx path at 32 POST slots").
+  HTTP/1.1; connect, read, write and pool timeouts from `http_timeout` (the whole request is
+  bounded by IngressClient's own deadline); keep-alive connections idle 5 s at most (httpx's
+  default); at most `READ_LIMIT` bytes of an answer read, after which the connection is closed
   rather than drained.
 
-Every httpx error (refused, reset, TLS, a malformed answer, a timeout of one phase) becomes a
-`TransportFailure` naming it: a failure of this request, never of the relay.
+Every httpcore or httpx error (refused, reset, TLS, a malformed answer, a timeout of one phase)
+becomes a `TransportFailure` naming it: a failure of this request, never of the relay.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import os
 import select
 import ssl
 import typing
+from urllib.parse import unquote, urlsplit
 
 import httpcore
 import httpx
@@ -37,6 +42,17 @@ from relay.proxies import NO_PROXIES, ProxyRules, proxy_rules
 from relay.transport import READ_LIMIT, TransportFailure
 
 Origin = tuple[str, str]  # (scheme, netloc) as written in the URL
+POOL_WIDTH = 8  # connections per httpcore pool (its per-request scan is over all of them)
+KEEPALIVE_EXPIRY = 5.0  # seconds, httpx's default
+# Everything httpcore raises about one request (its exceptions share no base of their own).
+HTTPCORE_ERRORS = (
+    httpcore.ConnectionNotAvailable,
+    httpcore.ProxyError,
+    httpcore.UnsupportedProtocol,
+    httpcore.ProtocolError,
+    httpcore.TimeoutException,
+    httpcore.NetworkError,
+)
 
 
 def _origin(url: str) -> Origin:
@@ -51,9 +67,32 @@ def _origin(url: str) -> Origin:
     return scheme.lower(), rest[:end]
 
 
+def _proxy(url: str) -> httpcore.Proxy:
+    """httpcore's proxy for `url`; its userinfo (as httpx.Proxy reads it) becomes Basic auth."""
+    parts = urlsplit(url)
+    auth = None
+    if parts.username is not None:
+        auth = (unquote(parts.username), unquote(parts.password or ""))
+        url = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    return httpcore.Proxy(url, auth=auth, ssl_context=ssl.create_default_context())
+
+
+class _Pools:
+    """A lane's connections over pools of at most POOL_WIDTH; a POST takes the least busy."""
+
+    def __init__(self, make: typing.Callable[[int], httpcore.AsyncConnectionPool], n: int):
+        widths = [POOL_WIDTH] * (n // POOL_WIDTH) + ([n % POOL_WIDTH] if n % POOL_WIDTH else [])
+        self.pools = [make(width) for width in widths or [1]]
+        self.in_flight = [0] * len(self.pools)
+
+    def pick(self) -> int:
+        counts = self.in_flight
+        return counts.index(min(counts)) if len(counts) > 1 else 0
+
+
 class HttpxSender:
-    """The `Sender` over httpx transports: its own pool (and, per the environment, proxy
-    pools), or the application's transport."""
+    """The `Sender` over httpcore pools of its own (per the environment, proxied ones too), or
+    over the application's httpx transport."""
 
     def __init__(
         self,
@@ -64,60 +103,86 @@ class HttpxSender:
         transport: httpx.AsyncBaseTransport | None = None,
         rules: ProxyRules | None = None,
     ) -> None:
-        self._owned: list[httpx.AsyncBaseTransport] = []
-        # The proxy rules of the environment (none for an app-owned transport), and a pool per
-        # proxy, opened when an origin first needs it.
-        self._proxy_rules = NO_PROXIES
-        self._proxied: dict[str, httpx.AsyncBaseTransport] = {}
-        self._limits = httpx.Limits(
-            max_connections=connections, max_keepalive_connections=connections
-        )
-        self._verify = verify
-        if transport is not None:
-            self._direct = transport
+        self._app = transport
+        if isinstance(verify, ssl.SSLContext):
+            self._ssl = verify
         else:
-            self._direct = self._pool()
+            self._ssl = httpx.create_ssl_context(verify=verify)
+        self._connections = connections
+        self._proxy_rules = NO_PROXIES
+        if transport is None:
             self._proxy_rules = proxy_rules(os.environ) if rules is None else rules
+        self._pools: dict[str | None, _Pools] = {}  # per proxy URL (None: direct)
         t = float(timeout)
         self._extensions = {"timeout": {"connect": t, "read": t, "write": t, "pool": t}}
-        # Per origin: (the transport it goes through, its Host header); the relay POSTs to one
-        # or two origins (ingress_url, ingress_batch_url), so this stays tiny.
-        self._routes: dict[Origin, tuple[httpx.AsyncBaseTransport, bytes]] = {}
+        # Per origin: (its pools, its Host header); the relay POSTs to one or two origins
+        # (ingress_url, ingress_batch_url), so this stays tiny.
+        self._routes: dict[Origin, tuple[_Pools, bytes]] = {}
 
-    def _pool(self, proxy: str | None = None) -> httpx.AsyncBaseTransport:
-        t = httpx.AsyncHTTPTransport(
-            verify=self._verify,
-            http1=True,
-            http2=False,
-            limits=self._limits,
-            proxy=None if proxy is None else httpx.Proxy(proxy),
-        )
-        _lean(t)
-        self._owned.append(t)
-        return t
+    def _pools_for(self, proxy: str | None) -> _Pools:
+        if proxy not in self._pools:
 
-    def _route(
-        self, origin: Origin, url: str, target: httpx.URL
-    ) -> tuple[httpx.AsyncBaseTransport, bytes]:
-        transport = self._direct
-        proxy = self._proxy_rules.for_url(url)
-        if proxy is not None:
-            if proxy not in self._proxied:
-                self._proxied[proxy] = self._pool(proxy)
-            transport = self._proxied[proxy]
-        if len(self._routes) < 64:  # a caller POSTing to many origins does not grow it forever
-            self._routes[origin] = (transport, target.netloc)
-        return transport, target.netloc
+            def make(width: int) -> httpcore.AsyncConnectionPool:
+                return httpcore.AsyncConnectionPool(
+                    ssl_context=self._ssl,
+                    proxy=None if proxy is None else _proxy(proxy),
+                    max_connections=width,
+                    max_keepalive_connections=width,
+                    keepalive_expiry=KEEPALIVE_EXPIRY,
+                    http1=True,
+                    http2=False,
+                    network_backend=_Backend(httpcore.AnyIOBackend()),
+                )
+
+            self._pools[proxy] = _Pools(make, self._connections)
+        return self._pools[proxy]
+
+    def _route(self, url: str) -> tuple[_Pools, bytes]:
+        origin = _origin(url)
+        route = self._routes.get(origin)
+        if route is None:
+            route = (self._pools_for(self._proxy_rules.for_url(url)), httpx.URL(url).netloc)
+            if len(self._routes) < 64:  # a caller POSTing to many origins: not kept forever
+                self._routes[origin] = route
+        return route
 
     async def send(
         self, url: str, body: bytes, headers: dict[str, str]
     ) -> tuple[int, bytes, str | None]:
+        if self._app is not None:
+            return await self._send_app(self._app, url, body, headers)
+        try:
+            pools, host = self._route(url)
+            raw = [(b"host", host), (b"content-length", b"%d" % len(body))]
+            raw += [(k.encode("ascii"), v.encode("ascii")) for k, v in headers.items()]
+            request = httpcore.Request(
+                b"POST", url, headers=raw, content=body, extensions=self._extensions
+            )
+            i = pools.pick()
+            pools.in_flight[i] += 1
+            try:
+                response = await pools.pools[i].handle_async_request(request)
+                try:
+                    chunks = await _read(response.aiter_stream())
+                finally:
+                    await response.aclose()
+            finally:
+                pools.in_flight[i] -= 1
+            retry_after = next(
+                (v.decode("latin-1") for k, v in response.headers if k.lower() == b"retry-after"),
+                None,
+            )
+            return response.status, chunks, retry_after
+        except (*HTTPCORE_ERRORS, OSError) as exc:
+            raise TransportFailure(_failure(exc)) from exc
+
+    async def _send_app(
+        self, transport: httpx.AsyncBaseTransport, url: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, bytes, str | None]:
+        """Through the application's httpx transport, as httpx's client would hand it over."""
         try:
             target = httpx.URL(url)
-            origin = _origin(url)
-            route = self._routes.get(origin)
-            transport, host = self._route(origin, url, target) if route is None else route
-            raw = [(b"host", host), (b"content-length", b"%d" % len(body))]
+            raw = [(b"host", target.netloc), (b"content-length", b"%d" % len(body))]
             raw += [(k.encode("ascii"), v.encode("ascii")) for k, v in headers.items()]
             request = httpx.Request(
                 "POST",
@@ -128,24 +193,31 @@ class HttpxSender:
             )
             response = await transport.handle_async_request(request)
             try:
-                chunks: list[bytes] = []
-                size = 0
-                async for chunk in response.stream:  # type: ignore[union-attr]
-                    chunks.append(chunk)
-                    size += len(chunk)
-                    if size >= READ_LIMIT:
-                        break  # closing the unread answer closes its connection
+                chunks = await _read(response.stream)  # type: ignore[arg-type]
             finally:
                 await response.aclose()
             retry_after: str | None = response.headers.get("retry-after")
-            return response.status_code, b"".join(chunks)[:READ_LIMIT], retry_after
+            return response.status_code, chunks, retry_after
         except (httpx.HTTPError, OSError) as exc:
             raise TransportFailure(_failure(exc)) from exc
 
     async def aclose(self) -> None:
         # Only what this sender opened: an app-owned transport is the application's to close.
-        for transport in self._owned:
-            await transport.aclose()
+        for pools in self._pools.values():
+            for pool in pools.pools:
+                await pool.aclose()
+
+
+async def _read(stream: typing.AsyncIterable[bytes]) -> bytes:
+    """At most READ_LIMIT bytes of an answer: closing the rest unread closes its connection."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in stream:
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= READ_LIMIT:
+            break
+    return b"".join(chunks)[:READ_LIMIT]
 
 
 # The head of an answer is bounded by h11 as bytes arrive: httpcore reads 64 KiB at a time into
@@ -157,7 +229,9 @@ HEAD_LIMIT: int = httpcore.AsyncHTTP11Connection.MAX_INCOMPLETE_EVENT_SIZE
 
 def _failure(exc: Exception) -> str:
     text = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, httpx.RemoteProtocolError) and "Receive buffer too long" in str(exc):
+    if isinstance(exc, httpcore.RemoteProtocolError | httpx.RemoteProtocolError) and (
+        "Receive buffer too long" in str(exc)
+    ):
         return f"answer head over {HEAD_LIMIT} bytes ({text})"
     return text
 
@@ -169,16 +243,10 @@ def _failure(exc: Exception) -> str:
 # it, and each asking builds anyio's table of socket attributes (a `getpeername` call and a
 # dozen closures) and a new `poll` object; and the request head and body go out in two
 # `send` calls, each waking the ingress. httpcore takes any network backend (its public
-# `AsyncNetworkBackend` interface); httpx's transport does not pass one through, so it is set
-# on the transport's pool before its first connection. If a later httpx moves that attribute,
-# the transport runs on httpcore's own backend, unchanged in behaviour.
-
-
-def _lean(transport: httpx.AsyncHTTPTransport) -> None:
-    pool = getattr(transport, "_pool", None)
-    inner = getattr(pool, "_network_backend", None)
-    if isinstance(inner, httpcore.AsyncNetworkBackend):
-        pool._network_backend = _Backend(inner)  # type: ignore[union-attr]
+# `AsyncNetworkBackend` interface, the pool's `network_backend=`). The pool's question about an
+# idle connection is `get_extra_info("is_readable")`, a key httpcore's own backends answer but
+# its docs do not name: tests/test_http_httpx.py fails if an upgrade stops asking it (the
+# cheaper answer here would then go unused, silently).
 
 
 class _Backend(httpcore.AsyncNetworkBackend):
