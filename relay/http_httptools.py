@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from urllib.parse import urlsplit
 
+import anyio
 import httptools
 import httpx
 
@@ -252,7 +253,11 @@ class HttptoolsSender:
         loop = asyncio.get_running_loop()
         tls = self._ssl if origin.scheme == "https" else None
         try:
-            async with asyncio.timeout(self._timeout):
+            # anyio's deadline, not asyncio.timeout: the caller's anyio cancel scopes (the
+            # request's deadline, a lost lease) may cancel this task too, and one task takes one
+            # cancellation scheme. The protocol itself is asyncio's: the relay runs on anyio's
+            # asyncio backend only (README).
+            with anyio.fail_after(self._timeout):
                 transport, conn = await loop.create_connection(
                     _Connection,
                     origin.host,

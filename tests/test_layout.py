@@ -249,6 +249,24 @@ def test_the_production_wing_loads_an_integration_only_inside_a_function() -> No
     assert got.stdout.strip() == "[]", got.stdout
 
 
+def test_no_asyncio_deadline_inside_the_relays_anyio_scopes() -> None:
+    """The relay runs under anyio (its asyncio backend only, README): a deadline is anyio's
+    (`fail_after`, `move_on_after`, a CancelScope). asyncio.timeout / wait_for inside an anyio
+    cancel scope mix two cancellation schemes on one task (issue 27, item 8)."""
+    found = {
+        name: sorted(
+            f"asyncio.{node.attr}"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute)
+            and node.attr in ("timeout", "wait_for", "timeout_at")
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "asyncio"
+        )
+        for name, path in production().items()
+    }
+    assert {k: v for k, v in found.items() if v} == {}
+
+
 @pytest.mark.parametrize("extra", ["sink", "demo", "bench", "dev"])
 def test_every_tools_dependency_sits_in_an_extra(extra: str) -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
