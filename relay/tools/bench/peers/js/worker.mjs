@@ -26,14 +26,20 @@ const logger = new Logger((scope) => (level, message) => {
 
 const shared = { connectionString: config.url, schema: config.schema, logger };
 
+// With `staggerRunAt`, every job gets its own run_at, one millisecond apart and increasing in
+// file order (each run's events are in seq order there), all in the past: jobs added by one
+// addJobs call would otherwise share one run_at, and a local queue's batched fetch returns the
+// jobs of a named queue in run_at order, so ties could come back out of order.
 async function addAll() {
-  const specs = readFileSync(config.jobs, "utf8")
+  const lines = readFileSync(config.jobs, "utf8")
     .split("\n")
-    .filter((line) => line.length > 0)
-    .map((line) => {
-      const body = JSON.parse(line);
-      return { identifier: "post_event", payload: body, queueName: body.run_id };
-    });
+    .filter((line) => line.length > 0);
+  const base = Date.now() - lines.length - 1000;
+  const specs = lines.map((line, i) => {
+    const body = JSON.parse(line);
+    const spec = { identifier: "post_event", payload: body, queueName: body.run_id };
+    return config.staggerRunAt ? { ...spec, runAt: new Date(base + i) } : spec;
+  });
   const utils = await makeWorkerUtils(shared);
   try {
     await utils.migrate();
