@@ -13,6 +13,7 @@ Bounded by default (one failover, 3,000 events, ~15 s here, 35 s when a lease mu
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,9 +25,10 @@ from anyio.abc import TaskGroup
 from psycopg import sql
 
 from relay.tools.absurd import install_absurd
+from relay.tools.embedded import EmbeddedPostgres
 from tests.faults import scaled
 from tests.faults.checker import Row, check
-from tests.faults.failover import Pair
+from tests.faults.failover import Pair, kill
 from tests.faults.harness import Lab, Workload
 from tests.faults.proxy import FaultProxy
 from tests.test_faults import log_events
@@ -68,11 +70,8 @@ class ListenPath:
     the pools, as when a listener's reconnect backoff (up to 10 s) outlasts its pools' (the
     order the issue measured; left to chance, the pools won only most of the time)."""
 
-    def __init__(self, pair: Pair) -> None:
-        self.proxies = [
-            FaultProxy("127.0.0.1", pair.primary.port, "listen-primary"),
-            FaultProxy("127.0.0.1", pair.standby.port, "listen-standby"),
-        ]
+    def __init__(self, ports: tuple[int, ...]) -> None:
+        self.proxies = [FaultProxy("127.0.0.1", port, f"listen-{port}") for port in ports]
 
     async def start(self, tg: TaskGroup) -> str:
         for proxy in self.proxies:
@@ -116,7 +115,7 @@ async def test_failover_to_a_synchronous_standby(pair: Pair, tmp_path: Path) -> 
     """Three replicas, ~3,000 events, the primary SIGKILLed under traffic (a backlog, POSTs in
     flight), the standby promoted 5 s later."""
     async with anyio.create_task_group() as tg:
-        listen = ListenPath(pair)
+        listen = ListenPath(pair.ports)
         env = {**TIMINGS, "RELAY_LISTEN_DATABASE_URL": await listen.start(tg)}
         async with Lab.open(pair, "failover_sync_standby", tmp_path, replicas=3, env=env) as lab:
             lab.sink.faults.delay(0.5, times=1_000_000)  # POSTs in flight when the primary dies
@@ -125,6 +124,47 @@ async def test_failover_to_a_synchronous_standby(pair: Pair, tmp_path: Path) -> 
             lab.in_flight = await fail_over(lab, pair, listen)
         tg.cancel_scope.cancel()
     # Every replica lived through it: none may take another's runs for dead (the reclaim wave).
+    row = assert_failover_row(lab, reclaimed=len(log_events(lab, "lease_reclaimed")))
+    print(row.notes[-1])
+
+
+@pytest.fixture
+def single(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
+    server = EmbeddedPostgres(tmp_path / "single", durable=True)
+    server.start()
+    install_absurd(server.url)
+    try:
+        yield server
+    finally:
+        server.stop("immediate")
+
+
+async def test_restart_under_traffic(single: EmbeddedPostgres, tmp_path: Path) -> None:
+    """The same rule for a restart (DESIGN §9.5): one server SIGKILLed under traffic and started
+    again `OUTAGE` later on its port, the LISTEN sessions back `LISTEN_LAG` after the pools. In
+    flight at the kill: POSTed by then and not acked in the database as it was at the kill,
+    i.e. not delivered before it (`delivered_at`, the database clock, the same host clock)."""
+    async with anyio.create_task_group() as tg:
+        listen = ListenPath((single.port,))
+        env = {**TIMINGS, "RELAY_LISTEN_DATABASE_URL": await listen.start(tg)}
+        async with Lab.open(single, "restart_under_traffic", tmp_path, replicas=3, env=env) as lab:
+            lab.sink.faults.delay(0.5, times=1_000_000)
+            lab.produce(Workload(runs=scaled(375), spread=3.0 * scaled(1)))
+            await lab.wait_received(scaled(300))
+            lab.faults += 1
+            await anyio.to_thread.run_sync(kill, single)
+            killed_at = time.time()
+            listen.refuse()
+            posted = set(lab.sink.arrived)
+            await lab.hold(OUTAGE)
+            await anyio.to_thread.run_sync(single.start)
+            lab.tg.start_soon(listen.heal_after, LISTEN_LAG)
+            rows = await lab.query(
+                "select event_id from {s}.events where delivered_at < to_timestamp(%s)",
+                (killed_at,),
+            )
+            lab.in_flight = posted - {r[0] for r in rows}
+        tg.cancel_scope.cancel()
     row = assert_failover_row(lab, reclaimed=len(log_events(lab, "lease_reclaimed")))
     print(row.notes[-1])
 
@@ -143,7 +183,7 @@ async def test_failovers_back_and_forth(pair: Pair, tmp_path: Path) -> None:
     if n < 1:
         pytest.skip("set RELAY_FAULTS_FAILOVERS=N to run N failovers back and forth")
     async with anyio.create_task_group() as tg:
-        listen = ListenPath(pair)
+        listen = ListenPath(pair.ports)
         env = {**TIMINGS, "RELAY_LISTEN_DATABASE_URL": await listen.start(tg)}
         async with Lab.open(pair, "failovers_back_and_forth", tmp_path, replicas=3, env=env) as lab:
             lab.sink.faults.delay(0.5, times=10_000_000)

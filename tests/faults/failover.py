@@ -1,6 +1,6 @@
 """A primary with a synchronous standby, built with the embedded PostgreSQL's own tools, and the
 failover lever: the primary SIGKILLed (the postmaster and every process of it, as a machine
-dies), the standby promoted (issue 29).
+dies: `kill`, also for one server that is then started again), the standby promoted (issue 29).
 
 The standby is a `pg_basebackup -R` of the primary (`standby.signal` and `primary_conninfo`
 written by the tool), started on its own port. `synchronous_standby_names = '*'` is set on the
@@ -93,19 +93,7 @@ class Pair:
                 time.sleep(1)
 
     def kill_primary(self) -> None:
-        """SIGKILL the primary's postmaster and all its processes at once: nothing is flushed,
-        no client gets a goodbye, as when its machine dies."""
-        pid = int((self.primary.datadir / "postmaster.pid").read_text().split()[0])
-        for p in (pid, *_children(pid)):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 30
-        while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
-            if time.monotonic() > deadline:
-                raise AssertionError(f"postmaster {pid} survived SIGKILL")
-            time.sleep(0.02)
+        kill(self.primary)
 
     def standby_caught_up(self) -> None:
         """Until the standby replayed all it received (the primary is dead: nothing more comes)."""
@@ -129,6 +117,28 @@ class Pair:
     def stop(self, mode: str = "immediate") -> None:
         self.standby.stop(mode)
         self.primary.stop(mode)
+
+
+def kill(server: EmbeddedPostgres) -> None:
+    """SIGKILL the server's postmaster and all its processes at once: nothing is flushed, no
+    client gets a goodbye, as when its machine dies. All are stopped first: killed one by one, a
+    backend that outlived the postmaster for a moment saw it die and exited cleanly, releasing
+    its session locks while other backends still ran claims (a liveness lock seen free on the
+    dying server, its owner's runs taken: not a machine's death)."""
+    pid = int((server.datadir / "postmaster.pid").read_text().split()[0])
+    os.kill(pid, signal.SIGSTOP)  # it forks nothing more
+    procs = [pid, *_children(pid)]
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for p in procs:
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"postmaster {pid} survived SIGKILL")
+        time.sleep(0.02)
 
 
 def _children(pid: int) -> list[int]:
