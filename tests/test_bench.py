@@ -210,3 +210,23 @@ def test_the_default_transport_is_judged_against_aiohttp_and_httpx() -> None:
     assert (httpx_rule["measured"], httpx_rule["verdict"]) == (0.5, "MISSED")
     behind = targets({"e2e_eps": 5000.0, "e2e_eps_aiohttp": 6000.0})
     assert [t["verdict"] for t in behind] == ["MISSED"]
+
+
+def test_the_httpx_path_may_not_fall_below_half_the_default() -> None:
+    """Issue 30 item 5: the httpx path halved between two full runs and no target noticed;
+    `e2e_eps_httpx ≥ 0.5 × e2e_eps` guards it (met at exactly half, missed below)."""
+    from relay.tools.bench.main import targets
+
+    floor = "e2e_eps_httpx ≥ 0.5 × e2e_eps (the httpx path holds)"
+
+    def judged(httpx_eps: float) -> tuple[float, str]:
+        (t,) = [
+            t
+            for t in targets({"e2e_eps": 10000.0, "e2e_eps_httpx": httpx_eps})
+            if t["target"] == floor
+        ]
+        return t["measured"], t["verdict"]
+
+    assert judged(5000.0) == (0.5, "met")
+    assert judged(4999.0) == (0.5, "MISSED")  # rounded for the table, judged exactly
+    assert judged(3300.0) == (0.33, "MISSED")  # docs/bench/latest.json's run before the fix

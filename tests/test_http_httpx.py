@@ -29,10 +29,10 @@ def test_a_lanes_connections_are_split_over_narrow_pools() -> None:
 
     assert widths(1) == [1]
     assert widths(POOL_WIDTH) == [POOL_WIDTH]
-    assert widths(32) == [8, 8, 8, 8]
-    assert widths(10) == [8, 2]
+    assert widths(32) == [POOL_WIDTH] * (32 // POOL_WIDTH)
+    assert widths(2 * POOL_WIDTH + 1) == [POOL_WIDTH, POOL_WIDTH, 1]
     pools = HttpxSender(connections=32)._pools_for(None)
-    pools.in_flight[:] = [3, 1, 2, 1]
+    pools.in_flight[:] = [3, 1, 2, 1] + [POOL_WIDTH] * (len(pools.pools) - 4)
     assert pools.pick() == 1  # the least busy (the first of equals)
 
 

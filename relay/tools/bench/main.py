@@ -329,6 +329,9 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
         # the default transport. The default is now the httptools sender, which beat both.
         r = m["e2e_eps_httpx"] / m["e2e_eps"]
         add("e2e_eps_httpx ≥ 0.85 × e2e_eps (decision rule: httpx the default)", r, 0.85, r >= 0.85)
+        # Issue 30 item 5: the httpx path (proxies, app-owned transports) halved between two
+        # full runs unnoticed (one httpcore pool of 32 connections); this floor notices.
+        add("e2e_eps_httpx ≥ 0.5 × e2e_eps (the httpx path holds)", r, 0.5, r >= 0.5)
     if has("e2e_eps", "e2e_eps_aiohttp"):
         r = m["e2e_eps"] / m["e2e_eps_aiohttp"]
         add("e2e_eps ≥ e2e_eps_aiohttp (httptools the default)", r, 1, r >= 1)
