@@ -87,7 +87,8 @@ class _Pools:
 
     def __init__(self, make: typing.Callable[[int], httpcore.AsyncConnectionPool], n: int):
         widths = [POOL_WIDTH] * (n // POOL_WIDTH) + ([n % POOL_WIDTH] if n % POOL_WIDTH else [])
-        self.pools = [make(width) for width in widths or [1]]
+        self.widths = widths or [1]
+        self.pools = [make(width) for width in self.widths]
         self.in_flight = [0] * len(self.pools)
 
     def pick(self) -> int:

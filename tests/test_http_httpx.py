@@ -25,7 +25,9 @@ pytestmark = pytest.mark.anyio
 def test_a_lanes_connections_are_split_over_narrow_pools() -> None:
     def widths(n: int) -> list[int]:
         sender = HttpxSender(connections=n)
-        return [p._max_connections for p in sender._pools_for(None).pools]
+        pools = sender._pools_for(None)
+        assert len(pools.pools) == len(pools.widths)
+        return pools.widths
 
     assert widths(1) == [1]
     assert widths(POOL_WIDTH) == [POOL_WIDTH]
