@@ -20,7 +20,7 @@ Both return when `client.stop_worker()` is called, like `client.start_worker()`.
   `concurrency` + that batch run at the same time.
 - Claims made on a wake carry the worker id `<worker_id>/wake` (Absurd's `claimed_by`), so an
   operator can see which path resumed a task.
-- The LISTEN connection is the relay listener's design (relay/listener.py): TCP keepalives,
+- The LISTEN connection is the relay listener's own loop (relay/listening.py): TCP keepalives,
   a `select 1` with a deadline after `check_interval` of quiet, reconnection with capped,
   jittered backoff, and one wake batch after every (re)connect because NOTIFY is not durable.
   While it is down, the stock poll goes on. It needs a direct connection: a transaction-mode
@@ -32,19 +32,18 @@ Both return when `client.stop_worker()` is called, like `client.start_worker()`.
 from __future__ import annotations
 
 import os
-import random
 import socket
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 import psycopg
 from anyio.from_thread import start_blocking_portal
 
 from relay import logs
-from relay.policy import backoff
+from relay.listening import Listening, ping
 from relay.store import CONNECT_KWARGS
 
 if TYPE_CHECKING:
@@ -67,11 +66,15 @@ class WakeListener:
         check_timeout: float = 5.0,
         max_backoff: float = 10.0,
     ) -> None:
-        self.conninfo = conninfo
+        self.listening = Listening(
+            conninfo,
+            (CHANNEL,),
+            _LISTEN_KWARGS,
+            check_interval=check_interval,
+            check_timeout=check_timeout,
+            max_backoff=max_backoff,
+        )
         self.queue = queue
-        self.check_interval = check_interval
-        self.check_timeout = check_timeout
-        self.max_backoff = max_backoff
         self.up = False
         self.connects = 0
         self.wakes = 0  # notifications for this queue
@@ -97,46 +100,42 @@ class WakeListener:
             self._event = anyio.Event()
         return fired
 
-    async def run(self) -> None:
-        failures = 0
-        while True:
-            try:
-                await self._session()
-            except (psycopg.Error, OSError, TimeoutError) as exc:
-                was_up, self.up, self.backend_pid = self.up, False, None
-                failures = 1 if was_up else failures + 1
-                delay = backoff(failures - 1, base=0.1, cap=self.max_backoff, rand=random.random())
-                logs.warning(
-                    "wake_listen_lost" if was_up else "wake_listen_connect_failed",
-                    queue=self.queue,
-                    error=f"{type(exc).__name__}: {str(exc).strip()[:200]}",
-                    retry_in=round(delay, 3),
-                )
-                await anyio.sleep(delay)
+    async def run(self) -> NoReturn:
+        await self.listening.run(self)
+
+    # -- the hooks of relay/listening.py -------------------------------------------------------
+
+    async def prepare(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        pass
+
+    def connected(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self.backend_pid = conn.info.backend_pid
+        if self.connects:
+            logs.info("wake_listen_reconnected", queue=self.queue, pid=self.backend_pid)
+        self.connects += 1
+        self.up = True
+        self._flag().set()  # whatever was notified while we were away: claim once
+
+    def notified(self, channel: str, payload: str) -> None:
+        if channel == CHANNEL:
+            self.dispatch(payload)
+
+    async def quiet(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        await ping(conn)
+
+    def lost(self, was_up: bool, exc: BaseException, retry_in: float) -> None:
+        self.up, self.backend_pid = False, None
+        logs.warning(
+            "wake_listen_lost" if was_up else "wake_listen_connect_failed",
+            queue=self.queue,
+            error=f"{type(exc).__name__}: {str(exc).strip()[:200]}",
+            retry_in=round(retry_in, 3),
+        )
 
     def _flag(self) -> anyio.Event:
         if self._event is None:
             self._event = anyio.Event()
         return self._event
-
-    async def _session(self) -> None:
-        with anyio.fail_after(self.check_timeout + 5):
-            conn = await psycopg.AsyncConnection.connect(self.conninfo, **_LISTEN_KWARGS)
-        async with conn:
-            with anyio.fail_after(self.check_timeout):
-                await conn.execute("LISTEN absurd_wake")
-            self.backend_pid = conn.info.backend_pid
-            if self.connects:
-                logs.info("wake_listen_reconnected", queue=self.queue, pid=self.backend_pid)
-            self.connects += 1
-            self.up = True
-            self._flag().set()  # whatever was notified while we were away: claim once
-            while True:
-                async for note in conn.notifies(timeout=self.check_interval):
-                    if note.channel == CHANNEL:
-                        self.dispatch(note.payload)
-                with anyio.fail_after(self.check_timeout):  # quiet: is the server still there?
-                    await conn.execute("select 1")
 
 
 class WakeWorker:

@@ -2,9 +2,9 @@
 
 It turns notifications into wakes: a terminal commit becomes a targeted drain of that run on
 the critical lane, anything on `absurd_wake` (or unknown) a discovery pass. It never delivers
-anything itself, so while it is down the relay goes on by polling. A dead server is noticed
-within bounded time (TCP keepalives plus a `select 1` with a deadline whenever the connection
-has been quiet for `check_interval`), and it reconnects with capped exponential backoff. Every
+anything itself, so while it is down the relay goes on by polling. The connection's life —
+a dead server noticed within bounded time, reconnection with capped backoff — is
+relay/listening.py's, shared with the Absurd wake listener; this module is its hooks. Every
 (re)connect triggers a full discovery pass, because NOTIFY is not durable.
 
 It is also the replica's proof of life (issue 18, DESIGN §4.2): right after LISTEN, each session
@@ -18,10 +18,9 @@ tried again at every check.
 
 from __future__ import annotations
 
-import random
 import secrets
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import orjson
@@ -29,6 +28,7 @@ import psycopg
 from psycopg import sql
 
 from relay import logs
+from relay.listening import Listening, ping
 from relay.store import CONNECT_KWARGS
 
 MAX_PAYLOAD = 8000
@@ -52,15 +52,19 @@ class Listener:
         """`liveness` is (schema, owner): the liveness lock to hold on every session. The lock is
         taken with this listener's incarnation (random, one per listener: one per relay run), so
         that a restart under the same owner id ends its dead predecessor's leases at once."""
-        self.conninfo = conninfo
+        self.listening = Listening(
+            conninfo,
+            (terminal_channel, "absurd_wake"),
+            CONNECT_KWARGS,
+            check_interval=check_interval,
+            check_timeout=check_timeout,
+            max_backoff=max_backoff,
+        )
         self.terminal_channel = terminal_channel
         self.on_terminal = on_terminal
         self.on_delivered = on_delivered
         self.on_wake = on_wake
         self.on_connected = on_connected
-        self.check_interval = check_interval
-        self.check_timeout = check_timeout
-        self.max_backoff = max_backoff
         self.up = False
         self.reconnects = 0
         self.received = 0
@@ -81,51 +85,45 @@ class Listener:
         # lets the lanes claim only then, so no replica takes a fresh one for dead.
         self.first_session = anyio.Event()
 
-    async def run(self) -> None:
-        failures = 0
-        while True:
-            try:
-                await self._session()
-            except (psycopg.Error, OSError, TimeoutError) as exc:
-                was_up = self.up
-                self.up = False
-                self.liveness_held = False
-                self.backend_pid = None
-                # A session that came up resets the backoff: only consecutive failures grow it.
-                failures = 1 if was_up else failures + 1
-                delay = random.uniform(0, min(self.max_backoff, 0.1 * 2 ** min(failures, 10)))
-                logs.warning(
-                    "listen_lost" if was_up else "listen_connect_failed",
-                    error=f"{type(exc).__name__}: {str(exc).strip()[:200]}",
-                    retry_in=round(delay, 3),
-                )
-                await anyio.sleep(delay)
+    async def run(self) -> NoReturn:
+        await self.listening.run(self)
 
-    async def _session(self) -> None:
-        with anyio.fail_after(self.check_timeout + 5):
-            conn = await psycopg.AsyncConnection.connect(self.conninfo, **CONNECT_KWARGS)
-        async with conn:
-            with anyio.fail_after(self.check_timeout):
-                for channel in (self.terminal_channel, "absurd_wake"):
-                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-                await self._hold_liveness(conn)
-            self.backend_pid = conn.info.backend_pid
-            if self.reconnects or self.up:
-                logs.info("listen_reconnected", backend_pid=self.backend_pid)
-            self.reconnects += 1
-            self.up = True
-            # NOTIFY is not durable: whatever was sent while we were away is found by a full pass.
-            self.on_connected()
-            self.first_session.set()
-            while True:
-                async for note in conn.notifies(timeout=self.check_interval):
-                    self.dispatch(note.channel, note.payload)
-                # Quiet for check_interval: prove the server is still there.
-                with anyio.fail_after(self.check_timeout):
-                    if self._hold is not None and not self.liveness_held:
-                        await self._hold_liveness(conn)
-                    else:
-                        await conn.execute("select 1")
+    # -- the hooks of relay/listening.py -------------------------------------------------------
+
+    async def prepare(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        await self._hold_liveness(conn)
+
+    def connected(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self.backend_pid = conn.info.backend_pid
+        if self.reconnects or self.up:
+            logs.info("listen_reconnected", backend_pid=self.backend_pid)
+        self.reconnects += 1
+        self.up = True
+        # NOTIFY is not durable: whatever was sent while we were away is found by a full pass.
+        self.on_connected()
+        self.first_session.set()
+
+    def notified(self, channel: str, payload: str) -> None:
+        self.dispatch(channel, payload)
+
+    async def quiet(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """A lock another session still held (our previous one, not yet dropped by the server)
+        is tried again; otherwise a plain ping."""
+        if self._hold is not None and not self.liveness_held:
+            await self._hold_liveness(conn)
+        else:
+            await ping(conn)
+
+    def lost(self, was_up: bool, exc: BaseException, retry_in: float) -> None:
+        self.up = False
+        self.liveness_held = False
+        self._liveness_conn = None
+        self.backend_pid = None
+        logs.warning(
+            "listen_lost" if was_up else "listen_connect_failed",
+            error=f"{type(exc).__name__}: {str(exc).strip()[:200]}",
+            retry_in=round(retry_in, 3),
+        )
 
     async def _hold_liveness(self, conn: psycopg.AsyncConnection[Any]) -> None:
         if self._hold is None:
@@ -141,7 +139,7 @@ class Listener:
         row = await cur.fetchone()
         held = bool(row and row[0])
         if not held:
-            logs.warning("liveness_lock_busy", owner=owner, retry_in=self.check_interval)
+            logs.warning("liveness_lock_busy", owner=owner, retry_in=self.listening.check_interval)
         else:
             logs.debug(
                 "liveness_held",
