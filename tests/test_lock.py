@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-CORE_IMPORTS = (
-    "import psycopg, psycopg_pool, anyio, httpx, tenacity, orjson, httptools, aiohttp, yarl, h11"
-)
+CORE_IMPORTS = "import psycopg, psycopg_pool, anyio, httpx, tenacity, orjson, httptools, h11"
 
 
 def _run(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
