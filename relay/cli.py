@@ -21,7 +21,8 @@ _HELP = {
     "ingress_token": "bearer token for the ingress (secret)",
     "signing_secret": "Standard Webhooks whsec_ secret(s), comma separated (secret)",
     "ingress_ca_file": "PEM CA bundle to verify the ingress's TLS certificate (default: system)",
-    "http_transport": "HTTP client: httptools (default), aiohttp, or httpx (alias: httpcore)",
+    "http_transport": "HTTP client: httptools (default), httpx (alias: httpcore), or aiohttp "
+    "(the aiohttp extra)",
     "batch_size": "events per POST (default 100)",
     "lease_ttl": "lease time to live, e.g. 30s",
     "concurrency": "ordinary lane: runs in flight (default 8)",
