@@ -25,7 +25,7 @@ _HELP = {
     "(the aiohttp extra)",
     "batch_size": "events per POST (default 100)",
     "lease_ttl": "lease time to live, e.g. 30s",
-    "concurrency": "ordinary lane: runs in flight (default 8)",
+    "concurrency": "ordinary lane: runs in flight (default 32)",
     "critical_concurrency": "critical lane: runs in flight (default 4)",
     "claim_runs": "runs claimed per round trip (default 64)",
     "max_batch_bytes": "payload bytes per POST, e.g. 1MiB (default); a larger event goes alone",
