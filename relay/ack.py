@@ -30,7 +30,8 @@ class _PendingAck:
 
 
 class AckGroup:
-    """One per lane; `ack()` from any delivery task, `run()` as a background task."""
+    """One per lane, owned by its completer (relay/complete.py, the one writer of results):
+    `ack()` from its delivery tasks, `run()` as a background task."""
 
     def __init__(self, store: Store, max_group: int = 64) -> None:
         self.store = store
@@ -67,8 +68,11 @@ class AckGroup:
         try:
             await self._run()
         finally:
-            self._send.close()
-            self._recv.close()
+            self.close()
+
+    def close(self) -> None:
+        self._send.close()
+        self._recv.close()
 
     async def _run(self) -> None:
         while True:

@@ -5,16 +5,15 @@ The relay has two: `critical` (runs with a pending terminal event; targeted drai
 concurrency, database pool, HTTP client and ack group, so a full ordinary lane cannot delay
 the critical one.
 
-The lane claims runs, holds them, and gives each a POST slot (critical ones first); what
-happens to a claim once it has one is relay/delivery.py, and the renewal of its lease while it
-is on the wire relay/renewal.py. A critical claim that would have to wait for a slot of the
-ordinary lane is handed to the critical lane instead: a terminal event never queues behind
-ordinary work.
+The lane claims runs, holds them, and gives each a POST slot (critical ones first); with one,
+the lane's executor POSTs it and returns outcomes (relay/execute.py, which renews its lease
+while it is on the wire, relay/renewal.py), and the lane's completer writes what they mean
+(relay/complete.py). A critical claim that would have to wait for a slot of the ordinary lane
+is handed to the critical lane instead: a terminal event never queues behind ordinary work.
 """
 
 from __future__ import annotations
 
-import copy
 import enum
 import logging
 import math
@@ -28,11 +27,12 @@ import psycopg
 from anyio.abc import TaskGroup
 
 from relay import logs
-from relay.delivery import Delivery
+from relay.complete import Completer
+from relay.execute import Executor, LeaseLost, Outcome
 from relay.ingress import IngressClient
-from relay.policy import backoff, plan_groups
+from relay.policy import Poison, backoff, plan_groups
 from relay.settings import Settings
-from relay.stats import LaneStats
+from relay.stats import CompleteStats, ExecuteStats, FetchStats, LaneStats
 from relay.store import AckResult, Claim, Held, Store, payload_bytes
 from relay.wake import Wake
 
@@ -79,17 +79,17 @@ class Lane:
         self.settings = settings
         self.store = store
         self.concurrency = concurrency
-        self.stats = LaneStats()
-        self.delivery = Delivery(
+        self.fetched = FetchStats()
+        self.execute = Executor(settings, store, ingress, ExecuteStats())
+        self.complete = Completer(
             name,
             settings,
             store,
-            ingress,
-            self.stats,
+            CompleteStats(),
+            resend=self.execute.resend,
             on_ready_change=on_ready_change,
             observe_ack=observe_ack,
         )
-        self.acks = self.delivery.acks
         self.wake = Wake()
         self.slot_freed = Wake()
         self.targets: list[str] = []  # runs to drain now (critical lane)
@@ -129,18 +129,23 @@ class Lane:
 
     @property
     def ingress(self) -> IngressClient:
-        return self.delivery.ingress
+        return self.execute.ingress
+
+    @property
+    def stats(self) -> LaneStats:
+        """The counters of the lane's three parts, as one copy."""
+        return LaneStats.of(self.fetched, self.execute.stats, self.complete.stats)
 
     def view(self) -> LaneView:
         """What health and metrics read: a snapshot, never the lane's own state."""
         return LaneView(
             name=self.name,
-            stats=copy.deepcopy(self.stats),
+            stats=self.stats,
             inflight=len(self.inflight),
             turns=self.turns,
             turned_at=self.turned_at,
-            misconfigured=self.delivery.misconfigured > 0,
-            renewals=self.delivery.renewer.renewed,
+            misconfigured=self.complete.gate().misconfigured,
+            renewals=self.execute.renewer.renewed,
         )
 
     # -- wakes ------------------------------------------------------------------------------
@@ -167,7 +172,8 @@ class Lane:
     async def _run(self) -> None:
         async with anyio.create_task_group() as deliveries:
             self._deliveries = deliveries
-            deliveries.start_soon(self.delivery.run)  # the ack group and the renewer
+            deliveries.start_soon(self.complete.run)  # the ack group
+            deliveries.start_soon(self.execute.run)  # the renewer
             failures = 0
             while not self.stopping:
                 self.turns += 1  # liveness (relay/health.py)
@@ -196,7 +202,7 @@ class Lane:
     async def _pass(self) -> bool:
         """One discovery step. Returns True when the next one should start at once."""
         now = anyio.current_time()
-        paused_until = self.delivery.paused_until  # the ingress is misconfigured
+        paused_until = self.complete.gate().paused_until  # the ingress is misconfigured
         if now < paused_until:
             await self.wake.wait(min(paused_until - now, self.settings.poll_interval))
             return False
@@ -215,7 +221,7 @@ class Lane:
         if since < MIN_EMPTY_PASS_SPACING:
             await anyio.sleep(MIN_EMPTY_PASS_SPACING - since)
         want = max(1, min(self._room(), self.settings.claim_runs, self._fits()))
-        self.stats.passes += 1
+        self.fetched.passes += 1
         claims = await self.store.claim(self.name, want)
         self._start(claims)
         if len(claims) < want:
@@ -262,18 +268,18 @@ class Lane:
         assert self._deliveries is not None
         held: list[Held] = []
         for claim in claims:
-            self.stats.claimed_runs += 1
+            self.fetched.claimed_runs += 1
             held.append(self._hold(claim))
             self.wanted.discard(claim.run_id)
             if claim.reclaimed_from is not None:
-                self.stats.reclaimed += 1
+                self.fetched.reclaimed += 1
                 logs.info(
-                    "lease_reclaimed", **self.delivery.who(claim), dead_owner=claim.reclaimed_from
+                    "lease_reclaimed", **self.complete.who(claim), dead_owner=claim.reclaimed_from
                 )
             if logs.enabled(logging.DEBUG):  # per claim: not even built otherwise
                 logs.debug(
                     "claimed",
-                    **self.delivery.who(claim),
+                    **self.complete.who(claim),
                     first_seq=claim.first_seq,
                     last_seq=claim.last_seq,
                     events=len(claim.events),
@@ -343,7 +349,7 @@ class Lane:
         if self.stopping or self._deliveries is None or len(self.inflight) >= self.concurrency:
             return False
         held = self._hold(claim)
-        self.stats.adopted += 1
+        self.fetched.adopted += 1
         self._launch(self._deliver_one, held)
         return True
 
@@ -401,18 +407,18 @@ class Lane:
         try:
             slot = await self._take_slot(held)
             if slot is Slot.POSTING:
-                settled = await self.delivery.deliver(held, lambda: self._free_slot(run_id))
+                settled = (await self._deliver([held], lambda: self._free_slot(run_id)))[run_id]
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:
             logs.error(
-                "delivery_error", **self.delivery.who(held.claim), error=logs.error_text(exc, 300)
+                "delivery_error", **self.complete.who(held.claim), error=logs.error_text(exc, 300)
             )
         finally:
             self._drop(held)
             if slot is not Slot.HANDED_OFF:  # else the critical lane owns the claim now
                 if not settled:
-                    await self.delivery.hand_back(held.claim)  # as widened, if it was
+                    await self.complete.hand_back(held.claim)  # as widened, if it was
                 if slot is Slot.POSTING:
                     self.posting_runs.discard(run_id)
                     self._free_slot(run_id)
@@ -436,7 +442,7 @@ class Lane:
             await self.posting.acquire()
             held = True
             if not self.stopping:
-                settled = await self.delivery.deliver_group(group, free_slot)
+                settled = await self._deliver(group, free_slot)
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:
@@ -447,8 +453,44 @@ class Lane:
             free_slot()
             for h in group:
                 if not settled.get(h.claim.run_id):
-                    await self.delivery.hand_back(h.claim)
+                    await self.complete.hand_back(h.claim)
                 self._drop(h)
             self._settled()
             if self.name == "critical" or any(h.claim.critical for h in group):
                 self.wake.set()
+
+    async def _deliver(self, holds: list[Held], free_slot: Callable[[], None]) -> dict[str, bool]:
+        """Execute, then complete: the executor POSTs the claims (one, or a group in one
+        request) and the completer writes what each run's outcome means. Returns, per run,
+        whether its lease was settled. `free_slot` hands the POST slot back early, once only the
+        acks are left."""
+        outcomes = await self.execute.execute(holds)
+        posted = [o for o in outcomes if not isinstance(o.decision, LeaseLost)]
+        if len(holds) > 1 and _refused_whole(posted):
+            return await self._send_alone(outcomes, posted)
+        if posted and all(o.accepted_whole for o in posted):
+            # Pipelining: the ingress has answered and nothing but the (grouped) acks is left,
+            # so the next claim's POST need not wait for their commit. The runs stay claimed
+            # (and their leases fenced) until the acks settle them.
+            free_slot()
+        return await self.complete.carry(outcomes)
+
+    async def _send_alone(self, outcomes: list[Outcome], posted: list[Outcome]) -> dict[str, bool]:
+        """One refusal of a whole multi-run request does not say which run (if any) is poison:
+        each run is sent alone to `ingress_url`, in this slot, and only its own answer decides."""
+        lost = [o for o in outcomes if isinstance(o.decision, LeaseLost)]
+        settled = await self.complete.carry(lost) if lost else {}
+        refusal = posted[0].decision
+        assert isinstance(refusal, Poison)
+        logs.warning(
+            "batch_refused", lane=self.name, runs=len(posted), status=refusal.status,
+            error=refusal.excerpt[:300],
+        )  # fmt: skip
+        for outcome in posted:
+            settled |= await self._deliver([outcome.held], lambda: None)
+        return settled
+
+
+def _refused_whole(posted: list[Outcome]) -> bool:
+    """A multi-run request refused as a whole (not run by run in a 2xx reply)."""
+    return bool(posted) and posted[0].whole and isinstance(posted[0].decision, Poison)

@@ -1,6 +1,6 @@
 """Quick retries within one attempt (DESIGN §5): tenacity, bounded and short, with full jitter,
 for blips only, and only while the lease is trusted for a whole request. Longer outages are
-rescheduled through the database instead (relay/delivery.py), so a restart loses nothing.
+rescheduled through the database instead (relay/complete.py), so a restart loses nothing.
 """
 
 from __future__ import annotations

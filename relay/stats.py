@@ -1,9 +1,42 @@
-"""A lane's counters (read by relay/health.py, relay/metrics.py and the status page through
-`Lane.view()`, which copies them)."""
+"""A lane's counters: each part of the lane (fetch, execute, complete) counts its own, and
+`LaneStats` is their sum as observers see it (relay/health.py, relay/metrics.py and the status
+page read it through `Lane.view()`, a copy)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class FetchStats:
+    """The lane's own (relay/lane.py): discovery and hand-over."""
+
+    passes: int = 0
+    claimed_runs: int = 0
+    adopted: int = 0  # critical runs taken over from the ordinary lane's queue
+    reclaimed: int = 0  # runs claimed from a dead owner before their lease expired (issue 18)
+
+
+@dataclass
+class ExecuteStats:
+    """The executor's (relay/execute.py): requests and what came before them."""
+
+    posts: int = 0
+    renewed_before_post: int = 0
+    widened: int = 0  # events added to a claim before its first POST
+
+
+@dataclass
+class CompleteStats:
+    """The completer's (relay/complete.py): the results written."""
+
+    delivered: int = 0
+    acks: int = 0
+    lease_lost: int = 0
+    retries: int = 0
+    failed: int = 0
+    stale_acks: int = 0
+    by_type: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -22,3 +55,23 @@ class LaneStats:
     widened: int = 0  # events added to a claim before its first POST
     reclaimed: int = 0  # runs claimed from a dead owner before their lease expired (issue 18)
     by_type: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, fetch: FetchStats, execute: ExecuteStats, complete: CompleteStats) -> LaneStats:
+        """A copy of the three parts' counters, as one value."""
+        return cls(
+            passes=fetch.passes,
+            claimed_runs=fetch.claimed_runs,
+            delivered=complete.delivered,
+            posts=execute.posts,
+            acks=complete.acks,
+            lease_lost=complete.lease_lost,
+            retries=complete.retries,
+            failed=complete.failed,
+            stale_acks=complete.stale_acks,
+            renewed_before_post=execute.renewed_before_post,
+            adopted=fetch.adopted,
+            widened=execute.widened,
+            reclaimed=fetch.reclaimed,
+            by_type=dict(complete.by_type),
+        )

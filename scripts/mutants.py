@@ -547,7 +547,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "poison-narrowing-continues",
         "§9.2: nothing after a poison event is delivered (narrowing stops at it)",
-        "relay/delivery.py",
+        "relay/complete.py",
         "            if isinstance(single.decision, Poison):\n"
         "                return await self._block(claim, event, single.decision)",
         "            if isinstance(single.decision, Poison):\n"
@@ -558,8 +558,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "batch-refusal-blocks-every-run",
         "§5 4xx: only a run's own refusal blocks it, not a refusal of a whole multi-run request",
-        "relay/delivery.py",
-        "        if result.whole and isinstance(refusal, Poison):",
+        "relay/lane.py",
+        "        if len(holds) > 1 and _refused_whole(posted):",
         "        if False:",
         (
             "tests/test_relay.py::"
@@ -569,9 +569,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "batch-slot-held-through-acks",
         "§4.3 pipelining: a multi-run POST frees its slot once every run was accepted whole",
-        "relay/delivery.py",
-        "            free_slot()  # pipelining, as in `deliver`: nothing but the acks is left",
-        "            pass",
+        "relay/lane.py",
+        "        if posted and all(o.accepted_whole for o in posted):",
+        "        if False:",
         ("tests/test_relay.py::test_a_multi_run_post_frees_its_slot_before_its_acks",),
     ),
     # -- the claim as a value (issue 27 item 4): each change is a new claim its holder keeps ----
@@ -601,7 +601,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "claim-widening-dropped",
         "§4.3: a promoted claim's POST carries the terminal event committed since the claim",
-        "relay/delivery.py",
+        "relay/execute.py",
         "            held.claim = held.claim.widened(more)",
         "            held.claim.widened(more)",
         (

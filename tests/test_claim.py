@@ -154,8 +154,8 @@ def _path(module: str) -> Path:
 
 
 def test_relay_imports_follows_imports_through_modules() -> None:
-    """The finder itself: the lane reaches the store both directly and through its delivery."""
-    assert {"relay.store", "relay.delivery", "relay.ingress"} <= _relay_imports("relay.lane")
+    """The finder itself: the lane reaches the store both directly and through its executor."""
+    assert {"relay.store", "relay.execute", "relay.ingress"} <= _relay_imports("relay.lane")
 
 
 def test_the_http_layer_imports_nothing_from_the_store() -> None:

@@ -270,8 +270,7 @@ async def test_metrics_addr_in_use_is_a_clear_refusal(
             async with relay.running():
                 pass
     for lane in relay.lanes.values():  # built but never run: their ack queues are still open
-        lane.acks._send.close()
-        lane.acks._recv.close()
+        lane.complete.close()
     exc: BaseException = info.value
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]

@@ -27,7 +27,7 @@ import time
 import warnings
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -301,14 +301,16 @@ ALIASES = {"peer": ["peer_graphile", "peer_pgqueuer"]}
 # -- targets (issue 6): ratios from one run ------------------------------------------------------
 
 
-def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Each target (issues 6 and 16) that this run's metrics can judge: its measured ratio and
-    verdict. `settings`: how a figure was run (the peers'), printed beside its target."""
-    settings = settings or {}
-    out: list[dict[str, Any]] = []
+class _Judged:
+    """The targets judged so far, and the metrics they are judged from."""
 
-    def add(target: str, have: Any, need: float, ok: bool) -> None:
-        out.append(
+    def __init__(self, m: dict[str, Any], settings: dict[str, str]) -> None:
+        self.m = m
+        self.settings = settings
+        self.out: list[dict[str, Any]] = []
+
+    def add(self, target: str, have: Any, need: float, ok: bool) -> None:
+        self.out.append(
             {
                 "target": target,
                 "measured": round(have, 3),
@@ -317,9 +319,22 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
             }
         )
 
-    def has(*keys: str) -> bool:
-        return all(isinstance(m.get(k), int | float) and m[k] > 0 for k in keys)
+    def has(self, *keys: str) -> bool:
+        return all(isinstance(self.m.get(k), int | float) and self.m[k] > 0 for k in keys)
 
+
+def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Each target (issues 6 and 16) that this run's metrics can judge: its measured ratio and
+    verdict. `settings`: how a figure was run (the peers'), printed beside its target."""
+    judged = _Judged(m, settings or {})
+    for family in (_throughput, _order, _one_event_runs, _latency, _costs):
+        family(judged)
+    return judged.out
+
+
+def _throughput(j: _Judged) -> None:
+    """End-to-end events/s against the limits, the other senders, the naive loop, the peers."""
+    m, add, has = j.m, j.add, j.has
     if has("e2e_eps", "db_limit_eps", "http_limit_eps"):
         floor = min(m["db_limit_eps"], m["http_limit_eps"])
         r = m["e2e_eps"] / floor
@@ -341,8 +356,13 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
     for peer in ("peer_graphile_eps", "peer_pgqueuer_eps"):
         if has("e2e_eps", peer):
             r = m["e2e_eps"] / m[peer]
-            how = f" ({settings[peer]})" if peer in settings else ""
+            how = f" ({j.settings[peer]})" if peer in j.settings else ""
             add(f"e2e_eps > {peer}{how}", r, 1, r > 1)
+
+
+def _order(j: _Judged) -> None:
+    """The relay's per-run order, beside the peers' violations."""
+    m = j.m
     if "relay_order_violations" in m:
         peers = ", ".join(
             f"{name} {m[key]:,}"
@@ -353,12 +373,17 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
             if key in m
         )
         have = m["relay_order_violations"]
-        add(
+        j.add(
             f"relay keeps per-run order: 0 violations (peers: {peers or 'not run'})",
             have,
             0,
             have == 0,
         )
+
+
+def _one_event_runs(j: _Judged) -> None:
+    """Runs of one event (tiny runs), against the relay's own figure and PgQueuer's."""
+    m, add, has = j.m, j.add, j.has
     if has("e2e_eps", "tiny_runs_eps"):
         r = m["tiny_runs_eps"] / m["e2e_eps"]
         add("tiny_runs_eps ≥ 0.25 × e2e_eps", r, 0.25, r >= 0.25)
@@ -377,6 +402,11 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
         elif has(key, "peer_pgqueuer_eps"):
             r = m[key] / m["peer_pgqueuer_eps"]
             add(f"{key} > peer_pgqueuer_eps (runs of one event)", r, 1, r > 1)
+
+
+def _latency(j: _Judged) -> None:
+    """Claims behind a backlog, the terminal event's latency, the table under a steady load."""
+    m, add, has = j.m, j.add, j.has
     if has("claim_eps_1m_pending", "claim_eps_10k_pending"):
         r = m["claim_eps_1m_pending"] / m["claim_eps_10k_pending"]
         add("claim_eps_1m_pending ≥ 0.8 × claim_eps_10k_pending", r, 0.8, r >= 0.8)
@@ -390,7 +420,11 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
     if has("soak_table_mb_start", "soak_table_mb_end"):
         r = m["soak_table_mb_end"] / m["soak_table_mb_start"]
         add("soak_table_mb_end ≤ 1.25 × soak_table_mb_start (levels off)", r, 1.25, r <= 1.25)
-    # What a delivered event costs the application's database (issue 28).
+
+
+def _costs(j: _Judged) -> None:
+    """What a delivered event costs the application's database (issue 28), and the memory."""
+    m, add, has = j.m, j.add, j.has
     if has("wal_total_bytes_per_event", "wal_lean_bytes_per_event"):
         r = m["wal_total_bytes_per_event"] / m["wal_lean_bytes_per_event"]
         add("wal_total ≤ 1.3 × the leanest queue's WAL per event", r, 1.3, r <= 1.3)
@@ -405,7 +439,6 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
             150,
             have <= 150,
         )
-    return out
 
 
 # -- the shell ---------------------------------------------------------------------------------
@@ -573,34 +606,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return a
 
 
+@dataclass
+class _Run:
+    """What the scenarios of one `relay bench` gave."""
+
+    results: dict[str, Result] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # scenario -> its error
+    order: dict[str, int] = field(default_factory=dict)  # the relay's per-run order violations
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(list(sys.argv[1:] if argv is None else argv))
     console = Console(highlight=False)
     logs.configure("text", "warning")
-    results: dict[str, Result] = {}
-    failed: dict[str, str] = {}
-    order: dict[str, int] = {}  # the relay's per-run order violations over its runs
-
-    async def run_all() -> None:
-        async with environment(a.database_url, console) as env:
-            for i, name in enumerate(a.only):
-                console.rule(f"[{i + 1}/{len(a.only)}] {name}: {SCENARIOS[name].summary}")
-                started = time.monotonic()
-                try:
-                    results[name] = await SCENARIOS[name].run(env, a)
-                except Exception as exc:
-                    # One scenario's failure does not lose the others' figures.
-                    failed[name] = f"{type(exc).__name__}: {exc}"
-                    console.print(f"[bold red]{name} failed:[/bold red] {failed[name]}")
-                    continue
-                console.print(render(name, results[name]))
-                if env.relay_order_violations is not None:
-                    order["relay"] = env.relay_order_violations
-                console.print(f"({time.monotonic() - started:.0f} s)")
-
+    run = _Run()
     failure: BaseException | None = None
     try:
-        anyio.run(run_all)
+        anyio.run(_run_all, a, console, run)
     except* (BenchFailed, psycopg.OperationalError) as group:
         failure = group
         while isinstance(failure, BaseExceptionGroup):
@@ -608,38 +630,72 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failure is not None:
         console.print(f"[bold red]relay bench failed:[/bold red] {failure}")
         return 1
-    metrics: dict[str, Any] = {}
-    settings: dict[str, str] = {}
-    for r in results.values():
-        metrics.update(r.metrics)
-        settings.update(r.settings)
-    if "relay" in order:
-        metrics["relay_order_violations"] = order["relay"]
-    if "peak_rss" in results:
-        metrics["rss_events"] = a.rss_events
+    metrics, settings = _metrics(a, run)
     judged = targets(metrics, settings)
     metrics.pop("rss_events", None)
     for table in summary(metrics, judged):
         console.print(table)
     if a.json_path is not None:
-        out = {
-            "relay_version": __version__,
-            "at": datetime.now().astimezone().isoformat(timespec="seconds"),
-            "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
-            "reps": a.reps,
-            "smoke": a.smoke,
-            "metrics": metrics,
-            "settings": settings,
-            "targets": judged,
-            "failed": failed,
-            "scenarios": {
-                n: {"rows": r.rows, "notes": r.notes, "samples_s": r.data}
-                for n, r in results.items()
-            },
-        }
-        a.json_path.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2) + b"\n")
+        _write_json(a, run, metrics, settings, judged)
         console.print(f"results written to {a.json_path}")
     if a.plot_path is not None:
         plot(a.plot_path, metrics)
         console.print(f"chart written to {a.plot_path}")
-    return 1 if failed else 0
+    return 1 if run.failed else 0
+
+
+async def _run_all(a: argparse.Namespace, console: Console, run: _Run) -> None:
+    async with environment(a.database_url, console) as env:
+        for i, name in enumerate(a.only):
+            console.rule(f"[{i + 1}/{len(a.only)}] {name}: {SCENARIOS[name].summary}")
+            started = time.monotonic()
+            try:
+                run.results[name] = await SCENARIOS[name].run(env, a)
+            except Exception as exc:
+                # One scenario's failure does not lose the others' figures.
+                run.failed[name] = f"{type(exc).__name__}: {exc}"
+                console.print(f"[bold red]{name} failed:[/bold red] {run.failed[name]}")
+                continue
+            console.print(render(name, run.results[name]))
+            if env.relay_order_violations is not None:
+                run.order["relay"] = env.relay_order_violations
+            console.print(f"({time.monotonic() - started:.0f} s)")
+
+
+def _metrics(a: argparse.Namespace, run: _Run) -> tuple[dict[str, Any], dict[str, str]]:
+    """Every scenario's metrics and settings in one mapping each, for the targets."""
+    metrics: dict[str, Any] = {}
+    settings: dict[str, str] = {}
+    for r in run.results.values():
+        metrics.update(r.metrics)
+        settings.update(r.settings)
+    if "relay" in run.order:
+        metrics["relay_order_violations"] = run.order["relay"]
+    if "peak_rss" in run.results:
+        metrics["rss_events"] = a.rss_events
+    return metrics, settings
+
+
+def _write_json(
+    a: argparse.Namespace,
+    run: _Run,
+    metrics: dict[str, Any],
+    settings: dict[str, str],
+    judged: list[dict[str, Any]],
+) -> None:
+    out = {
+        "relay_version": __version__,
+        "at": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
+        "reps": a.reps,
+        "smoke": a.smoke,
+        "metrics": metrics,
+        "settings": settings,
+        "targets": judged,
+        "failed": run.failed,
+        "scenarios": {
+            n: {"rows": r.rows, "notes": r.notes, "samples_s": r.data}
+            for n, r in run.results.items()
+        },
+    }
+    a.json_path.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2) + b"\n")

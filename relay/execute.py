@@ -1,0 +1,195 @@
+"""Execute: POST a claim's events, or one multi-run group's, to the ingress and reduce what
+happened to one `Outcome` value per run (DESIGN §4.2, §5). It writes nothing to the database.
+
+One path for a single claim and a group: widen a single claim before its first POST, check
+each lease is trusted long enough for a whole request (renew first if not), POST (a single claim
+to `ingress_url`, a group to `ingress_batch_url`) while the lane's renewer keeps the leases (and
+cancels the request when every one is lost), with quick retries for blips. `relay.policy.decide`
+says once per answer what it means; the outcome carries that decision, or the lease lost, to the
+lane's completer (relay/complete.py), the only writer of results.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import anyio
+
+from relay.ingress import Answer, Batch, IngressClient, TransportFailure, split_results
+from relay.policy import Ack, Decision, Retry, decide
+from relay.renewal import Renewer
+from relay.retries import QuickRetries
+from relay.settings import Settings
+from relay.stats import ExecuteStats
+from relay.store import Claim, ClaimedEvent, Held, Store
+
+Send = tuple[Held, Sequence[ClaimedEvent]]  # a run's holder and the events to POST (a prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseLost:
+    """The lease was lost before an answer could count: the batch is abandoned, no ack."""
+
+    where: str  # renew_before_post, renewal_failed
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one run's POST came to: the events sent (a prefix of its claim), the answer (or the
+    failure to get one) and what it means, or the lease lost. `whole`: the answer was to the
+    whole request (a single run's, or a multi-run request that failed or was not 2xx) rather
+    than this run's own result in a 2xx multi-run reply."""
+
+    held: Held
+    events: Sequence[ClaimedEvent]
+    decision: Decision | LeaseLost
+    answer: Answer | TransportFailure | None = None
+    whole: bool = True
+
+    @property
+    def run_id(self) -> str:
+        return self.held.claim.run_id
+
+    @property
+    def accepted_whole(self) -> bool:
+        """Every event sent was accepted: nothing but the (grouped) ack is left."""
+        return isinstance(self.decision, Ack) and self.decision.k == len(self.events)
+
+
+@dataclass(frozen=True, slots=True)
+class _Replies:
+    """One POST's answers, per run, and whether they are one answer for the whole request."""
+
+    per_run: dict[str, tuple[Answer | TransportFailure, Decision]]
+    whole: bool
+
+
+class Executor:
+    """One per lane: `execute()` / `resend()` from the lane's delivery tasks, `run()` (its
+    renewer) as a background task."""
+
+    def __init__(
+        self, settings: Settings, store: Store, ingress: IngressClient, stats: ExecuteStats
+    ) -> None:
+        self.settings = settings
+        self.store = store  # read only: the widening of a claim and the renewal of leases
+        self.ingress = ingress
+        self.stats = stats
+        self.renewer = Renewer(store, settings.lease_ttl)
+        self._quick = QuickRetries(_quick, settings.http_timeout)
+
+    async def run(self) -> None:
+        await self.renewer.run()
+
+    async def execute(self, holds: Sequence[Held]) -> list[Outcome]:
+        """POST these claims (one, or a group of small runs in one request) and return one
+        outcome per run. Each holder keeps its claim's current value: a widening before the POST
+        and each renewal are kept there."""
+        group = len(holds) > 1
+        if not group and holds[0].claim.widen:
+            held = holds[0]
+            more = await self.store.widen(held.claim)
+            held.claim = held.claim.widened(more)
+            self.stats.widened += len(more)
+        lost, live = await self._renew_waited(holds)
+        if not live:
+            return lost
+        return lost + await self._post([(h, h.claim.events) for h in live], group=group)
+
+    async def resend(self, held: Held, events: Sequence[ClaimedEvent]) -> Outcome:
+        """POST a part of a claim on its own (poison narrowing: a prefix, or one event)."""
+        (outcome,) = await self._post([(held, events)], group=False)
+        return outcome
+
+    async def _renew_waited(self, holds: Sequence[Held]) -> tuple[list[Outcome], list[Held]]:
+        """Claims that waited in the local queue too long to finish a whole request inside the
+        lease are renewed first. Returns the outcomes of those whose lease was lost, and the
+        claims to POST."""
+        now = anyio.current_time()
+        timeout = self.settings.http_timeout
+        waited = [h for h in holds if not h.claim.trust.allows_post(now, timeout)]
+        if not waited:
+            return [], list(holds)
+        self.stats.renewed_before_post += len(waited)
+        renewed = await self.renewer.renew(waited)
+        lost = [
+            Outcome(h, h.claim.events, LeaseLost("renew_before_post"))
+            for h in waited
+            if h.claim.run_id not in renewed
+        ]
+        gone = {o.run_id for o in lost}
+        return lost, [h for h in holds if h.claim.run_id not in gone]
+
+    async def _post(self, sends: list[Send], *, group: bool) -> list[Outcome]:
+        """POST with quick retries while the lane's renewer keeps the leases (each attempt reads
+        the claims' current trust windows from their holders). A run whose renewal fails stays
+        in the request (it cannot be unsent) and its outcome is the lease lost; only when every
+        lease is gone is the request cancelled."""
+        holds = [h for h, _ in sends]
+        replies: _Replies | None = None
+        with self.renewer.renewing(holds) as renewal:
+            replies = await self._quick(
+                lambda: self._post_once(sends, group=group),
+                lambda: min((h.claim.trust for h in holds), key=lambda t: t.until),
+            )
+        outcomes: list[Outcome] = []
+        for held, events in sends:
+            run_id = held.claim.run_id
+            if run_id not in renewal.live or replies is None:
+                outcomes.append(Outcome(held, events, LeaseLost("renewal_failed")))
+            else:
+                answer, decision = replies.per_run[run_id]
+                outcomes.append(Outcome(held, events, decision, answer, replies.whole))
+        return outcomes
+
+    async def _post_once(self, sends: list[Send], *, group: bool) -> _Replies:
+        self.stats.posts += 1
+        answer: Answer | TransportFailure
+        per_run: dict[str, Answer | TransportFailure]
+        try:
+            if group:
+                answer = await self.ingress.post_group([_batch(h.claim, e) for h, e in sends])
+            else:
+                ((held, events),) = sends
+                answer = await self.ingress.post(_batch(held.claim, events))
+        except TransportFailure as exc:
+            answer = exc
+        runs = [h.claim.run_id for h, _ in sends]
+        if group and isinstance(answer, Answer) and 200 <= answer.status < 300:
+            per_run = split_results(answer, runs)
+            whole = False
+        else:
+            per_run = dict.fromkeys(runs, answer)  # one answer for the whole request
+            whole = True
+        decided = {
+            run_id: (per_run[run_id], self._decide(held.claim, len(events), per_run[run_id]))
+            for (held, events), run_id in zip(sends, runs, strict=True)
+        }
+        return _Replies(decided, whole)
+
+    def _decide(self, claim: Claim, n_events: int, answer: Answer | TransportFailure) -> Decision:
+        """The one place an answer is decided (the clock and the jitter come from here)."""
+        return decide(
+            answer,
+            n_events,
+            attempt=claim.attempts,
+            now=datetime.now(UTC),
+            rand=random.random(),
+            cap=self.settings.max_backoff,
+        )
+
+
+def _batch(claim: Claim, events: Sequence[ClaimedEvent]) -> Batch:
+    """What the ingress client sends of a claim (it never sees the lease)."""
+    return Batch(claim.run_id, claim.epoch, events, claim.database_time(anyio.current_time()))
+
+
+def _quick(replies: _Replies) -> bool:
+    """A blip: a whole request failed in a way worth retrying at once (a 2xx multi-run reply
+    with per-run results never is)."""
+    return replies.whole and all(
+        isinstance(d, Retry) and d.quick for _, d in replies.per_run.values()
+    )
