@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import anyio
 
@@ -74,6 +74,10 @@ class Completer:
 
     def gate(self) -> Gate:
         return Gate(self._paused_until, self._misconfigured > 0)
+
+    def view(self) -> CompleteStats:
+        """The completer's counters, a copy (for the lane's view)."""
+        return replace(self.stats, by_type=dict(self.stats.by_type))
 
     # -- carrying out outcomes ---------------------------------------------------------------
 

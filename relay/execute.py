@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import anyio
@@ -83,6 +83,10 @@ class Executor:
 
     async def run(self) -> None:
         await self.renewer.run()
+
+    def view(self) -> ExecuteStats:
+        """The executor's counters, a copy (for the lane's view)."""
+        return replace(self.stats, renewals=self.renewer.renewed)
 
     async def execute(self, holds: Sequence[Held]) -> list[Outcome]:
         """POST these claims (one, or a group of small runs in one request) and return one

@@ -1,15 +1,19 @@
-"""A lane: discovery, concurrency and the POST slots of claimed run prefixes (DESIGN §4.2-4.3).
+"""Fetch, a lane's first part: discovery of due runs, their claims, one POST slot queue and the
+hand-over of terminal runs (DESIGN §4.2-4.3).
 
 The relay has two: `critical` (runs with a pending terminal event; targeted drains) and
 `ordinary` (any due run, critical ones included when it has room). Each has its own
 concurrency, database pool, HTTP client and ack group, so a full ordinary lane cannot delay
 the critical one.
 
-The lane claims runs, holds them, and gives each a POST slot (critical ones first); with one,
-the lane's executor POSTs it and returns outcomes (relay/execute.py, which renews its lease
-while it is on the wire, relay/renewal.py), and the lane's completer writes what they mean
-(relay/complete.py). A critical claim that would have to wait for a slot of the ordinary lane
-is handed to the critical lane instead: a terminal event never queues behind ordinary work.
+The lane claims runs, holds them, and gives each single claim or multi-run group a POST slot
+from one queue (critical ones first); with one, the lane's executor POSTs it and returns one
+outcome per run (relay/execute.py, which renews the leases while they are on the wire,
+relay/renewal.py), and the lane's completer writes what they mean (relay/complete.py, the one
+writer of results). The arrows go one way: the lane calls both parts, the completer reads the
+executor's outcomes, and the lane reads the others only through views (`gate()`, `view()`). A
+single critical claim that would have to wait for a slot of the ordinary lane is handed to the
+critical lane instead: a terminal event never queues behind ordinary work.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import math
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -42,12 +46,24 @@ Job = tuple[Work, Any]  # what a delivery task runs next
 
 
 class Slot(enum.Enum):
-    """Where a claim stands with the lane's POST slots."""
+    """Where a claim (or a group sharing one POST) stands with the lane's POST slots."""
 
     WAITING = "waiting"  # queued for one
     POSTING = "posting"  # has one: its delivery runs
     STOPPING = "stopping"  # the lane stopped before it got one
     HANDED_OFF = "handed_off"  # given to the critical lane instead, which owns it now
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """Claims queued for one POST slot: a single claim, or a group that shares one POST."""
+
+    holds: list[Held]
+    woken: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def critical(self) -> bool:
+        return any(h.claim.critical for h in self.holds)
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,9 @@ class LaneView:
 
 
 class Lane:
+    """One lane: `run()` as its loop, `drain()` / `promote()` / `adopt()` from the runner, and
+    `view()` for observers."""
+
     def __init__(
         self,
         name: str,
@@ -114,8 +133,8 @@ class Lane:
         )
         self.posting = anyio.Semaphore(concurrency)
         self.posting_runs: set[str] = set()  # claims past their slot wait (POST started)
-        self._slot_held: set[str] = set()  # of those, the ones still holding their POST slot
-        self._slot_waiters: dict[str, tuple[Held, anyio.Event]] = {}  # queued, in FIFO order
+        self._slot_waiters: dict[_Waiter, None] = {}  # queued for a slot, in FIFO order
+        self._queued: dict[str, _Waiter] = {}  # run id -> its waiter there
         self.stopping = False
         self._last_empty_pass = -1.0
         self._deliveries: TaskGroup | None = None
@@ -128,24 +147,21 @@ class Lane:
         self.turned_at = 0.0
 
     @property
-    def ingress(self) -> IngressClient:
-        return self.execute.ingress
-
-    @property
     def stats(self) -> LaneStats:
         """The counters of the lane's three parts, as one copy."""
-        return LaneStats.of(self.fetched, self.execute.stats, self.complete.stats)
+        return LaneStats.of(replace(self.fetched), self.execute.view(), self.complete.view())
 
     def view(self) -> LaneView:
         """What health and metrics read: a snapshot, never the lane's own state."""
+        stats = self.stats
         return LaneView(
             name=self.name,
-            stats=self.stats,
+            stats=stats,
             inflight=len(self.inflight),
             turns=self.turns,
             turned_at=self.turned_at,
             misconfigured=self.complete.gate().misconfigured,
-            renewals=self.execute.renewer.renewed,
+            renewals=stats.renewals,
         )
 
     # -- wakes ------------------------------------------------------------------------------
@@ -294,10 +310,7 @@ class Lane:
             size_of=lambda h: self._held.get(id(h), 0),
         )
         for group in groups:
-            if len(group) == 1:
-                self._launch(self._deliver_one, group[0])
-            else:
-                self._launch(self._deliver_group, group)
+            self._launch(self._deliver_job, group)
 
     def _hold(self, claim: Claim) -> Held:
         held = Held(claim)
@@ -327,9 +340,8 @@ class Lane:
         self.stopping = True
         self.wake.set()
         self.slot_freed.set()
-        for _claim, waiter in self._slot_waiters.values():
-            waiter.set()
-        self._slot_waiters.clear()
+        for waiter in list(self._slot_waiters):
+            self._wake(waiter)
 
     # -- claims between lanes ----------------------------------------------------------------
 
@@ -340,9 +352,9 @@ class Lane:
         if held is not None and run_id not in self.posting_runs:
             held.claim = held.claim.promoted()
             self.slot_freed.set()
-            waiter = self._slot_waiters.pop(run_id, None)
+            waiter = self._queued.get(run_id)
             if waiter is not None:
-                waiter[1].set()  # the queued task hands itself over to the critical lane
+                self._wake(waiter)  # a queued single claim hands itself over to the critical lane
 
     def adopt(self, claim: Claim) -> bool:
         """Take over a claim another lane holds but cannot start yet, if there is room."""
@@ -350,114 +362,113 @@ class Lane:
             return False
         held = self._hold(claim)
         self.fetched.adopted += 1
-        self._launch(self._deliver_one, held)
+        self._launch(self._deliver_job, [held])
         return True
 
-    # -- POST slots --------------------------------------------------------------------------
+    # -- POST slots: one queue, critical first, for single claims and groups alike -----------
 
-    async def _take_slot(self, held: Held) -> Slot:
-        """Wait for a POST slot: POSTING once it has one, STOPPING on shutdown, HANDED_OFF when
-        a critical claim that would wait went to the critical lane instead. Each turn reads the
-        claim anew from `held`: a promotion while it waits makes it critical."""
-        run_id = held.claim.run_id
+    async def _take_slot(self, holds: list[Held]) -> Slot:
+        """Wait for a POST slot for these claims (one, or a group that shares one POST):
+        POSTING once they have one, STOPPING on shutdown, HANDED_OFF when a single critical
+        claim that would wait went to the critical lane instead. Each turn reads the claims anew
+        from their holders: a promotion while they wait makes them critical."""
         while not self.stopping:
             try:
                 self.posting.acquire_nowait()
-                self.posting_runs.add(run_id)
-                self._slot_held.add(run_id)
+                self.posting_runs.update(h.claim.run_id for h in holds)
                 return Slot.POSTING
             except anyio.WouldBlock:
                 pass
-            if held.claim.critical and self.handoff(held.claim):
+            single = holds[0].claim if len(holds) == 1 else None
+            if single is not None and single.critical and self.handoff(single):
                 return Slot.HANDED_OFF
-            # Queued: woken when a slot frees and this claim is next (critical ones first), when
-            # promoted (it may turn critical), on shutdown. One waiter per freed slot.
-            waiter = self._slot_waiters[run_id] = (held, anyio.Event())
+            # Queued: woken when a slot frees and these claims are next (critical ones first),
+            # when promoted (they may turn critical), on shutdown. One waiter per freed slot.
+            waiter = self._queue(holds)
             try:
-                if held.claim.critical:  # tries the handoff again each poll_interval
+                if single is not None and single.critical:  # tries the handoff again each poll
                     with anyio.move_on_after(self.settings.poll_interval):
-                        await waiter[1].wait()
+                        await waiter.woken.wait()
                 else:  # no timer: one per queued claim was measurable (docs/performance.md)
-                    await waiter[1].wait()
+                    await waiter.woken.wait()
             finally:
-                if self._slot_waiters.get(run_id) is waiter:
-                    del self._slot_waiters[run_id]
+                self._unqueue(waiter)
         return Slot.STOPPING
 
-    def _free_slot(self, run_id: str) -> None:
-        if run_id in self._slot_held:
-            self._slot_held.discard(run_id)
-            self.posting.release()
-            self._wake_next_waiter()
+    def _queue(self, holds: list[Held]) -> _Waiter:
+        waiter = _Waiter(holds)
+        self._slot_waiters[waiter] = None
+        for h in holds:
+            self._queued[h.claim.run_id] = waiter
+        return waiter
+
+    def _unqueue(self, waiter: _Waiter) -> None:
+        if waiter in self._slot_waiters:
+            del self._slot_waiters[waiter]
+            for h in waiter.holds:
+                if self._queued.get(h.claim.run_id) is waiter:
+                    del self._queued[h.claim.run_id]
+
+    def _wake(self, waiter: _Waiter) -> None:
+        self._unqueue(waiter)
+        waiter.woken.set()
 
     def _wake_next_waiter(self) -> None:
-        """A POST slot was freed: wake the claim queued longest for one, a critical one first."""
+        """A POST slot was freed: wake the claims queued longest for one, critical ones first."""
         if not self._slot_waiters:
             return
-        run_id = next(
-            (r for r, (h, _) in self._slot_waiters.items() if h.claim.critical),
-            next(iter(self._slot_waiters)),
-        )
-        self._slot_waiters.pop(run_id)[1].set()
-
-    async def _deliver_one(self, held: Held) -> None:
-        slot = Slot.WAITING
-        settled = False
-        run_id = held.claim.run_id
-        try:
-            slot = await self._take_slot(held)
-            if slot is Slot.POSTING:
-                settled = (await self._deliver([held], lambda: self._free_slot(run_id)))[run_id]
-        except anyio.get_cancelled_exc_class():
-            raise
-        except Exception as exc:
-            logs.error(
-                "delivery_error", **self.complete.who(held.claim), error=logs.error_text(exc, 300)
+        self._wake(
+            next(
+                (w for w in self._slot_waiters if w.critical),
+                next(iter(self._slot_waiters)),
             )
-        finally:
-            self._drop(held)
-            if slot is not Slot.HANDED_OFF:  # else the critical lane owns the claim now
-                if not settled:
-                    await self.complete.hand_back(held.claim)  # as widened, if it was
-                if slot is Slot.POSTING:
-                    self.posting_runs.discard(run_id)
-                    self._free_slot(run_id)
-                if held.claim.critical or self.name == "critical":
-                    self.wake.set()
-            self._settled()
+        )
 
-    async def _deliver_group(self, group: list[Held]) -> None:
-        """Several small runs in one POST to `ingress_batch_url` (one slot for all of them)."""
+    async def _deliver_job(self, holds: list[Held]) -> None:
+        """One delivery task's job: a POST slot for these claims, their delivery, and whatever
+        is left unsettled handed back."""
+        slot = Slot.WAITING
         settled: dict[str, bool] = {}
-        held = False
+        has_slot = False
 
         def free_slot() -> None:  # once: early when only the acks are left, else at the end
-            nonlocal held
-            if held:
-                held = False
+            nonlocal has_slot
+            if has_slot:
+                has_slot = False
                 self.posting.release()
                 self._wake_next_waiter()
 
         try:
-            await self.posting.acquire()
-            held = True
-            if not self.stopping:
-                settled = await self._deliver(group, free_slot)
+            slot = await self._take_slot(holds)
+            if slot is Slot.POSTING:
+                has_slot = True
+                settled = await self._deliver(holds, free_slot)
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:
-            logs.error(
-                "delivery_error", lane=self.name, runs=len(group), error=logs.error_text(exc)
-            )
+            self._delivery_error(holds, exc)
         finally:
-            free_slot()
-            for h in group:
-                if not settled.get(h.claim.run_id):
-                    await self.complete.hand_back(h.claim)
+            for h in holds:
                 self._drop(h)
+            if slot is not Slot.HANDED_OFF:  # else the critical lane owns the claim now
+                for h in holds:
+                    if not settled.get(h.claim.run_id):
+                        await self.complete.hand_back(h.claim)  # as widened, if it was
+                if slot is Slot.POSTING:
+                    self.posting_runs.difference_update(h.claim.run_id for h in holds)
+                    free_slot()
+                if self.name == "critical" or any(h.claim.critical for h in holds):
+                    self.wake.set()
             self._settled()
-            if self.name == "critical" or any(h.claim.critical for h in group):
-                self.wake.set()
+
+    def _delivery_error(self, holds: list[Held], exc: Exception) -> None:
+        if len(holds) == 1:
+            who = self.complete.who(holds[0].claim)
+            logs.error("delivery_error", **who, error=logs.error_text(exc, 300))
+        else:
+            logs.error(
+                "delivery_error", lane=self.name, runs=len(holds), error=logs.error_text(exc)
+            )
 
     async def _deliver(self, holds: list[Held], free_slot: Callable[[], None]) -> dict[str, bool]:
         """Execute, then complete: the executor POSTs the claims (one, or a group in one

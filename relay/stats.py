@@ -24,6 +24,7 @@ class ExecuteStats:
     posts: int = 0
     renewed_before_post: int = 0
     widened: int = 0  # events added to a claim before its first POST
+    renewals: int = 0  # leases renewed (the renewer's count, filled in by the executor's view)
 
 
 @dataclass
@@ -55,10 +56,11 @@ class LaneStats:
     widened: int = 0  # events added to a claim before its first POST
     reclaimed: int = 0  # runs claimed from a dead owner before their lease expired (issue 18)
     by_type: dict[str, int] = field(default_factory=dict)
+    renewals: int = 0  # leases renewed while their POST was on the wire
 
     @classmethod
     def of(cls, fetch: FetchStats, execute: ExecuteStats, complete: CompleteStats) -> LaneStats:
-        """A copy of the three parts' counters, as one value."""
+        """The three parts' counters (each a copy its part gave), as one value."""
         return cls(
             passes=fetch.passes,
             claimed_runs=fetch.claimed_runs,
@@ -73,5 +75,6 @@ class LaneStats:
             adopted=fetch.adopted,
             widened=execute.widened,
             reclaimed=fetch.reclaimed,
-            by_type=dict(complete.by_type),
+            by_type=complete.by_type,
+            renewals=execute.renewals,
         )

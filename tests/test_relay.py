@@ -493,8 +493,8 @@ async def test_a_multi_run_post_outlives_one_lost_lease_but_not_all(
     )
     async with Relay(cfg).running() as r:
         lane = r.lanes["ordinary"]
-        await wait_for(
-            lambda: len(lane.posting_runs) == 0 and len(lane.inflight) == 2, what="claim"
+        await wait_for(  # a group's runs are posting like single claims (one slot queue)
+            lambda: len(lane.posting_runs) == 2 and len(lane.inflight) == 2, what="the POST"
         )
         conn.execute(
             q(schema, "update {s}.runs set lease_token = gen_random_uuid() where run_id = 'r0'")

@@ -1,0 +1,111 @@
+"""The lane's one POST slot queue (issue 27 item 3): single claims and multi-run groups wait in
+the same queue and take a freed slot the same way, critical ones first. No database, no
+network: the lane is built over stand-ins it never calls here."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+import pytest
+
+from relay.lane import Lane, Slot
+from relay.policy import Trust
+from relay.settings import load
+from relay.store import Claim, ClaimedEvent, Held
+from tests.support import wait_for
+
+pytestmark = pytest.mark.anyio
+
+AT = datetime(2024, 5, 17, 12, 0, 0, tzinfo=UTC)
+
+
+def held(run_id: str, *, critical: bool = False) -> Held:
+    claim = Claim(
+        run_id=run_id,
+        epoch=1,
+        token=uuid.uuid4(),
+        attempts=0,
+        critical=critical,
+        claimed_at=AT,
+        trust=Trust(started=0.0, ttl=30.0, margin=6.0),
+        events=(ClaimedEvent(1, f"{run_id}-1", "step", "{}", False, AT, None, None),),
+    )
+    return Held(claim)
+
+
+def lane(concurrency: int = 1) -> Lane:
+    cfg = load(
+        {
+            "database_url": "postgresql://relay@127.0.0.1:1/relay",
+            "ingress_url": "http://127.0.0.1:1/runs/{run_id}/events",
+            "poll_interval": "5",
+        },
+        environ={},
+    )
+    store: Any = object()  # never called: only the slot queue runs here
+    ingress: Any = object()
+    return Lane("ordinary", cfg, store, ingress, concurrency)
+
+
+async def until(check: Any) -> None:
+    await wait_for(check, timeout=5, interval=0.001)
+
+
+async def test_a_freed_slot_goes_to_the_critical_claim_before_an_earlier_group() -> None:
+    """A group queued first waits behind a critical claim queued after it (before the queue
+    was one, a group took the raw semaphore and a freed slot went to it first)."""
+    ln = lane()
+    took: list[str] = []
+
+    async def take(name: str, holds: list[Held]) -> None:
+        assert await ln._take_slot(holds) is Slot.POSTING
+        took.append(name)
+
+    try:
+        assert await ln._take_slot([held("first")]) is Slot.POSTING
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(take, "group", [held("g1"), held("g2")])
+            await until(lambda: len(ln._slot_waiters) == 1)
+            tasks.start_soon(take, "critical", [held("c", critical=True)])
+            await until(lambda: len(ln._slot_waiters) == 2)
+            for i in range(2):
+                ln.posting.release()  # what a delivery does when its POST is done
+                ln._wake_next_waiter()
+                await until(lambda n=i + 1: len(took) == n)
+        assert took == ["critical", "group"]
+        assert {"first", "g1", "g2", "c"} <= ln.posting_runs
+    finally:
+        ln.complete.close()
+
+
+async def test_a_promoted_run_makes_its_queued_group_critical() -> None:
+    """A terminal event committed for a run queued in a group turns the group critical: it
+    goes before single ordinary claims queued earlier."""
+    ln = lane()
+    took: list[str] = []
+    group = [held("g1"), held("g2")]
+
+    async def take(name: str, holds: list[Held]) -> None:
+        assert await ln._take_slot(holds) is Slot.POSTING
+        took.append(name)
+
+    try:
+        assert await ln._take_slot([held("first")]) is Slot.POSTING
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(take, "single", [held("s")])
+            await until(lambda: len(ln._slot_waiters) == 1)
+            tasks.start_soon(take, "group", group)
+            await until(lambda: len(ln._slot_waiters) == 2)
+            ln.inflight.update({h.claim.run_id: h for h in group})
+            ln.promote("g2")
+            await until(lambda: len(ln._slot_waiters) == 2 and group[1].claim.critical)
+            for i in range(2):
+                ln.posting.release()
+                ln._wake_next_waiter()
+                await until(lambda n=i + 1: len(took) == n)
+        assert took == ["group", "single"]
+    finally:
+        ln.complete.close()
