@@ -161,8 +161,12 @@ class Executor:
                 answer = await self.ingress.post(_batch(held.claim, events))
         except TransportFailure as exc:
             answer = exc
+        if not group:  # the common case, kept lean: one run, one answer
+            ((held, events),) = sends
+            decision = self._decide(held.claim, len(events), answer)
+            return _Replies({held.claim.run_id: (answer, decision)}, True)
         runs = [h.claim.run_id for h, _ in sends]
-        if group and isinstance(answer, Answer) and 200 <= answer.status < 300:
+        if isinstance(answer, Answer) and 200 <= answer.status < 300:
             per_run = split_results(answer, runs)
             whole = False
         else:

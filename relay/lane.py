@@ -54,16 +54,14 @@ class Slot(enum.Enum):
     HANDED_OFF = "handed_off"  # given to the critical lane instead, which owns it now
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Waiter:
-    """Claims queued for one POST slot: a single claim, or a group that shares one POST."""
+    """Claims queued for one POST slot: a single claim, or a group that shares one POST.
+    `critical` as they were when queued: a promotion wakes the waiter, which queues again."""
 
     holds: list[Held]
+    critical: bool
     woken: anyio.Event = field(default_factory=anyio.Event)
-
-    @property
-    def critical(self) -> bool:
-        return any(h.claim.critical for h in self.holds)
 
 
 @dataclass(frozen=True)
@@ -396,7 +394,7 @@ class Lane:
         return Slot.STOPPING
 
     def _queue(self, holds: list[Held]) -> _Waiter:
-        waiter = _Waiter(holds)
+        waiter = _Waiter(holds, any(h.claim.critical for h in holds))
         self._slot_waiters[waiter] = None
         for h in holds:
             self._queued[h.claim.run_id] = waiter

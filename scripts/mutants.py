@@ -620,6 +620,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/test_relay.py::"
             "test_a_terminal_committed_for_a_queued_run_is_handed_to_the_critical_lane",
+            "tests/test_lane_slots.py::test_a_promoted_run_makes_its_queued_group_critical",
         ),
     ),
     Mutant(
