@@ -98,25 +98,29 @@ class Executor:
             more = await self.store.widen(held.claim)
             held.claim = held.claim.widened(more)
             self.stats.widened += len(more)
-        lost, live = await self._renew_waited(holds)
-        if not live:
-            return lost
-        return lost + await self._post([(h, h.claim.events) for h in live], group=group)
+        now = anyio.current_time()
+        timeout = self.settings.http_timeout
+        for h in holds:
+            if not h.claim.trust.allows_post(now, timeout):
+                lost, live = await self._renew_waited(holds, now)
+                if not live:
+                    return lost
+                return lost + await self._post([(h, h.claim.events) for h in live], group=group)
+        return await self._post([(h, h.claim.events) for h in holds], group=group)
 
     async def resend(self, held: Held, events: Sequence[ClaimedEvent]) -> Outcome:
         """POST a part of a claim on its own (poison narrowing: a prefix, or one event)."""
         (outcome,) = await self._post([(held, events)], group=False)
         return outcome
 
-    async def _renew_waited(self, holds: Sequence[Held]) -> tuple[list[Outcome], list[Held]]:
+    async def _renew_waited(
+        self, holds: Sequence[Held], now: float
+    ) -> tuple[list[Outcome], list[Held]]:
         """Claims that waited in the local queue too long to finish a whole request inside the
         lease are renewed first. Returns the outcomes of those whose lease was lost, and the
         claims to POST."""
-        now = anyio.current_time()
         timeout = self.settings.http_timeout
         waited = [h for h in holds if not h.claim.trust.allows_post(now, timeout)]
-        if not waited:
-            return [], list(holds)
         self.stats.renewed_before_post += len(waited)
         renewed = await self.renewer.renew(waited)
         lost = [
@@ -198,6 +202,9 @@ def _batch(claim: Claim, events: Sequence[ClaimedEvent]) -> Batch:
 def _quick(replies: _Replies) -> bool:
     """A blip: a whole request failed in a way worth retrying at once (a 2xx multi-run reply
     with per-run results never is)."""
-    return replies.whole and all(
-        isinstance(d, Retry) and d.quick for _, d in replies.per_run.values()
-    )
+    if not replies.whole:
+        return False
+    for _, decision in replies.per_run.values():  # a loop, not all(): once per POST
+        if not (isinstance(decision, Retry) and decision.quick):
+            return False
+    return True

@@ -373,7 +373,8 @@ class Lane:
         while not self.stopping:
             try:
                 self.posting.acquire_nowait()
-                self.posting_runs.update(h.claim.run_id for h in holds)
+                for h in holds:
+                    self.posting_runs.add(h.claim.run_id)
                 return Slot.POSTING
             except anyio.WouldBlock:
                 pass
@@ -449,15 +450,27 @@ class Lane:
             for h in holds:
                 self._drop(h)
             if slot is not Slot.HANDED_OFF:  # else the critical lane owns the claim now
-                for h in holds:
-                    if not settled.get(h.claim.run_id):
-                        await self.complete.hand_back(h.claim)  # as widened, if it was
-                if slot is Slot.POSTING:
-                    self.posting_runs.difference_update(h.claim.run_id for h in holds)
-                    free_slot()
-                if self.name == "critical" or any(h.claim.critical for h in holds):
-                    self.wake.set()
+                await self._let_go(holds, settled, slot is Slot.POSTING, free_slot)
             self._settled()
+
+    async def _let_go(
+        self,
+        holds: list[Held],
+        settled: dict[str, bool],
+        posting: bool,
+        free_slot: Callable[[], None],
+    ) -> None:
+        """After a delivery job: hand back the leases it left unsettled, free its POST slot if
+        it still holds it, and wake discovery after critical work."""
+        for h in holds:
+            if not settled.get(h.claim.run_id):
+                await self.complete.hand_back(h.claim)  # as widened, if it was
+        if posting:
+            for h in holds:
+                self.posting_runs.discard(h.claim.run_id)
+            free_slot()
+        if self.name == "critical" or _any_critical(holds):
+            self.wake.set()
 
     def _delivery_error(self, holds: list[Held], exc: Exception) -> None:
         if len(holds) == 1:
@@ -474,10 +487,9 @@ class Lane:
         whether its lease was settled. `free_slot` hands the POST slot back early, once only the
         acks are left."""
         outcomes = await self.execute.execute(holds)
-        posted = [o for o in outcomes if not isinstance(o.decision, LeaseLost)]
-        if len(holds) > 1 and _refused_whole(posted):
+        if len(holds) > 1 and _refused_whole(posted := _posted(outcomes)):
             return await self._send_alone(outcomes, posted)
-        if posted and all(o.accepted_whole for o in posted):
+        if _only_acks_left(outcomes):
             # Pipelining: the ingress has answered and nothing but the (grouped) acks is left,
             # so the next claim's POST need not wait for their commit. The runs stay claimed
             # (and their leases fenced) until the acks settle them.
@@ -498,6 +510,29 @@ class Lane:
         for outcome in posted:
             settled |= await self._deliver([outcome.held], lambda: None)
         return settled
+
+
+def _posted(outcomes: list[Outcome]) -> list[Outcome]:
+    return [o for o in outcomes if not isinstance(o.decision, LeaseLost)]
+
+
+def _only_acks_left(outcomes: list[Outcome]) -> bool:
+    """Every run that was POSTed had its whole batch accepted (and one was)."""
+    posted = False
+    for o in outcomes:  # a loop, not all(): once per POST
+        if isinstance(o.decision, LeaseLost):
+            continue
+        if not o.accepted_whole:
+            return False
+        posted = True
+    return posted
+
+
+def _any_critical(holds: list[Held]) -> bool:
+    for h in holds:  # a loop, not any(): once per POST
+        if h.claim.critical:
+            return True
+    return False
 
 
 def _refused_whole(posted: list[Outcome]) -> bool:
