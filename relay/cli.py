@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -212,10 +213,13 @@ def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
 
         migrate(settings.database_url.reveal(), settings.schema)
 
+    from relay.integrations import start_tracing
     from relay.migrate import SchemaError
     from relay.runner import Relay, tune_gc
 
-    relay = Relay(settings)
+    # OpenTelemetry's own variables (OTEL_*), read like any instrumented service's; a bad value
+    # is a ConfigError here, before anything starts.
+    relay = Relay(settings, tracer=start_tracing(os.environ))
     tune_gc()
 
     async def main() -> None:

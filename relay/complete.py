@@ -14,7 +14,8 @@ The lane and the observers read the pause gate through `gate()`, a value.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import anyio
@@ -27,6 +28,7 @@ from relay.policy import Ack, Pause, Poison, Retry, misconfigured_backoff
 from relay.settings import Settings, redact_url
 from relay.stats import CompleteStats
 from relay.store import AckResult, Claim, ClaimedEvent, Held, Store
+from relay.tracing import NO_SPAN, DeliverySpan
 
 Resend = Callable[[Held, Sequence[ClaimedEvent]], Awaitable[Outcome]]
 
@@ -88,7 +90,10 @@ class Completer:
         if len(outcomes) == 1:
             (outcome,) = outcomes
             return {outcome.run_id: await self._carry(outcome)}
-        settled = {o.run_id: self._lost(o) for o in outcomes if isinstance(o.decision, LeaseLost)}
+        settled: dict[str, bool] = {}
+        for lost in (o for o in outcomes if isinstance(o.decision, LeaseLost)):
+            with traced(lost):
+                settled[lost.run_id] = self._lost(lost)
         whole = [o for o in outcomes if o.run_id not in settled and o.accepted_whole]
         rest = [o for o in outcomes if o.run_id not in settled and not o.accepted_whole]
 
@@ -106,11 +111,16 @@ class Completer:
                 acked = await self.acks.ack_many([(c, c.events[-1].seq, False) for c in claims])
                 for o, c, one in zip(whole, claims, acked, strict=True):
                     assert isinstance(o.answer, Answer)  # decide acks only an answer
-                    settled[c.run_id] = self._acked(c, c.events, o.answer, one)
+                    with traced(o):
+                        settled[c.run_id] = self._acked(c, c.events, o.answer, one, o.span)
         return settled
 
     async def _carry(self, outcome: Outcome) -> bool:
         """Do what one run's outcome (its answer to `events`, a prefix of the claim) means."""
+        with traced(outcome):
+            return await self._carry_traced(outcome)
+
+    async def _carry_traced(self, outcome: Outcome) -> bool:
         claim = outcome.held.claim
         decision = outcome.decision
         if isinstance(decision, Ack) or (isinstance(decision, Retry) and decision.endpoint_ok):
@@ -120,7 +130,7 @@ class Completer:
                 return self._lost(outcome)
             case Ack(k=k):
                 assert isinstance(outcome.answer, Answer)  # decide acks only an answer
-                return await self._ack(claim, outcome.events[:k], outcome.answer)
+                return await self._ack(claim, outcome.events[:k], outcome.answer, span=outcome.span)
             case Retry():
                 return await self._reschedule(claim, decision)
             case Pause():
@@ -135,17 +145,29 @@ class Completer:
         return True
 
     async def _ack(
-        self, claim: Claim, acked: Sequence[ClaimedEvent], answer: Answer, *, keep: bool = False
+        self,
+        claim: Claim,
+        acked: Sequence[ClaimedEvent],
+        answer: Answer,
+        *,
+        keep: bool = False,
+        span: DeliverySpan = NO_SPAN,
     ) -> bool:
         """Ack `acked` (a prefix of the claim). Returns True when the ack committed and the run
         is still ours (when `keep`), False when the lease was lost or the ack failed."""
         result = await self.acks.ack(claim, acked[-1].seq, keep=keep)
-        return self._acked(claim, acked, answer, result)
+        return self._acked(claim, acked, answer, result, span)
 
     def _acked(
-        self, claim: Claim, acked: Sequence[ClaimedEvent], answer: Answer, result: AckResult
+        self,
+        claim: Claim,
+        acked: Sequence[ClaimedEvent],
+        answer: Answer,
+        result: AckResult,
+        span: DeliverySpan = NO_SPAN,
     ) -> bool:
         """What an ack's result means for the claim (see `_ack`)."""
+        span.event("acked", status=result.status, events=result.acked, last_seq=result.last_seq)
         if result.status == "not_committed":
             return False  # not settled: the caller's cleanup releases the lease for a redelivery
         if result.status == "stale":
@@ -170,7 +192,8 @@ class Completer:
                 status=answer.status,
                 http_ms=round(answer.seconds * 1000, 2),
                 lag_ms=round((result.lag_seconds or 0.0) * 1000, 2),
-                trace_id=_trace_id(acked[0].traceparent),
+                trace_id=span.trace_id or _trace_id(acked[0].traceparent),
+                span_id=span.span_id,
             )
         return result.status == "acked"
 
@@ -239,6 +262,7 @@ class Completer:
         claim = held.claim  # its run, token and events: what a renewal leaves as they are
         named = poison.rejected_event_id
         index = next((i for i, e in enumerate(events) if e.event_id == named), None)
+        outcome.span.event("poison_narrowing", named=index is not None, events=len(events))
         if index is not None:
             return await self._named(held, claim, events, index, poison)
         if len(events) == 1:
@@ -260,8 +284,9 @@ class Completer:
             if not head.accepted_whole:
                 return await self._carry(head)  # lease lost, or acks k, retries the rest
             assert isinstance(head.answer, Answer)
-            if not await self._ack(claim, head.events, head.answer, keep=True):
-                return True
+            with traced(head):
+                if not await self._ack(claim, head.events, head.answer, keep=True, span=head.span):
+                    return True
         return await self._block(claim, events[index], poison)
 
     async def _one_by_one(
@@ -278,16 +303,17 @@ class Completer:
         )
         for i, event in enumerate(events):
             single = await self.resend(held, [event])
-            if isinstance(single.decision, LeaseLost):
-                return self._lost(single)  # lease lost: abandoned
-            if isinstance(single.decision, Poison):
-                return await self._block(claim, event, single.decision)
-            if not isinstance(single.decision, Ack):
-                return await self._carry(single)
-            assert isinstance(single.answer, Answer)
-            last = i == len(events) - 1
-            if not await self._ack(claim, [event], single.answer, keep=not last):
-                return True
+            if not isinstance(single.decision, Ack | Poison):
+                return await self._carry(single)  # lease lost, or a retry
+            with traced(single):
+                if isinstance(single.decision, Poison):
+                    return await self._block(claim, event, single.decision)
+                assert isinstance(single.answer, Answer)
+                last = i == len(events) - 1
+                if not await self._ack(
+                    claim, [event], single.answer, keep=not last, span=single.span
+                ):
+                    return True
         return True
 
     async def _block(self, claim: Claim, event: ClaimedEvent, poison: Poison) -> bool:
@@ -337,6 +363,43 @@ class Completer:
             last_seq=claim.last_seq,
             where=where,
         )
+
+
+OUTCOME_NAMES = {Ack: "accepted", Retry: "transient", Pause: "misconfigured", Poison: "poison"}
+
+
+@contextmanager
+def traced(outcome: Outcome) -> Iterator[None]:
+    """The outcome on its delivery span, what is done about it inside, and the span ended."""
+    span = outcome.span
+    if span is NO_SPAN:  # not tracing: nothing to record
+        yield
+        return
+    decision = outcome.decision
+    if isinstance(decision, LeaseLost):
+        span.outcome("lease_lost", where=decision.where)
+    else:
+        answer = outcome.answer
+        span.outcome(
+            OUTCOME_NAMES[type(decision)],
+            status=answer.status if isinstance(answer, Answer) else None,
+            retry_after=decision.retry_after if isinstance(decision, Retry) else None,
+            retry_in=decision.delay if isinstance(decision, Retry) else None,
+            error=_error_of(decision),
+        )
+    try:
+        yield
+    finally:
+        span.end()
+
+
+def _error_of(decision: Ack | Retry | Pause | Poison) -> str | None:
+    match decision:
+        case Retry(error=error):
+            return error[:200] or None
+        case Pause(excerpt=excerpt) | Poison(excerpt=excerpt):
+            return excerpt[:200] or None
+    return None
 
 
 def _trace_id(traceparent: str | None) -> str | None:

@@ -25,6 +25,7 @@ from relay.retries import QuickRetries
 from relay.settings import Settings
 from relay.stats import ExecuteStats
 from relay.store import Claim, ClaimedEvent, Held, Store
+from relay.tracing import NO_SPAN, NO_TRACING, Delivery, DeliverySpan, Tracer
 
 Send = tuple[Held, Sequence[ClaimedEvent]]  # a run's holder and the events to POST (a prefix)
 
@@ -48,6 +49,7 @@ class Outcome:
     decision: Decision | LeaseLost
     answer: Answer | TransportFailure | None = None
     whole: bool = True
+    span: DeliverySpan = NO_SPAN  # its trace (relay/tracing.py); the completer ends it
 
     @property
     def run_id(self) -> str:
@@ -72,8 +74,17 @@ class Executor:
     renewer) as a background task."""
 
     def __init__(
-        self, settings: Settings, store: Store, ingress: IngressClient, stats: ExecuteStats
+        self,
+        settings: Settings,
+        store: Store,
+        ingress: IngressClient,
+        stats: ExecuteStats,
+        *,
+        lane: str = "",
+        tracer: Tracer = NO_TRACING,
     ) -> None:
+        self.lane = lane
+        self.tracer = tracer
         self.settings = settings
         self.store = store  # read only: the widening of a claim and the renewal of leases
         self.ingress = ingress
@@ -137,32 +148,51 @@ class Executor:
         in the request (it cannot be unsent) and its outcome is the lease lost; only when every
         lease is gone is the request cancelled."""
         holds = [h for h, _ in sends]
+        spans = self._spans(sends)
         replies: _Replies | None = None
         with self.renewer.renewing(holds) as renewal:
             replies = await self._quick(
-                lambda: self._post_once(sends, group=group),
+                lambda: self._post_once(sends, group=group, span=spans[0]),
                 lambda: min((h.claim.trust for h in holds), key=lambda t: t.until),
             )
         outcomes: list[Outcome] = []
-        for held, events in sends:
+        for (held, events), span in zip(sends, spans, strict=True):
             run_id = held.claim.run_id
             if run_id not in renewal.live or replies is None:
-                outcomes.append(Outcome(held, events, LeaseLost("renewal_failed")))
+                outcomes.append(Outcome(held, events, LeaseLost("renewal_failed"), span=span))
             else:
                 answer, decision = replies.per_run[run_id]
-                outcomes.append(Outcome(held, events, decision, answer, replies.whole))
+                outcomes.append(Outcome(held, events, decision, answer, replies.whole, span))
         return outcomes
 
-    async def _post_once(self, sends: list[Send], *, group: bool) -> _Replies:
+    def _spans(self, sends: list[Send]) -> list[DeliverySpan]:
+        """One delivery span per run of the request, when tracing (else the no-op span)."""
+        if not self.tracer.enabled:
+            return [NO_SPAN] * len(sends)
+        return [
+            self.tracer.delivery(
+                Delivery(
+                    lane=self.lane,
+                    run_id=held.claim.run_id,
+                    epoch=held.claim.epoch,
+                    first_seq=events[0].seq,
+                    last_seq=events[-1].seq,
+                    events=len(events),
+                    attempt=held.claim.attempts,
+                    traceparents=[e.traceparent for e in events],
+                    outbox_wait_seconds=_outbox_wait(held.claim, events[0]),
+                )
+            )
+            for held, events in sends
+        ]
+
+    async def _post_once(self, sends: list[Send], *, group: bool, span: DeliverySpan) -> _Replies:
         self.stats.posts += 1
         answer: Answer | TransportFailure
         per_run: dict[str, Answer | TransportFailure]
+        batches = [_batch(h.claim, e) for h, e in sends]
         try:
-            if group:
-                answer = await self.ingress.post_group([_batch(h.claim, e) for h, e in sends])
-            else:
-                ((held, events),) = sends
-                answer = await self.ingress.post(_batch(held.claim, events))
+            answer = await self._send(batches, group=group, span=span)
         except TransportFailure as exc:
             answer = exc
         if not group:  # the common case, kept lean: one run, one answer
@@ -182,6 +212,26 @@ class Executor:
         }
         return _Replies(decided, whole)
 
+    async def _send(self, batches: list[Batch], *, group: bool, span: DeliverySpan) -> Answer:
+        """The POST itself; when tracing, as a client span (of a multi-run request, inside the
+        first run's delivery span) whose context goes out as the `traceparent` header."""
+        if not self.tracer.enabled:
+            if group:
+                return await self.ingress.post_group(batches)
+            return await self.ingress.post(batches[0])
+        url = self.ingress.group_url() if group else self.ingress.url(batches[0])
+        with span.post(url) as post:
+            try:
+                if group:
+                    answer = await self.ingress.post_group(batches, post.traceparent)
+                else:
+                    answer = await self.ingress.post(batches[0], post.traceparent)
+            except TransportFailure as exc:
+                post.failed(str(exc))
+                raise
+            post.answered(answer.status)
+            return answer
+
     def _decide(self, claim: Claim, n_events: int, answer: Answer | TransportFailure) -> Decision:
         """The one place an answer is decided (the clock and the jitter come from here)."""
         return decide(
@@ -197,6 +247,15 @@ class Executor:
 def _batch(claim: Claim, events: Sequence[ClaimedEvent]) -> Batch:
     """What the ingress client sends of a claim (it never sees the lease)."""
     return Batch(claim.run_id, claim.epoch, events, claim.database_time(anyio.current_time()))
+
+
+def _outbox_wait(claim: Claim, first: ClaimedEvent) -> float | None:
+    """Seconds the first event waited in the outbox: its created_at to the claim, both on the
+    database's clock (created_at comes as naive UTC)."""
+    claimed = claim.claimed_at
+    if claimed.tzinfo is not None:
+        claimed = claimed.astimezone(UTC).replace(tzinfo=None)
+    return max(0.0, (claimed - first.created_at).total_seconds())
 
 
 def _quick(replies: _Replies) -> bool:

@@ -198,14 +198,21 @@ class IngressClient:
         self.on_request = on_request  # metrics (relay/metrics.py): status class and duration
         self.deadlines = Deadlines()
 
-    def headers(self, batch: Batch, body: bytes) -> dict[str, str]:
-        tp = batch.events[0].traceparent
+    def headers(self, batch: Batch, body: bytes, traceparent: str | None = None) -> dict[str, str]:
+        """`traceparent`: the relay's own POST span's, when it traces (relay/tracing.py);
+        otherwise the first event's goes on as it came."""
+        tp = traceparent or batch.events[0].traceparent
         return self._headers(body, batch, batch.epoch, tp, lambda: webhook_id(batch))
 
-    def group_headers(self, batches: Sequence[Batch], body: bytes) -> dict[str, str]:
-        """A multi-run POST's: each run's epoch is in the body; the trace is the first run's
-        that has one; the signature's timestamp is the first batch's."""
-        tp = next((b.events[0].traceparent for b in batches if b.events[0].traceparent), None)
+    def group_headers(
+        self, batches: Sequence[Batch], body: bytes, traceparent: str | None = None
+    ) -> dict[str, str]:
+        """A multi-run POST's: each run's epoch is in the body; the trace is the relay's POST
+        span's, or else the first run's that has one; the signature's timestamp is the first
+        batch's."""
+        tp = traceparent or next(
+            (b.events[0].traceparent for b in batches if b.events[0].traceparent), None
+        )
         return self._headers(body, batches[0], None, tp, lambda: group_webhook_id(batches))
 
     def _headers(
@@ -231,17 +238,22 @@ class IngressClient:
             h["webhook-signature"] = sign(self.settings.signing_secret, h["webhook-id"], ts, body)
         return h
 
-    async def post(self, batch: Batch) -> Answer:
-        body = encode_body(batch)
-        url = render_url(self.settings.ingress_url, batch.run_id)
-        return await self._send(url, body, self.headers(batch, body))
+    def url(self, batch: Batch) -> str:
+        return render_url(self.settings.ingress_url, batch.run_id)
 
-    async def post_group(self, batches: Sequence[Batch]) -> Answer:
-        """One POST carrying several runs' batches to `ingress_batch_url` (DESIGN §5)."""
+    def group_url(self) -> str:
         assert self.settings.ingress_batch_url is not None
+        return self.settings.ingress_batch_url
+
+    async def post(self, batch: Batch, traceparent: str | None = None) -> Answer:
+        body = encode_body(batch)
+        return await self._send(self.url(batch), body, self.headers(batch, body, traceparent))
+
+    async def post_group(self, batches: Sequence[Batch], traceparent: str | None = None) -> Answer:
+        """One POST carrying several runs' batches to `ingress_batch_url` (DESIGN §5)."""
         body = encode_group(batches)
         return await self._send(
-            self.settings.ingress_batch_url, body, self.group_headers(batches, body)
+            self.group_url(), body, self.group_headers(batches, body, traceparent)
         )
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:

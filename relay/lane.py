@@ -38,6 +38,7 @@ from relay.policy import Poison, backoff, plan_groups
 from relay.settings import Settings
 from relay.stats import CompleteStats, ExecuteStats, FetchStats, LaneStats
 from relay.store import AckResult, Claim, Held, Store, payload_bytes
+from relay.tracing import NO_TRACING, Tracer
 from relay.wake import Wake
 
 MIN_EMPTY_PASS_SPACING = 0.01  # coalesces bursts of wakes into a handful of passes
@@ -91,13 +92,14 @@ class Lane:
         *,
         on_ready_change: Callable[[bool], None] = lambda ok: None,
         observe_ack: Callable[[AckResult], None] = lambda result: None,
+        tracer: Tracer = NO_TRACING,
     ) -> None:
         self.name = name
         self.settings = settings
         self.store = store
         self.concurrency = concurrency
         self.fetched = FetchStats()
-        self.execute = Executor(settings, store, ingress, ExecuteStats())
+        self.execute = Executor(settings, store, ingress, ExecuteStats(), lane=name, tracer=tracer)
         self.complete = Completer(
             name,
             settings,

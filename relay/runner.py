@@ -29,6 +29,7 @@ from relay.migrate import SchemaError, version_problem
 from relay.progress import ListenerView, RelayView
 from relay.settings import Settings, redact_url
 from relay.store import CONNECT_KWARGS, AckResult, IdleCheck, Pool, Store
+from relay.tracing import NO_TRACING, Tracer
 
 PRUNE_BATCH = 1000
 POOL_CHECK_IDLE = 1.0  # seconds idle after which a pooled connection is checked before use
@@ -69,8 +70,10 @@ class Relay:
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         prune_interval: float = 60.0,
+        tracer: Tracer = NO_TRACING,
     ) -> None:
         self.settings = settings
+        self.tracer = tracer  # spans of every delivery (relay/tracing.py), when configured
         self.transport = transport
         self.prune_interval = prune_interval
         self.health = Health()
@@ -235,6 +238,9 @@ class Relay:
                     lane.stop()
             # Lanes are done (in-flight work finished or released): stop the rest.
             background.cancel_scope.cancel()
+        if self.tracer.enabled:  # what the batch processor still holds, within a bounded time
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.tracer.shutdown)
 
     def _lane(
         self, name: str, store: Store, http: Sender, concurrency: int, metrics: Metrics | None
@@ -250,6 +256,7 @@ class Relay:
             concurrency,
             on_ready_change=self._ingress_ready,
             observe_ack=metrics.ack_observer(name) if metrics else _ignore_ack,
+            tracer=self.tracer,
         )
 
     def _pool(self, url: str, name: str, size: int) -> Pool:

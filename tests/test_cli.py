@@ -225,6 +225,10 @@ def test_migrate_cli_from_many_processes_at_once(pg_url: str) -> None:
         ({"RELAY_LEASE_TTL": "-3"}, "lease_ttl"),
         ({"RELAY_INGRESS_URL": "http://x/no-placeholder"}, "ingress_url"),
         ({"RELAY_SCHEMA": "Bad-Name"}, "schema"),
+        (  # OpenTelemetry's own variables are checked at start too (relay/tracing.py)
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_TRACES_SAMPLER": "x"},
+            "OTEL_TRACES_SAMPLER",
+        ),
     ],
 )
 def test_invalid_configuration_fails_with_one_clear_line(

@@ -8,11 +8,16 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import psycopg
 import pytest
 
+import relay
 from relay.integrations import start_tracing
+from relay.runner import Relay
 from relay.settings import ConfigError
+from relay.tools.sink import Sink
 from relay.tracing import NO_TRACING, Delivery, TracingConfig, config_from_env
+from tests.support import settings, wait_for
 
 otel = pytest.importorskip("relay.integrations.otel", reason="the otel extra is not installed")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
@@ -229,3 +234,54 @@ def test_spans_arrive_at_an_otlp_receiver_with_their_parent_and_service(
     assert delivery.parent_span_id.hex() == PRODUCER_SPAN
     assert post_span.parent_span_id == delivery.span_id
     assert [link.trace_id.hex() for link in delivery.links] == ["1" * 32]
+
+
+def _spans(got: list[tuple[str, bytes]]) -> list[Any]:
+    spans = []
+    for _, body in got:
+        request = ExportTraceServiceRequest()
+        request.ParseFromString(body)
+        for resource_spans in request.resource_spans:
+            for scope in resource_spans.scope_spans:
+                spans.extend(scope.spans)
+    return spans
+
+
+@pytest.mark.anyio
+async def test_a_runs_trace_goes_from_the_producer_through_the_relay_to_the_ingress(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str],
+    receiver: tuple[str, list[tuple[str, bytes]]],
+) -> None:
+    """The whole path with the real relay: the producer's span (its traceparent, stored with
+    the events), the relay's delivery span as its child with the POST inside, exported through
+    the real OTLP/HTTP exporter, and the ingress receiving the relay's POST span as parent."""
+    s, url = sink
+    base, got = receiver
+    with conn.transaction():
+        for i, tp in enumerate([TP1, TP2, TP1]):
+            relay.enqueue(
+                conn, "traced", f"t{i}", "step", {"i": i}, traceparent=tp, schema=schema,
+                terminal=i == 2,
+            )  # fmt: skip
+    tracer = start_tracing({"OTEL_EXPORTER_OTLP_ENDPOINT": base})
+    async with Relay(settings(pg_url, schema, url), tracer=tracer).running():
+        await wait_for(lambda: "t2" in s.state.deliveries, what="the run delivered")
+    # The relay flushed its spans on the way out.
+    spans = _spans(got)
+    (delivery,) = [x for x in spans if x.name.startswith("deliver ")]
+    (post,) = [x for x in spans if x.name == "POST"]
+    attrs = {a.key: a.value for a in delivery.attributes}
+    assert attrs["relay.run_id"].string_value == "traced"
+    assert attrs["relay.outcome"].string_value == "accepted"
+    assert (attrs["relay.seq.first"].int_value, attrs["relay.seq.last"].int_value) == (1, 3)
+    assert delivery.trace_id.hex() == PRODUCER_TRACE
+    assert delivery.parent_span_id.hex() == PRODUCER_SPAN
+    assert [link.trace_id.hex() for link in delivery.links] == ["1" * 32]
+    assert [e.name for e in delivery.events] == ["acked"]
+    assert post.parent_span_id == delivery.span_id and post.trace_id == delivery.trace_id
+    # The ingress saw the relay's POST span as the parent of whatever it does next.
+    (request,) = [r for r in s.state.received if r["run_id"] == "traced"]
+    assert request["headers"]["traceparent"] == f"00-{PRODUCER_TRACE}-{post.span_id.hex()}-01"
