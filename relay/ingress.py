@@ -74,7 +74,7 @@ class Event(Protocol):
 @dataclass(frozen=True, slots=True)
 class Batch:
     """One run's batch as a POST carries it (DESIGN §5): the request value this client sends.
-    The lease it was claimed under stays with the caller, who builds it (relay/delivery.py)."""
+    The lease it was claimed under stays with the caller, who builds it (relay/execute.py)."""
 
     run_id: str
     epoch: int

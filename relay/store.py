@@ -141,8 +141,8 @@ class Claim:
 class Held:
     """A claim its lane holds, as its current value: the one mutable thing about a claim. Each
     change is a new Claim, put here by the part that makes it: the lane promotes a queued claim
-    (relay/lane.py), the delivery widens it before the first POST and renews it when it waited
-    too long (relay/delivery.py), the renewer moves its trust window while it is on the wire
+    (relay/lane.py), the executor widens it before the first POST and renews it when it waited
+    too long (relay/execute.py), the renewer moves its trust window while it is on the wire
     (relay/renewal.py). Whoever reads it later (a quick retry's trust check, the signature's
     timestamp, the hand-back of the lease) reads the current value here."""
 
