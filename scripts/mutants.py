@@ -548,11 +548,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "poison-narrowing-continues",
         "§9.2: nothing after a poison event is delivered (narrowing stops at it)",
         "relay/complete.py",
-        "            if isinstance(single.decision, Poison):\n"
-        "                return await self._block(claim, event, single.decision)",
-        "            if isinstance(single.decision, Poison):\n"
-        "                await self._block(claim, event, single.decision)\n"
-        "                continue",
+        "                if isinstance(single.decision, Poison):\n"
+        "                    return await self._block(claim, event, single.decision)",
+        "                if isinstance(single.decision, Poison):\n"
+        "                    await self._block(claim, event, single.decision)\n"
+        "                    continue",
         ("tests/test_failures.py::test_poison_in_the_middle_of_a_100_event_batch",),
     ),
     Mutant(
