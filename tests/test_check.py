@@ -3,8 +3,6 @@ CLI in a subprocess against real PostgreSQL and a real HTTP ingress."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import anyio
 import httpx
 import pytest
@@ -20,20 +18,13 @@ from relay.checks import (
     scrub,
 )
 from relay.settings import load
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.test_cli import RELAY, relay_env
 
 pytestmark = pytest.mark.anyio
 
 UNREACHABLE_DB = "postgresql://nobody@127.0.0.1:1/none"
 UNREACHABLE_HTTP = "http://127.0.0.1:9"
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 async def check(env: dict[str, str], *args: str) -> tuple[int, list[str]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
 
@@ -13,17 +12,10 @@ import pytest
 import relay
 from relay.runner import Relay
 from relay.store import Store
-from relay.tools.sink import Sink, serve_sink
+from relay.tools.sink import Sink
 from tests.support import assert_acked_only_if_received, bulk_backlog, count, q, settings, wait_for
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[tuple[Sink, str]]:
-    s = Sink()
-    async with serve_sink(s) as url:
-        yield s, url
 
 
 def enqueue_runs(
