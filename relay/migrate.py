@@ -148,11 +148,12 @@ def _migrate_locked(conn: psycopg.Connection, schema: str, ident: sql.Identifier
             f"schema {schema!r} is at version {current}, newer than this relay's {target}: "
             "upgrade the relay"
         )
-    applied = []
-    for m in migrations():
-        if m.version <= current:
-            continue
-        with conn.transaction():
+    pending = [m for m in migrations() if m.version > current]
+    # The migrations and the functions of the new version commit together: a migration may
+    # change a table the old functions write (version 7 turned `events` into a view), and a
+    # producer must never run an old function against the new layout, or find none.
+    with conn.transaction():
+        for m in pending:
             conn.execute(
                 sql.SQL("set local search_path = {}, pg_catalog").format(sql.Identifier(schema))
             )
@@ -163,9 +164,8 @@ def _migrate_locked(conn: psycopg.Connection, schema: str, ident: sql.Identifier
                 ).format(ident),
                 (m.version, m.name, m.checksum),
             )
-        applied.append(m.version)
-    reapplied = _sync_functions(conn, schema, ident)
-    return MigrateResult(applied, reapplied, target)
+        reapplied = _sync_functions(conn, schema, ident)
+    return MigrateResult([m.version for m in pending], reapplied, target)
 
 
 def _sync_functions(conn: psycopg.Connection, schema: str, ident: sql.Identifier) -> bool:

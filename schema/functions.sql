@@ -16,23 +16,6 @@
 --   55000 object_not_in_prerequisite_state  event after the terminal event / not failed
 --   55P03 lock_not_available        waited too long for another writer of the same run (retry)
 
--- The advisory-lock key of a run: namespaced by schema so two relay schemas never contend.
-create or replace function run_lock_key(p_run_id text) returns bigint
-language sql immutable parallel safe
-set search_path from current
-as $$ select hashtextextended(current_schema() || chr(31) || p_run_id, 0) $$;
-
--- run_lock_key of each run id, in order, in one call: a call of a function that pins its
--- search_path costs ~5 us (it is never inlined), once per run in a 64-run ack. Same key as
--- run_lock_key (tests/test_lease_sql.py checks they agree).
-create or replace function run_lock_keys(p_run_ids text[]) returns bigint[]
-language sql immutable parallel safe
-set search_path from current
-as $$
-    select array(select hashtextextended(current_schema() || chr(31) || u.run_id, 0)
-                 from unnest(p_run_ids) with ordinality as u(run_id, i) order by u.i)
-$$;
-
 -- The advisory-lock key of a replica's liveness (issue 18): held as a session lock by the
 -- replica's LISTEN connection for as long as its process lives. Namespaced by schema too.
 create or replace function liveness_key(p_owner text) returns bigint
@@ -52,6 +35,57 @@ as $$ select value from settings where key = p_key $$;
 
 -- Producer API -----------------------------------------------------------------------------
 
+-- Serialises the writers of one run, so that seq order is commit order, and returns the seq
+-- the caller's next event of that run takes. The lock is the run's `run_seqs` row: a row lock
+-- lives in the tuple, not in the server's shared lock table, so one transaction can enqueue into
+-- any number of runs (issue 28; a transaction advisory lock per run ran out of shared memory past
+-- ~6,000 runs). A new run's row is inserted (nobody else sees it before commit); an existing
+-- one is locked, and locked again by the same transaction for free: the row is written once per
+-- run and transaction, not once per event.
+-- The next seq follows the run's highest event (a probe at the end of its primary-key range, in
+-- a new statement: after the lock, so every earlier writer's commit is seen), or `last_seq`,
+-- the floor below which retention removed the run's events.
+-- Under repeatable read or serializable the caller's snapshot predates the lock, so the row is
+-- written as before (`last_seq`), and a concurrent writer of the run fails the transaction with
+-- a serialization error rather than with a duplicate seq.
+-- Only a contended lock waits, bounded by a transaction-local lock_timeout put back afterwards
+-- (nothing leaks into the caller's transaction or through a transaction-mode pooler). The
+-- uncontended path has no exception block: a row lock taken inside one would give every
+-- enqueue a subtransaction id.
+create or replace function lock_run_for_enqueue(p_run_id text) returns bigint
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_old_timeout text;
+    v_seq bigint;
+begin
+    insert into run_seqs (run_id, last_seq) values (p_run_id, 0) on conflict (run_id) do nothing;
+    if not found then
+        perform 1 from run_seqs where run_id = p_run_id for update skip locked;
+        if not found then
+            v_old_timeout := current_setting('lock_timeout');
+            perform set_config('lock_timeout', setting('enqueue_lock_timeout'), true);
+            begin
+                perform 1 from run_seqs where run_id = p_run_id for update;
+            exception when lock_not_available then
+                raise exception 'relay.enqueue: timed out after % waiting for another transaction writing run %; retry',
+                    setting('enqueue_lock_timeout'), p_run_id using errcode = '55P03';
+            end;
+            perform set_config('lock_timeout', v_old_timeout, true);
+        end if;
+    end if;
+    select greatest(s.last_seq, coalesce((select max(o.seq) from outbox o
+                                          where o.run_id = p_run_id), 0)) + 1
+    into v_seq
+    from run_seqs s where s.run_id = p_run_id;
+    if current_setting('transaction_isolation') <> 'read committed' then
+        update run_seqs set last_seq = v_seq where run_id = p_run_id;
+    end if;
+    return v_seq;
+end
+$$;
+
 create or replace function enqueue(
     p_run_id text,
     p_event_id text,
@@ -69,8 +103,7 @@ as $$
 declare
     v_max_id int := setting('max_id_bytes')::int;
     v_max_payload int := setting('max_payload_bytes')::int;
-    v_old_timeout text;
-    v_existing events%rowtype;
+    v_existing outbox%rowtype;
     v_seq bigint;
     v_terminal_seq bigint;
     v_notify text;
@@ -139,20 +172,9 @@ begin
         end if;
     end if;
 
-    -- Serialise writers of this run so seq order is commit order. The wait is bounded by a
-    -- transaction-local lock_timeout that is put back afterwards: nothing leaks into the
-    -- caller's transaction or through a transaction-mode pooler.
-    v_old_timeout := current_setting('lock_timeout');
-    perform set_config('lock_timeout', setting('enqueue_lock_timeout'), true);
-    begin
-        perform pg_advisory_xact_lock(run_lock_key(p_run_id));
-    exception when lock_not_available then
-        raise exception 'relay.enqueue: timed out after % waiting for another transaction writing run %; retry',
-            setting('enqueue_lock_timeout'), p_run_id using errcode = '55P03';
-    end;
-    perform set_config('lock_timeout', v_old_timeout, true);
+    v_seq := lock_run_for_enqueue(p_run_id);
 
-    select * into v_existing from events where event_id = p_event_id;
+    select * into v_existing from outbox where event_id = p_event_id;
     if found then
         -- An event id another run holds says nothing of that run (its id, its type, its seq):
         -- otherwise a producer could learn other runs' ids, or confirm a guessed payload
@@ -177,17 +199,15 @@ begin
             p_run_id, v_terminal_seq using errcode = '55000';
     end if;
 
-    insert into run_seqs as s (run_id, last_seq, terminal_seq)
-    values (p_run_id, 1, case when p_terminal then 1 end)
-    on conflict (run_id) do update
-        set last_seq = s.last_seq + 1,
-            terminal_seq = case when p_terminal then s.last_seq + 1 end
-    returning last_seq into v_seq;
-
-    insert into events (run_id, seq, event_id, event_type, payload, terminal, wake_queue,
+    insert into outbox (run_id, seq, event_id, event_type, payload, terminal, wake_queue,
                         wake_event, traceparent)
     values (p_run_id, v_seq, p_event_id, p_event_type, p_payload, p_terminal, p_wake_queue,
             p_wake_event, p_traceparent);
+    if p_terminal then
+        update run_seqs set terminal_seq = v_seq where run_id = p_run_id;
+        insert into pending_terminals (run_id, seq, created_at)
+        values (p_run_id, v_seq, clock_timestamp());
+    end if;
 
     -- Make the run discoverable without touching a row the relay may be working on: a new run
     -- is inserted; an idle one is flipped (the WHERE matches nothing while it is active).
@@ -274,21 +294,31 @@ $$;
 
 -- Relay API --------------------------------------------------------------------------------
 
--- Marks a run idle when it has no pending event. Only while holding the run's advisory lock:
--- then no producer is between its insert and its commit, and because this is a new statement
--- (fresh snapshot) every committed event is seen. If a producer holds the lock the run stays
--- active and is looked at again shortly.
+-- Whether the run has an event after its cursor (what "pending" means, DESIGN §4.5): one probe
+-- of the primary key. Blocked runs answer true (their failed head is after the cursor).
+create or replace function has_pending(p_run_id text, p_cursor bigint) returns boolean
+language sql stable
+set search_path from current
+as $$
+    select exists (select 1 from outbox o where o.run_id = p_run_id and o.seq > p_cursor)
+$$;
+
+-- Marks a run idle when it has no pending event. Only while holding the run's `run_seqs` row
+-- lock (the one enqueue takes): then no producer is between its insert and its commit, and
+-- because the check is a new statement (fresh snapshot) every committed event is seen. If a
+-- producer holds the lock the run stays active and is looked at again shortly.
 create or replace function settle_run(p_run_id text) returns boolean
 language plpgsql volatile
 set search_path from current
 as $$
 begin
-    if not pg_try_advisory_xact_lock(run_lock_key(p_run_id)) then
+    perform 1 from run_seqs s where s.run_id = p_run_id for update skip locked;
+    if not found then
         update runs set next_attempt_at = clock_timestamp() + interval '200 milliseconds'
         where run_id = p_run_id;
         return false;
     end if;
-    if exists (select 1 from events where run_id = p_run_id and state = 'pending') then
+    if has_pending(p_run_id, (select r.delivered_seq from runs r where r.run_id = p_run_id)) then
         return false;
     end if;
     update runs set idle = true, updated_at = clock_timestamp() where run_id = p_run_id;
@@ -309,8 +339,7 @@ $$;
 -- leases then wait out their TTL: when the lock is free and the row names another incarnation,
 -- the predecessor is dead, so its unexpired leases end now (claimable at once; the fence as
 -- ever: a new token and epoch at the next claim). The same process reconnecting keeps them.
--- (Version 3 took only p_owner; dropped so that such a call resolves to this one.)
-drop function if exists hold_liveness(text);
+-- (Version 3 took only p_owner: migration 0007 drops that one.)
 create or replace function hold_liveness(p_owner text, p_incarnation text default null)
 returns boolean
 language plpgsql volatile
@@ -355,37 +384,113 @@ begin
 end
 $$;
 
--- Claims up to p_runs whole runs: each run's lease is taken (owner, fresh token, expiry on the
--- database clock, epoch bumped) and its pending prefix (up to p_batch events) returned, one row
--- per event, in seq order, each run's rows together; the run's own columns (epoch, lease_token,
--- lease_expires_at, attempts, critical, claimed_at, reclaimed_from) on its first row only,
--- NULL on the others (every relay version reads them there). p_lane 'critical' takes only
--- runs with a pending terminal event; 'ordinary' takes any due run (work-conserving). p_run_id
--- targets one run (terminal drain), which ignores next_attempt_at unless the run is backing off
--- after a failure.
--- A lease is also claimable before its expiry when its owner is dead (issue 18): the owner has a
--- `replicas` row (so it holds a liveness lock while it lives: a relay of the previous version
--- has none and is never judged dead), recorded in the server's current lifetime (issue 29: a
--- restart or failover frees every lock), and its liveness lock is free. The dead owners are found
--- once per claim in the small `replicas` table, with a shared transaction-level try-lock (it
--- succeeds only while no session holds the key exclusively, takes nothing from a live owner,
--- and several claimers may hold it at once); their runs through the `runs_leased` index. The
--- fence does not change: a new token, the epoch bumped, acks/renewals/releases fenced as ever.
--- `reclaimed_from` names the dead owner of a run whose unexpired lease was taken, else null.
--- The signature before p_max_bytes: dropped so that a call with six arguments (a relay of the
--- previous version, during a rolling upgrade) resolves to this one, not to two candidates.
-drop function if exists claim(text, int, int, interval, text, text);
--- The result before reclaimed_from: a result type cannot be replaced, only dropped (once; the
--- same arguments, so a relay of the previous version calls the new one and ignores the column).
-do $$
+-- The owners whose leases a claim may take before their expiry (issue 18): a `replicas` row
+-- whose liveness lock no session holds, recorded in this server's lifetime (issue 29: a restart
+-- or a failover drops every lock, so an older row's free lock proves nothing; its leases run to
+-- their expiry). The caller is never among them. The try-lock is shared and transaction-level:
+-- it succeeds only while no session holds the key exclusively, takes nothing from a live owner,
+-- and several claimers may hold it at once.
+-- A caller that claims is alive, whatever its lock says: when its own lock is free (its LISTEN
+-- session is gone while the process works on, e.g. a network cut that its pool survived), its
+-- row is forgotten, so no replica takes its leases early while its LISTEN connection is down
+-- (they expire as before); hold_liveness records it again on reconnect. Without this, replicas
+-- whose LISTEN connections lag their pools take each other's runs back and forth.
+create or replace function dead_owners(p_owner text) returns text[]
+language plpgsql volatile
+set search_path from current
+as $$
 begin
-    if exists (select 1 from pg_proc p
-               where p.oid = to_regprocedure('claim(text, int, int, interval, text, text, bigint)')
-                 and not 'reclaimed_from' = any(p.proargnames)) then
-        drop function claim(text, int, int, interval, text, text, bigint);
-    end if;
+    delete from replicas me
+    where me.owner = p_owner and pg_try_advisory_xact_lock_shared(liveness_key(me.owner));
+    return array(select rp.owner from replicas rp
+                 where rp.owner <> p_owner
+                   and rp.server_started_at = pg_postmaster_start_time()
+                   and pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)));
 end
 $$;
+
+-- The three ways a claim picks runs (claim below takes the one its arguments name). Each
+-- returns the runs it locked (FOR UPDATE SKIP LOCKED: a run another claimer holds is passed
+-- over) with their previous owner and expiry. Blocked and idle runs are never picked.
+
+-- One run by id (the terminal drain): its lease must be free, expired or a dead owner's, and a
+-- run backing off after a failure waits for its next attempt.
+create or replace function pick_run(p_run_id text, p_dead text[])
+returns table (run_id text, prev_owner text, prev_expires timestamptz)
+language sql volatile
+rows 10  -- a claim's size: the planner's default of 1,000 would scan runs to join them
+set search_path from current
+as $$
+    select r.run_id, r.lease_owner, r.lease_expires_at
+    from runs r
+    where r.run_id = p_run_id and not r.idle and r.blocked_seq is null
+      and (r.lease_expires_at is null or r.lease_expires_at <= clock_timestamp()
+           or r.lease_owner = any(p_dead))
+      and (r.attempts = 0 or r.next_attempt_at <= clock_timestamp()
+           or r.lease_owner = any(p_dead))
+    for update skip locked
+$$;
+
+-- The critical lane: runs whose terminal event is not delivered yet (pending_terminals), the
+-- oldest terminal event first, when due (or their owner died).
+create or replace function pick_critical(p_runs int, p_dead text[])
+returns table (run_id text, prev_owner text, prev_expires timestamptz)
+language sql volatile
+rows 10  -- a claim's size: the planner's default of 1,000 would scan runs to join them
+set search_path from current
+as $$
+    select r.run_id, r.lease_owner, r.lease_expires_at
+    from pending_terminals t join runs r on r.run_id = t.run_id
+    where not r.idle and r.blocked_seq is null
+      and (r.next_attempt_at <= clock_timestamp() or r.lease_owner = any(p_dead))
+    order by t.created_at
+    limit p_runs
+    for update of r skip locked
+$$;
+
+-- The ordinary lane takes any due run (work-conserving), a dead owner's runs first. Those are
+-- found through runs_leased (nothing to do while none died); their order is by an expression
+-- runs_due cannot give: walking runs_due in order to its leased runs (due an hour on) read every
+-- due run first, a claim O(backlog).
+create or replace function pick_ordinary(p_runs int, p_dead text[])
+returns table (run_id text, prev_owner text, prev_expires timestamptz)
+language sql volatile
+rows 10  -- a claim's size: the planner's default of 1,000 would scan runs to join them
+set search_path from current
+as $$
+    with dead_owners_runs as (
+        select r.run_id, r.lease_owner, r.lease_expires_at
+        from runs r
+        where cardinality(p_dead) > 0
+          and r.lease_owner = any(p_dead) and not r.idle and r.blocked_seq is null
+        order by r.next_attempt_at + interval '0'
+        limit p_runs
+        for update skip locked
+    ), due as (
+        select r.run_id, r.lease_owner, r.lease_expires_at
+        from runs r
+        where not r.idle and r.blocked_seq is null and r.next_attempt_at <= clock_timestamp()
+        order by r.next_attempt_at
+        limit p_runs
+        for update skip locked
+    )
+    select d.run_id, d.lease_owner, d.lease_expires_at
+    from (select o.*, 0 as pri from dead_owners_runs o union all select o.*, 1 from due o) d
+    order by d.pri
+    limit p_runs
+$$;
+
+-- Claims up to p_runs whole runs: each run's lease is taken (owner, fresh token, expiry on the
+-- database clock, epoch bumped) and its pending prefix (up to p_batch events after its cursor)
+-- returned, one row per event, in seq order, each run's rows together; the run's own columns
+-- (epoch, lease_token, lease_expires_at, attempts, critical, claimed_at, reclaimed_from) on its
+-- first row only, NULL on the others (every relay version reads them there). p_run_id targets
+-- one run (pick_run); else p_lane 'critical' (pick_critical) or 'ordinary' (pick_ordinary).
+-- A lease is claimable before its expiry when its owner is dead (dead_owners). The fence does
+-- not change: a new token, the epoch bumped, acks/renewals/releases fenced as ever.
+-- `reclaimed_from` names the dead owner of a run whose unexpired lease was taken, else null.
+-- Shims for relays of older versions during a rolling upgrade are in the migrations that made
+-- them necessary (the signature and result are those of version 6).
 create or replace function claim(
     p_owner text, p_runs int, p_batch int, p_ttl interval, p_lane text, p_run_id text default null,
     p_max_bytes bigint default null
@@ -401,154 +506,98 @@ set plan_cache_mode = force_generic_plan
 security definer
 as $$
 declare
-    v_dead text[];
-    v_now timestamptz;
-    v_runs text[];
-    v_epochs bigint[];
-    v_tokens uuid[];
-    v_expires timestamptz[];
-    v_attempts int[];
+    v_dead text[] := dead_owners(p_owner);
+    v_taken text[];
     v_reclaimed text[];
     v_empty text[];
 begin
-    -- A caller that claims is alive, whatever its lock says: when its own lock is free (its
-    -- LISTEN session is gone while the process works on, e.g. a network cut that its pool
-    -- survived), forget its row, so no replica takes its leases early while its LISTEN
-    -- connection is down (they expire as before); hold_liveness records it again on reconnect.
-    -- Without this, replicas whose LISTEN connections lag their pools take each other's runs
-    -- back and forth, a duplicate each time. A plain index probe while the lock is held.
-    delete from replicas me
-    where me.owner = p_owner and pg_try_advisory_xact_lock_shared(liveness_key(me.owner));
-    -- Dead owners: a replicas row whose liveness lock no session holds (this claim's own
-    -- owner is never among them), recorded in this server's lifetime: a restart or a failover
-    -- drops every lock, so an older row's free lock proves nothing (its owner may be about to
-    -- take it again); its leases run to their expiry.
-    v_dead := array(select rp.owner from replicas rp
-                    where rp.owner <> p_owner
-                      and rp.server_started_at = pg_postmaster_start_time()
-                      and pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)));
-    -- One statement takes the leases, one returns every run's prefix, one releases the runs
-    -- found empty (issue 16: a plpgsql round per run made the claim cost ~105 us per run).
     with picked as (
-        select r.run_id, r.lease_owner as prev_owner, r.lease_expires_at as prev_expires
-        from runs r
-        where p_run_id is not null and r.run_id = p_run_id and not r.idle
-          and r.blocked_seq is null
-          and (r.lease_expires_at is null or r.lease_expires_at <= clock_timestamp()
-               or r.lease_owner = any(v_dead))
-          and (r.attempts = 0 or r.next_attempt_at <= clock_timestamp()
-               or r.lease_owner = any(v_dead))
-        for update skip locked
-    ), critical_picked as (
-        select r.run_id, r.lease_owner as prev_owner, r.lease_expires_at as prev_expires
-        from events e join runs r on r.run_id = e.run_id
-        where p_run_id is null and p_lane = 'critical' and e.terminal and e.state = 'pending'
-          and not r.idle and r.blocked_seq is null
-          and (r.next_attempt_at <= clock_timestamp() or r.lease_owner = any(v_dead))
-        order by e.created_at
-        limit p_runs
-        for update of r skip locked
-    ), dead_picked as (
-        -- A dead owner's runs first, through runs_leased (nothing to do while none died). The
-        -- order is by an expression runs_due cannot give: walking runs_due in order to its
-        -- leased runs (due an hour on) read every due run first, a claim O(backlog).
-        select r.run_id, r.lease_owner as prev_owner, r.lease_expires_at as prev_expires
-        from runs r
-        where p_run_id is null and p_lane = 'ordinary' and cardinality(v_dead) > 0
-          and r.lease_owner = any(v_dead) and not r.idle and r.blocked_seq is null
-        order by r.next_attempt_at + interval '0'
-        limit p_runs
-        for update skip locked
-    ), ordinary_picked as (
-        select r.run_id, r.lease_owner as prev_owner, r.lease_expires_at as prev_expires
-        from runs r
-        where p_run_id is null and p_lane = 'ordinary'
-          and not r.idle and r.blocked_seq is null and r.next_attempt_at <= clock_timestamp()
-        order by r.next_attempt_at
-        limit p_runs
-        for update skip locked
-    ), ordinary_all as (
-        -- Both ordinary sources, a run once, dead owners' first, at most p_runs in all.
-        select d.run_id, d.prev_owner, d.prev_expires
-        from (select o.*, 0 as pri from dead_picked o
-              union all select o.*, 1 from ordinary_picked o) d
-        order by d.pri
-        limit p_runs
-    ), all_picked as (
-        select distinct on (u.run_id) u.run_id, u.prev_owner, u.prev_expires,
-               clock_timestamp() + p_ttl as expires
-        from (select * from picked union all select * from critical_picked
-              union all select * from ordinary_all) u
+        select * from pick_run(p_run_id, v_dead) where p_run_id is not null
+        union all
+        select * from pick_critical(p_runs, v_dead) where p_run_id is null and p_lane = 'critical'
+        union all
+        select * from pick_ordinary(p_runs, v_dead) where p_run_id is null and p_lane = 'ordinary'
     ), taken as (
         update runs u
         set epoch = u.epoch + 1,
             lease_owner = p_owner,
             lease_token = gen_random_uuid(),
             -- One reading of the clock: while leased, next_attempt_at is exactly the expiry.
-            lease_expires_at = all_picked.expires,
-            next_attempt_at = all_picked.expires,
+            lease_expires_at = x.expires,
+            next_attempt_at = x.expires,
             updated_at = clock_timestamp()
-        from all_picked
-        where u.run_id = all_picked.run_id
-        returning u.run_id, u.epoch, u.lease_token, u.lease_expires_at, u.attempts,
-            case when all_picked.prev_owner = any(v_dead)
-                      and all_picked.prev_expires > clock_timestamp()
-                 then all_picked.prev_owner end as reclaimed_from
+        from (select p.*, clock_timestamp() + p_ttl as expires from picked p) x
+        where u.run_id = x.run_id
+        returning u.run_id,
+            case when x.prev_owner = any(v_dead) and x.prev_expires > clock_timestamp()
+                 then x.prev_owner end as reclaimed
     )
-    select array_agg(t.run_id), array_agg(t.epoch), array_agg(t.lease_token),
-           array_agg(t.lease_expires_at), array_agg(t.attempts), array_agg(t.reclaimed_from)
-    into v_runs, v_epochs, v_tokens, v_expires, v_attempts, v_reclaimed
-    from taken t;
-    if v_runs is null then
+    select array_agg(t.run_id), array_agg(t.reclaimed) into v_taken, v_reclaimed from taken t;
+    if v_taken is null then
         return;
     end if;
     -- Runs with nothing pending after all (delivered meanwhile): give the lease back. Their
-    -- rows are locked by the update above, so the next statement returns exactly the others.
-    v_empty := array(select x from unnest(v_runs) as x
-                     where not exists (select 1 from events e
-                                       where e.run_id = x and e.state = 'pending'));
+    -- rows are locked by the update above, so the statement below returns exactly the others.
+    v_empty := array(select r.run_id from runs r
+                     where r.run_id = any(v_taken)
+                       and not exists (select 1 from outbox o
+                                       where o.run_id = r.run_id and o.seq > r.delivered_seq));
     if cardinality(v_empty) > 0 then
         update runs set lease_owner = null, lease_token = null, lease_expires_at = null,
                         next_attempt_at = clock_timestamp()
         where runs.run_id = any(v_empty);
         perform settle_run(x) from unnest(v_empty) as x;
     end if;
-    v_now := clock_timestamp();
-    -- The prefix stops early at p_max_bytes of payload (a bound on the relay's memory and
-    -- on the POST's size, whatever the payload sizes); its first event always goes, alone
-    -- if it is larger than the bound.
-    -- The run's own columns (epoch .. critical, claimed_at, reclaimed_from) are on its first
-    -- row only, NULL on the others: the caller reads them there, and each timestamptz, uuid
-    -- and int it would read again costs it microseconds per event (issue 16: ~5 us a row).
-    return query
-        select u.run_id,
-               case when p.n = 1 then u.epoch end,
-               case when p.n = 1 then u.token end,
-               case when p.n = 1 then u.expires end,
-               case when p.n = 1 then u.attempts end,
-               case when p.n = 1 then exists (select 1 from events t where t.run_id = u.run_id
-                                              and t.terminal and t.state = 'pending') end,
-               p.seq, p.event_id, p.event_type, p.payload, p.terminal, p.created_at,
-               p.traceparent, p.wake_queue,
-               case when p.n = 1 then v_now end,
-               case when p.n = 1 then u.reclaimed end
-        from unnest(v_runs, v_epochs, v_tokens, v_expires, v_attempts, v_reclaimed)
-                 with ordinality as u(run_id, epoch, token, expires, attempts, reclaimed, i)
-        cross join lateral (
-            select e.seq, e.event_id, e.event_type, t.payload, e.terminal, e.created_at,
-                   e.traceparent, e.wake_queue,
-                   sum(octet_length(t.payload)) over (order by e.seq) as upto_bytes,
-                   row_number() over (order by e.seq) as n
-            from (select * from events
-                  where events.run_id = u.run_id and events.state = 'pending'
-                  order by events.seq
-                  limit p_batch) e
-            cross join lateral (select e.payload::text as payload) t
-        ) p
-        where not (u.run_id = any(v_empty))
-          and (p.n = 1 or p_max_bytes is null or p.upto_bytes <= p_max_bytes)
-        order by u.i, p.seq;
+    return query select * from claimed_prefixes(v_taken, v_reclaimed, v_empty, p_batch,
+                                                p_max_bytes, clock_timestamp());
 end
+$$;
+
+-- The rows claim returns for the runs it took (v_taken, less the empty ones): each run's pending
+-- prefix in seq order, the run's columns on its first row. The prefix stops early at
+-- p_max_bytes of payload (a bound on the relay's memory and on the POST's size, whatever the
+-- payload sizes); its first event always goes, alone if it is larger than the bound. Each
+-- timestamptz, uuid and int the caller would read again costs it microseconds per event
+-- (issue 16: ~5 us a row), hence NULL after the first row.
+create or replace function claimed_prefixes(
+    p_taken text[], p_reclaimed text[], p_empty text[], p_batch int, p_max_bytes bigint,
+    p_now timestamptz
+) returns table (
+    run_id text, epoch bigint, lease_token uuid, lease_expires_at timestamptz, attempts int,
+    critical boolean, seq bigint, event_id text, event_type text, payload text, terminal boolean,
+    created_at timestamptz, traceparent text, wake_queue text, claimed_at timestamptz,
+    reclaimed_from text
+)
+language sql volatile
+set search_path from current
+as $$
+    select r.run_id,
+           case when p.n = 1 then r.epoch end,
+           case when p.n = 1 then r.lease_token end,
+           case when p.n = 1 then r.lease_expires_at end,
+           case when p.n = 1 then r.attempts end,
+           case when p.n = 1 then exists (select 1 from pending_terminals t
+                                          where t.run_id = r.run_id) end,
+           p.seq, p.event_id, p.event_type, p.payload, p.terminal, p.created_at,
+           p.traceparent, p.wake_queue,
+           case when p.n = 1 then p_now end,
+           case when p.n = 1 then u.reclaimed end
+    from unnest(p_taken, p_reclaimed) with ordinality as u(run_id, reclaimed, i)
+    join runs r on r.run_id = u.run_id
+    cross join lateral (
+        select e.seq, e.event_id, e.event_type, t.payload, e.terminal, e.created_at,
+               e.traceparent, e.wake_queue,
+               sum(octet_length(t.payload)) over (order by e.seq) as upto_bytes,
+               row_number() over (order by e.seq) as n
+        from (select * from outbox o
+              where o.run_id = r.run_id and o.seq > r.delivered_seq
+              order by o.seq
+              limit p_batch) e
+        cross join lateral (select e.payload::text as payload) t
+    ) p
+    where not (r.run_id = any(p_empty))
+      and (p.n = 1 or p_max_bytes is null or p.upto_bytes <= p_max_bytes)
+    order by u.i, p.seq
 $$;
 
 -- Extends leases, fenced by token: a lease that was replaced or has expired is not renewed.
@@ -570,36 +619,30 @@ as $$
 $$;
 
 -- Gives a lease back without delivering, fenced by token. p_delay schedules the next attempt
--- (backoff); p_error, when given, counts a failed attempt on the run and on events
--- p_first_seq..p_last_seq. Returns whether the token matched.
+-- (backoff); p_error, when given, counts a failed attempt of the run's head (its attempts, last
+-- error and status live on the run; p_first_seq/p_last_seq, the events the attempt carried, are
+-- accepted for the relays of version 6 and not needed). Returns whether the token matched.
 create or replace function release(
     p_run_id text, p_token uuid, p_delay interval default '0',
     p_error text default null, p_status int default null,
     p_first_seq bigint default null, p_last_seq bigint default null
 ) returns boolean
-language plpgsql volatile
+language sql volatile
 set search_path from current
 security definer
 as $$
-begin
-    update runs
-    set lease_owner = null, lease_token = null, lease_expires_at = null,
-        next_attempt_at = clock_timestamp() + p_delay,
-        attempts = attempts + case when p_error is null then 0 else 1 end,
-        last_error = coalesce(left(p_error, 2000), last_error),
-        updated_at = clock_timestamp()
-    where runs.run_id = p_run_id and lease_token = p_token;
-    if not found then
-        return false;
-    end if;
-    if p_error is not null and p_first_seq is not null then
-        update events
-        set attempts = attempts + 1, last_error = left(p_error, 2000), last_status = p_status
-        where events.run_id = p_run_id and seq between p_first_seq and p_last_seq
-          and state = 'pending';
-    end if;
-    return true;
-end
+    with released as (
+        update runs
+        set lease_owner = null, lease_token = null, lease_expires_at = null,
+            next_attempt_at = clock_timestamp() + p_delay,
+            attempts = attempts + case when p_error is null then 0 else 1 end,
+            last_error = coalesce(left(p_error, 2000), last_error),
+            last_status = case when p_error is null then last_status else p_status end,
+            updated_at = clock_timestamp()
+        where runs.run_id = p_run_id and lease_token = p_token
+        returning 1
+    )
+    select exists (select 1 from released)
 $$;
 
 -- Marks one event failed and blocks its run: what the relay does for a poison answer. Fenced like
@@ -631,7 +674,10 @@ end
 $$;
 
 -- The unfenced part of fail_event, for callers that already hold the run (ack, inside its own
--- fence). Not granted to any role: only functions of this schema call it.
+-- fence): the run is blocked at p_seq with its lease cleared, and the failure recorded in
+-- event_failures with the attempts it took (the run's failed attempts and this one). An event
+-- that failed before (and was retried) adds to its row. Not granted to any role: only functions
+-- of this schema call it.
 create or replace function block_event(
     p_run_id text, p_seq bigint, p_status int, p_error text
 ) returns void
@@ -639,29 +685,35 @@ language plpgsql volatile
 set search_path from current
 security definer
 as $$
+declare
+    v_attempts int;
 begin
     update runs
     set lease_owner = null, lease_token = null, lease_expires_at = null,
-        blocked_seq = p_seq, last_error = left(p_error, 2000), updated_at = clock_timestamp()
-    where runs.run_id = p_run_id;
-    update events
-    set state = 'failed', failed_at = clock_timestamp(), attempts = attempts + 1,
-        last_status = p_status, last_error = left(p_error, 2000)
-    where events.run_id = p_run_id and seq = p_seq and state = 'pending';
+        blocked_seq = p_seq, last_error = left(p_error, 2000), last_status = p_status,
+        updated_at = clock_timestamp()
+    where runs.run_id = p_run_id
+    returning attempts + 1 into v_attempts;
+    insert into event_failures as f (run_id, seq, attempts, last_status, last_error, failed_at)
+    values (p_run_id, p_seq, v_attempts, p_status, left(p_error, 2000), clock_timestamp())
+    on conflict (run_id, seq) do update
+        set attempts = f.attempts + excluded.attempts, last_status = excluded.last_status,
+            last_error = excluded.last_error, failed_at = excluded.failed_at;
 end
 $$;
 
 -- Acknowledges delivered batches in one transaction (DESIGN §6). p_batches is a JSON array of
--- {"run_id", "token", "upto", "keep"?}: events of the run up to seq `upto` that are still pending are
--- marked delivered, only if the token still holds an unexpired lease. For each batch acked:
--- one outbox_delivered notification on the terminal channel, an absurd.emit_event for every
--- event with a wake, and after all batches one pg_notify('absurd_wake', queue) per queue.
--- A stale batch changes nothing and does not stop the others. An engine that rejects a wake
--- marks that event failed and blocks its run, and nothing of that batch from it on is acked.
--- The lease is released unless "keep" is true.
--- Returns one row per input batch: status 'acked' | 'stale' | 'failed', the number of events
--- acked, the seq acked up to, the commit-to-ack lag of the oldest event, and whether the run
--- has more pending events.
+-- {"run_id", "token", "upto", "keep"?}: the run's cursor moves up to seq `upto` (events up to it
+-- are delivered), only if the token still holds an unexpired lease. For each batch acked: one
+-- outbox_delivered notification on the terminal channel, an absurd.emit_event for every event
+-- with a wake, and one pg_notify('absurd_wake', queue) per queue. A stale batch changes nothing
+-- and does not stop the others. An engine that rejects a wake marks that event failed and
+-- blocks its run, and the cursor stops before it. The lease is released unless "keep" is true.
+-- Returns one row per input batch, in input order: status 'acked' | 'stale' | 'failed', the
+-- number of events acked, the seq acked up to, the commit-to-ack lag of the oldest event, and
+-- the engine's error for a failed batch.
+-- A run named twice in one call (the relay does not) is acknowledged in rounds, its first batch
+-- in the first round (ack_round): each round sees the lease the one before left.
 create or replace function ack(p_batches jsonb)
 returns table (run_id text, status text, acked int, last_seq bigint, lag_seconds double precision,
                error text)
@@ -671,31 +723,13 @@ set plan_cache_mode = force_generic_plan
 security definer
 as $$
 declare
-    v_b jsonb;
-    v_run text;
-    v_token uuid;
-    v_upto bigint;
-    v_now timestamptz;
-    v_ids text[];
-    v_seqs bigint[];
-    v_first_created timestamptz;
-    v_wake record;
-    v_queues text[] := '{}';
-    v_failed_seq bigint;
-    v_err text;
-    v_note text;
-    v_q text;
-    v_i bigint;
-    v_channel text := terminal_channel();
-    v_fast_i bigint[];
-    v_fast_runs text[];
-    v_fast_upto bigint[];
-    v_locked text[];
-    v_done_n int[];
-    v_done_last bigint[];
-    v_done_lag double precision[];
-    v_notes text[];
-    -- the results of the batches the loop handles, by input position (r_i)
+    v_round bigint := 0;
+    v_rounds bigint;
+    v_i bigint[];
+    v_runs text[];
+    v_tokens uuid[];
+    v_upto bigint[];
+    v_keep boolean[];
     r_i bigint[] := '{}';
     r_run text[] := '{}';
     r_status text[] := '{}';
@@ -704,237 +738,282 @@ declare
     r_lag double precision[] := '{}';
     r_err text[] := '{}';
 begin
-    -- The common case, set-based (issue 16: a plpgsql round per run made the ack cost ~230 us
-    -- per run): batches that release their lease, whose run appears once in the call and
-    -- whose acked events wake nothing. Fenced and locked like the loop below does one by one;
-    -- every other batch (keep, a repeated run, an engine wake, a stale token) goes through the
-    -- loop, unchanged. The result stays one row per input batch, in input order.
-    v_now := clock_timestamp();
-    select array_agg(f.i order by f.i), array_agg(f.run_id order by f.i),
-           array_agg(f.upto order by f.i)
-    into v_fast_i, v_fast_runs, v_fast_upto
-    from (
-        select b.i, b.run_id, b.upto
-        from (select x.*, count(*) over (partition by x.run_id) as times
-              from rows from (jsonb_to_recordset(p_batches)
-                              as (run_id text, token uuid, upto bigint, keep boolean))
-                   with ordinality as x(run_id, token, upto, keep, i)) b
-        join runs r on r.run_id = b.run_id
-        where r.lease_token = b.token and r.lease_expires_at > v_now
-          and not coalesce(b.keep, false) and b.times = 1
-          and not exists (select 1 from events w
-                          where w.run_id = b.run_id and w.seq <= b.upto
-                            and w.state = 'pending' and w.wake_queue is not null)
-        order by b.run_id
-        for update of r
-    ) f;
-    if v_fast_i is not null then
-        with acked as (
-            update events e
-            set state = 'delivered', delivered_at = v_now, done_at = v_now,
-                attempts = e.attempts + 1, last_error = null
-            from unnest(v_fast_runs, v_fast_upto) as f(run_id, upto)
-            where e.run_id = f.run_id and e.seq <= f.upto and e.state = 'pending'
-            returning e.run_id, e.seq, e.event_id, e.created_at
-        ), per_run as (
-            select a.run_id, count(*)::int as n, max(a.seq) as last_seq,
-                   min(a.created_at) as first_created,
-                   json_build_object('kind', 'outbox_delivered', 'run_id', a.run_id,
-                                     'last_seq', max(a.seq),
-                                     'event_ids', array_agg(a.event_id order by a.seq))::text
-                       as note
-            from acked a group by a.run_id
-        ), noted as (
-            select f.i, coalesce(p.n, 0) as n, p.last_seq,
-                   extract(epoch from v_now - p.first_created)::double precision as lag,
-                   case when p.run_id is null then null
-                        when octet_length(p.note) <= 7900 then p.note
-                        else json_build_object('kind', 'outbox_delivered', 'run_id', p.run_id,
-                                               'last_seq', p.last_seq)::text end as note
-            from unnest(v_fast_i, v_fast_runs) as f(i, run_id)
-            left join per_run p on p.run_id = f.run_id
-        )
-        -- in v_fast_i's order (the input order), so each lines up with v_fast_i and v_fast_runs
-        select array_agg(x.n order by x.i), array_agg(x.last_seq order by x.i),
-               array_agg(x.lag order by x.i), array_remove(array_agg(x.note order by x.i), null)
-        into v_done_n, v_done_last, v_done_lag, v_notes
-        from noted x;
-        -- one outbox_delivered notification per batch that acked something, in input order
-        perform pg_notify(v_channel, n.note)
-        from unnest(v_notes) with ordinality as n(note, i) order by n.i;
-        -- Release, and settle as settle_run does: the advisory locks first, in a statement of
-        -- their own, so the pending check after them (a new statement: a fresh snapshot) sees
-        -- every event a producer committed before letting go of its lock.
-        v_locked := array(select f.run_id
-                          from unnest(v_fast_runs, run_lock_keys(v_fast_runs)) as f(run_id, k)
-                          where pg_try_advisory_xact_lock(f.k));
-        update runs r
-        set lease_owner = null, lease_token = null, lease_expires_at = null, attempts = 0,
-            last_error = null, updated_at = clock_timestamp(),
-            -- a run whose lock a producer holds is looked at again shortly (as settle_run)
-            next_attempt_at = case when r.run_id = any(v_locked) then v_now
-                                   else clock_timestamp() + interval '200 milliseconds' end,
-            idle = r.run_id = any(v_locked)
-                   and not exists (select 1 from events e
-                                   where e.run_id = r.run_id and e.state = 'pending')
-        where r.run_id = any(v_fast_runs);
-    end if;
-
-    -- Every other batch, one by one. Results are collected and returned once at the end, in
-    -- input order (a `return query` per batch cost an executor start per run).
-    for v_b, v_i in select x.value, x.i from jsonb_array_elements(p_batches)
-                                              with ordinality as x(value, i)
-                    where not (x.i = any(coalesce(v_fast_i, '{}'))) loop
-        v_run := v_b ->> 'run_id';
-        v_token := (v_b ->> 'token')::uuid;
-        v_upto := (v_b ->> 'upto')::bigint;
-        v_now := clock_timestamp();
-        perform 1 from runs r
-        where r.run_id = v_run and r.lease_token = v_token and r.lease_expires_at > v_now
-        for update;
-        if not found then
-            r_i := r_i || v_i::bigint;
-            r_run := r_run || v_run;
-            r_status := r_status || 'stale'::text;
-            r_n := r_n || 0;
-            r_last := r_last || null::bigint;
-            r_lag := r_lag || null::double precision;
-            r_err := r_err || null::text;
-            continue;
-        end if;
-
-        -- Only rows this statement marks delivered can wake the engine: a redelivered event
-        -- whose first ack committed is not pending any more and emits nothing.
-        with acked as (
-            update events e
-            set state = 'delivered', delivered_at = v_now, done_at = v_now,
-                attempts = e.attempts + 1, last_error = null
-            where e.run_id = v_run and e.seq <= v_upto and e.state = 'pending'
-            returning e.seq, e.event_id, e.created_at
-        )
-        select array_agg(a.event_id order by a.seq), array_agg(a.seq order by a.seq), min(a.created_at)
-        into v_ids, v_seqs, v_first_created from acked a;
-
-        v_failed_seq := null;
-        for v_wake in
-            select e.seq, e.event_id, e.wake_queue, e.wake_event from events e
-            where e.run_id = v_run and e.seq = any(v_seqs) and e.wake_queue is not null
-            order by e.seq
-        loop
-            begin
-                perform absurd.emit_event(v_wake.wake_queue, v_wake.wake_event,
-                    jsonb_build_object('event_id', v_wake.event_id, 'run_id', v_run,
-                                       'delivered_at', v_now));
-                if not v_wake.wake_queue = any(v_queues) then
-                    v_queues := v_queues || v_wake.wake_queue;
-                end if;
-            exception
-                when lock_not_available or transaction_rollback or insufficient_resources then
-                    -- Transient (a lock wait under the caller's lock_timeout, a deadlock, ...):
-                    -- not a rejection. Fail the whole ack; the batch is delivered again later.
-                    raise;
-                when others then
-                v_failed_seq := v_wake.seq;
-                v_err := 'engine wake failed: ' || sqlerrm;
-                exit;
-            end;
-        end loop;
-
-        if v_failed_seq is not null then
-            -- Undo the ack from the failed event on, then fail it and block the run.
-            update events e
-            set state = 'pending', delivered_at = null, done_at = null, attempts = e.attempts - 1
-            where e.run_id = v_run and e.seq >= v_failed_seq and e.seq = any(v_seqs);
-            perform block_event(v_run, v_failed_seq, null, v_err);
-            v_ids := array(select x from unnest(v_ids, v_seqs) as u(x, s) where s < v_failed_seq);
-            v_seqs := array(select s from unnest(v_seqs) as s where s < v_failed_seq);
-        elsif coalesce((v_b ->> 'keep')::boolean, false) then
-            -- The caller goes on delivering this run under the same lease (poison narrowing).
-            update runs r set attempts = 0, last_error = null, updated_at = v_now
-            where r.run_id = v_run;
-        else
-            update runs r
-            set lease_owner = null, lease_token = null, lease_expires_at = null,
-                next_attempt_at = v_now, attempts = 0, last_error = null, updated_at = v_now
-            where r.run_id = v_run;
-        end if;
-
-        if coalesce(array_length(v_seqs, 1), 0) > 0 then
-            v_note := json_build_object('kind', 'outbox_delivered', 'run_id', v_run,
-                                        'last_seq', v_seqs[array_length(v_seqs, 1)],
-                                        'event_ids', v_ids)::text;
-            if octet_length(v_note) > 7900 then
-                v_note := json_build_object('kind', 'outbox_delivered', 'run_id', v_run,
-                                            'last_seq', v_seqs[array_length(v_seqs, 1)])::text;
-            end if;
-            perform pg_notify(v_channel, v_note);
-        end if;
-        if v_failed_seq is null and not coalesce((v_b ->> 'keep')::boolean, false) then
-            perform settle_run(v_run);
-        end if;
-
-        r_i := r_i || v_i::bigint;
-        r_run := r_run || v_run;
-        r_status := r_status || case when v_failed_seq is null then 'acked' else 'failed' end;
-        r_n := r_n || coalesce(array_length(v_seqs, 1), 0);
-        r_last := r_last || v_seqs[array_length(v_seqs, 1)];
-        r_lag := r_lag || extract(epoch from v_now - v_first_created)::double precision;
-        r_err := r_err || case when v_failed_seq is null then null else v_err end;
+    loop
+        v_round := v_round + 1;
+        select array_agg(b.i order by b.i), array_agg(b.run_id order by b.i),
+               array_agg(b.token order by b.i), array_agg(b.upto order by b.i),
+               array_agg(coalesce(b.keep, false) order by b.i), max(b.rounds)
+        into v_i, v_runs, v_tokens, v_upto, v_keep, v_rounds
+        from (select n.*, max(n.round) over () as rounds
+              from (select x.*, row_number() over (partition by x.run_id order by x.i) as round
+                    from rows from (jsonb_to_recordset(p_batches)
+                                    as (run_id text, token uuid, upto bigint, keep boolean))
+                         with ordinality as x(run_id, token, upto, keep, i)) n) b
+        where b.round = v_round;
+        exit when v_i is null;
+        with a as materialized (select * from ack_round(v_i, v_runs, v_tokens, v_upto, v_keep))
+        select r_i || array(select a.i from a order by a.i),
+               r_run || array(select a.run_id from a order by a.i),
+               r_status || array(select a.status from a order by a.i),
+               r_n || array(select a.acked from a order by a.i),
+               r_last || array(select a.last_seq from a order by a.i),
+               r_lag || array(select a.lag_seconds from a order by a.i),
+               r_err || array(select a.error from a order by a.i)
+        into r_i, r_run, r_status, r_n, r_last, r_lag, r_err;
+        exit when v_round >= v_rounds;
     end loop;
-
-    foreach v_q in array v_queues loop
-        perform pg_notify('absurd_wake', v_q);
-    end loop;
-
     return query
         select u.run_id, u.status, u.acked, u.last_seq, u.lag, u.error
-        from (select f.i, f.run_id, 'acked'::text as status, f.n as acked, f.last_seq, f.lag,
-                     null::text as error
-              from unnest(v_fast_i, v_fast_runs, v_done_n, v_done_last, v_done_lag)
-                   as f(i, run_id, n, last_seq, lag)
-              union all
-              select r.* from unnest(r_i, r_run, r_status, r_n, r_last, r_lag, r_err)
-                              as r(i, run_id, status, n, last_seq, lag, error)) u
+        from unnest(r_i, r_run, r_status, r_n, r_last, r_lag, r_err)
+             as u(i, run_id, status, acked, last_seq, lag, error)
         order by u.i;
 end
 $$;
 
--- Deletes delivered and skipped events older than p_retention, at most p_limit per call
--- (small, index-backed batches that never hold many locks). Returns the number deleted.
+-- One round of ack: batches of distinct runs, p_i their positions in the call. In order:
+--   1. the fence: the runs whose lease the batch's token still holds, locked (in run_id order,
+--      as every writer of runs rows locks them); the others are 'stale';
+--   2. the engine wakes of the events being acked (emit_wakes), which may stop a batch short;
+--   3. the transition, one statement for every batch: the cursor moves (never back, never past
+--      the run's last visible event), the failed-attempt count is reset, and a released run's
+--      lease is cleared and the run settled (idle when nothing is left and no producer is
+--      writing it, as settle_run);
+--   4. a run whose engine refused a wake is blocked at that event (block_event);
+--   5. a run whose terminal event is delivered leaves pending_terminals;
+--   6. one outbox_delivered notification per batch that acked something, in input order.
+create or replace function ack_round(
+    p_i bigint[], p_runs text[], p_tokens uuid[], p_upto bigint[], p_keep boolean[]
+) returns table (i bigint, run_id text, status text, acked int, last_seq bigint,
+                 lag_seconds double precision, error text)
+language plpgsql volatile
+set search_path from current
+set plan_cache_mode = force_generic_plan
+as $$
+declare
+    v_now timestamptz := clock_timestamp();
+    v_channel text := terminal_channel();
+    f_i bigint[];          -- the fenced batches: position, run, cursor before, acked up to, keep
+    f_runs text[];
+    f_from bigint[];
+    f_upto bigint[];
+    f_keep boolean[];
+    f_failed bigint[];     -- the seq whose wake the engine refused, else null
+    f_error text[];
+    v_w record;
+    v_quiet text[];        -- the released runs with nothing after their new cursor
+    v_locked text[];       -- ... whose run_seqs row lock this round holds
+begin
+    -- 1. The fence. `upto` is held to the run's last event a producer committed: a cursor past
+    --    it would count events not yet written as delivered.
+    select array_agg(b.i order by b.run_id), array_agg(b.run_id order by b.run_id),
+           array_agg(r.delivered_seq order by b.run_id),
+           array_agg(least(b.upto, (select max(o.seq) from outbox o where o.run_id = b.run_id))
+                     order by b.run_id),
+           array_agg(b.keep order by b.run_id)
+    into f_i, f_runs, f_from, f_upto, f_keep
+    from (select r.run_id, r.delivered_seq
+          from unnest(p_runs, p_tokens) as t(run_id, token)
+          join runs r on r.run_id = t.run_id
+          where r.lease_token = t.token and r.lease_expires_at > v_now
+          order by r.run_id
+          for update of r) r
+    join unnest(p_i, p_runs, p_upto, p_keep) as b(i, run_id, upto, keep) on b.run_id = r.run_id;
+    f_i := coalesce(f_i, '{}');
+    f_failed := array_fill(null::bigint, array[cardinality(f_i)]);
+    f_error := array_fill(null::text, array[cardinality(f_i)]);
+
+    -- 2. The engine wakes, for the batches whose acked events carry one.
+    for v_w in
+        select b.k, w.failed_seq, w.error
+        from unnest(f_runs, f_from, f_upto) with ordinality as b(run_id, cursor, upto, k)
+        cross join lateral emit_wakes(b.run_id, b.cursor, b.upto, v_now) as w
+        where exists (select 1 from outbox o
+                      where o.run_id = b.run_id and o.seq > b.cursor and o.seq <= b.upto
+                        and o.wake_queue is not null)
+    loop
+        if v_w.failed_seq is not null then
+            f_failed[v_w.k] := v_w.failed_seq;
+            f_error[v_w.k] := v_w.error;
+            f_upto[v_w.k] := v_w.failed_seq - 1;
+        end if;
+    end loop;
+
+    -- 3. The transition. A released run with nothing after its new cursor may go idle: at once
+    --    when its terminal event is delivered (no event can follow it), else only under the
+    --    run's run_seqs row lock (as settle_run), taken here in a statement of its own so that
+    --    the check in the update after it (a fresh snapshot) sees every event a producer
+    --    committed before letting go. A run a producer holds is looked at again shortly.
+    v_quiet := array(
+        select b.run_id
+        from unnest(f_runs, f_upto, f_keep, f_failed) as b(run_id, upto, keep, failed)
+        where not b.keep and b.failed is null
+          and not exists (select 1 from outbox o where o.run_id = b.run_id and o.seq > b.upto));
+    v_locked := array(
+        select s.run_id from run_seqs s
+        where s.run_id = any(v_quiet) and s.terminal_seq is null
+        order by s.run_id
+        for update skip locked);
+    update runs r
+    set delivered_seq = greatest(r.delivered_seq, b.upto),
+        delivered_at = case when b.upto > r.delivered_seq then v_now else r.delivered_at end,
+        attempts = 0, last_error = null, last_status = null, updated_at = v_now,
+        lease_owner = case when b.release then null else r.lease_owner end,
+        lease_token = case when b.release then null else r.lease_token end,
+        lease_expires_at = case when b.release then null else r.lease_expires_at end,
+        next_attempt_at = case when not b.release then r.next_attempt_at
+                               when b.busy then v_now + interval '200 milliseconds'
+                               else v_now end,
+        idle = b.quiet and not b.busy
+               and not exists (select 1 from outbox o
+                               where o.run_id = r.run_id
+                                 and o.seq > greatest(r.delivered_seq, b.upto))
+    from (select u.run_id, u.upto, not u.keep and u.failed is null as release,
+                 u.run_id = any(v_quiet) as quiet,
+                 -- caught up, unfinished, and a producer holds its lock
+                 u.run_id = any(v_quiet) and not (u.run_id = any(v_locked))
+                     and exists (select 1 from run_seqs s
+                                 where s.run_id = u.run_id and s.terminal_seq is null) as busy
+          from unnest(f_runs, f_upto, f_keep, f_failed) as u(run_id, upto, keep, failed)) b
+    where r.run_id = b.run_id;
+
+    -- 4. A refused wake blocks its run at that event.
+    perform block_event(b.run_id, b.failed, null, b.error)
+    from unnest(f_runs, f_failed, f_error) as b(run_id, failed, error)
+    where b.failed is not null;
+
+    -- 5. Terminal events delivered.
+    delete from pending_terminals t
+    using unnest(f_runs, f_upto) as b(run_id, upto)
+    where t.run_id = b.run_id and t.seq <= b.upto;
+
+    -- 6. The results, and one notification per batch that acked something, in input order.
+    return query
+    with acked as (
+        select b.i, b.run_id, b.failed, b.error,
+               count(o.seq)::int as n, max(o.seq) as last_seq, min(o.created_at) as first_created,
+               array_agg(o.event_id order by o.seq) filter (where o.seq is not null) as ids
+        from unnest(f_i, f_runs, f_from, f_upto, f_failed, f_error)
+             as b(i, run_id, cursor, upto, failed, error)
+        left join outbox o on o.run_id = b.run_id and o.seq > b.cursor and o.seq <= b.upto
+        group by b.i, b.run_id, b.failed, b.error
+    ), noted as (
+        select a.*, case when a.n > 0
+                         then pg_notify(v_channel, delivered_note(a.run_id, a.last_seq, a.ids))
+                    end as sent
+        from (select * from acked order by acked.i) a
+    )
+    select b.i, b.run_id,
+           case when x.i is null then 'stale' when x.failed is not null then 'failed'
+                else 'acked' end,
+           coalesce(x.n, 0), x.last_seq,
+           extract(epoch from v_now - x.first_created)::double precision, x.error
+    from unnest(p_i, p_runs) as b(i, run_id)
+    left join noted x on x.i = b.i;
+end
+$$;
+
+-- The engine wakes of a run's events in (p_from, p_upto], in seq order: absurd.emit_event for
+-- each event that names one, then one pg_notify('absurd_wake', queue) per queue woken (one
+-- notification per queue and transaction: PostgreSQL folds identical ones). Stops at the first
+-- wake the engine rejects and returns its seq and error; a transient failure (a lock wait under
+-- the caller's lock_timeout, a deadlock, ...) is not a rejection: it fails the whole ack, and the
+-- batch is delivered again later. Not granted to any role.
+create or replace function emit_wakes(
+    p_run_id text, p_from bigint, p_upto bigint, p_now timestamptz
+) returns table (failed_seq bigint, error text)
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_wake record;
+    v_queues text[] := '{}';
+begin
+    for v_wake in
+        select o.seq, o.event_id, o.wake_queue, o.wake_event from outbox o
+        where o.run_id = p_run_id and o.seq > p_from and o.seq <= p_upto
+          and o.wake_queue is not null
+        order by o.seq
+    loop
+        begin
+            perform absurd.emit_event(v_wake.wake_queue, v_wake.wake_event,
+                jsonb_build_object('event_id', v_wake.event_id, 'run_id', p_run_id,
+                                   'delivered_at', p_now));
+            if not v_wake.wake_queue = any(v_queues) then
+                v_queues := v_queues || v_wake.wake_queue;
+            end if;
+        exception
+            when lock_not_available or transaction_rollback or insufficient_resources then
+                raise;
+            when others then
+                failed_seq := v_wake.seq;
+                error := 'engine wake failed: ' || sqlerrm;
+                exit;
+        end;
+    end loop;
+    perform pg_notify('absurd_wake', q) from unnest(v_queues) as q;
+    return next;
+end
+$$;
+
+-- The outbox_delivered notification of one acked batch: the run, the seq acked up to and the
+-- event ids, without the ids when they would not fit a notification (8,000 bytes).
+create or replace function delivered_note(p_run_id text, p_last_seq bigint, p_event_ids text[])
+returns text
+language sql immutable
+set search_path from current
+as $$
+    select case when octet_length(n.full_note) <= 7900 then n.full_note
+                else json_build_object('kind', 'outbox_delivered', 'run_id', p_run_id,
+                                       'last_seq', p_last_seq)::text end
+    from (select json_build_object('kind', 'outbox_delivered', 'run_id', p_run_id,
+                                   'last_seq', p_last_seq, 'event_ids', p_event_ids)::text
+                 as full_note) n
+$$;
+
+-- Deletes done events (at or below their run's cursor: delivered or skipped) enqueued more than
+-- p_retention ago, at most p_limit per call, oldest first through outbox_created_at. Returns the
+-- number deleted. Under each run's run_seqs row lock (a run a producer is writing is left for
+-- the next call): when the run's highest event goes, its seq becomes the run's floor
+-- (run_seqs.last_seq), which enqueue numbers from once a run's events are gone.
+-- Then forgets what nothing needs any more: finished idle runs with no events left, and dead
+-- replicas that hold no lease.
 create or replace function prune(p_retention interval, p_limit int) returns int
 language plpgsql volatile
 set search_path from current
 security definer
 as $$
 declare
+    c_runs text[];
+    c_seqs bigint[];
+    v_free text[];
     v_n int;
-    v_run text;
 begin
-    delete from events e
-    using (select x.run_id, x.seq from events x
-           where x.done_at < clock_timestamp() - p_retention
-           order by x.done_at limit p_limit
-           for update skip locked) d
-    where e.run_id = d.run_id and e.seq = d.seq;
-    get diagnostics v_n = row_count;
-    -- Forget idle runs with no events left (their seq counter stays in run_seqs). One run at a
-    -- time under its advisory lock, checked in a fresh statement, so a producer that is
-    -- enqueueing into it can never find its runs row gone. Only finished runs (terminal event
-    -- enqueued): a recreated row would restart the epoch, which the ingress takes as a fencing
-    -- token, while a finished run can never be claimed again.
-    for v_run in
-        select y.run_id from runs y
-        where y.idle and y.updated_at < clock_timestamp() - p_retention
-          and exists (select 1 from run_seqs f
-                      where f.run_id = y.run_id and f.terminal_seq is not null)
-        order by y.updated_at
-        limit p_limit
-    loop
-        continue when not pg_try_advisory_xact_lock(run_lock_key(v_run));
-        delete from runs r
-        where r.run_id = v_run and r.idle
-          and not exists (select 1 from events z where z.run_id = v_run);
-    end loop;
+    select array_agg(c.run_id), array_agg(c.seq) into c_runs, c_seqs
+    from (select o.run_id, o.seq
+          from outbox o join runs r on r.run_id = o.run_id
+          where o.created_at < clock_timestamp() - p_retention and o.seq <= r.delivered_seq
+          order by o.created_at
+          limit p_limit) c;
+    if c_runs is null then
+        v_n := 0;
+    else
+        v_free := array(select s.run_id from run_seqs s
+                        where s.run_id = any(c_runs)
+                        order by s.run_id
+                        for update skip locked);
+        update run_seqs s set last_seq = m.upto
+        from (select c.run_id, max(c.seq) as upto
+              from unnest(c_runs, c_seqs) as c(run_id, seq)
+              where c.run_id = any(v_free)
+              group by c.run_id) m
+        where s.run_id = m.run_id and s.last_seq < m.upto
+          and not exists (select 1 from outbox o where o.run_id = m.run_id and o.seq > m.upto);
+        delete from outbox o
+        using unnest(c_runs, c_seqs) as c(run_id, seq)
+        where o.run_id = c.run_id and o.seq = c.seq and c.run_id = any(v_free);
+        get diagnostics v_n = row_count;
+    end if;
+    perform forget_finished_runs(p_retention, p_limit);
     -- Forget dead replicas (liveness lock free) that hold no unexpired lease: nothing of theirs
     -- is left to reclaim. The exclusive try-lock keeps a replica from taking its lock (and
     -- recording itself again) between the check and the delete.
@@ -943,5 +1022,34 @@ begin
                       where w.lease_owner = rp.owner and w.lease_expires_at > clock_timestamp())
       and pg_try_advisory_xact_lock(liveness_key(rp.owner));
     return v_n;
+end
+$$;
+
+-- Forgets idle runs with no events left, finished (terminal event enqueued) and quiet for
+-- p_retention, at most p_limit: only finished ones, because a recreated row would restart the
+-- epoch, which the ingress takes as a fencing token, while a finished run can never be claimed
+-- again. Their seq counter stays in run_seqs. Each under its run_seqs row lock, checked in a
+-- fresh statement, so a producer enqueueing into it can never find its runs row gone.
+create or replace function forget_finished_runs(p_retention interval, p_limit int) returns void
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_run text;
+begin
+    for v_run in
+        select y.run_id from runs y
+        where y.idle and y.updated_at < clock_timestamp() - p_retention
+          and exists (select 1 from run_seqs f
+                      where f.run_id = y.run_id and f.terminal_seq is not null)
+        order by y.updated_at
+        limit p_limit
+    loop
+        perform 1 from run_seqs s where s.run_id = v_run for update skip locked;
+        continue when not found;
+        delete from runs r
+        where r.run_id = v_run and r.idle
+          and not exists (select 1 from outbox z where z.run_id = v_run);
+    end loop;
 end
 $$;

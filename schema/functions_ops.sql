@@ -15,9 +15,8 @@
 --   P0002 no_data_found                     no such event / run
 --   55000 object_not_in_prerequisite_state  the event is not failed / the run is not blocked
 
--- Lifts a run's block after its failed event was retried or skipped (internal). The run is
--- blocked again at the lowest seq still failed, if any (normally none: a blocked run has one
--- failed event). The backoff of the failed head is forgotten (attempts 0, due now), and `idle`
+-- Lifts a run's block after its failed event was retried or skipped (internal): a run has one
+-- failed event, its blocked head (schema version 7), so the block goes. The backoff of the failed head is forgotten (attempts 0, due now), and `idle`
 -- goes false, which is always safe: a run with nothing pending is settled by the next claim.
 -- A live lease (none should exist on a blocked run) keeps its expiry as the due time, because
 -- claim relies on next_attempt_at = lease_expires_at while leased.
@@ -29,8 +28,7 @@ declare
     v_blocked bigint;
 begin
     update runs r
-    set blocked_seq = (select min(f.seq) from events f
-                       where f.run_id = p_run_id and f.state = 'failed'),
+    set blocked_seq = null,
         attempts = 0,
         last_error = null,
         idle = false,
@@ -88,8 +86,9 @@ begin
         raise exception 'relay.%: no event with event_id % (unknown, or delivered and pruned)',
             p_fn, p_event_id using errcode = 'P0002';
     end if;
+    -- The run row's lock is the one ack and fail_event take: it holds the event's state still.
     perform 1 from runs r where r.run_id = v_run for update;
-    select * into v_ev from events e where e.event_id = p_event_id for update;
+    select * into v_ev from events e where e.event_id = p_event_id;
     if not found then
         raise exception 'relay.%: no event with event_id % (pruned meanwhile)', p_fn, p_event_id
             using errcode = 'P0002';
@@ -135,11 +134,10 @@ begin
     perform check_operator('retry_event', p_by);
     select l.o_run_id, l.o_seq into v_run, v_seq
     from lock_failed_event('retry_event', 'retried', p_event_id) l;
-    update events e
-    set state = 'pending', retried_by = p_by, retried_role = session_user,
-        retried_at = clock_timestamp(),
-        retries = e.retries + 1
-    where e.run_id = v_run and e.seq = v_seq;
+    update event_failures f
+    set retried_by = p_by, retried_role = session_user, retried_at = clock_timestamp(),
+        retries = f.retries + 1
+    where f.run_id = v_run and f.seq = v_seq;
     v_blocked := unblock_run(v_run);
     return query
         select e.run_id, e.seq, e.event_id, e.state, e.attempts, e.retries, e.retried_by,
@@ -181,8 +179,9 @@ begin
 end
 $$;
 
--- Operator: a failed event is skipped — never sent — with who, why and when (done_at, which
--- also starts its retention clock), and its run is unblocked so the rest is delivered in order.
+-- Operator: a failed event is skipped — never sent — with who, why and when (event_skips), the
+-- run's cursor moves past it (it is done, like a delivered event), and its run is unblocked so
+-- the rest is delivered in order.
 create or replace function skip_event(p_event_id text, p_by text, p_reason text)
 returns table (run_id text, seq bigint, event_id text, state text, skipped_by text,
                skipped_role text, skip_reason text, skipped_at timestamptz, blocked_seq bigint)
@@ -205,10 +204,11 @@ begin
     end if;
     select l.o_run_id, l.o_seq into v_run, v_seq
     from lock_failed_event('skip_event', 'skipped', p_event_id) l;
-    update events e
-    set state = 'skipped', skipped_by = p_by, skipped_role = session_user, skip_reason = p_reason,
-        done_at = clock_timestamp()
-    where e.run_id = v_run and e.seq = v_seq;
+    insert into event_skips (run_id, seq, skipped_by, skipped_role, skip_reason)
+    values (v_run, v_seq, p_by, session_user, p_reason);
+    update runs r set delivered_seq = greatest(r.delivered_seq, v_seq)
+    where r.run_id = v_run;
+    delete from pending_terminals t where t.run_id = v_run and t.seq <= v_seq;
     v_blocked := unblock_run(v_run);
     return query
         select e.run_id, e.seq, e.event_id, e.state, e.skipped_by, e.skipped_role, e.skip_reason,

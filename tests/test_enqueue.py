@@ -336,9 +336,10 @@ def test_same_event_id_with_identical_content_returns_the_same_seq(
 # --- seq order --------------------------------------------------------------------------------
 
 
-def advisory_waiters(conn: psycopg.Connection[Any], pid: int) -> int:
+def lock_waiters(conn: psycopg.Connection[Any], pid: int) -> int:
+    """Whether backend `pid` waits for a lock (a writer of the same run holds its run_seqs row)."""
     row = conn.execute(
-        "select count(*) from pg_locks where locktype = 'advisory' and not granted and pid = %s",
+        "select count(*) from pg_locks where not granted and pid = %s",
         (pid,),
     ).fetchone()
     assert row is not None
@@ -368,7 +369,7 @@ def test_a_second_writer_of_the_run_waits_and_takes_the_next_seq(
             assert enq(first, schema, "r1", "gone") == 1
             t = threading.Thread(target=write, args=("second", second, "kept"))
             t.start()
-            wait_until(lambda: advisory_waiters(conn, second.info.backend_pid) == 1, what="wait")
+            wait_until(lambda: lock_waiters(conn, second.info.backend_pid) == 1, what="wait")
             raise psycopg.Rollback()
         t.join(10)
         assert results["second"] == 1
@@ -378,7 +379,7 @@ def test_a_second_writer_of_the_run_waits_and_takes_the_next_seq(
             assert enq(first, schema, "r1", "x") == 2
             t = threading.Thread(target=write, args=("third", second, "y"))
             t.start()
-            wait_until(lambda: advisory_waiters(conn, second.info.backend_pid) == 1, what="wait")
+            wait_until(lambda: lock_waiters(conn, second.info.backend_pid) == 1, what="wait")
         t.join(10)
         assert results["third"] == 3
         assert events_of(conn, schema, "r1") == [(1, "kept"), (2, "x"), (3, "y")]

@@ -418,31 +418,18 @@ def test_release_gives_the_lease_back_and_counts_a_failed_attempt(
     ) == [(True,)]
     row = run_row(conn, schema, "r1")
     assert (row["lease_owner"], row["lease_token"], row["lease_expires_at"]) == (None, None, None)
-    assert (row["attempts"], row["last_error"]) == (1, "HTTP 503")
+    # The failed attempt is the run's (schema version 7): its head's attempts, status and
+    # error live on the run, and no event row is written.
+    assert (row["attempts"], row["last_status"], row["last_error"]) == (1, 503, "HTTP 503")
     assert [
-        (e["attempts"], e["last_status"], e["last_error"]) for e in event_rows(conn, schema, "r1")
-    ] == [
-        (1, 503, "HTTP 503"),
-        (1, 503, "HTTP 503"),
-        (0, None, None),
-    ]
+        (e["state"], e["attempts"], e["last_status"]) for e in event_rows(conn, schema, "r1")
+    ] == [("pending", 0, None)] * 3
     assert claim(conn, schema) == {}  # backing off
     # a released token is stale from then on
     assert call(conn, schema, "release", "r1", token(got, "r1")) == [(False,)]
 
 
 # --- ack --------------------------------------------------------------------------------------
-
-
-def test_the_batch_lock_keys_are_the_run_lock_keys(
-    conn: psycopg.Connection[Any], schema: str
-) -> None:
-    """The ack takes a batch's run locks by run_lock_keys (one call for all its runs); a
-    producer takes a run's by run_lock_key. They must be the same locks."""
-    ids = ["r1", "r1", "", "ü-€-\U0001f600", "x" * 200]
-    keys = call(conn, schema, "run_lock_keys", ids)[0][0]
-    assert keys == [call(conn, schema, "run_lock_key", i)[0][0] for i in ids]
-    assert len(set(keys)) == 4
 
 
 def test_ack_marks_only_events_up_to_upto(conn: psycopg.Connection[Any], schema: str) -> None:
@@ -468,7 +455,8 @@ def test_ack_marks_only_events_up_to_upto(conn: psycopg.Connection[Any], schema:
     for e in events[:3]:
         assert e["delivered_at"] is not None
         assert e["done_at"] == e["delivered_at"]
-        assert e["attempts"] == 1
+        # attempts count failed attempts (event_failures, schema version 7): a delivery adds none
+        assert e["attempts"] == 0
     for e in events[3:]:
         assert (e["delivered_at"], e["done_at"], e["attempts"]) == (None, None, 0)
     row = run_row(conn, schema, "r1")
@@ -598,7 +586,9 @@ def test_a_redelivered_event_is_not_emitted_again(
     assert conn.execute(
         "select %s::timestamptz = %s", (emitted["w:e1"]["delivered_at"], first_delivered)
     ).fetchone() == (True,)
-    assert event_rows(conn, schema, "r1")[0]["delivered_at"] == first_delivered
+    # the run's cursor moved again: an event's delivered_at is its run's last delivery (the
+    # cursor keeps no time per event), so it moved with it, while the engine kept the first
+    assert event_rows(conn, schema, "r1")[0]["delivered_at"] > first_delivered
     notes = inbox.received()
     delivered = [json.loads(p) for c, p in notes if c == f"{schema}_terminal"]
     assert delivered == [
@@ -908,30 +898,17 @@ def test_prune_deletes_only_old_delivered_and_skipped_events(
     for i in range(4):
         enq(conn, schema, "r1", f"e{i}")
     enq(conn, schema, "r2", "f1")
+    enq(conn, schema, "r3", "g1")
     got = claim(conn, schema)
     ack(conn, schema, ("r1", token(got, "r1"), 2))  # e0, e1 delivered
     call(conn, schema, "fail_event", "r2", token(got, "r2"), 1, 400, "bad")
-    events = fn(schema, "events")
-    # Age the rows (the retention clock is done_at / failed_at) and mark e2 skipped.
-    conn.execute(
-        sql.SQL("update {} set done_at = done_at - interval '2 days' where event_id = 'e0'").format(
-            events
-        )
-    )
+    call(conn, schema, "fail_event", "r3", token(got, "r3"), 1, 400, "bad")
+    call(conn, schema, "skip_event", "g1", "op", "not needed")
+    # Age every event but e1 (the retention clock is the enqueue time, schema version 7).
     conn.execute(
         sql.SQL(
-            "update {} set state = 'skipped', done_at = clock_timestamp() - interval '2 days',"
-            " skipped_by = 'op' where event_id = 'e2'"
-        ).format(events)
-    )
-    conn.execute(
-        sql.SQL(
-            "update {} set failed_at = failed_at - interval '2 days',"
-            " created_at = created_at - interval '2 days' where event_id = 'f1'"
-        ).format(events)
-    )
-    conn.execute(
-        sql.SQL("update {} set created_at = created_at - interval '2 days'").format(events)
+            "update {} set created_at = created_at - interval '2 days' where event_id <> 'e1'"
+        ).format(fn(schema, "outbox"))
     )
 
     assert call(conn, schema, "prune", "1 day", 1) == [(1,)]  # at most p_limit
@@ -939,10 +916,10 @@ def test_prune_deletes_only_old_delivered_and_skipped_events(
     assert call(conn, schema, "prune", "1 day", 100) == [(0,)]
 
     remaining = {
-        e["event_id"]: e["state"] for r in ("r1", "r2") for e in event_rows(conn, schema, r)
+        e["event_id"]: e["state"] for r in ("r1", "r2", "r3") for e in event_rows(conn, schema, r)
     }
     # young delivered, pending and failed (until an operator acts) are kept
-    assert remaining == {"e1": "delivered", "e3": "pending", "f1": "failed"}
+    assert remaining == {"e1": "delivered", "e2": "pending", "e3": "pending", "f1": "failed"}
 
 
 def test_prune_keeps_seqs_and_epochs_monotonic_per_run(
@@ -962,7 +939,9 @@ def test_prune_keeps_seqs_and_epochs_monotonic_per_run(
     assert [run_row(conn, schema, r)["epoch"] for r in ("open", "done")] == [2, 3]
     assert run_row(conn, schema, "open")["idle"] is True
     conn.execute(
-        sql.SQL("update {} set done_at = done_at - interval '2 days'").format(fn(schema, "events"))
+        sql.SQL("update {} set created_at = created_at - interval '2 days'").format(
+            fn(schema, "outbox")
+        )
     )
     conn.execute(
         sql.SQL("update {} set updated_at = updated_at - interval '2 days'").format(
@@ -1006,16 +985,15 @@ def _backlog(conn: psycopg.Connection[Any], schema: str, n: int) -> None:
            from generate_series(1, %(n)s) g,
                 (select clock_timestamp() + interval '1 hour' as until) t""",
         "insert into {s}.run_seqs (run_id, last_seq) select run_id, 1 from {s}.runs",
-        """insert into {s}.events (run_id, seq, event_id, event_type, payload, terminal, state,
-                                  done_at, delivered_at)
-           select r.run_id, 1, 'ev-' || r.run_id, 't', '{{}}',
-                  r.run_id in ('due17', 'due4242'),
-                  case when r.idle then 'delivered' else 'pending' end,
-                  case when r.idle then clock_timestamp() end,
-                  case when r.idle then clock_timestamp() end
+        """insert into {s}.outbox (run_id, seq, event_id, event_type, payload, terminal)
+           select r.run_id, 1, 'ev-' || r.run_id, 't', '{{}}', r.run_id in ('due17', 'due4242')
            from {s}.runs r""",
+        # the idle runs' one event is delivered: their cursors are past it
+        "update {s}.runs set delivered_seq = 1, delivered_at = clock_timestamp() where idle",
+        """insert into {s}.pending_terminals (run_id, seq, created_at)
+           select run_id, seq, created_at from {s}.outbox where terminal""",
         "analyze {s}.runs",
-        "analyze {s}.events",
+        "analyze {s}.outbox",
     ]
     for statement in statements:
         query = sql.SQL(statement).format(s=sql.Identifier(schema))
@@ -1036,25 +1014,28 @@ def test_claim_is_index_backed_whatever_the_backlog(
     got, delta = _claim_scans(conn, schema, "ordinary")
     assert set(got) == {f"due{i}" for i in range(1, 6)}  # the five longest due
     assert delta["runs"][0] == 0, delta  # no sequential scan of runs
-    assert delta["events"][0] == 0, delta  # nor of events
+    assert delta["outbox"][0] == 0, delta  # nor of the events
     assert delta["runs_due"][0] >= 1, delta
     assert delta["runs_due"][1] <= 10, delta  # reads what it takes, not the backlog
 
     got, delta = _claim_scans(conn, schema, "critical")
     assert set(got) == {"due17", "due4242"}
     assert delta["runs"][0] == 0, delta
-    assert delta["events"][0] == 0, delta
-    assert delta["events_pending_terminal"][0] >= 1, delta
-    assert delta["events_pending_terminal"][1] <= 10, delta
+    assert delta["outbox"][0] == 0, delta
+    # pending_terminals holds only the critical backlog (two rows here, scanned whole; through
+    # pending_terminals_created_at when it is large): nothing of the ordinary backlog is read
+    read = delta["pending_terminals"][1] + delta["pending_terminals_created_at"][1]
+    assert 1 <= read <= 10, delta
 
     # The same through the planner: EXPLAIN of the ordinary pick as installed.
     src = conn.execute(
-        "select prosrc from pg_proc where proname = 'claim' and pronamespace = %s::regnamespace",
+        "select prosrc from pg_proc where proname = 'pick_ordinary'"
+        " and pronamespace = %s::regnamespace",
         (schema,),
     ).fetchone()
     assert src is not None
-    found = re.search(r"ordinary_picked as \((.*?)\n\s*\), ordinary_all", src[0], flags=re.S)
-    assert found, "the ordinary pick of claim() is not where this test looks for it"
+    found = re.search(r"\), due as \((.*?)\n\s*\)\n", src[0], flags=re.S)
+    assert found, "the ordinary pick (pick_ordinary) is not where this test looks for it"
     query = (
         found.group(1)
         .replace("p_run_id", "null::text")
@@ -1079,15 +1060,12 @@ def test_claim_is_index_backed_whatever_the_backlog(
     assert not any(n["Node Type"] in ("Seq Scan", "Sort", "Bitmap Heap Scan") for n in nodes), nodes
 
     # A dead owner's runs (issue 18) are found through runs_leased, not by scanning runs.
-    found = re.search(r"dead_picked as \((.*?)\n\s*\), ordinary_picked", src[0], flags=re.S)
-    assert found, "the dead owners' pick of claim() is not where this test looks for it"
+    found = re.search(r"dead_owners_runs as \((.*?)\n\s*\), due as", src[0], flags=re.S)
+    assert found, "the dead owners' pick (pick_ordinary) is not where this test looks for it"
     query = (
         found.group(1)
-        .split("\n", 1)[1]  # past the comment line
-        .replace("p_run_id", "null::text")
-        .replace("p_lane", "'ordinary'")
         .replace("p_runs", "5")
-        .replace("v_dead", "array['gone']::text[]")
+        .replace("p_dead", "array['gone']::text[]")
     )
     with conn.transaction():
         conn.execute(
@@ -1118,8 +1096,8 @@ def test_the_ack_is_index_backed_whatever_the_backlog(
             (r, "acked", 1) for r, _, _ in batches
         ]
         assert delta["runs"][0] == 0, delta  # no sequential scan of runs
-        assert delta["events"][0] == 0, delta  # nor of events
-        read = sum(tuples for name, (_, tuples) in delta.items() if name not in ("runs", "events"))
+        assert delta["outbox"][0] == 0, delta  # nor of the events
+        read = sum(tuples for name, (_, tuples) in delta.items() if name not in ("runs", "outbox"))
         assert read <= 10 * size, delta  # reads the batches' rows, not the backlog
     for name in ("claim", "ack"):  # the claim's pick is index-backed too (the test above)
         config = conn.execute(
@@ -1140,6 +1118,6 @@ def test_a_dead_owners_runs_are_claimed_through_runs_leased_on_the_functions_own
     got, delta = _claim_scans(conn, schema, "ordinary")
     assert len(got) == 5 and all(r.startswith("leased") for r in got), sorted(got)
     assert delta["runs"][0] == 0, delta  # no sequential scan of runs
-    assert delta["events"][0] == 0, delta
+    assert delta["outbox"][0] == 0, delta
     assert delta["runs_leased"][0] >= 1, delta
     assert delta["runs_due"][1] <= 10, delta  # not a walk past every due run to the leased ones
