@@ -50,8 +50,10 @@ as $$ select value from settings where key = p_key $$;
 -- a serialization error rather than with a duplicate seq.
 -- Only a contended lock waits, bounded by a transaction-local lock_timeout put back afterwards
 -- (nothing leaks into the caller's transaction or through a transaction-mode pooler). The
--- uncontended path has no exception block: a row lock taken inside one would give every
--- enqueue a subtransaction id.
+-- uncontended path has no exception block: a row written or locked inside one would give every
+-- enqueue a subtransaction id. So the wait for a run that another open transaction is creating
+-- (its first event) ends in PostgreSQL's own lock-timeout error; the wait for a run another
+-- transaction is writing, in this function's message. Both are SQLSTATE 55P03: retry.
 create or replace function lock_run_for_enqueue(p_run_id text) returns bigint
 language plpgsql volatile
 set search_path from current
@@ -60,20 +62,22 @@ declare
     v_old_timeout text;
     v_seq bigint;
 begin
-    insert into run_seqs (run_id, last_seq) values (p_run_id, 0) on conflict (run_id) do nothing;
+    perform 1 from run_seqs s where s.run_id = p_run_id for update skip locked;
     if not found then
-        perform 1 from run_seqs where run_id = p_run_id for update skip locked;
+        -- A new run, or one another transaction holds (or is creating).
+        v_old_timeout := current_setting('lock_timeout');
+        perform set_config('lock_timeout', setting('enqueue_lock_timeout'), true);
+        insert into run_seqs (run_id, last_seq) values (p_run_id, 0)
+        on conflict (run_id) do nothing;
         if not found then
-            v_old_timeout := current_setting('lock_timeout');
-            perform set_config('lock_timeout', setting('enqueue_lock_timeout'), true);
             begin
-                perform 1 from run_seqs where run_id = p_run_id for update;
+                perform 1 from run_seqs s where s.run_id = p_run_id for update;
             exception when lock_not_available then
                 raise exception 'relay.enqueue: timed out after % waiting for another transaction writing run %; retry',
                     setting('enqueue_lock_timeout'), p_run_id using errcode = '55P03';
             end;
-            perform set_config('lock_timeout', v_old_timeout, true);
         end if;
+        perform set_config('lock_timeout', v_old_timeout, true);
     end if;
     select greatest(s.last_seq, coalesce((select max(o.seq) from outbox o
                                           where o.run_id = p_run_id), 0)) + 1

@@ -462,8 +462,10 @@ def test_waiting_for_the_run_lock_times_out_with_a_retryable_error(
         # lock_timeout is longer than the guard, so only the function's bound can fire.
         waiter.execute("set statement_timeout = '20s'")
         waiter.commit()
+        assert enq(holder, schema, "r1", "first") == 1
+        holder.commit()
         with holder.transaction():
-            assert enq(holder, schema, "r1", "held") == 1
+            assert enq(holder, schema, "r1", "held") == 2
             with waiter.transaction():
                 waiter.execute("set local lock_timeout = '30s'")
                 with pytest.raises(errors.LockNotAvailable) as err, waiter.transaction():
@@ -481,7 +483,21 @@ def test_waiting_for_the_run_lock_times_out_with_a_retryable_error(
                 assert enq(waiter, schema, "r2", "free") == 1
         # the holder committed: the retry succeeds with the next seq
         with waiter.transaction():
-            assert enq(waiter, schema, "r1", "late") == 2
+            assert enq(waiter, schema, "r1", "late") == 3
+        # A run another transaction is creating (its first event, not committed yet): the same
+        # bound and SQLSTATE, in PostgreSQL's words (lock_run_for_enqueue says why).
+        with holder.transaction():
+            assert enq(holder, schema, "new", "held-new") == 1
+            with waiter.transaction():
+                waiter.execute("set local lock_timeout = '30s'")
+                with pytest.raises(errors.LockNotAvailable) as err, waiter.transaction():
+                    enq(waiter, schema, "new", "late-new")
+                assert err.value.sqlstate == "55P03"
+                assert waiter.execute("select current_setting('lock_timeout')").fetchone() == (
+                    "30s",
+                )
+        with waiter.transaction():
+            assert enq(waiter, schema, "new", "late-new") == 2
 
 
 @pytest.mark.parametrize("caller", ["0", "1234ms", "session:4321ms"])

@@ -40,11 +40,15 @@ EXPECTED_TABLES = {
         "autovacuum_vacuum_scale_factor=0.02",
         "autovacuum_vacuum_cost_delay=0",
     ],
-    "events": [
+    # 0007_delivery_cursor: the version-6 `events` table, renamed (events is a view now)
+    "outbox": [
         "autovacuum_vacuum_scale_factor=0.02",
         "autovacuum_analyze_scale_factor=0.02",
         "autovacuum_vacuum_cost_delay=0",
     ],
+    "event_failures": None,
+    "event_skips": None,
+    "pending_terminals": None,
     "replicas": None,
     "schema_migrations": None,
     "schema_functions": None,
@@ -69,8 +73,14 @@ EXPECTED_COLUMNS = {
         ("last_error", "text", False),
         ("blocked_seq", "bigint", False),
         ("updated_at", "timestamp with time zone", True),
+        # 0007_delivery_cursor: the cursor, and the last failed attempt's status
+        ("delivered_seq", "bigint", True),
+        ("delivered_at", "timestamp with time zone", False),
+        ("last_status", "integer", False),
     ],
-    "events": [
+    # 0007_delivery_cursor: written once; the delivery columns moved to the run and to
+    # event_failures / event_skips
+    "outbox": [
         ("run_id", "text", True),
         ("seq", "bigint", True),
         ("event_id", "text", True),
@@ -81,22 +91,31 @@ EXPECTED_COLUMNS = {
         ("wake_event", "text", False),
         ("traceparent", "text", False),
         ("created_at", "timestamp with time zone", True),
-        ("state", "text", True),
+    ],
+    "event_failures": [
+        ("run_id", "text", True),
+        ("seq", "bigint", True),
         ("attempts", "integer", True),
-        ("delivered_at", "timestamp with time zone", False),
-        ("done_at", "timestamp with time zone", False),
         ("last_status", "integer", False),
         ("last_error", "text", False),
-        ("failed_at", "timestamp with time zone", False),
-        ("skipped_by", "text", False),
-        ("skip_reason", "text", False),
-        # 0002_ops: the audit trail of `relay retry`
+        ("failed_at", "timestamp with time zone", True),
         ("retried_by", "text", False),
+        ("retried_role", "text", False),
         ("retried_at", "timestamp with time zone", False),
         ("retries", "integer", True),
-        # 0004_operator_role: the login role beside the --by name
-        ("retried_role", "text", False),
+    ],
+    "event_skips": [
+        ("run_id", "text", True),
+        ("seq", "bigint", True),
+        ("skipped_by", "text", True),
         ("skipped_role", "text", False),
+        ("skip_reason", "text", True),
+        ("skipped_at", "timestamp with time zone", True),
+    ],
+    "pending_terminals": [
+        ("run_id", "text", True),
+        ("seq", "bigint", True),
+        ("created_at", "timestamp with time zone", True),
     ],
     # 0003_replicas: replica liveness (issue 18)
     "replicas": [
@@ -135,17 +154,20 @@ EXPECTED_INDEXES = {
     "runs_idle": "CREATE INDEX runs_idle ON S.runs USING btree (updated_at) WHERE idle",
     "runs_leased": "CREATE INDEX runs_leased ON S.runs USING btree (lease_owner)"
     " WHERE (lease_owner IS NOT NULL)",
-    "events_pkey": "CREATE UNIQUE INDEX events_pkey ON S.events USING btree (run_id, seq)",
-    "events_event_id_key": "CREATE UNIQUE INDEX events_event_id_key ON S.events"
+    "outbox_pkey": "CREATE UNIQUE INDEX outbox_pkey ON S.outbox USING btree (run_id, seq)",
+    "outbox_event_id_key": "CREATE UNIQUE INDEX outbox_event_id_key ON S.outbox"
     " USING btree (event_id)",
-    "events_pending": "CREATE INDEX events_pending ON S.events USING btree (run_id, seq)"
-    " WHERE (state = 'pending'::text)",
-    "events_pending_terminal": "CREATE INDEX events_pending_terminal ON S.events"
-    " USING btree (created_at) WHERE (terminal AND (state = 'pending'::text))",
-    "events_done": "CREATE INDEX events_done ON S.events USING btree (done_at)"
-    " WHERE (done_at IS NOT NULL)",
-    "events_failed": "CREATE INDEX events_failed ON S.events USING btree (failed_at)"
-    " WHERE (state = 'failed'::text)",
+    "outbox_created_at": "CREATE INDEX outbox_created_at ON S.outbox USING btree (created_at)",
+    "event_failures_pkey": "CREATE UNIQUE INDEX event_failures_pkey ON S.event_failures"
+    " USING btree (run_id, seq)",
+    "event_failures_failed_at": "CREATE INDEX event_failures_failed_at ON S.event_failures"
+    " USING btree (failed_at)",
+    "event_skips_pkey": "CREATE UNIQUE INDEX event_skips_pkey ON S.event_skips"
+    " USING btree (run_id, seq)",
+    "pending_terminals_pkey": "CREATE UNIQUE INDEX pending_terminals_pkey"
+    " ON S.pending_terminals USING btree (run_id)",
+    "pending_terminals_created_at": "CREATE INDEX pending_terminals_created_at"
+    " ON S.pending_terminals USING btree (created_at)",
     "replicas_pkey": "CREATE UNIQUE INDEX replicas_pkey ON S.replicas USING btree (owner)",
     "schema_migrations_pkey": "CREATE UNIQUE INDEX schema_migrations_pkey"
     " ON S.schema_migrations USING btree (version)",
@@ -156,8 +178,6 @@ EXPECTED_INDEXES = {
 # name -> identity arguments: the SQL API producers and the relay are written against. Other
 # shipped functions (operator tools) may exist too: every installed function must be shipped.
 EXPECTED_FUNCTIONS = {
-    "run_lock_key": "p_run_id text",
-    "run_lock_keys": "p_run_ids text[]",
     "liveness_key": "p_owner text",
     "hold_liveness": "p_owner text, p_incarnation text",
     "terminal_channel": "",
@@ -166,16 +186,29 @@ EXPECTED_FUNCTIONS = {
     " p_terminal boolean, p_wake_queue text, p_wake_event text, p_traceparent text",
     "exists_absurd_queue": "p_queue text",
     "enqueue_many": "p_run_id text, p_events jsonb",
+    "lock_run_for_enqueue": "p_run_id text",
+    "has_pending": "p_run_id text, p_cursor bigint",
     "settle_run": "p_run_id text",
+    "dead_owners": "p_owner text",
+    "pick_run": "p_run_id text, p_dead text[]",
+    "pick_critical": "p_runs integer, p_dead text[]",
+    "pick_ordinary": "p_runs integer, p_dead text[]",
     "claim": "p_owner text, p_runs integer, p_batch integer, p_ttl interval, p_lane text,"
     " p_run_id text, p_max_bytes bigint",
+    "claimed_prefixes": "p_taken text[], p_reclaimed text[], p_empty text[], p_batch integer,"
+    " p_max_bytes bigint, p_now timestamp with time zone",
     "renew": "p_run_ids text[], p_tokens uuid[], p_ttl interval",
     "release": "p_run_id text, p_token uuid, p_delay interval, p_error text, p_status integer,"
     " p_first_seq bigint, p_last_seq bigint",
     "fail_event": "p_run_id text, p_token uuid, p_seq bigint, p_status integer, p_error text",
     "block_event": "p_run_id text, p_seq bigint, p_status integer, p_error text",
     "ack": "p_batches jsonb",
+    "ack_round": "p_i bigint[], p_runs text[], p_tokens uuid[], p_upto bigint[],"
+    " p_keep boolean[]",
+    "emit_wakes": "p_run_id text, p_from bigint, p_upto bigint, p_now timestamp with time zone",
+    "delivered_note": "p_run_id text, p_last_seq bigint, p_event_ids text[]",
     "prune": "p_retention interval, p_limit integer",
+    "forget_finished_runs": "p_retention interval, p_limit integer",
     # functions_ops.sql: the operator tools
     "unblock_run": "p_run_id text",
     "check_operator": "p_fn text, p_by text",
@@ -294,7 +327,8 @@ def assert_current_schema(conn: psycopg.Connection[Any], schema: str) -> None:
     assert {name: got["functions"].get(name) for name in EXPECTED_FUNCTIONS} == EXPECTED_FUNCTIONS
     # every shipped function is installed, and nothing else
     assert set(got["functions"]) == shipped_function_names()
-    assert got["other"] == []
+    # 0007_delivery_cursor: `events` is a view of the outbox with each event's state
+    assert got["other"] == [("events", "v")]
     versions = rows(
         conn,
         sql.SQL("select version, name, checksum from {} order by version").format(
