@@ -3,36 +3,33 @@
 -- functions*.sql by `relay migrate`, search_path pinned like functions.sql.
 
 -- Pending work per lane, and the blocked runs. One row per lane:
---   'critical'  runs with a pending terminal event (as claim() finds them through
---               events_pending_terminal)
+--   'critical'  runs whose terminal event is not delivered yet (pending_terminals, where claim()
+--               finds them)
 --   'ordinary'  every other active run
 --   'blocked'   runs whose head failed and wait for an operator (their pending events count in
 --               neither lane, so the lanes' oldest age measures delay the relay can act on)
 -- runs = runs with pending events, events = their pending events, oldest_age_seconds = age of
 -- the oldest pending event on the database clock, 0 when none. For 'blocked': the blocked runs,
 -- their failed events, and the age of the oldest failure.
--- Cost: one pass over the pending events (events_pending, or a scan when most events are pending)
--- joined to their runs: proportional to the pending backlog, and bounded by the caller's
--- statement_timeout. The relay spaces its refreshes by at least 20 times the last one's duration
--- (relay/health.py), so a large backlog cannot make the gauges a load of their own.
+-- Cost: two probes of the outbox's primary key per active run (a run's seqs are contiguous, so
+-- its pending events are its last seq less its cursor, and the oldest is the one after the
+-- cursor), through runs_due: proportional to the active runs, not to their events, and bounded
+-- by the caller's statement_timeout. The relay spaces its refreshes by at least 20 times the
+-- last one's duration (relay/health.py), so a large backlog cannot make the gauges a load of
+-- their own. The blocked runs are found through their failures (event_failures).
 create or replace function backlog()
 returns table (lane text, runs bigint, events bigint, oldest_age_seconds double precision)
 language sql volatile
 set search_path from current
 security definer
 as $$
-    with per_run as (
-        -- One pass over the pending events (issue 16: a probe of run_seqs and of events per
-        -- active run cost ~0.4 s of a database core per refresh at 20k runs); a run is critical
-        -- when its terminal event is pending, and only one event of a run can be terminal.
-        select e.run_id, count(*) as n, min(e.created_at) as oldest,
-               bool_or(e.terminal) as critical
-        from events e
-        where e.state = 'pending'
-        group by e.run_id
-    ), per_run_active as (
-        select p.critical, p.n, p.oldest
-        from per_run p join runs r on r.run_id = p.run_id
+    with per_run_active as (
+        select t.run_id is not null as critical,
+               (select max(o.seq) from outbox o where o.run_id = r.run_id) - r.delivered_seq as n,
+               h.created_at as oldest
+        from runs r
+        join outbox h on h.run_id = r.run_id and h.seq = r.delivered_seq + 1
+        left join pending_terminals t on t.run_id = r.run_id
         where not r.idle and r.blocked_seq is null
     ), lanes as (
         select l.lane, count(pr.n) as runs, coalesce(sum(pr.n), 0)::bigint as events,
@@ -41,9 +38,9 @@ as $$
         left join per_run_active pr on pr.critical = l.critical
         group by l.lane
     ), blocked as (
-        select 'blocked'::text as lane, count(distinct f.run_id) as runs,
-               count(*) as events, min(f.failed_at) as oldest
-        from events f where f.state = 'failed'
+        select 'blocked'::text as lane, count(*) as runs, count(*) as events,
+               min(f.failed_at) as oldest
+        from event_failures f join runs r on r.run_id = f.run_id and r.blocked_seq = f.seq
     )
     select x.lane, x.runs, x.events,
            coalesce(extract(epoch from clock_timestamp() - x.oldest), 0)::double precision
