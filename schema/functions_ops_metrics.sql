@@ -24,11 +24,15 @@ set search_path from current
 security definer
 as $$
     with per_run_active as (
-        select t.run_id is not null as critical,
-               (select max(o.seq) from outbox o where o.run_id = r.run_id) - r.delivered_seq as n,
-               h.created_at as oldest
+        select t.run_id is not null as critical, last.seq - r.delivered_seq as n,
+               head.created_at as oldest
         from runs r
-        join outbox h on h.run_id = r.run_id and h.seq = r.delivered_seq + 1
+        -- probes, not a join the planner may turn into a pass over the outbox's history
+        cross join lateral (select h.created_at from outbox h
+                            where h.run_id = r.run_id and h.seq > r.delivered_seq
+                            order by h.seq limit 1) head
+        cross join lateral (select l.seq from outbox l
+                            where l.run_id = r.run_id order by l.seq desc limit 1) last
         left join pending_terminals t on t.run_id = r.run_id
         where not r.idle and r.blocked_seq is null
     ), lanes as (

@@ -146,13 +146,13 @@ def bulk_backlog(
         conn.execute(
             q(
                 schema,
-                "insert into {s}.events (run_id, seq, event_id, event_type, payload)"
+                "insert into {s}.outbox (run_id, seq, event_id, event_type, payload)"
                 " select %s || r, i, %s || r || '-' || i, 'step', jsonb_build_object('i', i)"
                 " from generate_series(1, %s) r, generate_series(1, %s) i",
             ),
             (prefix, prefix, runs, per_run),
         )
-    conn.execute(q(schema, "analyze {s}.events, {s}.runs"))
+    conn.execute(q(schema, "analyze {s}.outbox, {s}.runs"))
     return runs * per_run
 
 

@@ -252,10 +252,18 @@ def assert_resumed_by_ack(
     assert state == "completed"
     event = result["event"]
     assert event["event_id"] == f"{run_id}-created" and event["run_id"] == run_id
-    # The payload is the ack's: delivered_at is the outbox row's, on the database clock.
+    # The payload is the ack's, on the database clock: the event's delivered_at is its run's
+    # last delivery (schema version 7 keeps no time per event), so the wake's is at or before
+    # it, and after the event was enqueued.
     assert conn.execute(
-        "select %s::timestamptz = %s::timestamptz",
-        (event["delivered_at"], delivered_at(conn, schema, f"{run_id}-created")),
+        "select %s::timestamptz <= %s::timestamptz and %s::timestamptz > e.created_at"
+        f" from {schema}.events e where e.event_id = %s",
+        (
+            event["delivered_at"],
+            delivered_at(conn, schema, f"{run_id}-created"),
+            event["delivered_at"],
+            f"{run_id}-created",
+        ),
     ).fetchone() == (True,)
 
 
