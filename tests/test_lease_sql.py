@@ -1062,11 +1062,7 @@ def test_claim_is_index_backed_whatever_the_backlog(
     # A dead owner's runs (issue 18) are found through runs_leased, not by scanning runs.
     found = re.search(r"dead_owners_runs as \((.*?)\n\s*\), due as", src[0], flags=re.S)
     assert found, "the dead owners' pick (pick_ordinary) is not where this test looks for it"
-    query = (
-        found.group(1)
-        .replace("p_runs", "5")
-        .replace("p_dead", "array['gone']::text[]")
-    )
+    query = found.group(1).replace("p_runs", "5").replace("p_dead", "array['gone']::text[]")
     with conn.transaction():
         conn.execute(
             sql.SQL("set local search_path = {}, pg_catalog").format(sql.Identifier(schema))

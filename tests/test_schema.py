@@ -203,8 +203,7 @@ EXPECTED_FUNCTIONS = {
     "fail_event": "p_run_id text, p_token uuid, p_seq bigint, p_status integer, p_error text",
     "block_event": "p_run_id text, p_seq bigint, p_status integer, p_error text",
     "ack": "p_batches jsonb",
-    "ack_round": "p_i bigint[], p_runs text[], p_tokens uuid[], p_upto bigint[],"
-    " p_keep boolean[]",
+    "ack_round": "p_i bigint[], p_runs text[], p_tokens uuid[], p_upto bigint[], p_keep boolean[]",
     "emit_wakes": "p_run_id text, p_from bigint, p_upto bigint, p_now timestamp with time zone",
     "delivered_note": "p_run_id text, p_last_seq bigint, p_event_ids text[]",
     "prune": "p_retention interval, p_limit integer",

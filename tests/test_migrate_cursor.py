@@ -1,0 +1,202 @@
+"""Migration 0007 (issue 28, schema version 7: the delivery cursor) moves a live database of the
+previous release in place. The previous release (tests/upgrade/PREVIOUS_RELEASE, built from git
+history) makes the schema and, through its own functions, a history of many runs in every
+state: delivered, pending, failed (blocked), failed then skipped, failed then retried, pending
+and delivered terminal events, and delivered events its retention removed. Then this release's
+`relay migrate`:
+- every event keeps its state (the `events` view computes it from the cursor now), and the
+  failed and skipped events keep their history (status, error, attempts, who retried or skipped
+  and why);
+- pending events keep their order and are claimed after the migration, exactly those, in seq
+  order; the critical lane finds the runs with a pending terminal event;
+- a run whose events retention removed goes on numbering after its last seq.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from relay.migrate import code_version, migrate
+from tests.faults.harness import relay_env
+from tests.upgrade import Previous, Unavailable, previous_release
+
+# the columns of an event whose value a migration must keep, as the previous release shows them
+KEPT = (
+    "run_id, seq, event_id, event_type, payload, terminal, wake_queue, wake_event, traceparent,"
+    " created_at, state, last_status, last_error, skipped_by, skip_reason, retried_by, retries"
+)
+
+
+@pytest.fixture(scope="module")
+def previous(request: pytest.FixtureRequest) -> Previous:
+    try:
+        return previous_release(Path(request.config.rootpath))
+    except Unavailable as exc:
+        pytest.skip(f"the previous release could not be built here: {exc}")
+
+
+@pytest.fixture
+def old_schema(pg_url: str, previous: Previous) -> Any:
+    name = "mig_cursor"
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("drop schema if exists {} cascade").format(sql.Identifier(name)))
+    env = relay_env(pg_url, name, "http://unused")
+    env.pop("PYTHONPATH", None)  # the previous release's own package, not this checkout's
+    subprocess.run([*previous.command, "migrate"], env=env, check=True, capture_output=True,
+                   cwd="/", timeout=120)  # fmt: skip
+    yield name
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("drop schema if exists {} cascade").format(sql.Identifier(name)))
+
+
+class Old:
+    """The previous release's SQL API on one connection (autocommit: each call commits)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], schema: str) -> None:
+        self.conn = conn
+        self.schema = schema
+
+    def call(self, fn: str, *args: Any) -> list[tuple[Any, ...]]:
+        marks = sql.SQL(", ").join(sql.Placeholder() * len(args))
+        query = sql.SQL("select * from {}.{}({})").format(
+            sql.Identifier(self.schema), sql.Identifier(fn), marks
+        )
+        return self.conn.execute(query, args).fetchall()
+
+    def enqueue(self, run: str, n: int, *, terminal: bool = False) -> None:
+        for i in range(1, n + 1):
+            last = terminal and i == n
+            self.call("enqueue", run, f"{run}-{i}", "step", json.dumps({"i": i}), last)
+
+    def claim_run(self, run: str) -> str:
+        rows = self.call("claim", "old-relay", 1, 100, "30 seconds", "ordinary", run)
+        assert rows, f"the previous release claimed nothing of {run}"
+        return str(rows[0][2])
+
+    def ack(self, run: str, token: str, upto: int) -> None:
+        got = self.call("ack", json.dumps([{"run_id": run, "token": token, "upto": upto}]))
+        assert got[0][1] == "acked", got
+
+    def fail(self, run: str, token: str, seq: int) -> None:
+        assert self.call("fail_event", run, token, seq, 422, f"poison {run}") == [(True,)]
+
+
+def make_history(old: Old) -> dict[str, str]:
+    """Runs in every state the previous release can leave them in; returns run -> what it is."""
+    kinds: dict[str, str] = {}
+    for r in range(12):  # delivered 1-3, pending 4-5
+        run = f"partial-{r}"
+        old.enqueue(run, 5)
+        old.ack(run, old.claim_run(run), 3)
+        kinds[run] = "partial"
+    for r in range(4):  # delivered 1, failed 2 (blocked), pending 3
+        run = f"failed-{r}"
+        old.enqueue(run, 3)
+        token = old.claim_run(run)
+        old.ack(run, token, 1)
+        token = old.claim_run(run)
+        old.fail(run, token, 2)
+        kinds[run] = "failed"
+    for r in range(4):  # delivered 1, failed then skipped 2, pending 3
+        run = f"skipped-{r}"
+        old.enqueue(run, 3)
+        old.ack(run, old.claim_run(run), 1)
+        old.fail(run, old.claim_run(run), 2)
+        old.call("skip_event", f"{run}-2", "alice", f"not needed in {run}")
+        kinds[run] = "skipped"
+    for r in range(3):  # failed 1 then retried: pending 1-2 with a retry on record
+        run = f"retried-{r}"
+        old.enqueue(run, 2)
+        old.fail(run, old.claim_run(run), 1)
+        old.call("retry_event", f"{run}-1", "bob")
+        kinds[run] = "retried"
+    for r in range(3):  # a pending terminal event: critical
+        run = f"critical-{r}"
+        old.enqueue(run, 3, terminal=True)
+        old.ack(run, old.claim_run(run), 1)
+        kinds[run] = "critical"
+    for r in range(3):  # finished: everything delivered
+        run = f"finished-{r}"
+        old.enqueue(run, 2, terminal=True)
+        old.ack(run, old.claim_run(run), 2)
+        kinds[run] = "finished"
+    for r in range(3):  # delivered, then removed by retention: only the seq counter is left
+        run = f"pruned-{r}"
+        old.enqueue(run, 4)
+        old.ack(run, old.claim_run(run), 4)
+        kinds[run] = "pruned"
+    old.conn.execute(
+        sql.SQL(
+            "update {}.events set done_at = done_at - interval '2 days'"
+            " where run_id like 'pruned-%%'"
+        ).format(sql.Identifier(old.schema))
+    )
+    assert old.call("prune", "1 day", 1000) == [(12,)]
+    return kinds
+
+
+def events(conn: psycopg.Connection[Any], schema: str) -> list[tuple[Any, ...]]:
+    return conn.execute(
+        sql.SQL("select " + KEPT + " from {}.events order by run_id, seq").format(  # type: ignore[operator]
+            sql.Identifier(schema)
+        )
+    ).fetchall()
+
+
+def test_a_live_database_of_the_previous_release_is_moved_in_place(
+    pg_url: str, old_schema: str
+) -> None:
+    schema = old_schema
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        old = Old(conn, schema)
+        kinds = make_history(old)
+        before = events(conn, schema)
+        states = {(e[0], e[1]): e[10] for e in before}
+        assert set(states.values()) == {"delivered", "pending", "failed", "skipped"}
+
+        result = migrate(pg_url, schema)
+        assert 7 in result.applied and result.version == code_version()
+
+        # 1. every event as it was: state and history
+        assert events(conn, schema) == before
+        skipped = conn.execute(
+            sql.SQL(
+                "select run_id, seq, skipped_by, skip_reason from {}.event_skips order by run_id"
+            ).format(sql.Identifier(schema))
+        ).fetchall()
+        assert skipped == [
+            (f"skipped-{r}", 2, "alice", f"not needed in skipped-{r}") for r in range(4)
+        ]
+        failed = conn.execute(
+            sql.SQL(
+                "select f.run_id, f.seq, f.last_status, f.last_error, r.blocked_seq"
+                " from {0}.event_failures f join {0}.runs r using (run_id)"
+                " where r.blocked_seq is not null order by f.run_id"
+            ).format(sql.Identifier(schema))
+        ).fetchall()
+        assert failed == [(f"failed-{r}", 2, 422, f"poison failed-{r}", 2) for r in range(4)]
+
+        # 2. the pending events, and only those, are claimed after the migration, in order;
+        #    the critical lane first finds the runs with a pending terminal event
+        new = Old(conn, schema)  # this release's functions now, same signatures
+        critical = new.call("claim", "new-relay", 100, 100, "30 seconds", "critical")
+        assert {row[0] for row in critical} == {f"critical-{r}" for r in range(3)}
+        ordinary = new.call("claim", "new-relay", 100, 100, "30 seconds", "ordinary")
+        claimed: dict[str, list[int]] = {}
+        for row in critical + ordinary:
+            claimed.setdefault(row[0], []).append(row[6])
+        pending: dict[str, list[int]] = {}
+        for (run, seq), state in sorted(states.items()):
+            if state == "pending" and kinds[run] != "failed":  # a blocked run waits
+                pending.setdefault(run, []).append(seq)
+        assert claimed == pending
+
+        # 3. a run whose events retention removed numbers on after its last seq
+        assert new.call("enqueue", "pruned-0", "pruned-0-5", "step", "{}", False) == [(5,)]
