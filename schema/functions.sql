@@ -296,6 +296,33 @@ begin
 end
 $$;
 
+-- Inserts into the `events` view (schema version 7, migration 0007) go to the outbox. For a
+-- producer whose call of the previous release's enqueue was waiting for that migration's lock
+-- and resumed after the commit with `events` meaning this view: its insert goes to the outbox (the
+-- seq it took under its run's lock is right: its run_seqs update holds the row until it
+-- commits), and a terminal event enters pending_terminals, as enqueue does now. Nothing else
+-- inserts into the view.
+create or replace function events_insert() returns trigger
+language plpgsql
+set search_path from current
+as $$
+begin
+    insert into outbox (run_id, seq, event_id, event_type, payload, terminal, wake_queue,
+                        wake_event, traceparent, created_at)
+    values (new.run_id, new.seq, new.event_id, new.event_type, new.payload,
+            coalesce(new.terminal, false), new.wake_queue, new.wake_event, new.traceparent,
+            coalesce(new.created_at, clock_timestamp()));
+    if coalesce(new.terminal, false) then
+        insert into pending_terminals (run_id, seq, created_at)
+        values (new.run_id, new.seq, coalesce(new.created_at, clock_timestamp()));
+    end if;
+    return new;
+end
+$$;
+drop trigger if exists events_insert on events;
+create trigger events_insert instead of insert on events
+    for each row execute function events_insert();
+
 -- Relay API --------------------------------------------------------------------------------
 
 -- Whether the run has an event after its cursor (what "pending" means, DESIGN §4.5): one probe
