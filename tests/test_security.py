@@ -424,7 +424,11 @@ async def test_an_endless_answer_is_read_only_up_to_the_cap(
         )
         async with Relay(cfg).running():
             if state == "pending":
-                where = "state = 'pending' and attempts >= 1"
+                # a failed attempt, counted on the run (schema version 7)
+                where = (
+                    "state = 'pending' and exists (select 1 from {s}.runs r"
+                    " where r.run_id = events.run_id and r.attempts >= 1)"
+                )
             else:
                 where = f"state = '{state}'"
             await wait_for(lambda: count(conn, schema, where) == 1, what=state)

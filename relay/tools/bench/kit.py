@@ -154,7 +154,12 @@ def free_port() -> int:
 async def reset(env: Env) -> None:
     """Empty the outbox between repetitions (and the external sink's memory)."""
     async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
-        await conn.execute(env.q("truncate {s}.events, {s}.runs, {s}.run_seqs"))
+        await conn.execute(
+            env.q(
+                "truncate {s}.outbox, {s}.runs, {s}.run_seqs, {s}.event_failures,"
+                " {s}.event_skips, {s}.pending_terminals"
+            )
+        )
         await conn.execute(
             env.q("update {s}.settings set value = 'on' where key = 'notify_ordinary'")
         )
@@ -189,14 +194,14 @@ async def backlog(
             )
             await conn.execute(
                 env.q(
-                    "insert into {s}.events (run_id, seq, event_id, event_type, payload)"
+                    "insert into {s}.outbox (run_id, seq, event_id, event_type, payload)"
                     " select %s || r, i, %s || r || '-' || i, 'step',"
                     " jsonb_build_object('run', %s || r, 'step', i, 'note', 'benchmark event')"
                     " from generate_series(1, %s) r, generate_series(1, %s) i"
                 ),
                 (prefix, prefix, prefix, runs, per_run),
             )
-            await conn.execute(env.q("analyze {s}.events, {s}.runs"))
+            await conn.execute(env.q("analyze {s}.outbox, {s}.runs"))
             if notify:
                 await conn.execute("select pg_notify('absurd_wake', 'bench')")
         return time.monotonic()
@@ -205,7 +210,12 @@ async def backlog(
 async def pending(env: Env) -> int:
     async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
         row = await (
-            await conn.execute(env.q("select count(*) from {s}.events where state = 'pending'"))
+            await conn.execute(
+                env.q(  # pending: after the run's cursor (schema version 7)
+                    "select count(*) from {s}.outbox o join {s}.runs r on r.run_id = o.run_id"
+                    " where o.seq > r.delivered_seq"
+                )
+            )
         ).fetchone()
     return int(row[0]) if row else 0
 

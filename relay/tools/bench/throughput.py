@@ -350,17 +350,20 @@ async def naive(env: Env, a: argparse.Namespace) -> Result:
         await reset(env)
         await backlog(env, 2000, a.e2e_per_run, "n", notify=False)
         done = 0
+        # pending: after the run's cursor (schema version 7); one event at a time under the
+        # run's row lock, the cursor moved past it
         select = env.q(
-            "select run_id, seq, event_id, event_type, payload::text, created_at"
-            " from {s}.events where state = 'pending' order by created_at, run_id, seq limit 100"
+            "select o.run_id, o.seq, o.event_id, o.event_type, o.payload::text, o.created_at"
+            " from {s}.outbox o join {s}.runs r on r.run_id = o.run_id"
+            " where o.seq > r.delivered_seq order by o.created_at, o.run_id, o.seq limit 100"
         )
         lock = env.q(
-            "select 1 from {s}.events where run_id = %s and seq = %s and state = 'pending'"
+            "select 1 from {s}.runs where run_id = %s and delivered_seq = %s - 1"
             " for update skip locked"
         )
         mark = env.q(
-            "update {s}.events set state = 'delivered', delivered_at = clock_timestamp(),"
-            " done_at = clock_timestamp() where run_id = %s and seq = %s"
+            "update {s}.runs set delivered_seq = %s, delivered_at = clock_timestamp()"
+            " where run_id = %s and delivered_seq = %s - 1"
         )
         async with (
             await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn,
@@ -400,7 +403,7 @@ async def naive(env: Env, a: argparse.Namespace) -> Result:
                             )
                             if r.status_code != 200:
                                 raise BenchFailed(f"naive: the sink answered {r.status_code}")
-                            await conn.execute(mark, (run_id, seq))
+                            await conn.execute(mark, (seq, run_id, seq))
                         done += 1
                     status.update(f"naive_eps: rep {rep + 1}/{a.reps}, {done} events")
                     await anyio.sleep(0.1)
