@@ -88,18 +88,22 @@ create table pending_terminals (
 );
 create index pending_terminals_created_at on pending_terminals (created_at);
 
--- The history the version-6 rows carry, before their columns go.
-insert into event_failures (run_id, seq, attempts, last_status, last_error, failed_at,
-                            retried_by, retried_role, retried_at, retries)
-select run_id, seq, attempts, last_status, last_error, coalesce(failed_at, created_at),
-       retried_by, retried_role, retried_at, retries
-from outbox
-where state = 'failed' or failed_at is not null or retries > 0;
-
+-- The history the version-6 rows carry, before their columns go (one pass over the events).
+with history as materialized (
+    select * from outbox
+    where state in ('failed', 'skipped') or failed_at is not null or retries > 0
+), failures as (
+    insert into event_failures (run_id, seq, attempts, last_status, last_error, failed_at,
+                                retried_by, retried_role, retried_at, retries)
+    select run_id, seq, attempts, last_status, last_error, coalesce(failed_at, created_at),
+           retried_by, retried_role, retried_at, retries
+    from history
+    where state = 'failed' or failed_at is not null or retries > 0
+)
 insert into event_skips (run_id, seq, skipped_by, skipped_role, skip_reason, skipped_at)
 select run_id, seq, coalesce(skipped_by, 'unknown'), skipped_role, coalesce(skip_reason, ''),
        coalesce(done_at, created_at)
-from outbox
+from history
 where state = 'skipped';
 
 insert into pending_terminals (run_id, seq, created_at)
@@ -109,18 +113,14 @@ where terminal and state in ('pending', 'failed');
 -- The cursor: everything below the run's first event that is not done. In version 6 the done
 -- events of a run are always a prefix (the ack takes a prefix, only a failed head is skipped),
 -- so this is exact. A run with nothing left to do gets its seq counter (retention may have
--- removed its events).
+-- removed its events). The cursor's last move is taken to be the run's last update: version 6's
+-- ack wrote updated_at as it released the run.
 update runs r
-set delivered_seq = c.cursor,
-    delivered_at = (select o.delivered_at from outbox o
-                    where o.run_id = c.run_id and o.seq = c.cursor)
-from (select x.run_id,
-             coalesce(least((select min(p.seq) from outbox p
-                             where p.run_id = x.run_id and p.state = 'pending'),
-                            x.blocked_seq) - 1,
-                      s.last_seq) as cursor
-      from runs x join run_seqs s on s.run_id = x.run_id) c
-where r.run_id = c.run_id and c.cursor > 0;
+set delivered_seq = coalesce(least((select min(p.seq) from outbox p
+                                    where p.run_id = r.run_id and p.state = 'pending'),
+                                   r.blocked_seq) - 1,
+                             (select s.last_seq from run_seqs s where s.run_id = r.run_id)),
+    delivered_at = r.updated_at;
 
 alter table outbox
     drop column state,
