@@ -835,10 +835,13 @@ declare
     v_locked text[];       -- ... whose run_seqs row lock this round holds
 begin
     -- 1. The fence. `upto` is held to the run's last event a producer committed: a cursor past
-    --    it would count events not yet written as delivered.
+    --    it would count events not yet written as delivered. (least() ignores a null: a batch
+    --    without `upto` would otherwise take the run's last event.)
     select array_agg(b.i order by b.run_id), array_agg(b.run_id order by b.run_id),
            array_agg(r.delivered_seq order by b.run_id),
-           array_agg(least(b.upto, (select max(o.seq) from outbox o where o.run_id = b.run_id))
+           array_agg(case when b.upto is null then r.delivered_seq  -- nothing named
+                          else least(b.upto, (select max(o.seq) from outbox o
+                                              where o.run_id = b.run_id)) end
                      order by b.run_id),
            array_agg(b.keep order by b.run_id)
     into f_i, f_runs, f_from, f_upto, f_keep

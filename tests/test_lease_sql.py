@@ -1117,3 +1117,25 @@ def test_a_dead_owners_runs_are_claimed_through_runs_leased_on_the_functions_own
     assert delta["outbox"][0] == 0, delta
     assert delta["runs_leased"][0] >= 1, delta
     assert delta["runs_due"][1] <= 10, delta  # not a walk past every due run to the leased ones
+
+
+def test_an_ack_never_moves_the_cursor_past_what_it_names_or_what_exists(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """The cursor (schema version 7) moves up to the batch's `upto`, held to the run's last
+    committed event: an `upto` beyond it, or none, cannot count events not yet written (or
+    not named) as delivered."""
+    for i in range(3):
+        enq(conn, schema, "r1", f"e{i}")
+    got = claim(conn, schema)
+    tok = token(got, "r1")
+    no_upto = call(conn, schema, "ack", json.dumps([{"run_id": "r1", "token": tok, "keep": True}]))
+    assert [(r[1], r[2]) for r in no_upto] == [("acked", 0)]
+    assert [e["state"] for e in event_rows(conn, schema, "r1")] == ["pending"] * 3
+    result = ack(conn, schema, ("r1", tok, 1_000_000))
+    assert [(r["status"], r["acked"], r["last_seq"]) for r in result] == [("acked", 3, 3)]
+    assert run_row(conn, schema, "r1")["delivered_seq"] == 3
+    # the next event, enqueued after that ack, is pending and claimed
+    enq(conn, schema, "r1", "e3")
+    assert [e["state"] for e in event_rows(conn, schema, "r1")][-1] == "pending"
+    assert seqs(claim(conn, schema), "r1") == [4]
