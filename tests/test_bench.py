@@ -51,6 +51,12 @@ KEYS = [
     "wal_retention_bytes_per_event",
     "wal_total_bytes_per_event",
     "wal_lean_bytes_per_event",
+    "enqueue_us_per_event_100",
+    "enqueue_us_per_event_16k",
+    "enqueue_16k_ratio",
+    "enqueue_100k_runs_done",
+    "enqueue_100k_runs_s",
+    "enqueue_100k_runs_eps",
 ]
 HAS_PGQUEUER = importlib.util.find_spec("pgqueuer") is not None
 HAS_NODE = shutil.which("node") is not None and shutil.which("npm") is not None
@@ -230,3 +236,28 @@ def test_the_httpx_path_may_not_fall_below_half_the_default() -> None:
     assert judged(5000.0) == (0.5, "met")
     assert judged(4999.0) == (0.5, "MISSED")  # rounded for the table, judged exactly
     assert judged(3300.0) == (0.33, "MISSED")  # docs/bench/latest.json's run before the fix
+
+
+def test_enqueue_scaling_is_judged() -> None:
+    """Issue 28: the per-event cost of 16,000 events of one run in one transaction at most
+    1.2 x that of 100; the 100,000-run transaction done (missed when it failed: "out of
+    shared memory" before version 7)."""
+    from relay.tools.bench.main import targets
+
+    def verdicts(metrics: dict[str, float]) -> dict[str, str]:
+        return {
+            t["target"].split(" (")[0]: t["verdict"]
+            for t in targets(metrics)
+            if "enqueue" in t["target"] or "runs" in t["target"]
+        }
+
+    flat = {"enqueue_16k_ratio": 1.12, "enqueue_100k_runs_done": 100_000}
+    assert verdicts(flat | {"enqueue_100k_runs_missing": 0}) == {
+        "enqueue_16k_ratio ≤ 1.2": "met",
+        "100,000 runs in one transaction: done": "met",
+    }
+    failed = {"enqueue_16k_ratio": 2.07, "enqueue_100k_runs_done": 0}
+    assert verdicts(failed | {"enqueue_100k_runs_missing": 100_000}) == {
+        "enqueue_16k_ratio ≤ 1.2": "MISSED",
+        "100,000 runs in one transaction: done": "MISSED",
+    }

@@ -47,6 +47,7 @@ from relay.producer import enqueue_async
 from relay.runner import Relay
 from relay.settings import redact_url
 from relay.tools.absurd import install_absurd
+from relay.tools.bench import enqueue_scaling as bench_enqueue_scaling
 from relay.tools.bench import latency as bench_latency
 from relay.tools.bench import throughput as bench_throughput
 from relay.tools.bench import wal as bench_wal
@@ -285,6 +286,7 @@ SCENARIOS: dict[str, Scenario] = {
         *bench_pgqueuer.SCENARIOS,
         *bench_latency.SCENARIOS,
         *bench_wal.SCENARIOS,
+        *bench_enqueue_scaling.SCENARIOS,
         Scenario(
             "wake",
             "ack-to-task-resumed latency: stock Absurd polling vs the wake listener",
@@ -327,7 +329,7 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
     """Each target (issues 6 and 16) that this run's metrics can judge: its measured ratio and
     verdict. `settings`: how a figure was run (the peers'), printed beside its target."""
     judged = _Judged(m, settings or {})
-    for family in (_throughput, _order, _one_event_runs, _latency, _costs):
+    for family in (_throughput, _order, _one_event_runs, _latency, _costs, _enqueue):
         family(judged)
     return judged.out
 
@@ -439,6 +441,19 @@ def _costs(j: _Judged) -> None:
             150,
             have <= 150,
         )
+
+
+def _enqueue(j: _Judged) -> None:
+    """Enqueue as one transaction grows (issue 28): flat per event; any number of runs."""
+    m, add, has = j.m, j.add, j.has
+    if has("enqueue_16k_ratio"):
+        r = m["enqueue_16k_ratio"]
+        how = j.settings.get("enqueue_16k_ratio", "16,000 / 100 events of one run")
+        add(f"enqueue_16k_ratio ≤ 1.2 (per event, {how})", r, 1.2, r <= 1.2)
+    if "enqueue_100k_runs_missing" in m:
+        done, missing = m.get("enqueue_100k_runs_done", 0), m["enqueue_100k_runs_missing"]
+        how = j.settings.get("enqueue_100k_runs_done", "100,000 runs in one transaction")
+        add(f"{how}: done", done, done + missing, missing == 0 and done > 0)
 
 
 # -- the shell ---------------------------------------------------------------------------------
