@@ -218,7 +218,12 @@ end
 $$;
 
 -- Inspect, part 1: the run's events in seq order (from p_from_seq, at most p_limit of them;
--- null = all), with their delivery history and audit trail. Primary-key range scan.
+-- null = all), with their delivery history and audit trail, read through the `events` view
+-- (0007_delivery_cursor.sql), the one definition of each event's state: filtered on one run,
+-- it is a range of the outbox's primary key with a probe of runs, event_failures and
+-- event_skips per event. Since schema version 7 `delivered_at` is the run's last delivery (the
+-- cursor keeps no time per event: "delivered at or before"), and `attempts` the failed attempts
+-- of the event (event_failures), the successful one not counted.
 create or replace function inspect_run(
     p_run_id text, p_from_seq bigint default 1, p_limit int default null
 ) returns table (
@@ -252,6 +257,14 @@ $$;
 -- database clock; never the token), epoch, backoff, block — and its event counts by state.
 -- A run whose rows were pruned after retention still has its seq counter: the row says so
 -- (run fields null, events_total 0).
+-- The counts come from the cursor, as the `events` view defines the states, not from a pass
+-- over the view: the events after the cursor are never pruned and their seqs are contiguous,
+-- so they are the run's highest seq less its cursor, one of them failed when the run is blocked
+-- and the others pending; the skipped ones are the run's event_skips still in the outbox; the
+-- rest of the outbox's events of the run are delivered. One count of the run's range of the
+-- primary key (events_total), a probe for its highest seq and blocked head.
+-- last_seq is the run's last seq: the highest in the outbox, or the floor run_seqs.last_seq
+-- that retention leaves when it removed them (schema version 7 no longer writes it per event).
 create or replace function inspect_run_summary(p_run_id text)
 returns table (
     run_id text, idle boolean, epoch bigint, lease_owner text, lease_expires_at timestamptz,
@@ -274,39 +287,172 @@ begin
         select p_run_id, r.idle, r.epoch, r.lease_owner, r.lease_expires_at,
                coalesce(r.lease_token is not null and r.lease_expires_at > v_now, false),
                r.next_attempt_at, r.attempts, r.last_error, r.blocked_seq,
-               (select b.event_id from events b
-                where b.run_id = p_run_id and b.seq = r.blocked_seq),
-               coalesce((select t.state = 'pending' from events t
-                         where t.run_id = p_run_id and t.seq = s.terminal_seq), false),
-               r.updated_at, s.last_seq, s.terminal_seq,
-               c.total, c.pending, c.delivered, c.failed, c.skipped, v_now
+               h.event_id,
+               -- the terminal event is pending: after the cursor, and not the failed head
+               coalesce(s.terminal_seq > r.delivered_seq
+                        and s.terminal_seq is distinct from h.seq, false),
+               r.updated_at, greatest(s.last_seq, m.last_seq), s.terminal_seq,
+               c.total, c.after - c.failed, c.total - c.after - c.skipped, c.failed, c.skipped,
+               v_now
         from (select 1) one
         left join runs r on r.run_id = p_run_id
         left join run_seqs s on s.run_id = p_run_id
+        cross join lateral (select max(o.seq) as last_seq from outbox o
+                            where o.run_id = p_run_id) m
+        left join outbox h on h.run_id = p_run_id and h.seq = r.blocked_seq
+                          and h.seq > r.delivered_seq
         cross join lateral (
-            select count(*) as total,
-                   count(*) filter (where e.state = 'pending') as pending,
-                   count(*) filter (where e.state = 'delivered') as delivered,
-                   count(*) filter (where e.state = 'failed') as failed,
-                   count(*) filter (where e.state = 'skipped') as skipped
-            from events e where e.run_id = p_run_id
+            select t.total,
+                   greatest(coalesce(m.last_seq, 0) - coalesce(r.delivered_seq, 0), 0) as after,
+                   (h.seq is not null)::int::bigint as failed,
+                   (select count(*) from event_skips k
+                    join outbox o on o.run_id = k.run_id and o.seq = k.seq
+                    where k.run_id = p_run_id) as skipped
+            from (select count(*) as total from outbox o where o.run_id = p_run_id) t
         ) c;
 end
+$$;
+
+-- The blocked runs, oldest failure first, from p_offset (at most p_limit; null: all): each one's
+-- failed event (its blocked head: the run's event_failures row at runs.blocked_seq; the table
+-- keeps earlier failures as history) and the events it holds back — the pending ones: after the
+-- cursor, less the failed one (a run's seqs after its cursor are contiguous and never pruned:
+-- its highest seq less its cursor, one probe of the primary key). Through event_failures, in
+-- failed_at order (event_failures_failed_at), a probe of runs per failure (the `offset 0` keeps
+-- the planner from turning that into a pass over runs): proportional to the failures kept, never
+-- to the outbox. status() and the status page (ui_status) list them from here.
+create or replace function blocked_runs(p_offset int, p_limit int)
+returns table (run_id text, seq bigint, event_id text, failed_at timestamptz, last_status int,
+               last_error text, attempts int, held_events bigint)
+language sql stable
+set search_path from current
+as $$
+    select f.run_id, f.seq,
+           (select o.event_id from outbox o where o.run_id = f.run_id and o.seq = f.seq),
+           f.failed_at, f.last_status, f.last_error, f.attempts,
+           (select max(p.seq) from outbox p where p.run_id = f.run_id) - r.delivered_seq - 1
+    from event_failures f
+    cross join lateral (select x.delivered_seq from runs x
+                        where x.run_id = f.run_id and x.blocked_seq = f.seq
+                        offset 0) r
+    order by f.failed_at, f.run_id, f.seq
+    offset greatest(coalesce(p_offset, 0), 0)
+    limit case when p_limit is not null then greatest(p_limit, 0) end
+$$;
+
+-- blocked_runs' rows as the JSON array status() and the status page show.
+create or replace function blocked_runs_json(p_offset int, p_limit int, p_now timestamptz)
+returns jsonb
+language sql stable
+set search_path from current
+as $$
+    select coalesce(jsonb_agg(jsonb_build_object(
+               'run_id', b.run_id, 'seq', b.seq, 'event_id', b.event_id,
+               'failed_at', b.failed_at,
+               'failed_age_seconds', extract(epoch from p_now - b.failed_at)::float8,
+               'last_status', b.last_status, 'last_error', b.last_error,
+               'attempts', b.attempts, 'held_events', b.held_events)
+               order by b.failed_at, b.run_id, b.seq), '[]')
+    from blocked_runs(p_offset, p_limit) b
+$$;
+
+-- How many runs delivered since p_since: runs whose cursor moved after it (runs.delivered_at).
+-- Not a count of events: the cursor keeps when it last moved, not when each event passed it,
+-- so a run that delivered ten events counts once.
+-- Index-backed, without a pass over runs: after its cursor moved at T a run is written only by
+-- statements that set these columns to their own clock or later (the ack, claim, renew,
+-- release, settle_run, enqueue, unblock_run, hold_liveness), so
+--   idle runs                    updated_at >= T        (runs_idle)
+--   active runs, not blocked     next_attempt_at >= T   (runs_due: the ack sets it to its clock,
+--                                                      or keeps a live lease's expiry; later
+--                                                      writes set a due time or an expiry)
+--   blocked runs                 through their failure (event_failures, as blocked_runs)
+-- The cost: the runs that went idle after p_since, the active runs due after it (leased,
+-- backing off, just enqueued: at most every active run, as backlog() reads them), and the
+-- failures kept; never the outbox, nor the idle runs' history.
+create or replace function runs_delivered_since(p_since timestamptz)
+returns bigint
+language sql stable
+set search_path from current
+as $$
+    select count(*) from (
+        select 1 from runs r
+        where r.idle and r.updated_at > p_since and r.delivered_at > p_since
+        union all
+        select 1 from runs r
+        where not r.idle and r.blocked_seq is null and r.next_attempt_at > p_since
+          and r.delivered_at > p_since
+        union all
+        select 1 from event_failures f
+        cross join lateral (select 1 from runs x
+                            where x.run_id = f.run_id and x.blocked_seq = f.seq
+                              and not x.idle and x.delivered_at > p_since
+                            offset 0) b
+    ) d
+$$;
+
+-- The figures `relay status` and the status page (ui_figures) share, each index-backed and
+-- none growing with the outbox: pending events held behind failed ones (blocked_runs: one
+-- probe per blocked run), live leases per owner and expired ones (runs_leased; the expired
+-- ones counted up to p_cap + 1, null: all), replicas by liveness (alive while a session holds
+-- the owner's liveness lock, which the shared try-lock, released at commit, tells without
+-- taking it from one), and the bytes of each table of the outbox, indexes and TOAST included
+-- (`events` is a view since version 7: its rows are in outbox, event_failures, event_skips).
+create or replace function status_figures(p_now timestamptz, p_cap int)
+returns jsonb
+language sql volatile
+set search_path from current
+as $$
+    select jsonb_build_object(
+        'held_events', (select coalesce(sum(b.held_events), 0)::bigint
+                        from blocked_runs(0, null) b),
+        'leases', coalesce((
+            select jsonb_agg(jsonb_build_object(
+                       'owner', l.lease_owner, 'runs', l.n, 'next_expiry', l.next_expiry)
+                   order by l.lease_owner)
+            from (select r.lease_owner, count(*) as n, min(r.lease_expires_at) as next_expiry
+                  from runs r
+                  where r.lease_owner is not null and r.lease_expires_at > p_now
+                  group by r.lease_owner) l), '[]'),
+        'expired_leases', (select count(*) from (
+            select 1 from runs r
+            where r.lease_owner is not null and r.lease_expires_at <= p_now
+            limit p_cap + 1) x),
+        'replicas', coalesce((
+            select jsonb_agg(jsonb_build_object(
+                       'owner', rp.owner,
+                       'alive', not pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)),
+                       'started_at', rp.started_at, 'seen_at', rp.seen_at)
+                   order by rp.owner)
+            from replicas rp), '[]'),
+        'tables', jsonb_build_object(
+            'outbox', pg_total_relation_size('outbox'::regclass),
+            'event_failures', pg_total_relation_size('event_failures'::regclass),
+            'event_skips', pg_total_relation_size('event_skips'::regclass),
+            'pending_terminals', pg_total_relation_size('pending_terminals'::regclass),
+            'runs', pg_total_relation_size('runs'::regclass),
+            'run_seqs', pg_total_relation_size('run_seqs'::regclass)))
 $$;
 
 -- `relay status` as one JSON object, on the database clock:
 --   lanes            per lane (critical, ordinary): runs and pending events, and the age of the
 --                    oldest pending event — from backlog() (functions_ops_metrics.sql), so these
 --                    figures are the ones /metrics exports. Runs that are blocked count in no lane.
---   blocked          blocked runs, their failed events, the oldest failure's age, and the events
---                    held behind them (pending, waiting for an operator)
+--   blocked          blocked runs, their failed events, the oldest failure's age (backlog()), and
+--                    the events held behind them (pending, waiting for an operator)
 --   blocked_runs     up to p_blocked_limit of them, oldest failure first: the failed event, its
---                    status and error, and how many events it holds back
+--                    status and error, and how many events it holds back (blocked_runs)
 --   leases           live leases per owner (expired ones are claimable and counted apart)
 --   replicas         the replicas that record their liveness, alive or dead (lock held or not)
---   delivered_last_minute, tables (bytes of each outbox table, indexes and TOAST included)
--- Index-backed: failed events through events_failed, leases through runs_leased, recent
--- deliveries through events_done, held events through events_pending.
+--   runs_delivered_last_minute
+--                    runs whose cursor moved in the last minute (runs_delivered_since): each
+--                    delivered at least one event in it, however many. Since schema version 7
+--                    no delivery time is kept per event, so version 6's `delivered_last_minute`
+--                    (events) is gone; the fleet's events per second are the status page's rate
+--                    and the delivered_events_total metric (counted by the replicas)
+--   tables           bytes of each table of the outbox, indexes and TOAST included
+-- Index-backed (status_figures, blocked_runs, runs_delivered_since): no pass over the outbox,
+-- whatever its history; the lanes and the last minute cost a few probes per active run.
 create or replace function status(p_blocked_limit int default 100)
 returns jsonb
 language plpgsql volatile
@@ -316,6 +462,7 @@ declare
     v_now timestamptz := clock_timestamp();
     v_lanes jsonb;
     v_blocked jsonb;
+    v_figures jsonb := status_figures(v_now, null);
 begin
     select coalesce(jsonb_agg(jsonb_build_object(
                'lane', b.lane, 'runs', b.runs, 'events', b.events,
@@ -329,61 +476,13 @@ begin
     from backlog() b;
     v_blocked := coalesce(v_blocked, jsonb_build_object(
         'runs', 0, 'events', 0, 'oldest_failure_age_seconds', 0));
-    v_blocked := v_blocked || jsonb_build_object('held_events',
-        (select count(*) from events f
-         join events p on p.run_id = f.run_id and p.state = 'pending'
-         where f.state = 'failed'));
+    v_blocked := v_blocked || jsonb_build_object('held_events', v_figures -> 'held_events');
 
-    return jsonb_build_object(
+    return (v_figures - 'held_events') || jsonb_build_object(
         'db_now', v_now,
+        'runs_delivered_last_minute', runs_delivered_since(v_now - interval '1 minute'),
         'lanes', v_lanes,
         'blocked', v_blocked,
-        'blocked_runs', coalesce((
-            select jsonb_agg(jsonb_build_object(
-                       'run_id', x.run_id, 'seq', x.seq, 'event_id', x.event_id,
-                       'failed_at', x.failed_at,
-                       'failed_age_seconds', extract(epoch from v_now - x.failed_at)::float8,
-                       'last_status', x.last_status, 'last_error', x.last_error,
-                       'attempts', x.attempts, 'held_events', x.held)
-                   order by x.failed_at, x.run_id, x.seq)
-            from (
-                select f.run_id, f.seq, f.event_id, f.failed_at, f.last_status, f.last_error,
-                       f.attempts,
-                       (select count(*) from events p
-                        where p.run_id = f.run_id and p.state = 'pending') as held
-                from events f
-                where f.state = 'failed'
-                order by f.failed_at, f.run_id, f.seq
-                limit greatest(coalesce(p_blocked_limit, 100), 0)
-            ) x), '[]'),
-        'leases', coalesce((
-            select jsonb_agg(jsonb_build_object(
-                       'owner', l.lease_owner, 'runs', l.n,
-                       'next_expiry', l.next_expiry) order by l.lease_owner)
-            from (
-                select r.lease_owner, count(*) as n, min(r.lease_expires_at) as next_expiry
-                from runs r
-                where r.lease_owner is not null and r.lease_expires_at > v_now
-                group by r.lease_owner
-            ) l), '[]'),
-        -- Replicas by liveness (issue 18): alive while a session holds the owner's liveness
-        -- lock, which the shared try-lock (released at commit) tells without taking it from one.
-        'replicas', coalesce((
-            select jsonb_agg(jsonb_build_object(
-                       'owner', rp.owner,
-                       'alive', not pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)),
-                       'started_at', rp.started_at, 'seen_at', rp.seen_at)
-                   order by rp.owner)
-            from replicas rp), '[]'),
-        'expired_leases', (select count(*) from runs r
-                           where r.lease_owner is not null and r.lease_expires_at <= v_now),
-        'delivered_last_minute', (select count(*) from events d
-                                  where d.done_at > v_now - interval '1 minute'
-                                    and d.state = 'delivered'),
-        'tables', jsonb_build_object(
-            'events', pg_total_relation_size('events'::regclass),
-            'runs', pg_total_relation_size('runs'::regclass),
-            'run_seqs', pg_total_relation_size('run_seqs'::regclass))
-    );
+        'blocked_runs', blocked_runs_json(0, coalesce(p_blocked_limit, 100), v_now));
 end
 $$;

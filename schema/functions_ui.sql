@@ -159,86 +159,33 @@ as $$
           from replicas rp where rp.reported_at is not null) x
 $$;
 
--- The status page's counts that could grow with the backlog stop here: the page shows
--- "100,000+" rather than paying for a pass over millions of events.
+-- The status page's counts that could grow with the fleet stop here (expired leases): the page
+-- shows "100,000+" rather than counting on. A count it is given exact (the events held behind
+-- failures) shows so above it too.
 create or replace function ui_count_cap() returns int
 language sql immutable parallel safe
 set search_path from current
 as $$ select 100000 $$;
 
--- The blocked runs, oldest failure first, from p_offset (at most p_limit, through
--- events_failed): each one's failed event and the pending events it holds back (capped).
-create or replace function ui_blocked_runs(p_offset int, p_limit int, p_now timestamptz)
-returns jsonb
-language sql stable
-set search_path from current
-as $$
-    select coalesce(jsonb_agg(jsonb_build_object(
-               'run_id', x.run_id, 'seq', x.seq, 'event_id', x.event_id,
-               'failed_at', x.failed_at,
-               'failed_age_seconds', extract(epoch from p_now - x.failed_at)::float8,
-               'last_status', x.last_status, 'last_error', x.last_error,
-               'attempts', x.attempts, 'held_events', x.held)
-               order by x.failed_at, x.run_id, x.seq), '[]')
-    from (
-        select f.run_id, f.seq, f.event_id, f.failed_at, f.last_status, f.last_error, f.attempts,
-               (select count(*) from (select 1 from events p
-                                      where p.run_id = f.run_id and p.state = 'pending'
-                                      limit ui_count_cap() + 1) h) as held
-        from events f
-        where f.state = 'failed'
-        order by f.failed_at, f.run_id, f.seq
-        offset p_offset limit p_limit
-    ) x
-$$;
-
--- The figures of the page that stay cheap at any backlog, each through an index and capped
--- where it could grow with it: pending events held behind failed ones, live leases per owner
--- and expired ones (runs_leased), replicas by liveness (as status() tells it), deliveries of the
--- last minute (events_done), and the outbox tables' sizes.
+-- The figures of the page that stay cheap at any backlog: status()'s own (status_figures,
+-- functions_ops.sql), the count among them that could grow stopped at the cap. Not status()'s
+-- runs_delivered_last_minute, which reads every active run due later than a minute ago (at
+-- millions of runs backing off, too much for each refresh): the page shows the fleet's rate.
 create or replace function ui_figures(p_now timestamptz) returns jsonb
 language sql volatile
 set search_path from current
 as $$
-    select jsonb_build_object(
-        'held_events', (select count(*) from (
-            select 1 from events f
-            join events p on p.run_id = f.run_id and p.state = 'pending'
-            where f.state = 'failed' limit ui_count_cap() + 1) x),
-        'leases', coalesce((
-            select jsonb_agg(jsonb_build_object(
-                       'owner', l.lease_owner, 'runs', l.n, 'next_expiry', l.next_expiry)
-                   order by l.lease_owner)
-            from (select r.lease_owner, count(*) as n, min(r.lease_expires_at) as next_expiry
-                  from runs r
-                  where r.lease_owner is not null and r.lease_expires_at > p_now
-                  group by r.lease_owner) l), '[]'),
-        'expired_leases', (select count(*) from (
-            select 1 from runs r
-            where r.lease_owner is not null and r.lease_expires_at <= p_now
-            limit ui_count_cap() + 1) x),
-        'replicas', coalesce((
-            select jsonb_agg(jsonb_build_object(
-                       'owner', rp.owner,
-                       'alive', not pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)),
-                       'started_at', rp.started_at, 'seen_at', rp.seen_at)
-                   order by rp.owner)
-            from replicas rp), '[]'),
-        'delivered_last_minute', (select count(*) from (
-            select 1 from events d
-            where d.done_at > p_now - interval '1 minute' and d.state = 'delivered'
-            limit ui_count_cap() + 1) x),
-        'tables', jsonb_build_object(
-            'events', pg_total_relation_size('events'::regclass),
-            'runs', pg_total_relation_size('runs'::regclass),
-            'run_seqs', pg_total_relation_size('run_seqs'::regclass)))
+    select status_figures(p_now, ui_count_cap())
 $$;
 
+-- The page lists the blocked runs through blocked_runs_json (functions_ops.sql), as status().
+drop function if exists ui_blocked_runs(int, int, timestamptz);
+
 -- The status page's refresh (issue 32, item 3: it must cost little at millions of pending
--- events). Not `status()`, whose lanes and blocked totals are a pass over every pending event
--- (backlog()) and whose held counts are exact: the page takes those totals from the backlog
--- gauges the health loop already refreshes (spaced by their own cost) and says how old they
--- are; here are the cheap figures (ui_figures), the blocked runs paged (p_blocked_offset,
+-- events). Not `status()`, whose lanes and blocked totals (backlog()) cost a probe of the
+-- outbox per active run: the page takes those totals from the backlog gauges the health loop
+-- already refreshes (spaced by their own cost) and says how old they are; here are status()'s
+-- other figures (ui_figures), the blocked runs paged (blocked_runs_json: p_blocked_offset,
 -- capped at 10,000, at most p_blocked_limit, oldest failure first) and each replica's last
 -- report (ui_reports). One statement; the page keeps its answer a second or two.
 create or replace function ui_status(
@@ -257,7 +204,7 @@ begin
         'db_now', v_now,
         'count_cap', ui_count_cap(),
         'blocked_offset', v_offset,
-        'blocked_runs', ui_blocked_runs(v_offset, v_limit, v_now),
+        'blocked_runs', blocked_runs_json(v_offset, v_limit, v_now),
         'reports', ui_reports(p_ttl_seconds));
 end
 $$;

@@ -22,7 +22,7 @@ import relay
 from relay import ops
 from relay.runner import Relay
 from relay.tools.sink import Sink
-from tests.support import count, q, settings, wait_for
+from tests.support import count, q, scans, settings, wait_for
 from tests.test_relay import enqueue_runs
 
 RELAY = [sys.executable, "-m", "relay.cli"]
@@ -39,11 +39,18 @@ def call(conn: Conn, schema: str, name: str, *args: Any) -> list[dict[str, Any]]
         return cur.execute(query, args).fetchall()
 
 
+TABLES = (
+    ("outbox", "run_id, seq"), ("event_failures", "run_id, seq"), ("event_skips", "run_id, seq"),
+    ("pending_terminals", "run_id"), ("runs", "run_id"), ("run_seqs", "run_id"),
+)  # fmt: skip
+
+
 def snapshot(conn: Conn, schema: str) -> dict[str, list[tuple[Any, ...]]]:
-    """Every row of the outbox tables: an operator error must leave all of them as they were."""
+    """Every row of the outbox tables (schema version 7: `events` is a view over them): an
+    operator error must leave all of them as they were."""
     return {
         table: conn.execute(q(schema, f"select * from {{s}}.{table} order by {order}")).fetchall()
-        for table, order in (("events", "run_id, seq"), ("runs", "run_id"), ("run_seqs", "run_id"))
+        for table, order in TABLES
     }
 
 
@@ -168,13 +175,19 @@ def test_retry_twice_counts_both(schema: str, conn: Conn) -> None:
 
 
 def test_a_run_stays_blocked_while_an_earlier_event_is_failed(schema: str, conn: Conn) -> None:
-    """Defensive: should a run ever hold two failed events, retrying the later one leaves it
-    blocked at the earlier one (nothing after a failed event is delivered)."""
+    """Defensive: should a run be blocked again at an earlier event (the relay only ever blocks
+    its head), the block moves there and nothing after it is delivered. Since schema version 7
+    a run has one failed event, its blocked head (runs.blocked_seq): the later event's failure
+    stays in event_failures as history, and the event is pending again behind the head, so it
+    cannot be retried (in version 6 it stayed failed, and retrying it left the run blocked)."""
     add_run(conn, schema, "r1", 3)
     call(conn, schema, "block_event", "r1", 3, 422, "late")
     call(conn, schema, "block_event", "r1", 1, 422, "early")
-    row = call(conn, schema, "retry_event", "r1-3", "alice")[0]
-    assert row["blocked_seq"] == 1
+    assert run_row(conn, schema, "r1")["blocked_seq"] == 1
+    late = event_row(conn, schema, "r1-3")
+    assert (late["state"], late["last_error"]) == ("pending", "late")
+    with pytest.raises(errors.ObjectNotInPrerequisiteState, match="is pending"):
+        call(conn, schema, "retry_event", "r1-3", "alice")
     assert run_row(conn, schema, "r1")["blocked_seq"] == 1
     assert next_prefix(conn, schema, "r1") == []
     assert call(conn, schema, "retry_run", "r1", "alice")[0]["blocked_seq"] is None
@@ -293,7 +306,10 @@ def test_inspect_shows_every_event_its_audit_and_the_lease(schema: str, conn: Co
     assert first["retried_by"] == "alice" and first["retries"] == 1
     assert first["retried_at"] is not None and first["delivered_at"] is not None
     assert first["last_status"] == 400 and first["failed_at"] is not None  # history kept
-    assert first["attempts"] == 2  # the failed attempt and the delivery
+    # Failed attempts only (event_failures, schema version 7): version 6 counted the delivery
+    # too (2). The delivery time is the run's last delivery: no time is kept per event.
+    assert first["attempts"] == 1
+    assert first["delivered_at"] == run_row(conn, schema, "r1")["delivered_at"]
     assert (second["skipped_by"], second["skip_reason"]) == ("bob", "superseded by r1-3")
     assert second["skipped_at"] is not None and second["last_status"] == 422
     assert second["last_error"] == "bad payload" and second["delivered_at"] is None
@@ -305,6 +321,7 @@ def test_inspect_shows_every_event_its_audit_and_the_lease(schema: str, conn: Co
     assert run["epoch"] == lease[0]["epoch"]
     assert run["blocked_seq"] is None and run["critical"] is True
     assert (run["events_total"], run["pending"], run["delivered"], run["skipped"]) == (4, 2, 1, 1)
+    assert run["failed"] == 0
     assert (run["last_seq"], run["terminal_seq"]) == (4, 4)
     assert "lease_token" not in run
 
@@ -316,8 +333,31 @@ def test_inspect_summary_of_a_blocked_run(schema: str, conn: Conn) -> None:
     blocked_run(conn, schema, "r1", n=3, seq=2)
     run = call(conn, schema, "inspect_run_summary", "r1")[0]
     assert (run["blocked_seq"], run["blocked_event_id"], run["failed"]) == (2, "r1-2", 1)
+    assert (run["events_total"], run["pending"], run["delivered"], run["skipped"]) == (3, 1, 1, 0)
     assert run["last_error"] == "bad payload" and run["lease_live"] is False
     assert ops.run_state(run).startswith("BLOCKED at seq 2")
+
+
+def test_inspect_summary_after_retention(schema: str, conn: Conn) -> None:
+    """The counts are the events still in the outbox; the last seq is the run's, whether its
+    events are there (the highest seq) or retention removed them all (the floor it leaves in
+    run_seqs.last_seq, which enqueue no longer writes per event)."""
+    add_run(conn, schema, "gone", 4, terminal=True)
+    deliver(conn, schema, "gone", 4)
+    blocked_run(conn, schema, "held", n=5, seq=3)
+    add_run(conn, schema, "fresh", 2)
+    assert call(conn, schema, "prune", timedelta(0), 100)[0]["prune"] == 6
+    assert run_row(conn, schema, "held")["delivered_seq"] == 2
+
+    gone = call(conn, schema, "inspect_run_summary", "gone")[0]
+    assert (gone["last_seq"], gone["terminal_seq"], gone["events_total"]) == (4, 4, 0)
+    assert gone["epoch"] is None and gone["critical"] is False  # the run row is forgotten too
+    assert call(conn, schema, "inspect_run", "gone") == []
+    held = call(conn, schema, "inspect_run_summary", "held")[0]
+    assert (held["last_seq"], held["events_total"]) == (5, 3)
+    assert (held["pending"], held["failed"], held["delivered"], held["skipped"]) == (2, 1, 0, 0)
+    fresh = call(conn, schema, "inspect_run_summary", "fresh")[0]
+    assert (fresh["last_seq"], fresh["events_total"], fresh["pending"]) == (2, 2, 2)
 
 
 # -- status ------------------------------------------------------------------------------------
@@ -330,24 +370,26 @@ def test_status_figures_of_a_known_state(schema: str, conn: Conn) -> None:
     blocked_run(conn, schema, "blk", n=3)  # blocked at seq 1, 2 events held
     add_run(conn, schema, "done", 4)
     deliver(conn, schema, "done", 4)
+    add_run(conn, schema, "old", 2)
+    deliver(conn, schema, "old", 2)
     conn.execute(
         q(
             schema,
-            "update {s}.events set done_at = done_at - interval '2 minutes'"
-            " where event_id = 'done-1'",
+            "update {s}.runs set delivered_at = delivered_at - interval '2 minutes',"
+            " updated_at = updated_at - interval '2 minutes' where run_id = 'old'",
         )
-    )  # delivered, but not in the last minute
+    )  # delivered, but not in the last minute (its cursor moved two minutes ago)
     conn.execute(
         q(
             schema,
-            "update {s}.events set created_at = clock_timestamp() - interval '10 minutes'"
+            "update {s}.outbox set created_at = clock_timestamp() - interval '10 minutes'"
             " where run_id = 'ord1'",
         )
     )
     conn.execute(
         q(
             schema,
-            "update {s}.events set created_at = clock_timestamp() - interval '5 minutes'"
+            "update {s}.outbox set created_at = clock_timestamp() - interval '5 minutes'"
             " where run_id = 'crit'",
         )
     )
@@ -380,9 +422,12 @@ def test_status_figures_of_a_known_state(schema: str, conn: Conn) -> None:
     assert b["held_events"] == 2 and b["attempts"] == 1
     assert [(x["owner"], x["runs"]) for x in got["leases"]] == [("replica-a", 1), ("replica-b", 1)]
     assert got["expired_leases"] == 1
-    assert got["delivered_last_minute"] == 3
-    assert got["tables"]["events"] > 0 and got["tables"]["runs"] > 0
-    assert got["tables"]["run_seqs"] > 0
+    # Runs, not events (schema version 7 keeps no delivery time per event): "done" delivered
+    # its four in the last minute, "old" two minutes ago.
+    assert got["runs_delivered_last_minute"] == 1
+    assert "delivered_last_minute" not in got
+    assert set(got["tables"]) == {name for name, _ in TABLES}
+    assert all(size > 0 for size in got["tables"].values()), got["tables"]
 
     assert call(conn, schema, "status", 0)[0]["status"]["blocked_runs"] == []
 
@@ -401,7 +446,120 @@ def test_status_of_an_empty_outbox(schema: str, conn: Conn) -> None:
         ("critical", 0, 0), ("ordinary", 0, 0),
     ]  # fmt: skip
     assert got["blocked"]["runs"] == 0 and got["blocked_runs"] == [] and got["leases"] == []
-    assert got["delivered_last_minute"] == 0
+    assert got["blocked"]["held_events"] == 0 and got["runs_delivered_last_minute"] == 0
+
+
+def test_runs_delivered_last_minute_finds_every_kind_of_run(schema: str, conn: Conn) -> None:
+    """status()'s runs_delivered_last_minute is read through three indexes (runs_idle, runs_due,
+    event_failures), one per kind of run a delivery can leave behind: each must be found."""
+    add_run(conn, schema, "idle", 2)
+    deliver(conn, schema, "idle", 2)  # all delivered: the run goes idle
+    add_run(conn, schema, "released", 3)
+    deliver(conn, schema, "released", 1)  # part delivered, lease given back: due now
+    add_run(conn, schema, "kept", 3)
+    token = str(claim(conn, schema, "kept")[0]["lease_token"])
+    batch = [{"run_id": "kept", "token": token, "upto": 1, "keep": True}]
+    assert call(conn, schema, "ack", json.dumps(batch))[0]["status"] == "acked"  # still leased
+    blocked_run(conn, schema, "blocked", n=3, seq=2)  # delivered 1, then blocked at 2
+    blocked_run(conn, schema, "skipped", n=2)
+    call(conn, schema, "skip_event", "skipped-1", "carol", "r")  # a skip is not a delivery
+    add_run(conn, schema, "pending", 2)
+    assert not run_row(conn, schema, "released")["idle"]
+    assert run_row(conn, schema, "kept")["lease_token"] is not None
+
+    def figure() -> int:
+        return int(call(conn, schema, "status")[0]["status"]["runs_delivered_last_minute"])
+
+    assert figure() == 4  # idle, released, kept, blocked
+    for run in ("idle", "released", "kept", "blocked"):  # each moved its cursor 2 minutes ago
+        conn.execute(
+            q(
+                schema,
+                "update {s}.runs set delivered_at = delivered_at - interval '2 minutes'"
+                " where run_id = %s",
+            ),
+            (run,),
+        )
+        assert figure() == 3
+        conn.execute(
+            q(
+                schema,
+                "update {s}.runs set delivered_at = delivered_at + interval '2 minutes'"
+                " where run_id = %s",
+            ),
+            (run,),
+        )
+
+
+def _delivered_history(conn: Conn, schema: str, runs: int, per_run: int, long: int) -> None:
+    """`runs` runs of `per_run` events and one run ("long") of `long` events, all delivered an
+    hour ago and idle: the history retention keeps, written straight into the version-7 tables
+    (the rows enqueue and the ack leave, without 10^4 calls)."""
+    statements = [
+        """insert into {s}.runs (run_id, idle, delivered_seq, delivered_at, updated_at,
+                                next_attempt_at, epoch)
+           select r.run_id, true, r.n, t.at, t.at, t.at, 1
+           from (select 'h' || g as run_id, %(per_run)s as n from generate_series(1, %(runs)s) g
+                 union all select 'long', %(long)s) r,
+                (select clock_timestamp() - interval '1 hour' as at) t""",
+        "insert into {s}.run_seqs (run_id, last_seq) select run_id, 0 from {s}.runs",
+        """insert into {s}.outbox (run_id, seq, event_id, event_type, payload, created_at)
+           select r.run_id, i, r.run_id || '-' || i, 'step', '{{}}',
+                  clock_timestamp() - interval '2 hours'
+           from {s}.runs r, generate_series(1, r.delivered_seq) i""",
+        "analyze {s}.runs",
+        "analyze {s}.run_seqs",
+        "analyze {s}.outbox",
+    ]
+    params = {"runs": runs, "per_run": per_run, "long": long}
+    for statement in statements:
+        conn.execute(q(schema, statement), params if "%(" in statement else None)
+
+
+def test_status_and_inspect_are_index_backed_whatever_the_delivered_history(
+    schema: str, conn: Conn
+) -> None:
+    """Schema version 7 derives each event's state from its run's cursor (the `events` view):
+    a reader that filters the view on state reads the whole outbox. status(), the status page's
+    ui_status() and inspect read the tables through their indexes instead, so 25,000 delivered
+    events cost them nothing: no sequential scan of the outbox (nor of runs, but for status()'s
+    backlog(), functions_ops_metrics.sql, whose blocked total joins runs to event_failures), and
+    the outbox entries read are those of the few runs with work, not of the history."""
+    _delivered_history(conn, schema, 2_000, 10, 5_000)
+    add_run(conn, schema, "crit", 2, terminal=True)
+    add_run(conn, schema, "ord", 3)
+    blocked_run(conn, schema, "blk", n=3, seq=2)  # delivered 1 now, blocked at 2, holds 1
+    add_run(conn, schema, "done", 2)
+    deliver(conn, schema, "done", 2)
+
+    def read(statement: str, runs: bool = True) -> tuple[Any, dict[str, tuple[int, int]]]:
+        rows, delta = scans(conn, schema, lambda: conn.execute(q(schema, statement)).fetchall())
+        assert delta["outbox"][0] == 0, (statement, delta)  # no sequential scan of the outbox
+        assert not runs or delta["runs"][0] == 0, (statement, delta)  # nor of runs
+        return rows, delta
+
+    def outbox_read(delta: dict[str, tuple[int, int]]) -> int:
+        return sum(t for name, (_, t) in delta.items() if name.startswith("outbox"))
+
+    [[got]], delta = read("select {s}.status(50)", runs=False)
+    assert outbox_read(delta) <= 30, delta
+    lanes = {x["lane"]: (x["runs"], x["events"]) for x in got["lanes"]}
+    assert lanes == {"critical": (1, 2), "ordinary": (1, 3)}
+    assert (got["blocked"]["runs"], got["blocked"]["held_events"]) == (1, 1)
+    assert [(b["run_id"], b["held_events"]) for b in got["blocked_runs"]] == [("blk", 1)]
+    assert got["runs_delivered_last_minute"] == 2  # blk and done; the history an hour ago
+
+    [[page]], delta = read("select {s}.ui_status(50, 0, 60)")
+    assert outbox_read(delta) <= 10, delta
+    assert page["held_events"] == 1
+    assert [(b["run_id"], b["held_events"]) for b in page["blocked_runs"]] == [("blk", 1)]
+
+    [[summary]], delta = read("select to_jsonb(x) from {s}.inspect_run_summary('h7') x")
+    assert outbox_read(delta) <= 30, delta  # the run's ten events, not the history
+    assert (summary["events_total"], summary["delivered"], summary["last_seq"]) == (10, 10, 10)
+    rows, delta = read("select seq, state from {s}.inspect_run('long', 4000, 5)")
+    assert rows == [(seq, "delivered") for seq in range(4000, 4005)]
+    assert outbox_read(delta) <= 10, delta  # a window of the run's primary key
 
 
 # -- pure helpers ------------------------------------------------------------------------------
@@ -551,13 +709,15 @@ def test_cli_human_tables(pg_url: str, schema: str, conn: Conn) -> None:
     env = cli_env(pg_url, schema)
     blocked_run(conn, schema, "r1", n=2)
     conn.execute(
-        q(schema, "update {s}.events set last_error = %s where event_id = 'r1-1'"),
+        q(schema, "update {s}.event_failures set last_error = %s where run_id = 'r1' and seq = 1"),
         ("ingress said \x1b[2J\x1b[31mboom [bold]x[/bold]",),
     )
     status = cli(env, "status")
     assert status.returncode == 0, status.stderr
-    for words in ("Backlog", "critical", "ordinary", "Blocked runs", "r1-1", "422", "Outbox size"):
-        assert words in status.stdout, status.stdout
+    words = ("Backlog", "critical", "ordinary", "Blocked runs", "r1-1", "422", "Outbox size",
+             "outbox ", "event_failures ", "Runs with deliveries in the last minute")  # fmt: skip
+    for word in words:
+        assert word in status.stdout, status.stdout
     assert "\x1b" not in status.stdout  # an ingress body cannot drive the operator's terminal
     assert "\\x1b[2J" in status.stdout and "[bold]x[/bold]" in status.stdout  # shown, not run
     retry = cli(env, "retry", "r1-1")

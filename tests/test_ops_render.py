@@ -141,8 +141,15 @@ def status_data(**overrides: Any) -> dict[str, Any]:
         "blocked_runs": [blocked],
         "leases": [],
         "expired_leases": 0,
-        "delivered_last_minute": 17,
-        "tables": {"events": 3 * 1024 * 1024, "runs": 512, "run_seqs": 8192},
+        "runs_delivered_last_minute": 17,
+        "tables": {
+            "outbox": 3 * 1024 * 1024,
+            "event_failures": 16384,
+            "event_skips": 8192,
+            "pending_terminals": 16384,
+            "runs": 512,
+            "run_seqs": 8192,
+        },
         "db_now": "2026-01-02T03:04:05.678+00:00",
     }
     data.update(overrides)
@@ -155,8 +162,9 @@ def test_status_shows_every_figure() -> None:
                   "ordinary   0      0                -", "blocked    3      5 held",
                   "1m 15s since failure", "Blocked runs (3)", "r1-2", "422", "1m 15s ago",
                   "… and 2 more (--limit)", "Live leases: none",
-                  "Delivered in the last minute: 17",
-                  "Outbox size: events 3.0 MiB, runs 512 B, run_seqs 8.0 KiB",
+                  "Runs with deliveries in the last minute: 17",
+                  "Outbox size: outbox 3.0 MiB, event_failures 16.0 KiB, event_skips 8.0 KiB,"
+                  " pending_terminals 16.0 KiB, runs 512 B, run_seqs 8.0 KiB",
                   "Database time: 2026-01-02 03:04:05.678Z"):  # fmt: skip
         assert words in got, got
     assert LONG_ERROR[:100] in got and LONG_ERROR not in got  # shortened to 120

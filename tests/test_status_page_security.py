@@ -380,7 +380,10 @@ def test_ui_status_reads_no_pass_over_the_pending_events(
         _, delta = scans(conn, schema, lambda: conn.execute(q(schema, call)).fetchall())
         return sum(tuples for _, tuples in delta.values())
 
-    assert read("select {s}.status(50)") >= pending  # what the page ran before
+    # status() computes the lanes' totals (backlog()): since schema version 7 a few probes per
+    # active run (its cursor and last seq), no longer a pass over the pending events (it read
+    # all 50,000 in version 6); the page leaves even those to the backlog gauges.
+    assert read("select {s}.status(50)") < pending / 10
     assert read("select {s}.ui_status(50, 0, 60)") < 100
 
 

@@ -232,6 +232,11 @@ async def test_status_page_of_a_running_relay(
             cli = status_cli(pg_url, schema)
             for key in ("lanes", "blocked", "expired_leases"):
                 assert counts_of(data[key]) == counts_of(cli[key]), key
+            assert set(data["tables"]) == set(cli["tables"])
+            # The last minute's runs are status()'s only: at any backlog the page shows the
+            # fleet's delivery rate instead (the figure reads every active run).
+            assert cli["runs_delivered_last_minute"] == 4
+            assert "runs_delivered_last_minute" not in data
             assert data["backlog_age_seconds"] is not None
             assert counts_of(data["blocked_runs"]) == counts_of(cli["blocked_runs"])
             assert [b["run_id"] for b in data["blocked_runs"]] == [HOSTILE]
@@ -353,17 +358,25 @@ def count_rows(conn: psycopg.Connection[Any], schema: str) -> int:
     return int(row[0])
 
 
+def fail_head(conn: psycopg.Connection[Any], schema: str, run_id: str) -> None:
+    """What a relay does for a poison answer to the run's first event: claim it, fail it."""
+    claimed = conn.execute(
+        q(schema, "select lease_token from {s}.claim('r', 1, 10, '1 min', 'ordinary', %s)"),
+        (run_id,),
+    ).fetchall()
+    assert claimed, run_id
+    failed = conn.execute(
+        q(schema, "select {s}.fail_event(%s, %s, 1, 422, 'bad payload')"),
+        (run_id, claimed[0][0]),
+    ).fetchone()
+    assert failed == (True,)
+
+
 def test_ui_status_pages_blocked_runs(conn: psycopg.Connection[Any], schema: str) -> None:
     for i in range(5):
         run = f"p{i}"
         enqueue(conn, schema, run, 2, "x")
-        conn.execute(
-            q(schema, "update {s}.events set state = 'failed', last_status = 422,"
-                      " failed_at = clock_timestamp() + %s * interval '1 s'"
-                      " where run_id = %s and seq = 1"),
-            (i, run),
-        )  # fmt: skip
-        conn.execute(q(schema, "update {s}.runs set blocked_seq = 1 where run_id = %s"), (run,))
+        fail_head(conn, schema, run)  # one after the other: p0 is the oldest failure
 
     def page(limit: int, offset: int) -> list[str]:
         row = conn.execute(

@@ -1,8 +1,8 @@
 """Operator tools (DESIGN §3, §8.1): see and fix what the relay could not deliver.
 
     relay status                        backlog per lane, oldest pending age, blocked runs with
-                                        their error, live leases per owner, delivered in the
-                                        last minute, outbox table sizes
+                                        their error, live leases per owner, runs with
+                                        deliveries in the last minute, outbox table sizes
     relay inspect RUN_ID                every event of a run (state, attempts, last error, audit)
                                         and the run's lease, epoch, backoff and block
     relay retry EVENT_ID                a failed event goes back to pending; its run is unblocked

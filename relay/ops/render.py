@@ -28,6 +28,8 @@ GAP = "   "
 # phrase is harder to read than a table a little wider than the terminal.
 MIN_FOLD = 16
 PIPED_WIDTH = 200  # piped output (a log, a ticket) gets room for the tables
+# The outbox's tables in the order `relay status` lists their sizes (status() names them).
+TABLES = ("outbox", "event_failures", "event_skips", "pending_terminals", "runs", "run_seqs")
 
 
 # -- the plain table ---------------------------------------------------------------------------
@@ -169,13 +171,13 @@ def render_status(data: Mapping[str, Any], width: int) -> str:
     heads = ("owner", "liveness", "lock taken")
     parts.append(table("Replicas", heads, replicas, width) if replicas else "Replicas: none")
 
-    t = data["tables"]
-    parts.append(
-        f"Delivered in the last minute: {data['delivered_last_minute']}\n"
-        f"Outbox size: events {fmt_bytes(t['events'])}, runs {fmt_bytes(t['runs'])}, "
-        f"run_seqs {fmt_bytes(t['run_seqs'])}\n"
-        f"Database time: {fmt_time(data['db_now'])}"
-    )
+    sizes = ", ".join(f"{name} {fmt_bytes(data['tables'][name])}" for name in TABLES)
+    lines = [
+        f"Runs with deliveries in the last minute: {data['runs_delivered_last_minute']}",
+        *fold(f"Outbox size: {sizes}", width),
+        f"Database time: {fmt_time(data['db_now'])}",
+    ]
+    parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
 

@@ -117,7 +117,6 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
             ("blocked.events", "failed events", True),
             ("blocked.held", "events held behind them", False),
             ("blocked.oldest", "oldest failure", False),
-            ("delivered_last_minute", "delivered in the last minute", False),
             ("expired_leases", "expired leases", False),
             ("table_bytes", "outbox tables", False),
         )

@@ -74,7 +74,6 @@ def figures(data: dict[str, Any]) -> dict[str, str]:
     out["blocked.held"] = _capped(blocked.get("held_events", 0), cap)
     out["blocked.oldest"] = fmt_age(blocked.get("oldest_failure_age_seconds", 0))
     out["backlog_age"] = _backlog_age(data.get("backlog_age_seconds"))
-    out["delivered_last_minute"] = _capped(data.get("delivered_last_minute", 0), cap)
     out["expired_leases"] = _capped(data.get("expired_leases", 0), cap)
     out["db_now"] = fmt_time(data.get("db_now"))
     tables = data.get("tables") or {}
