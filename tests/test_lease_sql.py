@@ -1139,3 +1139,82 @@ def test_an_ack_never_moves_the_cursor_past_what_it_names_or_what_exists(
     enq(conn, schema, "r1", "e3")
     assert [e["state"] for e in event_rows(conn, schema, "r1")][-1] == "pending"
     assert seqs(claim(conn, schema), "r1") == [4]
+
+
+def test_a_grouped_ack_fences_a_batch_whose_lease_expired_and_acks_the_others(
+    conn: psycopg.Connection[Any], schema: str, inbox: Inbox
+) -> None:
+    """An expired lease nobody replaced (its token still on the run) fences its batch in a call
+    of several batches as it does alone, and the others are acked."""
+    enq(conn, schema, "late", "l1")
+    enq(conn, schema, "good", "g1")
+    late = claim(conn, schema, ttl="50 milliseconds", runs=1)
+    assert set(late) == {"late"}
+    good = claim(conn, schema, runs=1)
+    assert set(good) == {"good"}
+    wait_lease_expired(conn, schema, "late")
+    before = (run_row(conn, schema, "late"), event_rows(conn, schema, "late"))
+    inbox.received()
+
+    result = ack(conn, schema, ("late", token(late, "late"), 1), ("good", token(good, "good"), 1))
+
+    assert [(r["run_id"], r["status"], r["acked"]) for r in result] == [
+        ("late", "stale", 0),
+        ("good", "acked", 1),
+    ]
+    assert (run_row(conn, schema, "late"), event_rows(conn, schema, "late")) == before
+    delivered = [json.loads(p) for c, p in inbox.received() if c == f"{schema}_terminal"]
+    assert [d["run_id"] for d in delivered] == ["good"]
+
+
+def test_an_ack_below_the_cursor_moves_it_back_nowhere(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """A late ack naming a lower `upto` than one before it (under the same lease) leaves the
+    cursor where it is: what was delivered is never pending again (nor sent, nor woken again)."""
+    for i in range(3):
+        enq(conn, schema, "r1", f"e{i}")
+    got = claim(conn, schema)
+    tok = token(got, "r1")
+    assert [(r["status"], r["acked"]) for r in ack(conn, schema, ("r1", tok, 3), keep=True)] == [
+        ("acked", 3)
+    ]
+
+    result = ack(conn, schema, ("r1", tok, 1))
+
+    assert [(r["status"], r["acked"], r["last_seq"]) for r in result] == [("acked", 0, None)]
+    assert run_row(conn, schema, "r1")["delivered_seq"] == 3
+    assert states(conn, schema, "r1") == [(1, "delivered"), (2, "delivered"), (3, "delivered")]
+    assert claim(conn, schema) == {}  # nothing to send again: the run settles
+    assert run_row(conn, schema, "r1")["idle"] is True
+
+
+def test_the_ack_that_delivers_the_terminal_event_takes_the_run_out_of_the_critical_lane(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """pending_terminals holds a run until the cursor passes its terminal event (schema
+    version 7): the critical lane's discovery reads the critical backlog only, and a run whose
+    terminal event is delivered is no longer critical work, even while it is active."""
+
+    def pending_terminals() -> list[tuple[Any, ...]]:
+        return conn.execute(
+            sql.SQL("select run_id, seq from {} order by run_id").format(
+                fn(schema, "pending_terminals")
+            )
+        ).fetchall()
+
+    enq(conn, schema, "end", "e1")
+    enq(conn, schema, "end", "e2", terminal=True)
+    got = claim(conn, schema, lane="critical")
+    tok = token(got, "end")
+    assert pending_terminals() == [("end", 2)]
+    ack(conn, schema, ("end", tok, 1), keep=True)
+    assert pending_terminals() == [("end", 2)]  # not passed yet
+
+    ack(conn, schema, ("end", tok, 2), keep=True)
+
+    assert pending_terminals() == []
+    assert call(conn, schema, "release", "end", tok) == [(True,)]
+    epoch = run_row(conn, schema, "end")["epoch"]
+    assert claim(conn, schema, lane="critical") == {}
+    assert run_row(conn, schema, "end")["epoch"] == epoch  # not taken by the critical lane
