@@ -1009,8 +1009,8 @@ $$;
 -- number deleted. Under each run's run_seqs row lock (a run a producer is writing is left for
 -- the next call): when the run's highest event goes, its seq becomes the run's floor
 -- (run_seqs.last_seq), which enqueue numbers from once a run's events are gone.
--- Then forgets what nothing needs any more: finished idle runs with no events left, and dead
--- replicas that hold no lease.
+-- A removed event's skip or failure history goes with it. Then forgets what nothing needs any
+-- more: finished idle runs with no events left, and dead replicas that hold no lease.
 create or replace function prune(p_retention interval, p_limit int) returns int
 language plpgsql volatile
 set search_path from current
@@ -1046,6 +1046,13 @@ begin
         using unnest(c_runs, c_seqs) as c(run_id, seq)
         where o.run_id = c.run_id and o.seq = c.seq and c.run_id = any(v_free);
         get diagnostics v_n = row_count;
+        -- the history of the events removed goes with them
+        delete from event_failures f
+        using unnest(c_runs, c_seqs) as c(run_id, seq)
+        where f.run_id = c.run_id and f.seq = c.seq and c.run_id = any(v_free);
+        delete from event_skips k
+        using unnest(c_runs, c_seqs) as c(run_id, seq)
+        where k.run_id = c.run_id and k.seq = c.seq and c.run_id = any(v_free);
     end if;
     perform forget_finished_runs(p_retention, p_limit);
     -- Forget dead replicas (liveness lock free) that hold no unexpired lease: nothing of theirs

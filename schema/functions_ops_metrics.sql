@@ -42,9 +42,12 @@ as $$
         left join per_run_active pr on pr.critical = l.critical
         group by l.lane
     ), blocked as (
+        -- a probe of runs per failure on record (few), not a join the planner may hash
         select 'blocked'::text as lane, count(*) as runs, count(*) as events,
                min(f.failed_at) as oldest
-        from event_failures f join runs r on r.run_id = f.run_id and r.blocked_seq = f.seq
+        from event_failures f
+        cross join lateral (select 1 from runs r
+                            where r.run_id = f.run_id and r.blocked_seq = f.seq limit 1) b
     )
     select x.lane, x.runs, x.events,
            coalesce(extract(epoch from clock_timestamp() - x.oldest), 0)::double precision

@@ -920,6 +920,13 @@ def test_prune_deletes_only_old_delivered_and_skipped_events(
     }
     # young delivered, pending and failed (until an operator acts) are kept
     assert remaining == {"e1": "delivered", "e2": "pending", "e3": "pending", "f1": "failed"}
+    # the skip of g1 went with it; f1's failure stays while f1 does
+    history = conn.execute(
+        sql.SQL("select (select count(*) from {}), (select count(*) from {})").format(
+            fn(schema, "event_skips"), fn(schema, "event_failures")
+        )
+    ).fetchone()
+    assert history == (0, 1)
 
 
 def test_prune_keeps_seqs_and_epochs_monotonic_per_run(

@@ -7,6 +7,7 @@ the mutants (the bounded subset) or someone runs them all.
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -38,3 +39,14 @@ def test_mutant_names_are_unique_and_each_names_its_tests() -> None:
     assert len(names) == len(set(names))
     for m in MUTANTS:
         assert m.tests, m.name  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)  # type: ignore[attr-defined]
+def test_each_mutants_tests_exist(mutant: object) -> None:
+    """A renamed or removed test would otherwise show only as a red baseline of a mutant run."""
+    for target in mutant.tests:  # type: ignore[attr-defined]
+        path, _, node = target.partition("::")
+        assert (ROOT / path).is_file(), target
+        if node:
+            name = node.split("::")[-1].split("[")[0]
+            assert re.search(rf"^(async )?def {name}\(", (ROOT / path).read_text(), re.M), target
