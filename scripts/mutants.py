@@ -49,6 +49,13 @@ CLOCK = "tests/test_lease_clock.py"
 LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
 LIVE = "tests/test_liveness.py"
+# ack_round's fence, and its hold of `upto` to the run's last committed event
+ACK_FENCE = "where r.lease_token = t.token and r.lease_expires_at > v_now"
+ACK_UPTO = (
+    "else least(b.upto, (select max(o.seq) from outbox o\n"
+    + " " * 46
+    + "where o.run_id = b.run_id)) end"
+)
 
 MUTANTS: tuple[Mutant, ...] = (
     # -- replica liveness (issue 18, DESIGN §4.2): only a provably dead owner loses early ------
@@ -84,8 +91,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "liveness-no-replicas-row",
         "§4.2 liveness: an owner that never recorded its liveness (previous version) is never dead",
         SQL,
-        "v_dead := array(select rp.owner from replicas rp\n",
-        "v_dead := array(select rp.owner from (select distinct lease_owner as owner from runs"
+        "    return array(select rp.owner from replicas rp\n",
+        # every lease owner a candidate; the row's server lifetime taken as current, so that
+        # the mutant is well formed (dead_owners reads rp.server_started_at)
+        "    return array(select rp.owner from (select distinct lease_owner as owner,"
+        " pg_postmaster_start_time() as server_started_at from runs"
         " where lease_owner is not null) rp\n",
         (f"{LIVE}::test_an_owner_without_a_replicas_row_is_never_reclaimed",),
     ),
@@ -101,7 +111,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "liveness-reclaim-wave",
         "§9.5: after a restart or failover, a free lock of an older server lifetime proves nothing",
         SQL,
-        "                      and rp.server_started_at = pg_postmaster_start_time()\n",
+        "                   and rp.server_started_at = pg_postmaster_start_time()\n",
         "",
         (  # the scenario first: it is the one that measured the wave (issue 29)
             "tests/test_failover.py::test_failover_to_a_synchronous_standby",
@@ -121,8 +131,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-claim-expiry",
         "§4.2 lease clock: claim computes expiry at the statement",
         SQL,
-        "u.prev_expires,\n               clock_timestamp() + p_ttl as expires",
-        "u.prev_expires,\n               now() + p_ttl as expires",
+        "(select p.*, clock_timestamp() + p_ttl as expires from picked p) x",
+        "(select p.*, now() + p_ttl as expires from picked p) x",
         (f"{CLOCK}::test_a_claim_in_an_old_transaction_sets_its_expiry_from_the_statement_clock",),
         ci=True,
     ),
@@ -146,8 +156,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-claim-critical-due",
         "§4.2 lease clock: the critical lane judges due/expired at the statement",
         SQL,
-        "(r.next_attempt_at <= clock_timestamp() or r.lease_owner = any(v_dead))",
-        "(r.next_attempt_at <= now() or r.lease_owner = any(v_dead))",
+        "(r.next_attempt_at <= clock_timestamp() or r.lease_owner = any(p_dead))",
+        "(r.next_attempt_at <= now() or r.lease_owner = any(p_dead))",
         (f"{CLOCK}::test_a_lease_that_expired_while_the_transaction_waited_is_claimable",),
     ),
     Mutant(
@@ -171,8 +181,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-ack",
         "§4.2 lease clock + §9.3 fencing: ack judges expiry at the statement",
         SQL,
-        "v_upto := (v_b ->> 'upto')::bigint;\n        v_now := clock_timestamp();",
-        "v_upto := (v_b ->> 'upto')::bigint;\n        v_now := now();",
+        ACK_FENCE,
+        "where r.lease_token = t.token and r.lease_expires_at > now()",
         (f"{CLOCK}::test_an_ack_in_an_old_transaction_is_fenced_by_the_statement_clock",),
         ci=True,
     ),
@@ -188,8 +198,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-fail",
         "§4.2 lease clock: failed_at from the statement clock",
         SQL,
-        "failed_at = clock_timestamp()",
-        "failed_at = now()",
+        "values (p_run_id, p_seq, v_attempts, p_status, left(p_error, 2000), clock_timestamp())",
+        "values (p_run_id, p_seq, v_attempts, p_status, left(p_error, 2000), now())",
         (
             f"{CLOCK}::test_a_poison_fail_in_an_old_transaction_is_fenced_and_stamped_by_the_statement_clock",
         ),
@@ -198,17 +208,21 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-prune",
         "§4.4 retention measured on the statement clock",
         SQL,
-        "where x.done_at < clock_timestamp() - p_retention",
-        "where x.done_at < now() - p_retention",
+        "where o.created_at < clock_timestamp() - p_retention and o.seq <= r.delivered_seq",
+        "where o.created_at < now() - p_retention and o.seq <= r.delivered_seq",
         (f"{CLOCK}::test_prune_in_an_old_transaction_measures_retention_on_the_statement_clock",),
     ),
     # -- fencing (§9.3) --------------------------------------------------------------------------
+    # Since schema version 7 (issue 28) every batch of an ack goes through one set-based path
+    # (ack_round). The "-grouped" mutants once planted each rule in the set-based path beside the
+    # per-batch loop; each now plants its rule at its one site in ack_round (or, where the rule
+    # has one site only, there again), caught by a test acking several batches in one call.
     Mutant(
         "fence-ack-token",
         "§9.3 fencing: an ack with a stale token changes nothing",
         SQL,
-        "where r.run_id = v_run and r.lease_token = v_token and r.lease_expires_at > v_now",
-        "where r.run_id = v_run and r.lease_expires_at > v_now",
+        ACK_FENCE,
+        "where r.lease_expires_at > v_now",
         (f"{LEASE}::test_stale_token_renew_release_fail_and_ack_change_nothing",),
         ci=True,
     ),
@@ -216,101 +230,188 @@ MUTANTS: tuple[Mutant, ...] = (
         "fence-ack-token-e2e",
         "§9.3 fencing end to end: a zombie's ack under the new owner's live lease is fenced",
         SQL,
-        "where r.run_id = v_run and r.lease_token = v_token and r.lease_expires_at > v_now",
-        "where r.run_id = v_run and r.lease_expires_at > v_now",
+        ACK_FENCE,
+        "where r.lease_expires_at > v_now",
         ("tests/test_relay.py::test_stale_lease_ack_is_rejected_and_wakes_once",),
     ),
     Mutant(
         "fence-ack-expiry",
         "§9.3 fencing: an ack under an expired lease changes nothing",
         SQL,
-        "where r.run_id = v_run and r.lease_token = v_token and r.lease_expires_at > v_now",
-        "where r.run_id = v_run and r.lease_token = v_token",
+        ACK_FENCE,
+        "where r.lease_token = t.token",
         (f"{LEASE}::test_ack_with_an_expired_lease_that_was_not_replaced_changes_nothing",),
     ),
-    # -- the set-based path of ack (issue 16): the same guards as the per-batch loop ---------
     Mutant(
         "fence-ack-token-grouped",
-        "§9.3 fencing: a stale token in a grouped ack changes nothing (set-based path)",
+        "§9.3 fencing: a stale batch among others in one ack changes nothing, stops none of them"
+        " (v7: fence-ack-token's site, ack_round's fence)",
         SQL,
-        "where r.lease_token = b.token and r.lease_expires_at > v_now",
+        ACK_FENCE,
         "where r.lease_expires_at > v_now",
-        (f"{LEASE}::test_stale_token_renew_release_fail_and_ack_change_nothing",),
+        (f"{LEASE}::test_a_grouped_ack_acks_the_good_batch_and_skips_the_stale_one",),
     ),
     Mutant(
         "fence-ack-expiry-grouped",
-        "§9.3 fencing: an ack under an expired lease changes nothing (set-based path)",
+        "§9.3 fencing: an expired batch among others in one ack changes nothing"
+        " (v7: fence-ack-expiry's site, ack_round's fence)",
         SQL,
-        "where r.lease_token = b.token and r.lease_expires_at > v_now",
-        "where r.lease_token = b.token",
-        (f"{LEASE}::test_ack_with_an_expired_lease_that_was_not_replaced_changes_nothing",),
+        ACK_FENCE,
+        "where r.lease_token = t.token",
+        (f"{LEASE}::test_a_grouped_ack_fences_a_batch_whose_lease_expired_and_acks_the_others",),
     ),
     Mutant(
         "clock-ack-grouped",
-        "§4.2 lease clock + §9.3 fencing: the set-based ack judges expiry at the statement",
+        "§4.2 lease clock: ack_round reads the statement clock once, for its fence and for the"
+        " delivery time (v7: one ack path)",
         SQL,
-        "    v_now := clock_timestamp();\n    select array_agg(f.i order by f.i)",
-        "    v_now := now();\n    select array_agg(f.i order by f.i)",
-        (f"{CLOCK}::test_an_ack_in_an_old_transaction_is_fenced_by_the_statement_clock",),
+        "v_now timestamptz := clock_timestamp();",
+        "v_now timestamptz := now();",
+        (
+            f"{CLOCK}::test_an_ack_in_an_old_transaction_is_fenced_by_the_statement_clock",
+            f"{CLOCK}::test_an_ack_in_an_old_transaction_stamps_delivery_with_the_statement_clock",
+        ),
     ),
     Mutant(
         "ack-past-upto-grouped",
-        "§9.1: never acknowledged without a 2xx (set-based path: only up to the accepted seq)",
+        "§9.1: never acknowledged without a 2xx (ack_round's transition moves the cursor only to"
+        " the batch's accepted seq)",
         SQL,
-        "where e.run_id = f.run_id and e.seq <= f.upto and e.state = 'pending'",
-        "where e.run_id = f.run_id and e.state = 'pending'",
+        "set delivered_seq = greatest(r.delivered_seq, b.upto),",
+        "set delivered_seq = greatest(r.delivered_seq,"
+        " (select max(o.seq) from outbox o where o.run_id = r.run_id)),",
         (f"{LEASE}::test_ack_marks_only_events_up_to_upto",),
         ci=True,
     ),
     Mutant(
         "settle-grouped-without-lock",
-        "§9.1 no loss: a run goes idle only while no producer is mid-enqueue on it",
+        "§9.1 no loss: a run goes idle only while no producer is mid-enqueue on it (the ack's"
+        " settle takes the run's run_seqs row lock, skip locked)",
         SQL,
-        "where pg_try_advisory_xact_lock(f.k));",
-        "where true);",
+        "        order by s.run_id\n        for update skip locked);",
+        "        order by s.run_id);",
         (f"{LEASE}::test_an_ack_racing_a_producer_never_strands_its_event",),
         ci=True,
     ),
     Mutant(
         "wake-grouped-skips-engine",
-        "§9.4 wake iff ack: a batch with an engine wake never takes the path without wakes",
+        "§9.4 wake iff ack: a batch whose acked events carry a wake goes through emit_wakes",
         SQL,
-        "and w.state = 'pending' and w.wake_queue is not null)",
-        "and w.state = 'pending' and false)",
+        "                        and o.wake_queue is not null)",
+        "                        and false)",
         (f"{LEASE}::test_ack_emits_the_engine_wake_and_notifies",),
     ),
     Mutant(
         "ack-grouped-ignores-keep",
         "§4.2: an ack that keeps its lease (poison narrowing) does not release it",
         SQL,
-        "and not coalesce(b.keep, false) and b.times = 1",
-        "and b.times = 1",
+        "not u.keep and u.failed is null as release",
+        "u.failed is null as release",
         (f"{LEASE}::test_an_ack_with_keep_holds_the_lease",),
     ),
     Mutant(
         "ack-grouped-repeated-run",
-        "§9.3: a run named twice in one ack is answered as two acks in a row",
+        "§9.3: a run named twice in one ack is answered as two acks in a row (one round each)",
         SQL,
-        "and not coalesce(b.keep, false) and b.times = 1",
-        "and not coalesce(b.keep, false)",
+        "row_number() over (partition by x.run_id order by x.i) as round",
+        "1::bigint as round",
         (f"{LEASE}::test_one_ack_call_answers_every_kind_of_batch_in_order",),
     ),
     Mutant(
         "ack-grouped-notify-missing",
         "§6: each acked batch notifies its waiters (outbox_delivered)",
         SQL,
-        "        perform pg_notify(v_channel, n.note)\n",
-        "        perform n.note\n",
+        "then pg_notify(v_channel, delivered_note(a.run_id, a.last_seq, a.ids))",
+        "then delivered_note(a.run_id, a.last_seq, a.ids)",
         (f"{LEASE}::test_outbox_delivered_notification_carries_run_seq_and_ids",),
+    ),
+    # -- the delivery cursor (schema version 7, DESIGN §4.5, docs/storage.md) ------------------
+    Mutant(
+        "ack-upto-past-last-event",
+        "§9.1: the cursor never passes the run's last committed event (the ack holds `upto` to"
+        " it), or an event committed later would count as delivered unsent",
+        SQL,
+        ACK_UPTO,
+        "else b.upto end",
+        (f"{LEASE}::test_an_ack_never_moves_the_cursor_past_what_it_names_or_what_exists",),
+        ci=True,
+    ),
+    Mutant(
+        "ack-without-upto-moves-cursor",
+        "§9.1: a batch that names no `upto` acknowledges nothing (least() ignores a null)",
+        SQL,
+        "case when b.upto is null then r.delivered_seq",
+        "case when false then r.delivered_seq",
+        (f"{LEASE}::test_an_ack_never_moves_the_cursor_past_what_it_names_or_what_exists",),
+    ),
+    Mutant(
+        "ack-cursor-moves-back",
+        "§9.1/§9.4: the cursor never moves back (an ack below it re-opens nothing delivered)",
+        SQL,
+        "set delivered_seq = greatest(r.delivered_seq, b.upto),",
+        "set delivered_seq = b.upto,",
+        (f"{LEASE}::test_an_ack_below_the_cursor_moves_it_back_nowhere",),
+        ci=True,
+    ),
+    Mutant(
+        "ack-terminal-stays-pending",
+        "§4.3: a run whose terminal event the cursor passed leaves pending_terminals (the"
+        " critical lane's discovery holds the critical backlog only)",
+        SQL,
+        "where t.run_id = b.run_id and t.seq <= b.upto;",
+        "where false;",
+        (
+            f"{LEASE}::"
+            "test_the_ack_that_delivers_the_terminal_event_takes_the_run_out_of_the_critical_lane",
+        ),
+    ),
+    Mutant(
+        "claim-prefix-includes-cursor",
+        "§9.2/§9.4: a claim's prefix starts after the cursor (nothing delivered is sent again)",
+        SQL,
+        "              where o.run_id = r.run_id and o.seq > r.delivered_seq\n",
+        "              where o.run_id = r.run_id and o.seq >= r.delivered_seq\n",
+        (f"{LEASE}::test_ack_marks_only_events_up_to_upto",),
+        ci=True,
+    ),
+    Mutant(
+        "enqueue-seq-ignores-floor",
+        "§9.2 per-run seqs only grow: after retention removed a run's events, enqueue numbers"
+        " from the run's floor (run_seqs.last_seq)",
+        SQL,
+        "select greatest(s.last_seq, coalesce((select max(o.seq) from outbox o",
+        "select greatest(0, coalesce((select max(o.seq) from outbox o",
+        (f"{LEASE}::test_prune_keeps_seqs_and_epochs_monotonic_per_run",),
+        ci=True,
+    ),
+    Mutant(
+        "prune-floor-not-raised",
+        "§9.2 per-run seqs only grow: prune raises the run's floor to the highest seq it removes",
+        SQL,
+        "        where s.run_id = m.run_id and s.last_seq < m.upto\n",
+        "        where false\n",
+        (f"{LEASE}::test_prune_keeps_seqs_and_epochs_monotonic_per_run",),
+    ),
+    Mutant(
+        "skip-keeps-cursor",
+        "§9.2: skipping a run's failed head moves its cursor past it (delivery goes on after it)",
+        "schema/functions_ops.sql",
+        "    update runs r set delivered_seq = greatest(r.delivered_seq, v_seq)\n"
+        "    where r.run_id = v_run;\n",
+        "",
+        (
+            "tests/test_ops.py::test_skip_event_records_who_why_and_when_and_unblocks_its_run",
+            "tests/test_ops.py::test_skipping_the_last_event_lets_the_run_settle",
+        ),
     ),
     Mutant(
         "claim-critical-flag-lost",
-        "§4.3: a claimed run with a pending terminal event is flagged critical (set-based claim)",
+        "§4.3: a claimed run with a terminal event not yet delivered is flagged critical",
         SQL,
-        "then exists (select 1 from events t where t.run_id = u.run_id\n"
-        + " " * 46
-        + "and t.terminal and t.state = 'pending') end,",
-        "then false end,",
+        "case when p.n = 1 then exists (select 1 from pending_terminals t\n"
+        + " " * 42
+        + "where t.run_id = r.run_id) end,",
+        "case when p.n = 1 then false end,",
         (f"{LEASE}::test_the_critical_lane_takes_only_runs_with_a_pending_terminal_event",),
     ),
     Mutant(
@@ -344,8 +445,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "fence-release-token",
         "§9.3 fencing: a release with a stale token changes nothing",
         SQL,
-        "where runs.run_id = p_run_id and lease_token = p_token;",
-        "where runs.run_id = p_run_id;",
+        "        where runs.run_id = p_run_id and lease_token = p_token\n",
+        "        where runs.run_id = p_run_id\n",
         (f"{LEASE}::test_stale_token_renew_release_fail_and_ack_change_nothing",),
     ),
     Mutant(
@@ -403,8 +504,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "lane-critical-takes-ordinary",
         "§4.3: the critical lane never takes ordinary work",
         SQL,
-        "p_lane = 'critical' and e.terminal and e.state = 'pending'",
-        "p_lane = 'critical' and e.state = 'pending'",
+        "    from pending_terminals t join runs r on r.run_id = t.run_id\n",
+        "    from runs r left join pending_terminals t on t.run_id = r.run_id\n",
         (f"{LEASE}::test_the_critical_lane_takes_only_runs_with_a_pending_terminal_event",),
         ci=True,
     ),
@@ -639,36 +740,36 @@ MUTANTS: tuple[Mutant, ...] = (
         "order-prefix-reversed",
         "§9.2 per-run order: a claim returns the prefix in seq order",
         SQL,
-        "        order by u.i, p.seq;",
-        "        order by u.i, p.seq desc;",
+        "    order by u.i, p.seq\n",
+        "    order by u.i, p.seq desc\n",
         (f"{LEASE}::test_claim_takes_whole_runs_and_returns_prefixes_in_seq_order",),
     ),
     Mutant(
         "order-blocked-run-claimed",
         "§9.2: nothing after a failed event is delivered until retried or skipped",
         SQL,
-        "and not r.idle and r.blocked_seq is null and r.next_attempt_at <= clock_timestamp()\n"
+        "where not r.idle and r.blocked_seq is null and r.next_attempt_at <= clock_timestamp()\n"
         "        order by r.next_attempt_at",
-        "and not r.idle and r.next_attempt_at <= clock_timestamp()\n"
+        "where not r.idle and r.next_attempt_at <= clock_timestamp()\n"
         "        order by r.next_attempt_at",
         (f"{LEASE}::test_fail_event_blocks_the_run_until_an_operator_acts",),
     ),
     # -- acknowledgement and wakes (§6, §9.1, §9.4) ----------------------------------------------
     Mutant(
         "ack-past-upto",
-        "§9.1: never acknowledged without a 2xx (ack only up to the accepted seq)",
+        "§9.1: never acknowledged without a 2xx (the ack's fence takes the batch's accepted seq)",
         SQL,
-        "where e.run_id = v_run and e.seq <= v_upto and e.state = 'pending'",
-        "where e.run_id = v_run and e.state = 'pending'",
+        ACK_UPTO,
+        "else (select max(o.seq) from outbox o where o.run_id = b.run_id) end",
         (f"{LEASE}::test_an_ack_with_keep_holds_the_lease",),
         ci=True,
     ),
     Mutant(
         "wake-for-already-acked",
-        "§9.4 wake iff ack: no engine event for an event this ack did not mark",
+        "§9.4 wake iff ack: no engine event for an event the cursor had passed before this ack",
         SQL,
-        "where e.run_id = v_run and e.seq = any(v_seqs) and e.wake_queue is not null",
-        "where e.run_id = v_run and e.seq <= v_upto and e.wake_queue is not null",
+        "        where o.run_id = p_run_id and o.seq > p_from and o.seq <= p_upto\n",
+        "        where o.run_id = p_run_id and o.seq <= p_upto\n",
         (f"{LEASE}::test_a_redelivered_event_is_not_emitted_again",),
         ci=True,
     ),
