@@ -60,6 +60,11 @@ from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
 from tests.test_cli import RELAY, relay_env
 from tests.test_sink import body as sink_body
 
+# A failed attempt is counted on its run (schema version 7), with its error: an event of a run
+# that was rescheduled, and the state and error of the one event a test enqueued.
+RESCHEDULED = "exists (select 1 from {s}.runs r where r.run_id = events.run_id and r.attempts >= 1)"
+LAST_ATTEMPT = "select e.state, r.last_error from {s}.events e join {s}.runs r using (run_id)"
+
 pytestmark = pytest.mark.anyio
 
 
@@ -424,18 +429,21 @@ async def test_an_endless_answer_is_read_only_up_to_the_cap(
         )
         async with Relay(cfg).running():
             if state == "pending":
-                # a failed attempt, counted on the run (schema version 7)
-                where = (
-                    "state = 'pending' and exists (select 1 from {s}.runs r"
-                    " where r.run_id = events.run_id and r.attempts >= 1)"
-                )
+                where = "state = 'pending' and " + RESCHEDULED
             else:
                 where = f"state = '{state}'"
             await wait_for(lambda: count(conn, schema, where) == 1, what=state)
             await wait_for(lambda: raw.client_left >= 1, what="the relay to hang up")
     # Bounded: what the server managed to write is the cap plus socket buffers, not a stream.
     assert raw.sent < 64 * 1024 * 1024
-    row = conn.execute(q(schema, "select last_error, last_status from {s}.events")).fetchone()
+    # a failed event's error is its own (event_failures); a rescheduled one's is its run's
+    row = conn.execute(
+        q(
+            schema,
+            "select coalesce(e.last_error, r.last_error), coalesce(e.last_status, r.last_status)"
+            " from {s}.events e join {s}.runs r using (run_id)",
+        )
+    ).fetchone()
     assert row is not None
     if state == "delivered":
         assert row == (None, None)
@@ -513,10 +521,10 @@ async def test_a_slow_drip_is_cut_at_the_total_deadline(
         )
         async with Relay(cfg).running():
             await wait_for(
-                lambda: count(conn, schema, "attempts >= 1") == 1, what="a rescheduled attempt"
+                lambda: count(conn, schema, RESCHEDULED) == 1, what="a rescheduled attempt"
             )
             await wait_for(lambda: raw.client_left >= 1, what="the relay to hang up")
-    row = conn.execute(q(schema, "select state, last_error from {s}.events")).fetchone()
+    row = conn.execute(q(schema, LAST_ATTEMPT)).fetchone()
     assert row == ("pending", "timed out after 1s")
 
 
@@ -551,10 +559,8 @@ async def test_tls_is_verified_and_a_ca_file_makes_a_private_ingress_trusted(
         async with Relay(
             settings(pg_url, schema, url, http_transport=http_transport, max_backoff="0.5s")
         ).running():
-            await wait_for(
-                lambda: count(conn, schema, "attempts >= 1") == 1, what="a refused attempt"
-            )
-        row = conn.execute(q(schema, "select state, last_error from {s}.events")).fetchone()
+            await wait_for(lambda: count(conn, schema, RESCHEDULED) == 1, what="a refused attempt")
+        row = conn.execute(q(schema, LAST_ATTEMPT)).fetchone()
         assert row is not None and row[0] == "pending"
         assert "CERTIFICATE_VERIFY_FAILED" in row[1]
         assert raw.requests == []  # no request went out over the unverified connection
@@ -908,11 +914,22 @@ def test_the_producer_can_enqueue_and_nothing_else(
             assert seqs == [2, 3]
         # Idempotent re-enqueue works without reading the table.
         assert relay.enqueue(p, "pr1", "pr1-a", "run_created", {"a": 1}, schema=schema) == 1
-        for table in ("events", "runs", "run_seqs", "settings", "schema_migrations"):
+        for table in (
+            "events",
+            "outbox",
+            "event_failures",
+            "event_skips",
+            "pending_terminals",
+            "runs",
+            "run_seqs",
+            "settings",
+            "schema_migrations",
+        ):
             assert denied(p, q(schema, f"select 1 from {{s}}.{table} limit 1")), table
-        assert denied(p, q(schema, "update {s}.events set state = 'delivered'"))
+        assert denied(p, q(schema, "update {s}.outbox set event_type = 'x'"))
+        assert denied(p, q(schema, "update {s}.runs set delivered_seq = 99"))
         assert denied(p, q(schema, "update {s}.runs set blocked_seq = 1"))
-        assert denied(p, q(schema, "delete from {s}.events"))
+        assert denied(p, q(schema, "delete from {s}.outbox"))
         assert denied(p, q(schema, "update {s}.settings set value = '99999999'"))
         assert denied(
             p,
@@ -986,7 +1003,10 @@ async def test_the_relay_role_delivers_end_to_end_and_cannot_write_events(
         )
         assert denied(rc, q(schema, "select {s}.enqueue('x', 'x', 't', '{{}}')"))
         assert denied(rc, q(schema, "select {s}.enqueue_many('x', '[]')"))
-        assert denied(rc, q(schema, "update {s}.events set state = 'delivered'"))
+        assert denied(rc, q(schema, "update {s}.runs set delivered_seq = 99"))
+        assert denied(rc, q(schema, "update {s}.outbox set payload = '{{}}'"))
+        assert denied(rc, q(schema, "delete from {s}.outbox"))
+        assert denied(rc, q(schema, "insert into {s}.event_skips values ('x', 1, 'me', null, 'y')"))
         assert denied(rc, q(schema, "update {s}.runs set lease_token = null"))
         assert denied(rc, q(schema, "delete from {s}.runs"))
         assert denied(rc, q(schema, "insert into {s}.run_seqs values ('x', 1)"))
