@@ -323,6 +323,57 @@ drop trigger if exists events_insert on events;
 create trigger events_insert instead of insert on events
     for each row execute function events_insert();
 
+-- Updates of the `events` view: what a function of the previous release (schema version 6) that
+-- was waiting for migration 0007's lock does when it resumes after the commit, in the new
+-- layout. A relay's ack in flight then marks events delivered (the cursor moves up to them) and,
+-- when the engine refused a wake, undoes it from the refused event on (the cursor goes back
+-- below it) and fails that one (event_failures); an operator's skip or retry records itself.
+-- Other columns (the per-event attempts of a release) are no longer kept and are ignored.
+create or replace function events_update() returns trigger
+language plpgsql
+set search_path from current
+as $$
+begin
+    if new.state = 'delivered' and old.state <> 'delivered' then
+        update runs set delivered_seq = greatest(delivered_seq, new.seq),
+                        delivered_at = clock_timestamp()
+        where run_id = new.run_id;
+        delete from pending_terminals where run_id = new.run_id and seq <= new.seq;
+    elsif new.state = 'pending' and old.state = 'delivered' then
+        update runs set delivered_seq = least(delivered_seq, new.seq - 1)
+        where run_id = new.run_id;
+        if new.terminal then
+            insert into pending_terminals (run_id, seq, created_at)
+            values (new.run_id, new.seq, new.created_at) on conflict (run_id) do nothing;
+        end if;
+    elsif new.state = 'failed' and old.state <> 'failed' then
+        insert into event_failures as f (run_id, seq, attempts, last_status, last_error, failed_at)
+        values (new.run_id, new.seq, coalesce(new.attempts, 1), new.last_status, new.last_error,
+                coalesce(new.failed_at, clock_timestamp()))
+        on conflict (run_id, seq) do update
+            set attempts = excluded.attempts, last_status = excluded.last_status,
+                last_error = excluded.last_error, failed_at = excluded.failed_at;
+    elsif new.state = 'skipped' and old.state <> 'skipped' then
+        insert into event_skips (run_id, seq, skipped_by, skipped_role, skip_reason)
+        values (new.run_id, new.seq, coalesce(new.skipped_by, 'unknown'), new.skipped_role,
+                coalesce(new.skip_reason, ''))
+        on conflict (run_id, seq) do nothing;
+        update runs set delivered_seq = greatest(delivered_seq, new.seq)
+        where run_id = new.run_id;
+        delete from pending_terminals where run_id = new.run_id and seq <= new.seq;
+    elsif new.state = 'pending' and old.state = 'failed' then
+        update event_failures
+        set retried_by = new.retried_by, retried_role = new.retried_role,
+            retried_at = new.retried_at, retries = new.retries
+        where run_id = new.run_id and seq = new.seq;
+    end if;
+    return new;
+end
+$$;
+drop trigger if exists events_update on events;
+create trigger events_update instead of update on events
+    for each row execute function events_update();
+
 -- Relay API --------------------------------------------------------------------------------
 
 -- Whether the run has an event after its cursor (what "pending" means, DESIGN §4.5): one probe

@@ -200,3 +200,55 @@ def test_a_live_database_of_the_previous_release_is_moved_in_place(
 
         # 3. a run whose events retention removed numbers on after its last seq
         assert new.call("enqueue", "pruned-0", "pruned-0-5", "step", "{}", False) == [(5,)]
+
+
+def test_writes_of_the_previous_release_through_the_events_view_land_in_the_new_layout(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """A function of the previous release that waited for the migration's lock resumes after the
+    commit with `events` a view: its writes (the ack's, a refused wake's undo, a poison failure)
+    must mean in the new layout what they meant (the rolling upgrade saw acks in flight fail
+    and their events delivered again before the view took them)."""
+    events = sql.Identifier(schema, "events")
+    for i in range(1, 4):
+        conn.execute(
+            sql.SQL("select {}.enqueue('r1', %s, 'step', '{{}}', %s)").format(
+                sql.Identifier(schema)
+            ),
+            (f"e{i}", i == 3),
+        )
+
+    def state() -> list[str]:
+        got = conn.execute(sql.SQL("select state from {} order by seq").format(events))
+        return [r[0] for r in got.fetchall()]
+
+    # the old ack: every pending event up to seq 2 marked delivered
+    acked = conn.execute(
+        sql.SQL(
+            "update {} e set state = 'delivered', delivered_at = now(), done_at = now(),"
+            " attempts = e.attempts + 1 where e.run_id = 'r1' and e.seq <= 2"
+            " and e.state = 'pending' returning e.seq"
+        ).format(events)
+    ).fetchall()
+    assert sorted(r[0] for r in acked) == [1, 2]
+    assert state() == ["delivered", "delivered", "pending"]
+    # its undo from a refused wake at seq 2, and the failure of that event
+    conn.execute(
+        sql.SQL("update {} set state = 'pending' where run_id = 'r1' and seq >= 2").format(events)
+    )
+    conn.execute(
+        sql.SQL(
+            "update {} set state = 'failed', last_status = null, last_error = 'engine wake failed'"
+            " where run_id = 'r1' and seq = 2 and state = 'pending'"
+        ).format(events)
+    )
+    conn.execute(sql.SQL("update {}.runs set blocked_seq = 2").format(sql.Identifier(schema)))
+    assert state() == ["delivered", "failed", "pending"]
+    row = conn.execute(
+        sql.SQL("select last_error from {}.event_failures").format(sql.Identifier(schema))
+    ).fetchone()
+    assert row == ("engine wake failed",)
+    # the terminal event (seq 3) still waits: the critical lane still finds its run
+    assert conn.execute(
+        sql.SQL("select run_id from {}.pending_terminals").format(sql.Identifier(schema))
+    ).fetchall() == [("r1",)]

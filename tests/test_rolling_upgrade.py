@@ -102,6 +102,7 @@ class UpgradeLab(SteadyLab):
         bookkeeping (tests/faults/harness.py, without its migrate: that is this release's)."""
         assert self.pg.previous is not None
         env = relay_env(self.pg.direct, self.schema, "http://unused")
+        env.pop("PYTHONPATH", None)  # the previous release's own package, as run-as-harness does
         subprocess.run([*self.pg.previous.command, "migrate"], env=env, check=True,
                        capture_output=True, cwd="/", timeout=120)  # fmt: skip
         install_faults_schema(self.pg.direct)
@@ -174,7 +175,7 @@ class UpgradeLab(SteadyLab):
 def runs_previous(rep: Replica, previous: Previous) -> bool:
     """Whether `rep`'s process is the previous release's relay (its command line)."""
     cmdline = Path(f"/proc/{rep.proc.pid}/cmdline").read_bytes().decode(errors="replace")
-    return str(previous.venv) in cmdline
+    return str(previous.venv.resolve()) in cmdline  # the venv may be reached through a link
 
 
 def longest_pause(first_seen: list[float], start: float, end: float) -> float:
