@@ -379,10 +379,12 @@ create trigger events_update instead of update on events
 -- Whether the run has an event after its cursor (what "pending" means, DESIGN §4.5): one probe
 -- of the primary key. Blocked runs answer true (their failed head is after the cursor).
 create or replace function has_pending(p_run_id text, p_cursor bigint) returns boolean
-language sql stable
+language plpgsql stable
 set search_path from current
 as $$
-    select exists (select 1 from outbox o where o.run_id = p_run_id and o.seq > p_cursor)
+begin
+    return exists (select 1 from outbox o where o.run_id = p_run_id and o.seq > p_cursor);
+end
 $$;
 
 -- Marks a run idle when it has no pending event. Only while holding the run's `run_seqs` row
@@ -494,15 +496,20 @@ $$;
 -- The three ways a claim picks runs (claim below takes the one its arguments name). Each
 -- returns the runs it locked (FOR UPDATE SKIP LOCKED: a run another claimer holds is passed
 -- over) with their previous owner and expiry. Blocked and idle runs are never picked.
+-- These and claimed_prefixes are plpgsql, not sql, though each is one query: PostgreSQL plans a
+-- SQL function's query again at every call (~0.5 ms a claim of 64 runs, measured), plpgsql
+-- keeps its plan.
 
 -- One run by id (the terminal drain): its lease must be free, expired or a dead owner's, and a
 -- run backing off after a failure waits for its next attempt.
 create or replace function pick_run(p_run_id text, p_dead text[])
 returns table (run_id text, prev_owner text, prev_expires timestamptz)
-language sql volatile
+language plpgsql volatile
 rows 10  -- a claim's size: the planner's default of 1,000 would scan runs to join them
 set search_path from current
 as $$
+begin
+    return query
     select r.run_id, r.lease_owner, r.lease_expires_at
     from runs r
     where r.run_id = p_run_id and not r.idle and r.blocked_seq is null
@@ -510,24 +517,28 @@ as $$
            or r.lease_owner = any(p_dead))
       and (r.attempts = 0 or r.next_attempt_at <= clock_timestamp()
            or r.lease_owner = any(p_dead))
-    for update skip locked
+    for update skip locked;
+end
 $$;
 
 -- The critical lane: runs whose terminal event is not delivered yet (pending_terminals), the
 -- oldest terminal event first, when due (or their owner died).
 create or replace function pick_critical(p_runs int, p_dead text[])
 returns table (run_id text, prev_owner text, prev_expires timestamptz)
-language sql volatile
+language plpgsql volatile
 rows 10  -- a claim's size: the planner's default of 1,000 would scan runs to join them
 set search_path from current
 as $$
+begin
+    return query
     select r.run_id, r.lease_owner, r.lease_expires_at
     from pending_terminals t join runs r on r.run_id = t.run_id
     where not r.idle and r.blocked_seq is null
       and (r.next_attempt_at <= clock_timestamp() or r.lease_owner = any(p_dead))
     order by t.created_at
     limit p_runs
-    for update of r skip locked
+    for update of r skip locked;
+end
 $$;
 
 -- The ordinary lane takes any due run (work-conserving), a dead owner's runs first. Those are
@@ -536,10 +547,12 @@ $$;
 -- due run first, a claim O(backlog).
 create or replace function pick_ordinary(p_runs int, p_dead text[])
 returns table (run_id text, prev_owner text, prev_expires timestamptz)
-language sql volatile
+language plpgsql volatile
 rows 10  -- a claim's size: the planner's default of 1,000 would scan runs to join them
 set search_path from current
 as $$
+begin
+    return query
     with dead_owners_runs as (
         select r.run_id, r.lease_owner, r.lease_expires_at
         from runs r
@@ -559,7 +572,8 @@ as $$
     select d.run_id, d.lease_owner, d.lease_expires_at
     from (select o.*, 0 as pri from dead_owners_runs o union all select o.*, 1 from due o) d
     order by d.pri
-    limit p_runs
+    limit p_runs;
+end
 $$;
 
 -- Claims up to p_runs whole runs: each run's lease is taken (owner, fresh token, expiry on the
@@ -589,7 +603,13 @@ security definer
 as $$
 declare
     v_dead text[] := dead_owners(p_owner);
+    -- the runs taken, and their columns as the update left them
     v_taken text[];
+    v_epochs bigint[];
+    v_tokens uuid[];
+    v_expires timestamptz[];
+    v_attempts int[];
+    v_cursors bigint[];
     v_reclaimed text[];
     v_empty text[];
 begin
@@ -610,27 +630,32 @@ begin
             updated_at = clock_timestamp()
         from (select p.*, clock_timestamp() + p_ttl as expires from picked p) x
         where u.run_id = x.run_id
-        returning u.run_id,
+        returning u.run_id, u.epoch, u.lease_token, u.lease_expires_at, u.attempts,
+            u.delivered_seq,
             case when x.prev_owner = any(v_dead) and x.prev_expires > clock_timestamp()
                  then x.prev_owner end as reclaimed
     )
-    select array_agg(t.run_id), array_agg(t.reclaimed) into v_taken, v_reclaimed from taken t;
+    select array_agg(t.run_id), array_agg(t.epoch), array_agg(t.lease_token),
+           array_agg(t.lease_expires_at), array_agg(t.attempts), array_agg(t.delivered_seq),
+           array_agg(t.reclaimed)
+    into v_taken, v_epochs, v_tokens, v_expires, v_attempts, v_cursors, v_reclaimed
+    from taken t;
     if v_taken is null then
         return;
     end if;
     -- Runs with nothing pending after all (delivered meanwhile): give the lease back. Their
     -- rows are locked by the update above, so the statement below returns exactly the others.
-    v_empty := array(select r.run_id from runs r
-                     where r.run_id = any(v_taken)
-                       and not exists (select 1 from outbox o
-                                       where o.run_id = r.run_id and o.seq > r.delivered_seq));
+    v_empty := array(select t.run_id from unnest(v_taken, v_cursors) as t(run_id, cursor)
+                     where not exists (select 1 from outbox o
+                                       where o.run_id = t.run_id and o.seq > t.cursor));
     if cardinality(v_empty) > 0 then
         update runs set lease_owner = null, lease_token = null, lease_expires_at = null,
                         next_attempt_at = clock_timestamp()
         where runs.run_id = any(v_empty);
         perform settle_run(x) from unnest(v_empty) as x;
     end if;
-    return query select * from claimed_prefixes(v_taken, v_reclaimed, v_empty, p_batch,
+    return query select * from claimed_prefixes(v_taken, v_epochs, v_tokens, v_expires, v_attempts,
+                                                v_cursors, v_reclaimed, v_empty, p_batch,
                                                 p_max_bytes, clock_timestamp());
 end
 $$;
@@ -642,7 +667,8 @@ $$;
 -- timestamptz, uuid and int the caller would read again costs it microseconds per event
 -- (issue 16: ~5 us a row), hence NULL after the first row.
 create or replace function claimed_prefixes(
-    p_taken text[], p_reclaimed text[], p_empty text[], p_batch int, p_max_bytes bigint,
+    p_taken text[], p_epochs bigint[], p_tokens uuid[], p_expires timestamptz[], p_attempts int[],
+    p_cursors bigint[], p_reclaimed text[], p_empty text[], p_batch int, p_max_bytes bigint,
     p_now timestamptz
 ) returns table (
     run_id text, epoch bigint, lease_token uuid, lease_expires_at timestamptz, attempts int,
@@ -650,36 +676,39 @@ create or replace function claimed_prefixes(
     created_at timestamptz, traceparent text, wake_queue text, claimed_at timestamptz,
     reclaimed_from text
 )
-language sql volatile
+language plpgsql volatile
 set search_path from current
 as $$
-    select r.run_id,
-           case when p.n = 1 then r.epoch end,
-           case when p.n = 1 then r.lease_token end,
-           case when p.n = 1 then r.lease_expires_at end,
-           case when p.n = 1 then r.attempts end,
+begin
+    return query
+    select u.run_id,
+           case when p.n = 1 then u.epoch end,
+           case when p.n = 1 then u.token end,
+           case when p.n = 1 then u.expires end,
+           case when p.n = 1 then u.attempts end,
            case when p.n = 1 then exists (select 1 from pending_terminals t
-                                          where t.run_id = r.run_id) end,
+                                          where t.run_id = u.run_id) end,
            p.seq, p.event_id, p.event_type, p.payload, p.terminal, p.created_at,
            p.traceparent, p.wake_queue,
            case when p.n = 1 then p_now end,
            case when p.n = 1 then u.reclaimed end
-    from unnest(p_taken, p_reclaimed) with ordinality as u(run_id, reclaimed, i)
-    join runs r on r.run_id = u.run_id
+    from unnest(p_taken, p_epochs, p_tokens, p_expires, p_attempts, p_cursors, p_reclaimed)
+         with ordinality as u(run_id, epoch, token, expires, attempts, cursor, reclaimed, i)
     cross join lateral (
         select e.seq, e.event_id, e.event_type, t.payload, e.terminal, e.created_at,
                e.traceparent, e.wake_queue,
                sum(octet_length(t.payload)) over (order by e.seq) as upto_bytes,
                row_number() over (order by e.seq) as n
         from (select * from outbox o
-              where o.run_id = r.run_id and o.seq > r.delivered_seq
+              where o.run_id = u.run_id and o.seq > u.cursor
               order by o.seq
               limit p_batch) e
         cross join lateral (select e.payload::text as payload) t
     ) p
-    where not (r.run_id = any(p_empty))
+    where not (u.run_id = any(p_empty))
       and (p.n = 1 or p_max_bytes is null or p.upto_bytes <= p_max_bytes)
-    order by u.i, p.seq
+    order by u.i, p.seq;
+end
 $$;
 
 -- Extends leases, fenced by token: a lease that was replaced or has expired is not renewed.
@@ -709,22 +738,21 @@ create or replace function release(
     p_error text default null, p_status int default null,
     p_first_seq bigint default null, p_last_seq bigint default null
 ) returns boolean
-language sql volatile
+language plpgsql volatile
 set search_path from current
 security definer
 as $$
-    with released as (
-        update runs
-        set lease_owner = null, lease_token = null, lease_expires_at = null,
-            next_attempt_at = clock_timestamp() + p_delay,
-            attempts = attempts + case when p_error is null then 0 else 1 end,
-            last_error = coalesce(left(p_error, 2000), last_error),
-            last_status = case when p_error is null then last_status else p_status end,
-            updated_at = clock_timestamp()
-        where runs.run_id = p_run_id and lease_token = p_token
-        returning 1
-    )
-    select exists (select 1 from released)
+begin
+    update runs
+    set lease_owner = null, lease_token = null, lease_expires_at = null,
+        next_attempt_at = clock_timestamp() + p_delay,
+        attempts = attempts + case when p_error is null then 0 else 1 end,
+        last_error = coalesce(left(p_error, 2000), last_error),
+        last_status = case when p_error is null then last_status else p_status end,
+        updated_at = clock_timestamp()
+    where runs.run_id = p_run_id and lease_token = p_token;
+    return found;
+end
 $$;
 
 -- Marks one event failed and blocks its run: what the relay does for a poison answer. Fenced like
@@ -1044,15 +1072,19 @@ $$;
 -- event ids, without the ids when they would not fit a notification (8,000 bytes).
 create or replace function delivered_note(p_run_id text, p_last_seq bigint, p_event_ids text[])
 returns text
-language sql immutable
+language plpgsql immutable
 set search_path from current
 as $$
-    select case when octet_length(n.full_note) <= 7900 then n.full_note
-                else json_build_object('kind', 'outbox_delivered', 'run_id', p_run_id,
-                                       'last_seq', p_last_seq)::text end
-    from (select json_build_object('kind', 'outbox_delivered', 'run_id', p_run_id,
-                                   'last_seq', p_last_seq, 'event_ids', p_event_ids)::text
-                 as full_note) n
+declare
+    v_note text := json_build_object('kind', 'outbox_delivered', 'run_id', p_run_id,
+                                     'last_seq', p_last_seq, 'event_ids', p_event_ids)::text;
+begin
+    if octet_length(v_note) <= 7900 then
+        return v_note;
+    end if;
+    return json_build_object('kind', 'outbox_delivered', 'run_id', p_run_id,
+                             'last_seq', p_last_seq)::text;
+end
 $$;
 
 -- Deletes done events (at or below their run's cursor: delivered or skipped) enqueued more than

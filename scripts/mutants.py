@@ -369,8 +369,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "claim-prefix-includes-cursor",
         "§9.2/§9.4: a claim's prefix starts after the cursor (nothing delivered is sent again)",
         SQL,
-        "              where o.run_id = r.run_id and o.seq > r.delivered_seq\n",
-        "              where o.run_id = r.run_id and o.seq >= r.delivered_seq\n",
+        "              where o.run_id = u.run_id and o.seq > u.cursor\n",
+        "              where o.run_id = u.run_id and o.seq >= u.cursor\n",
         (f"{LEASE}::test_ack_marks_only_events_up_to_upto",),
         ci=True,
     ),
@@ -410,7 +410,7 @@ MUTANTS: tuple[Mutant, ...] = (
         SQL,
         "case when p.n = 1 then exists (select 1 from pending_terminals t\n"
         + " " * 42
-        + "where t.run_id = r.run_id) end,",
+        + "where t.run_id = u.run_id) end,",
         "case when p.n = 1 then false end,",
         (f"{LEASE}::test_the_critical_lane_takes_only_runs_with_a_pending_terminal_event",),
     ),
@@ -445,8 +445,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "fence-release-token",
         "§9.3 fencing: a release with a stale token changes nothing",
         SQL,
-        "        where runs.run_id = p_run_id and lease_token = p_token\n",
-        "        where runs.run_id = p_run_id\n",
+        "    where runs.run_id = p_run_id and lease_token = p_token;\n",
+        "    where runs.run_id = p_run_id;\n",
         (f"{LEASE}::test_stale_token_renew_release_fail_and_ack_change_nothing",),
     ),
     Mutant(
@@ -740,8 +740,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "order-prefix-reversed",
         "§9.2 per-run order: a claim returns the prefix in seq order",
         SQL,
-        "    order by u.i, p.seq\n",
-        "    order by u.i, p.seq desc\n",
+        "    order by u.i, p.seq;\n",
+        "    order by u.i, p.seq desc;\n",
         (f"{LEASE}::test_claim_takes_whole_runs_and_returns_prefixes_in_seq_order",),
     ),
     Mutant(

@@ -195,8 +195,10 @@ EXPECTED_FUNCTIONS = {
     "pick_ordinary": "p_runs integer, p_dead text[]",
     "claim": "p_owner text, p_runs integer, p_batch integer, p_ttl interval, p_lane text,"
     " p_run_id text, p_max_bytes bigint",
-    "claimed_prefixes": "p_taken text[], p_reclaimed text[], p_empty text[], p_batch integer,"
-    " p_max_bytes bigint, p_now timestamp with time zone",
+    "claimed_prefixes": "p_taken text[], p_epochs bigint[], p_tokens uuid[],"
+    " p_expires timestamp with time zone[], p_attempts integer[], p_cursors bigint[],"
+    " p_reclaimed text[], p_empty text[], p_batch integer, p_max_bytes bigint,"
+    " p_now timestamp with time zone",
     "renew": "p_run_ids text[], p_tokens uuid[], p_ttl interval",
     "release": "p_run_id text, p_token uuid, p_delay interval, p_error text, p_status integer,"
     " p_first_seq bigint, p_last_seq bigint",
