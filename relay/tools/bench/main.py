@@ -49,6 +49,7 @@ from relay.settings import redact_url
 from relay.tools.absurd import install_absurd
 from relay.tools.bench import latency as bench_latency
 from relay.tools.bench import throughput as bench_throughput
+from relay.tools.bench import tracing_cost as bench_tracing
 from relay.tools.bench import wal as bench_wal
 from relay.tools.bench.kit import BenchFailed, BenchSink, Env, Result, Scenario, positive
 from relay.tools.bench.peers import graphile as bench_graphile
@@ -285,6 +286,7 @@ SCENARIOS: dict[str, Scenario] = {
         *bench_pgqueuer.SCENARIOS,
         *bench_latency.SCENARIOS,
         *bench_wal.SCENARIOS,
+        *bench_tracing.SCENARIOS,
         Scenario(
             "wake",
             "ack-to-task-resumed latency: stock Absurd polling vs the wake listener",
@@ -324,10 +326,10 @@ class _Judged:
 
 
 def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Each target (issues 6 and 16) that this run's metrics can judge: its measured ratio and
+    """Each target (issues 6, 16 and 31) that this run's metrics can judge: its measured ratio and
     verdict. `settings`: how a figure was run (the peers'), printed beside its target."""
     judged = _Judged(m, settings or {})
-    for family in (_throughput, _order, _one_event_runs, _latency, _costs):
+    for family in (_throughput, _order, _one_event_runs, _latency, _costs, _tracing):
         family(judged)
     return judged.out
 
@@ -438,6 +440,21 @@ def _costs(j: _Judged) -> None:
             have,
             150,
             have <= 150,
+        )
+
+
+def _tracing(j: _Judged) -> None:
+    """Issue 31: a span for every delivery (100% sampled, the batch span processor) keeps 0.8
+    of the untraced relay's events/s, judged on the median of paired reps' ratios."""
+    if j.has("tracing_on_ratio"):
+        r = j.m["tracing_on_ratio"]
+        need = bench_tracing.NEEDED
+        j.add(
+            f"tracing_on_ratio ≥ {need} (tracing_on_eps / tracing_off_eps, paired reps, "
+            "always_on, batch span processor)",
+            r,
+            need,
+            r >= need,
         )
 
 
