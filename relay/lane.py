@@ -36,7 +36,7 @@ from relay.execute import Executor, LeaseLost, Outcome
 from relay.ingress import IngressClient
 from relay.policy import Poison, backoff, plan_groups
 from relay.settings import Settings
-from relay.slots import Slots, Waiter
+from relay.slots import Slots
 from relay.stats import CompleteStats, ExecuteStats, FetchStats, LaneStats
 from relay.store import AckResult, Claim, Held, Store, payload_bytes
 from relay.tracing import NO_TRACING, Tracer
@@ -468,15 +468,6 @@ class Lane:
         for outcome in posted:
             settled |= await self._deliver([outcome.held], lambda: None)
         return settled
-
-    # -- the names tests/test_lane_slots.py reads the queue by, from when it lived here ---------
-
-    @property
-    def _slot_waiters(self) -> tuple[Waiter, ...]:
-        return self.posting.queued
-
-    def _wake_next_waiter(self) -> None:
-        """Nothing left to do: `posting.release()` hands the freed slot to the next waiter."""
 
 
 def _posted(outcomes: list[Outcome]) -> list[Outcome]:
