@@ -164,6 +164,24 @@ def test_a_delivery_is_a_child_of_the_first_events_trace_with_links_to_the_other
     assert post_attrs["server.port"] == 8080
 
 
+def test_the_post_span_never_carries_the_ingress_urls_credentials(
+    memory: tuple[Any, InMemorySpanExporter],
+) -> None:
+    tracer, exporter = memory
+    span = tracer.delivery(_delivery(traceparents=[None]))
+    with span.post("https://relay:s3cret@ingress.example/runs/r/events?k=v") as post:
+        post.answered(200)
+    span.outcome("accepted")
+    span.end()
+    spans = exporter.get_finished_spans()
+    assert spans, "no span exported"
+    for s in spans:
+        text = repr(dict(s.attributes or {}))
+        assert "s3cret" not in text and "relay:" not in text, text
+    post_span = next(s for s in spans if s.name == "POST")
+    assert dict(post_span.attributes or {})["url.full"].endswith("ingress.example/runs/r/events")
+
+
 def test_failures_show_on_the_spans(memory: tuple[Any, InMemorySpanExporter]) -> None:
     tracer, exporter = memory
     span = tracer.delivery(_delivery(traceparents=[None]))

@@ -56,6 +56,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from relay import __version__
+from relay.settings import redact_url
 from relay.tracing import Delivery, DeliverySpan, PostSpan, Tracer, TracingConfig
 
 SHUTDOWN_MILLIS = 5_000
@@ -132,7 +133,9 @@ def _origin(origin: str) -> tuple[str, dict[str, Any]]:
     }
     if parts.port:
         server["server.port"] = parts.port
-    return parts.geturl(), server
+    # userinfo in the ingress URL is a credential: never in a span (OpenTelemetry's HTTP
+    # conventions say the same of url.full)
+    return redact_url(parts.geturl()), server
 
 
 class _Resource(Resource):
