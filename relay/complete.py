@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import anyio
@@ -368,13 +368,20 @@ class Completer:
 OUTCOME_NAMES = {Ack: "accepted", Retry: "transient", Pause: "misconfigured", Poison: "poison"}
 
 
+def traced(outcome: Outcome) -> AbstractContextManager[None]:
+    """The outcome on its delivery span, what is done about it inside, and the span ended.
+    Not tracing: one shared do-nothing context, nothing built per outcome."""
+    if outcome.span is NO_SPAN:
+        return _UNTRACED
+    return _traced(outcome)
+
+
+_UNTRACED: AbstractContextManager[None] = nullcontext()
+
+
 @contextmanager
-def traced(outcome: Outcome) -> Iterator[None]:
-    """The outcome on its delivery span, what is done about it inside, and the span ended."""
+def _traced(outcome: Outcome) -> Iterator[None]:
     span = outcome.span
-    if span is NO_SPAN:  # not tracing: nothing to record
-        yield
-        return
     decision = outcome.decision
     if isinstance(decision, LeaseLost):
         span.outcome("lease_lost", where=decision.where)

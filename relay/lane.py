@@ -1,5 +1,5 @@
-"""Fetch, a lane's first part: discovery of due runs, their claims, one POST slot queue and the
-hand-over of terminal runs (DESIGN §4.2-4.3).
+"""Fetch, a lane's first part: discovery of due runs, their claims, their turns at a POST slot
+and the hand-over of terminal runs (DESIGN §4.2-4.3).
 
 The relay has two: `critical` (runs with a pending terminal event; targeted drains) and
 `ordinary` (any due run, critical ones included when it has room). Each has its own
@@ -7,10 +7,10 @@ concurrency, database pool, HTTP client and ack group, so a full ordinary lane c
 the critical one.
 
 The lane claims runs, holds them, and gives each single claim or multi-run group a POST slot
-from one queue (critical ones first); with one, the lane's executor POSTs it and returns one
-outcome per run (relay/execute.py, which renews the leases while they are on the wire,
-relay/renewal.py), and the lane's completer writes what they mean (relay/complete.py, the one
-writer of results). The arrows go one way: the lane calls both parts, the completer reads the
+from one queue (critical ones first, relay/slots.py); with one, the lane's executor POSTs it and
+returns one outcome per run (relay/execute.py, which renews the leases while they are on the
+wire, relay/renewal.py), and the lane's completer writes what they mean (relay/complete.py, the
+one writer of results). The arrows go one way: the lane calls both parts, the completer reads the
 executor's outcomes, and the lane reads the others only through views (`gate()`, `view()`). A
 single critical claim that would have to wait for a slot of the ordinary lane is handed to the
 critical lane instead: a terminal event never queues behind ordinary work.
@@ -23,7 +23,7 @@ import logging
 import math
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -36,6 +36,7 @@ from relay.execute import Executor, LeaseLost, Outcome
 from relay.ingress import IngressClient
 from relay.policy import Poison, backoff, plan_groups
 from relay.settings import Settings
+from relay.slots import Slots
 from relay.stats import CompleteStats, ExecuteStats, FetchStats, LaneStats
 from relay.store import AckResult, Claim, Held, Store, payload_bytes
 from relay.tracing import NO_TRACING, Tracer
@@ -53,16 +54,6 @@ class Slot(enum.Enum):
     POSTING = "posting"  # has one: its delivery runs
     STOPPING = "stopping"  # the lane stopped before it got one
     HANDED_OFF = "handed_off"  # given to the critical lane instead, which owns it now
-
-
-@dataclass(eq=False, slots=True)
-class _Waiter:
-    """Claims queued for one POST slot: a single claim, or a group that shares one POST.
-    `critical` as they were when queued: a promotion wakes the waiter, which queues again."""
-
-    holds: list[Held]
-    critical: bool
-    woken: anyio.Event = field(default_factory=anyio.Event)
 
 
 @dataclass(frozen=True)
@@ -131,10 +122,9 @@ class Lane:
             if settings.ingress_batch_url
             else concurrency + settings.claim_runs
         )
-        self.posting = anyio.Semaphore(concurrency)
+        # One queue for single claims and groups alike, critical ones first (relay/slots.py).
+        self.posting = Slots(concurrency)
         self.posting_runs: set[str] = set()  # claims past their slot wait (POST started)
-        self._slot_waiters: dict[_Waiter, None] = {}  # queued for a slot, in FIFO order
-        self._queued: dict[str, _Waiter] = {}  # run id -> its waiter there
         self.stopping = False
         self._last_empty_pass = -1.0
         self._deliveries: TaskGroup | None = None
@@ -340,8 +330,7 @@ class Lane:
         self.stopping = True
         self.wake.set()
         self.slot_freed.set()
-        for waiter in list(self._slot_waiters):
-            self._wake(waiter)
+        self.posting.wake_all()
 
     # -- claims between lanes ----------------------------------------------------------------
 
@@ -352,9 +341,9 @@ class Lane:
         if held is not None and run_id not in self.posting_runs:
             held.claim = held.claim.promoted()
             self.slot_freed.set()
-            waiter = self._queued.get(run_id)
-            if waiter is not None:
-                self._wake(waiter)  # a queued single claim hands itself over to the critical lane
+            # Its waiter queues again, as critical: a single claim hands itself over to the
+            # critical lane, a group goes before the ordinary waiters.
+            self.posting.wake(run_id)
 
     def adopt(self, claim: Claim) -> bool:
         """Take over a claim another lane holds but cannot start yet, if there is room."""
@@ -373,76 +362,44 @@ class Lane:
         claim that would wait went to the critical lane instead. Each turn reads the claims anew
         from their holders: a promotion while they wait makes them critical."""
         while not self.stopping:
-            try:
-                self.posting.acquire_nowait()
-                for h in holds:
-                    self.posting_runs.add(h.claim.run_id)
-                return Slot.POSTING
-            except anyio.WouldBlock:
-                pass
+            if self.posting.take_nowait():
+                return self._posting(holds)
             single = holds[0].claim if len(holds) == 1 else None
             if single is not None and single.critical and self.handoff(single):
                 return Slot.HANDED_OFF
-            # Queued: woken when a slot frees and these claims are next (critical ones first),
-            # when promoted (they may turn critical), on shutdown. One waiter per freed slot.
-            waiter = self._queue(holds)
-            try:
-                if single is not None and single.critical:  # tries the handoff again each poll
-                    with anyio.move_on_after(self.settings.poll_interval):
-                        await waiter.woken.wait()
-                else:  # no timer: one per queued claim was measurable (docs/performance.md)
-                    await waiter.woken.wait()
-            finally:
-                self._unqueue(waiter)
+            # Queued: handed a freed slot when these claims are next (critical ones first), or
+            # woken without one when promoted (they may turn critical) or on shutdown.
+            critical = any(h.claim.critical for h in holds)
+            run_ids = [h.claim.run_id for h in holds]
+            got = False
+            if single is not None and single.critical:  # tries the handoff again each poll
+                with anyio.move_on_after(self.settings.poll_interval):
+                    got = await self.posting.take(critical, run_ids)
+            else:  # no timer: one per queued claim was measurable (docs/performance.md)
+                got = await self.posting.take(critical, run_ids)
+            if got:
+                if self.stopping:  # the lane stopped meanwhile: the claims are handed back
+                    self.posting.release()
+                    break
+                return self._posting(holds)
         return Slot.STOPPING
 
-    def _queue(self, holds: list[Held]) -> _Waiter:
-        waiter = _Waiter(holds, any(h.claim.critical for h in holds))
-        self._slot_waiters[waiter] = None
+    def _posting(self, holds: list[Held]) -> Slot:
         for h in holds:
-            self._queued[h.claim.run_id] = waiter
-        return waiter
-
-    def _unqueue(self, waiter: _Waiter) -> None:
-        if waiter in self._slot_waiters:
-            del self._slot_waiters[waiter]
-            for h in waiter.holds:
-                if self._queued.get(h.claim.run_id) is waiter:
-                    del self._queued[h.claim.run_id]
-
-    def _wake(self, waiter: _Waiter) -> None:
-        self._unqueue(waiter)
-        waiter.woken.set()
-
-    def _wake_next_waiter(self) -> None:
-        """A POST slot was freed: wake the claims queued longest for one, critical ones first."""
-        if not self._slot_waiters:
-            return
-        self._wake(
-            next(
-                (w for w in self._slot_waiters if w.critical),
-                next(iter(self._slot_waiters)),
-            )
-        )
+            self.posting_runs.add(h.claim.run_id)
+        return Slot.POSTING
 
     async def _deliver_job(self, holds: list[Held]) -> None:
         """One delivery task's job: a POST slot for these claims, their delivery, and whatever
         is left unsettled handed back."""
         slot = Slot.WAITING
         settled: dict[str, bool] = {}
-        has_slot = False
-
-        def free_slot() -> None:  # once: early when only the acks are left, else at the end
-            nonlocal has_slot
-            if has_slot:
-                has_slot = False
-                self.posting.release()
-                self._wake_next_waiter()
-
+        free_slot: Callable[[], None] | None = None
         try:
             slot = await self._take_slot(holds)
             if slot is Slot.POSTING:
-                has_slot = True
+                # Freed once: early when only the acks are left, else at the end.
+                free_slot = self.posting.release_once()
                 settled = await self._deliver(holds, free_slot)
         except anyio.get_cancelled_exc_class():
             raise
@@ -452,22 +409,21 @@ class Lane:
             for h in holds:
                 self._drop(h)
             if slot is not Slot.HANDED_OFF:  # else the critical lane owns the claim now
-                await self._let_go(holds, settled, slot is Slot.POSTING, free_slot)
+                await self._let_go(holds, settled, free_slot)
             self._settled()
 
     async def _let_go(
         self,
         holds: list[Held],
         settled: dict[str, bool],
-        posting: bool,
-        free_slot: Callable[[], None],
+        free_slot: Callable[[], None] | None,
     ) -> None:
         """After a delivery job: hand back the leases it left unsettled, free its POST slot if
-        it still holds it, and wake discovery after critical work."""
+        it took one (`free_slot`) and still holds it, and wake discovery after critical work."""
         for h in holds:
             if not settled.get(h.claim.run_id):
                 await self.complete.hand_back(h.claim)  # as widened, if it was
-        if posting:
+        if free_slot is not None:
             for h in holds:
                 self.posting_runs.discard(h.claim.run_id)
             free_slot()

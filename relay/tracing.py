@@ -20,9 +20,9 @@ relay cannot honour is a `ConfigError` at start, naming the variable.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -129,10 +129,22 @@ class Delivery:
 
 
 class PostSpan:
-    """The HTTP POST of a delivery: `traceparent` is the header to send (None: send the
-    event's own, as without tracing)."""
+    """The HTTP POST of a delivery, a context manager of itself (`with span.post(url) as p`;
+    it ends on leaving): `traceparent` is the header to send (None: send the event's own, as
+    without tracing)."""
 
     traceparent: str | None = None
+
+    def __enter__(self) -> PostSpan:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """The POST is over (answered, failed or cancelled)."""
 
     def answered(self, status: int) -> None:
         """The ingress answered with `status`."""
@@ -144,12 +156,17 @@ class PostSpan:
 class DeliverySpan:
     """One delivery. Without tracing every method does nothing."""
 
-    trace_id: str | None = None  # for log lines: the span's own, hex
-    span_id: str | None = None
+    @property
+    def trace_id(self) -> str | None:
+        """For log lines: the span's own trace id, hex (None: not tracing)."""
+        return None
 
-    @contextmanager
-    def post(self, url: str) -> Iterator[PostSpan]:
-        yield _NO_POST
+    @property
+    def span_id(self) -> str | None:
+        return None
+
+    def post(self, url: str) -> PostSpan:
+        return _NO_POST
 
     def outcome(self, outcome: str, **attributes: Any) -> None:
         """`policy.decide`'s verdict and what led to it (status, retry_after, error...)."""

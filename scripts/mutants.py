@@ -703,10 +703,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "slot-queue-critical-not-first",
         "§4.3: a freed POST slot goes to a critical claim first, single or group alike",
-        "relay/lane.py",
-        "(w for w in self._slot_waiters if w.critical)",
-        "(w for w in self._slot_waiters if False)",
+        "relay/slots.py",
+        "(w for w in self._waiters if w.critical)",
+        "(w for w in self._waiters if False)",
         (
+            "tests/test_slots.py::"
+            "test_a_freed_slot_goes_to_critical_waiters_first_then_in_queue_order",
             "tests/test_lane_slots.py::"
             "test_a_freed_slot_goes_to_the_critical_claim_before_an_earlier_group",
             "tests/test_lane_slots.py::test_a_promoted_run_makes_its_queued_group_critical",
@@ -716,8 +718,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "slot-queue-promoted-claim-not-woken",
         "§4.3/§9.6: a promotion wakes the queued claim it turns critical (to be handed over)",
         "relay/lane.py",
-        "            waiter = self._queued.get(run_id)",
-        "            waiter = None",
+        "            self.posting.wake(run_id)",
+        "            pass",
         (
             "tests/test_relay.py::"
             "test_a_terminal_committed_for_a_queued_run_is_handed_to_the_critical_lane",

@@ -5,6 +5,7 @@ network: the lane is built over stand-ins it never calls here."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Hashable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -54,6 +55,11 @@ async def until(check: Any) -> None:
     await wait_for(check, timeout=5, interval=0.001)
 
 
+def queue(ln: Lane) -> list[tuple[tuple[Hashable, ...], bool]]:
+    """The lane's slot queue as (run ids, critical) per waiter, in the order they queued."""
+    return [(w.keys, w.critical) for w in ln.posting.queued]
+
+
 async def test_a_freed_slot_goes_to_the_critical_claim_before_an_earlier_group() -> None:
     """A group queued first waits behind a critical claim queued after it (before the queue
     was one, a group took the raw semaphore and a freed slot went to it first)."""
@@ -68,12 +74,12 @@ async def test_a_freed_slot_goes_to_the_critical_claim_before_an_earlier_group()
         assert await ln._take_slot([held("first")]) is Slot.POSTING
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(take, "group", [held("g1"), held("g2")])
-            await until(lambda: len(ln._slot_waiters) == 1)
+            await until(lambda: len(ln.posting.queued) == 1)
             tasks.start_soon(take, "critical", [held("c", critical=True)])
-            await until(lambda: len(ln._slot_waiters) == 2)
+            await until(lambda: len(ln.posting.queued) == 2)
+            assert queue(ln) == [(("g1", "g2"), False), (("c",), True)]  # the group queued first
             for i in range(2):
                 ln.posting.release()  # what a delivery does when its POST is done
-                ln._wake_next_waiter()
                 await until(lambda n=i + 1: len(took) == n)
         assert took == ["critical", "group"]
         assert {"first", "g1", "g2", "c"} <= ln.posting_runs
@@ -96,15 +102,17 @@ async def test_a_promoted_run_makes_its_queued_group_critical() -> None:
         assert await ln._take_slot([held("first")]) is Slot.POSTING
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(take, "single", [held("s")])
-            await until(lambda: len(ln._slot_waiters) == 1)
+            await until(lambda: len(ln.posting.queued) == 1)
             tasks.start_soon(take, "group", group)
-            await until(lambda: len(ln._slot_waiters) == 2)
+            await until(lambda: len(ln.posting.queued) == 2)
+            assert queue(ln) == [(("s",), False), (("g1", "g2"), False)]
             ln.inflight.update({h.claim.run_id: h for h in group})
-            ln.promote("g2")
-            await until(lambda: len(ln._slot_waiters) == 2 and group[1].claim.critical)
+            ln.promote("g2")  # wakes the group's waiter: it queues again, as critical
+            assert group[1].claim.critical
+            await until(lambda: len(ln.posting.queued) == 2)
+            assert queue(ln) == [(("s",), False), (("g1", "g2"), True)]
             for i in range(2):
                 ln.posting.release()
-                ln._wake_next_waiter()
                 await until(lambda n=i + 1: len(took) == n)
         assert took == ["group", "single"]
     finally:

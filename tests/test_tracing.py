@@ -146,6 +146,7 @@ def test_a_delivery_is_a_child_of_the_first_events_trace_with_links_to_the_other
     assert f"{delivery.parent.span_id:016x}" == PRODUCER_SPAN
     assert [f"{link.context.trace_id:032x}" for link in delivery.links] == ["1" * 32]
     attrs = dict(delivery.attributes or {})
+    assert attrs["messaging.destination.name"] == "critical"  # the lane
     assert attrs["relay.run_id"] == "run-1" and attrs["relay.epoch"] == 3
     assert (attrs["relay.seq.first"], attrs["relay.seq.last"]) == (5, 8)
     assert attrs["messaging.batch.message_count"] == 4 and attrs["relay.attempt"] == 1
@@ -163,6 +164,24 @@ def test_a_delivery_is_a_child_of_the_first_events_trace_with_links_to_the_other
     assert post_attrs["server.port"] == 8080
 
 
+def test_the_post_span_never_carries_the_ingress_urls_credentials(
+    memory: tuple[Any, InMemorySpanExporter],
+) -> None:
+    tracer, exporter = memory
+    span = tracer.delivery(_delivery(traceparents=[None]))
+    with span.post("https://relay:s3cret@ingress.example/runs/r/events?k=v") as post:
+        post.answered(200)
+    span.outcome("accepted")
+    span.end()
+    spans = exporter.get_finished_spans()
+    assert spans, "no span exported"
+    for s in spans:
+        text = repr(dict(s.attributes or {}))
+        assert "s3cret" not in text and "relay:" not in text, text
+    post_span = next(s for s in spans if s.name == "POST")
+    assert dict(post_span.attributes or {})["url.full"].endswith("ingress.example/runs/r/events")
+
+
 def test_failures_show_on_the_spans(memory: tuple[Any, InMemorySpanExporter]) -> None:
     tracer, exporter = memory
     span = tracer.delivery(_delivery(traceparents=[None]))
@@ -176,6 +195,81 @@ def test_failures_show_on_the_spans(memory: tuple[Any, InMemorySpanExporter]) ->
     assert dict(delivery.attributes or {})["relay.retry_after"] == 2.0
     assert post_span.status.status_code == StatusCode.ERROR
     assert dict(post_span.attributes or {})["error.type"] == "503"
+
+
+def test_a_post_without_an_answer_shows_why(memory: tuple[Any, InMemorySpanExporter]) -> None:
+    tracer, exporter = memory
+    span = tracer.delivery(_delivery())
+    with span.post("http://ingress/x") as post:
+        post.failed("ConnectError: connection refused")
+    span.outcome("transient", error="ConnectError: connection refused")
+    span.end()
+    post_span, delivery = exporter.get_finished_spans()
+    assert post_span.status.status_code == StatusCode.ERROR
+    assert post_span.status.description == "ConnectError: connection refused"
+    post_attrs = dict(post_span.attributes or {})
+    assert post_attrs["error.type"] == "ConnectError"
+    assert "http.response.status_code" not in post_attrs
+    assert dict(delivery.attributes or {})["relay.error"] == "ConnectError: connection refused"
+
+
+def test_a_delivery_the_sampler_drops_records_nothing_but_passes_the_decision_on(
+    memory: tuple[Any, InMemorySpanExporter],
+) -> None:
+    """The producer's trace was not sampled (flags 00) and the sampler follows its parent: no
+    span is exported, yet the ingress gets the trace with a span id of the relay's own and the
+    sampled flag off, and the log lines still name the trace."""
+    tracer, exporter = memory
+    unsampled = f"00-{PRODUCER_TRACE}-{PRODUCER_SPAN}-00"
+    span = tracer.delivery(_delivery(traceparents=[unsampled, TP2]))
+    with span.post("http://ingress/x") as post:
+        post.answered(200)
+        sent = post.traceparent
+    span.outcome("accepted", status=200)
+    span.event("acked", status="acked")
+    span.end()
+    assert exporter.get_finished_spans() == ()
+    assert sent is not None
+    version, trace_id, span_id, flags = sent.split("-")
+    assert (version, trace_id, flags) == ("00", PRODUCER_TRACE, "00")
+    assert span_id not in (PRODUCER_SPAN, "0" * 16, span.span_id)
+    assert span.trace_id == PRODUCER_TRACE and span.span_id is not None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not a traceparent",
+        f"ff-{PRODUCER_TRACE}-{PRODUCER_SPAN}-01",  # version ff is invalid
+        f"00-{'0' * 32}-{PRODUCER_SPAN}-01",  # all-zero trace id
+        f"00-{PRODUCER_TRACE}-{'0' * 16}-01",  # all-zero span id
+        f"00-{PRODUCER_TRACE}-{PRODUCER_SPAN}-01-more",  # version 00 has four fields
+        f"00-{PRODUCER_TRACE.upper()}-{PRODUCER_SPAN}-01",  # hex is lower case
+    ],
+)
+def test_a_traceparent_that_is_not_w3c_is_neither_parent_nor_link(
+    memory: tuple[Any, InMemorySpanExporter], bad: str
+) -> None:
+    tracer, exporter = memory
+    span = tracer.delivery(_delivery(traceparents=[bad, bad]))
+    span.end()
+    (delivery,) = exporter.get_finished_spans()
+    assert delivery.parent is None and list(delivery.links) == []
+    assert f"{delivery.context.trace_id:032x}" != PRODUCER_TRACE
+
+
+def test_links_beyond_the_span_limit_are_dropped_and_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", "2")
+    exporter = InMemorySpanExporter()
+    config = TracingConfig(ENDPOINT + "/v1/traces", "ledger-relay", "always_on", None)
+    tracer = otel.OtelTracer(config, processor=SimpleSpanProcessor(exporter))
+    others = [f"00-{i:032x}-{PRODUCER_SPAN}-01" for i in range(1, 5)]
+    tracer.delivery(_delivery(traceparents=[TP1, *others])).end()
+    tracer.shutdown()
+    (delivery,) = exporter.get_finished_spans()
+    assert len(delivery.links) == 2 and delivery.dropped_links == 2
 
 
 # -- through the real exporter into a real OTLP/HTTP receiver ------------------------------------

@@ -1,44 +1,84 @@
 """OpenTelemetry behind relay/tracing.py's port (the `otel` extra).
 
-A tracer provider of its own (never the process-global one), a batch span processor and the
-OTLP/HTTP exporter. The delivery span is a CONSUMER span named `deliver <lane>`: a child of the
-first event's producer trace when it carries a `traceparent`, with links to the other events'
-traces. The POST is a CLIENT span inside it, and its context is the `traceparent` header the
-ingress receives, so the ingress's own span is a child of the relay's. Attribute names follow
-OpenTelemetry's semantic conventions where they have one (messaging, HTTP client); the relay's
-own are under `relay.`.
+The delivery span is a CONSUMER span named `deliver <lane>`: a child of the first event's
+producer trace when it carries a `traceparent`, with links to the other events' traces. The POST
+is a CLIENT span inside it, and its context is the `traceparent` header the ingress receives, so
+the ingress's own span is a child of the relay's. Attribute names follow OpenTelemetry's semantic
+conventions where they have one (messaging, HTTP client); the relay's own are under `relay.`.
+
+The spans are the SDK's and go out the SDK's way: its sampler decides, its random ids, a resource
+from `Resource.create` (so `OTEL_RESOURCE_ATTRIBUTES` applies), its batch span processor and
+OTLP/HTTP exporter. What the relay does not use is the SDK's *live* span (`Tracer.start_span`,
+`Span`): a lock, a context, `BoundedAttributes` checking every value, the tracer's metrics hooks,
+per span, which cost the event loop about 85 µs per delivery against 16 µs this way (issue 31;
+docs/performance.md, "Tracing"). A delivery's two spans are known in full when they end and
+nothing but this module touches them, so each is a few plain fields until then, and is handed to
+the processor once, as the `ReadableSpan` the SDK would have built (`SpanProcessor.on_end`).
+Every value is the relay's own str, int or float, so there is nothing to check. Of the SDK's span
+limits the link count (`OTEL_SPAN_LINK_COUNT_LIMIT`, read once) applies: a batch whose events
+come from many traces reaches it. The attribute limits do not: the attributes are a fixed, short
+set, within the defaults (`relay.error` is cut at 200 characters). `on_start` is not called: the
+processors the relay runs (batch, and simple in tests) do nothing there.
+
+A delivery the sampler drops builds no attributes or links and hands nothing on, but its POST
+still sends a `traceparent` with a span id of its own and the sampled flag off, as the SDK's
+non-recording span did, so the ingress follows the decision.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import atexit
+import re
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from time import time_ns
+from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
     ALWAYS_ON,
+    Decision,
     ParentBased,
     Sampler,
     TraceIdRatioBased,
 )
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.sdk.util import BoundedList
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from relay import __version__
+from relay.settings import redact_url
 from relay.tracing import Delivery, DeliverySpan, PostSpan, Tracer, TracingConfig
 
 SHUTDOWN_MILLIS = 5_000
 # Outcomes of policy.decide that end a delivery without the ingress taking it.
-ERROR_OUTCOMES = {"transient", "misconfigured", "poison", "lease_lost"}
+ERROR_OUTCOMES = frozenset({"transient", "misconfigured", "poison", "lease_lost"})
 
-_PROPAGATOR = TraceContextTextMapPropagator()
+_UNSET = Status(StatusCode.UNSET)
+_ERROR = Status(StatusCode.ERROR)
+_SAMPLED = TraceFlags.SAMPLED
+_RANDOM = TraceFlags.RANDOM_TRACE_ID
+# W3C trace context's traceparent, as opentelemetry's TraceContextTextMapPropagator reads it.
+_TRACEPARENT = re.compile(
+    r"[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)"
+)
+_MAX_TRACEPARENT = 512
+_ROOT = Context()  # a root delivery's parent context: none (never whatever is current)
+# Attribute values every delivery span carries alike, one object each (nothing to copy).
+_MESSAGING = {
+    "messaging.system": "ledger_relay",
+    "messaging.operation.type": "process",
+    "messaging.operation.name": "deliver",
+}
 
 
 def sampler_of(config: TracingConfig) -> Sampler:
@@ -51,105 +91,287 @@ def sampler_of(config: TracingConfig) -> Sampler:
     return ParentBased(root) if config.sampler.startswith("parentbased_") else root
 
 
-def _context_of(traceparent: str | None) -> trace.SpanContext | None:
-    if not traceparent:
+@lru_cache(maxsize=1024)
+def _context_of(traceparent: str) -> SpanContext | None:
+    """An event's stored `traceparent` as a remote span context, or None when it is not a
+    valid one (the propagator's rules; tracestate is not stored with events). Cached: the events
+    of a run mostly carry their producer's one header."""
+    if len(traceparent) > _MAX_TRACEPARENT:
         return None
-    ctx = trace.get_current_span(_PROPAGATOR.extract({"traceparent": traceparent}))
-    span_context = ctx.get_span_context()
-    return span_context if span_context.is_valid else None
+    match = _TRACEPARENT.fullmatch(traceparent)
+    if match is None:
+        return None
+    version, trace_id, span_id, flags, rest = match.groups()
+    if version == "ff" or (version == "00" and rest):
+        return None
+    if trace_id == "0" * 32 or span_id == "0" * 16:
+        return None
+    return SpanContext(
+        int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(int(flags, 16))
+    )
+
+
+def _url_attributes(url: str) -> dict[str, Any]:
+    """The POST span's attributes of its URL: `url.full` without query or fragment, and the
+    server. `urllib.parse` reads only the origin (scheme://host:port), once per origin: the
+    ingress URL usually holds the run id, so the whole URL is new on every POST."""
+    full = url.partition("#")[0].partition("?")[0]
+    slash = full.find("/", full.find("://") + 3)
+    origin = full if slash < 0 else full[:slash]
+    normal, server = _origin(origin)
+    attributes = server.copy()
+    attributes["url.full"] = normal + full[len(origin) :]
+    return attributes
+
+
+@lru_cache(maxsize=64)
+def _origin(origin: str) -> tuple[str, dict[str, Any]]:
+    parts = urlsplit(origin)
+    server: dict[str, Any] = {
+        "http.request.method": "POST",
+        "server.address": parts.hostname or "",
+    }
+    if parts.port:
+        server["server.port"] = parts.port
+    # userinfo in the ingress URL is a credential: never in a span (OpenTelemetry's HTTP
+    # conventions say the same of url.full)
+    return redact_url(parts.geturl()), server
+
+
+class _Resource(Resource):
+    """`Resource` with its hash computed once. The OTLP encoder groups every span it encodes by
+    resource, and `Resource.__hash__` serializes the attributes to JSON each time (about 3 µs a
+    span)."""
+
+    def __init__(self, resource: Resource) -> None:
+        super().__init__(resource.attributes, resource.schema_url)
+        self._hash = super().__hash__()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+class _Recorder:
+    """What the tracer's spans share: where they go and what they are from."""
+
+    def __init__(self, config: TracingConfig, processor: SpanProcessor) -> None:
+        self.sampler = sampler_of(config)
+        self.processor = processor
+        self.resource = _Resource(Resource.create({"service.name": config.service_name}))
+        self.scope = InstrumentationScope("ledger-relay", __version__)
+        self.ids = RandomIdGenerator()
+        self.max_links = SpanLimits().max_links
+
+    def finish(
+        self,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        kind: SpanKind,
+        attributes: Mapping[str, Any],
+        start: int,
+        status: Status,
+        events: list[Event] | None = None,
+        links: Sequence[Link] | None = None,
+    ) -> None:
+        self.processor.on_end(
+            ReadableSpan(
+                name=name,
+                context=context,
+                parent=parent,
+                resource=self.resource,
+                attributes=attributes,
+                events=events or (),
+                links=links or (),
+                kind=kind,
+                status=status,
+                start_time=start,
+                end_time=time_ns(),
+                instrumentation_scope=self.scope,
+            )
+        )
 
 
 class _OtelPost(PostSpan):
-    def __init__(self, span: trace.Span) -> None:
-        self.span = span
-        carrier: dict[str, str] = {}
-        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
-        self.traceparent = carrier.get("traceparent")
+    """The POST: a CLIENT span, recorded when it ends (a sampled delivery's only)."""
+
+    __slots__ = ("_delivery", "_error", "_span_id", "_start", "_status_code", "_url", "traceparent")
+
+    def __init__(self, delivery: _OtelDelivery, url: str) -> None:
+        self._delivery = delivery
+        self._url = url
+        context = delivery.context
+        self._span_id = span_id = delivery.recorder.ids.generate_span_id()
+        self.traceparent = f"00-{context.trace_id:032x}-{span_id:016x}-{context.trace_flags:02x}"
+        self._status_code: int | None = None
+        self._error: str | None = None
+        self._start = time_ns()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        delivery = self._delivery
+        if not delivery.sampled:
+            return
+        attributes = _url_attributes(self._url)
+        status = _UNSET
+        code = self._status_code
+        if code is not None:
+            attributes["http.response.status_code"] = code
+            if code >= 400:
+                attributes["error.type"] = str(code)
+                status = _ERROR
+        elif self._error is not None:
+            attributes["error.type"] = self._error.split(":", 1)[0]
+            status = Status(StatusCode.ERROR, self._error)
+        parent = delivery.context
+        context = SpanContext(
+            parent.trace_id,
+            self._span_id,
+            is_remote=False,
+            trace_flags=parent.trace_flags,
+            trace_state=parent.trace_state,
+        )
+        delivery.recorder.finish(
+            "POST", context, parent, SpanKind.CLIENT, attributes, self._start, status
+        )
 
     def answered(self, status: int) -> None:
-        self.span.set_attribute("http.response.status_code", status)
-        if status >= 400:
-            self.span.set_attribute("error.type", str(status))
-            self.span.set_status(Status(StatusCode.ERROR))
+        self._status_code = status
 
     def failed(self, error: str) -> None:
-        self.span.set_attribute("error.type", error.split(":", 1)[0])
-        self.span.set_status(Status(StatusCode.ERROR, error))
+        self._error = error
 
 
 class _OtelDelivery(DeliverySpan):
-    def __init__(self, tracer: trace.Tracer, span: trace.Span) -> None:
-        self._tracer = tracer
-        self.span = span
-        sc = span.get_span_context()
-        self.trace_id = trace.format_trace_id(sc.trace_id)
-        self.span_id = trace.format_span_id(sc.span_id)
+    """One delivery: a CONSUMER span, its attributes gathered in one dict of the relay's own
+    values and recorded when it ends. Not sampled: only its context, for the POST's header."""
 
-    @contextmanager
-    def post(self, url: str) -> Iterator[PostSpan]:
-        parts = urlsplit(url)
-        attributes: dict[str, Any] = {
-            "http.request.method": "POST",
-            "url.full": parts._replace(query="", fragment="").geturl(),
-            "server.address": parts.hostname or "",
-        }
-        if parts.port:
-            attributes["server.port"] = parts.port
-        with self._tracer.start_as_current_span(
-            "POST",
-            context=trace.set_span_in_context(self.span),
-            kind=SpanKind.CLIENT,
-            attributes=attributes,
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
-            yield _OtelPost(span)
+    __slots__ = (
+        "_attributes",
+        "_ended",
+        "_events",
+        "_links",
+        "_name",
+        "_parent",
+        "_start",
+        "_status",
+        "context",
+        "recorder",
+        "sampled",
+    )
+
+    def __init__(
+        self,
+        recorder: _Recorder,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        attributes: dict[str, Any] | None,
+        links: Sequence[Link] | None,
+    ) -> None:
+        self.recorder = recorder
+        self.context = context
+        self.sampled = attributes is not None
+        self._name = name
+        self._parent = parent
+        self._attributes = attributes
+        self._links = links
+        self._events: list[Event] | None = None
+        self._status = _UNSET
+        self._ended = False
+        self._start = time_ns()
+
+    @property
+    def trace_id(self) -> str:
+        return f"{self.context.trace_id:032x}"
+
+    @property
+    def span_id(self) -> str:
+        return f"{self.context.span_id:016x}"
+
+    def post(self, url: str) -> PostSpan:
+        return _OtelPost(self, url)
 
     def outcome(self, outcome: str, **attributes: Any) -> None:
-        self.span.set_attribute("relay.outcome", outcome)
+        record = self._attributes
+        if record is None:
+            return
+        record["relay.outcome"] = outcome
         for key, value in attributes.items():
             if value is not None:
-                self.span.set_attribute(f"relay.{key}", value)
+                record[f"relay.{key}"] = value
         if outcome in ERROR_OUTCOMES:
-            self.span.set_status(Status(StatusCode.ERROR, str(attributes.get("error") or outcome)))
+            self._status = Status(StatusCode.ERROR, str(attributes.get("error") or outcome))
 
     def event(self, name: str, **attributes: Any) -> None:
-        self.span.add_event(name, {k: v for k, v in attributes.items() if v is not None})
+        if self._attributes is None:
+            return
+        event = Event(name, {k: v for k, v in attributes.items() if v is not None}, time_ns())
+        if self._events is None:
+            self._events = [event]
+        else:
+            self._events.append(event)
 
     def end(self) -> None:
-        self.span.end()
+        if self._ended or self._attributes is None:
+            return
+        self._ended = True
+        self.recorder.finish(
+            self._name,
+            self.context,
+            self._parent,
+            SpanKind.CONSUMER,
+            self._attributes,
+            self._start,
+            self._status,
+            self._events,
+            self._links,
+        )
 
 
 class OtelTracer(Tracer):
     enabled = True
 
     def __init__(self, config: TracingConfig, processor: SpanProcessor | None = None) -> None:
-        self.provider = TracerProvider(
-            resource=Resource.create({"service.name": config.service_name}),
-            sampler=sampler_of(config),
-        )
-        self.provider.add_span_processor(
-            processor or BatchSpanProcessor(OTLPSpanExporter(endpoint=config.endpoint))
-        )
-        self._tracer = self.provider.get_tracer("ledger-relay", __version__)
+        self.processor = processor or BatchSpanProcessor(OTLPSpanExporter(endpoint=config.endpoint))
+        self.recorder = _Recorder(config, self.processor)
+        # As the SDK's TracerProvider does: what is still buffered is exported at exit even if
+        # the relay did not get to stop in order.
+        atexit.register(self.shutdown)
 
     def delivery(self, d: Delivery) -> DeliverySpan:
-        parent = _context_of(d.traceparents[0] if d.traceparents else None)
-        context = trace.set_span_in_context(trace.NonRecordingSpan(parent)) if parent else None
-        seen = {parent.trace_id} if parent else set()
-        links = []
-        for tp in d.traceparents[1:]:
-            other = _context_of(tp)
-            if other is not None and other.trace_id not in seen:
-                seen.add(other.trace_id)
-                links.append(Link(other))
-        attributes: dict[str, Any] = {
-            "messaging.system": "ledger_relay",
-            "messaging.operation.type": "process",
-            "messaging.operation.name": "deliver",
+        recorder = self.recorder
+        first = d.traceparents[0] if d.traceparents else None
+        parent = _context_of(first) if first else None
+        name = f"deliver {d.lane}"
+        if parent is None:
+            trace_id = recorder.ids.generate_trace_id()
+            flags = _RANDOM  # the id generator's trace ids are random
+            parent_context = _ROOT
+        else:
+            trace_id = parent.trace_id
+            flags = parent.trace_flags & _RANDOM
+            parent_context = trace.set_span_in_context(trace.NonRecordingSpan(parent))
+        # The sampler sees no attributes or links: none of the six it can be looks at them, and
+        # a dropped delivery is not worth building them for.
+        sampling = recorder.sampler.should_sample(parent_context, trace_id, name, SpanKind.CONSUMER)
+        sampled = sampling.decision is Decision.RECORD_AND_SAMPLE
+        context = SpanContext(
+            trace_id,
+            recorder.ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=TraceFlags(flags | _SAMPLED if sampled else flags),
+            trace_state=sampling.trace_state,
+        )
+        if not sampled:
+            return _OtelDelivery(recorder, name, context, parent, None, None)
+        attributes = _MESSAGING | {
             "messaging.destination.name": d.lane,
             "messaging.batch.message_count": d.events,
-            "relay.lane": d.lane,
             "relay.run_id": d.run_id,
             "relay.epoch": d.epoch,
             "relay.seq.first": d.first_seq,
@@ -158,15 +380,29 @@ class OtelTracer(Tracer):
         }
         if d.outbox_wait_seconds is not None:
             attributes["relay.outbox_wait_seconds"] = d.outbox_wait_seconds
-        span = self._tracer.start_span(
-            f"deliver {d.lane}",
-            context=context,
-            kind=SpanKind.CONSUMER,
-            links=links,
-            attributes=attributes,
-        )
-        return _OtelDelivery(self._tracer, span)
+        if sampling.attributes:
+            attributes.update(sampling.attributes)
+        links = self._links(d, parent)
+        return _OtelDelivery(recorder, name, context, parent, attributes, links)
+
+    def _links(self, d: Delivery, parent: SpanContext | None) -> Sequence[Link] | None:
+        """A link to each other trace among the events' (the parent's is not linked)."""
+        seen = {parent.trace_id} if parent else set()
+        links: list[Link] | None = None
+        for tp in d.traceparents[1:]:
+            other = _context_of(tp) if tp else None
+            if other is not None and other.trace_id not in seen:
+                seen.add(other.trace_id)
+                if links is None:
+                    links = []
+                links.append(Link(other))
+        limit = self.recorder.max_links
+        if links is not None and limit is not None and len(links) > limit:
+            bounded: Sequence[Link] = BoundedList.from_seq(limit, links)  # counts the dropped
+            return bounded
+        return links
 
     def shutdown(self) -> None:
-        self.provider.force_flush(SHUTDOWN_MILLIS)
-        self.provider.shutdown()
+        atexit.unregister(self.shutdown)
+        self.processor.force_flush(SHUTDOWN_MILLIS)
+        self.processor.shutdown()

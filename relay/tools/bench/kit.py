@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,7 +224,9 @@ async def pending(env: Env) -> int:
 
 
 def _clean_environ() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    """The bench's environment without the relay's settings and OpenTelemetry's variables: a
+    process it starts runs with what its scenario gives it (untraced unless it asks)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("RELAY_", "OTEL_"))}
 
 
 async def _wait_http(url: str, proc: anyio.abc.Process, what: str, log: Path) -> None:
@@ -308,16 +310,17 @@ class RelayProcess:
 
 @asynccontextmanager
 async def relay_processes(
-    env: Env, n: int, ingress: str, **settings: str
+    env: Env, n: int, ingress: str, *, environ: Mapping[str, str] | None = None, **settings: str
 ) -> AsyncIterator[list[RelayProcess]]:
-    """`n` replicas of `relay run` (default settings unless given), ready (their /readyz
-    answers 200) when the block starts; stopped gracefully (SIGTERM) when it ends."""
+    """`n` replicas of `relay run` (default settings unless given; `environ`: more variables,
+    such as OTEL_*), ready (their /readyz answers 200) when the block starts; stopped
+    gracefully (SIGTERM) when it ends."""
     procs: list[RelayProcess] = []
     code = "import sys; from relay.cli import main; sys.exit(main(['run']))"
     async with AsyncExitStack() as stack:
         for i in range(n):
             port = free_port()
-            environ = _clean_environ() | {
+            variables = _clean_environ() | {
                 "RELAY_DATABASE_URL": env.url,
                 "RELAY_SCHEMA": env.schema,
                 "RELAY_INGRESS_URL": ingress + "/runs/{run_id}/events",
@@ -326,14 +329,15 @@ async def relay_processes(
                 "RELAY_METRICS_ADDR": f"127.0.0.1:{port}",
                 "RELAY_REPLICA_ID": f"bench-{i}",
             }
-            environ |= {f"RELAY_{k.upper()}": v for k, v in settings.items()}
+            variables |= {f"RELAY_{k.upper()}": v for k, v in settings.items()}
+            variables |= environ or {}
             log = env.workdir / f"relay-{port}.log"
             with log.open("wb") as err:
                 proc = await anyio.open_process(
                     [sys.executable, "-c", code],
                     stdout=subprocess.DEVNULL,
                     stderr=err,
-                    env=environ,
+                    env=variables,
                 )
             stack.push_async_callback(_stop, proc)
             rp = RelayProcess(proc, f"http://127.0.0.1:{port}")

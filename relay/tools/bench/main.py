@@ -50,6 +50,7 @@ from relay.tools.absurd import install_absurd
 from relay.tools.bench import enqueue_scaling as bench_enqueue_scaling
 from relay.tools.bench import latency as bench_latency
 from relay.tools.bench import throughput as bench_throughput
+from relay.tools.bench import tracing_cost as bench_tracing
 from relay.tools.bench import wal as bench_wal
 from relay.tools.bench.kit import BenchFailed, BenchSink, Env, Result, Scenario, positive
 from relay.tools.bench.peers import graphile as bench_graphile
@@ -287,6 +288,7 @@ SCENARIOS: dict[str, Scenario] = {
         *bench_latency.SCENARIOS,
         *bench_wal.SCENARIOS,
         *bench_enqueue_scaling.SCENARIOS,
+        *bench_tracing.SCENARIOS,
         Scenario(
             "wake",
             "ack-to-task-resumed latency: stock Absurd polling vs the wake listener",
@@ -326,10 +328,10 @@ class _Judged:
 
 
 def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Each target (issues 6 and 16) that this run's metrics can judge: its measured ratio and
+    """Each target (issues 6, 16 and 31) that this run's metrics can judge: its measured ratio and
     verdict. `settings`: how a figure was run (the peers'), printed beside its target."""
     judged = _Judged(m, settings or {})
-    for family in (_throughput, _order, _one_event_runs, _latency, _costs, _enqueue):
+    for family in (_throughput, _order, _one_event_runs, _latency, _costs, _enqueue, _tracing):
         family(judged)
     return judged.out
 
@@ -454,6 +456,21 @@ def _enqueue(j: _Judged) -> None:
         done, missing = m.get("enqueue_100k_runs_done", 0), m["enqueue_100k_runs_missing"]
         how = j.settings.get("enqueue_100k_runs_done", "100,000 runs in one transaction")
         add(f"{how}: done", done, done + missing, missing == 0 and done > 0)
+
+
+def _tracing(j: _Judged) -> None:
+    """Issue 31: a span for every delivery (100% sampled, the batch span processor) keeps 0.8
+    of the untraced relay's events/s, judged on the median of paired reps' ratios."""
+    if j.has("tracing_on_ratio"):
+        r = j.m["tracing_on_ratio"]
+        need = bench_tracing.NEEDED
+        j.add(
+            f"tracing_on_ratio ≥ {need} (tracing_on_eps / tracing_off_eps, paired reps, "
+            "always_on, batch span processor)",
+            r,
+            need,
+            r >= need,
+        )
 
 
 # -- the shell ---------------------------------------------------------------------------------

@@ -194,13 +194,17 @@ async def e2e_once(
     batched: bool = False,
     watch_rss: bool = False,
     settings: dict[str, str] | None = None,
+    environ: dict[str, str] | None = None,
 ) -> tuple[float, float]:
     """One repetition: replicas ready and idle, backlog committed, wait for the last receipt.
-    Returns (events/s, the first replica's peak RSS in MB)."""
+    Returns (events/s, the first replica's peak RSS in MB). `environ`: more variables for the
+    replicas (the tracing scenario's OTEL_*)."""
     await reset(env)
     base = await env.external_sink()
     extra = {"ingress_batch_url": base + "/batch"} if batched else {}
-    async with relay_processes(env, replicas, base, **extra, **(settings or {})) as procs:
+    async with relay_processes(
+        env, replicas, base, environ=environ, **extra, **(settings or {})
+    ) as procs:
         peak = 0.0
 
         def tick() -> None:
