@@ -21,9 +21,10 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from tests.support import wait_until
 
 MISSING = (
     "pgbouncer is not installed (Debian package `pgbouncer`; scripts/test.sh installs it best"
@@ -139,15 +140,16 @@ class PgBouncer:
     def _wait_listening(self, deadline: float = 30.0) -> None:
         """Until the port accepts connections (a start-up deadline, not a measurement)."""
         assert self.proc is not None
-        until = time.monotonic() + deadline
-        while True:
-            if self.proc.poll() is not None:
+        proc = self.proc
+
+        def listening() -> bool:
+            if proc.poll() is not None:
                 raise RuntimeError(f"pgbouncer exited at start: {self.log_tail()}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)):
-                return
-            if time.monotonic() > until:
-                raise RuntimeError(f"pgbouncer not listening after {deadline}s: {self.log_tail()}")
-            time.sleep(0.05)
+                return True
+            return False
+
+        wait_until(listening, timeout=deadline, what=f"pgbouncer to listen ({self.log})")
 
     def log_tail(self, chars: int = 2000) -> str:
         with contextlib.suppress(OSError):

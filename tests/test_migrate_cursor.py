@@ -25,7 +25,7 @@ from psycopg import sql
 
 from relay.migrate import code_version, migrate
 from tests.faults.harness import relay_env
-from tests.upgrade import Previous, Unavailable, previous_release
+from tests.upgrade import Previous, previous_or_skip
 
 # the columns of an event whose value a migration must keep, as the previous release shows them
 KEPT = (
@@ -36,10 +36,7 @@ KEPT = (
 
 @pytest.fixture(scope="module")
 def previous(request: pytest.FixtureRequest) -> Previous:
-    try:
-        return previous_release(Path(request.config.rootpath))
-    except Unavailable as exc:
-        pytest.skip(f"the previous release could not be built here: {exc}")
+    return previous_or_skip(Path(request.config.rootpath))
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ from relay.migrate import code_version
 from tests.faults.harness import FAULTS_SCHEMA, Replica, Workload, install_faults_schema, relay_env
 from tests.steady_lab import Database, SteadyLab
 from tests.support import wait_for
-from tests.upgrade import Previous, Unavailable, previous_release
+from tests.upgrade import Previous, previous_or_skip
 
 pytestmark = pytest.mark.anyio
 
@@ -70,10 +70,7 @@ def roll_seconds() -> float:
 
 @pytest.fixture(scope="session")
 def previous(request: pytest.FixtureRequest) -> Previous:
-    try:
-        return previous_release(Path(request.config.rootpath))
-    except Unavailable as exc:
-        pytest.skip(f"the previous release could not be built here: {exc}")
+    return previous_or_skip(Path(request.config.rootpath))
 
 
 def previous_producer(previous: Previous) -> ModuleType:

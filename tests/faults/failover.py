@@ -24,6 +24,7 @@ from pathlib import Path
 import psycopg
 
 from relay.tools.embedded import EmbeddedPostgres
+from tests.support import wait_until
 
 
 class Pair:
@@ -61,13 +62,16 @@ class Pair:
         with psycopg.connect(self.primary.url, autocommit=True) as conn:
             conn.execute("alter system set synchronous_standby_names = '*'")
             conn.execute("select pg_reload_conf()")
-            deadline = time.monotonic() + 30
-            while not conn.execute(
-                "select 1 from pg_stat_replication where sync_state = 'sync'"
-            ).fetchone():
-                if time.monotonic() > deadline:
-                    raise AssertionError("the standby never became synchronous")
-                time.sleep(0.05)
+            wait_until(
+                lambda: (
+                    conn.execute(
+                        "select 1 from pg_stat_replication where sync_state = 'sync'"
+                    ).fetchone()
+                    is not None
+                ),
+                timeout=30,
+                what="the standby to become synchronous",
+            )
 
     def _base_backup(self) -> None:
         target = self.standby.datadir
@@ -90,7 +94,7 @@ class Pair:
                 error = f"{exc.stdout.decode()}{exc.stderr.decode()}".strip()
                 if attempt == 2:
                     raise AssertionError(f"pg_basebackup failed 3 times: {error}") from exc
-                time.sleep(1)
+                time.sleep(1)  # between attempts of a command, not a wait for an effect
 
     def kill_primary(self) -> None:
         kill(self.primary)
@@ -98,16 +102,16 @@ class Pair:
     def standby_caught_up(self) -> None:
         """Until the standby replayed all it received (the primary is dead: nothing more comes)."""
         with psycopg.connect(self.standby.url, autocommit=True) as conn:
-            deadline = time.monotonic() + 30
-            while True:
-                row = conn.execute(
-                    "select pg_last_wal_receive_lsn() <= pg_last_wal_replay_lsn()"
-                ).fetchone()
-                if row and row[0]:
-                    return
-                if time.monotonic() > deadline:
-                    raise AssertionError("the standby did not replay what it received")
-                time.sleep(0.02)
+            wait_until(
+                lambda: (
+                    conn.execute(
+                        "select pg_last_wal_receive_lsn() <= pg_last_wal_replay_lsn()"
+                    ).fetchone()
+                    == (True,)
+                ),
+                timeout=30,
+                what="the standby to replay what it received",
+            )
 
     def promote(self) -> None:
         self.standby._run(
@@ -134,11 +138,11 @@ def kill(server: EmbeddedPostgres) -> None:
                 os.kill(p, sig)
             except ProcessLookupError:
                 pass
-    deadline = time.monotonic() + 30
-    while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
-        if time.monotonic() > deadline:
-            raise AssertionError(f"postmaster {pid} survived SIGKILL")
-        time.sleep(0.02)
+    wait_until(
+        lambda: not Path(f"/proc/{pid}").exists() or _state(pid) == "Z",
+        timeout=30,
+        what=f"postmaster {pid} to die of SIGKILL",
+    )
 
 
 def _children(pid: int) -> list[int]:

@@ -136,3 +136,14 @@ def _build(root: Path, commit: str, venv: Path) -> None:
     wrapper = venv / "run-as-harness"
     wrapper.write_text(WRAPPER.format(relay=venv / "bin" / "relay"))
     wrapper.chmod(0o755)
+
+
+def previous_or_skip(root: Path) -> Previous:
+    """`previous_release(root)`, or the calling test skipped with the reason it cannot be built
+    (for the fixtures of the tests that need it)."""
+    import pytest
+
+    try:
+        return previous_release(root)
+    except Unavailable as exc:
+        pytest.skip(f"the previous release could not be built here: {exc}")
