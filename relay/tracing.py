@@ -14,8 +14,14 @@ an OTLP endpoint set (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTL
 means export there, unless `OTEL_SDK_DISABLED=true`. `OTEL_SERVICE_NAME` names the service
 (default `ledger-relay`); `OTEL_TRACES_SAMPLER` and `OTEL_TRACES_SAMPLER_ARG` choose the
 sampler; the protocol is OTLP over HTTP with protobuf (`OTEL_EXPORTER_OTLP_PROTOCOL`,
-`..._TRACES_PROTOCOL`: `http/protobuf`, the only one the `otel` extra installs). A value the
-relay cannot honour is a `ConfigError` at start, naming the variable.
+`..._TRACES_PROTOCOL`: `http/protobuf`, the only one the `otel` extra installs). The span
+limits (`OTEL_ATTRIBUTE_COUNT_LIMIT`, `OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT`, their `OTEL_SPAN_`
+forms, `OTEL_SPAN_EVENT_COUNT_LIMIT`, `OTEL_SPAN_LINK_COUNT_LIMIT`,
+`OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT`, `OTEL_LINK_ATTRIBUTE_COUNT_LIMIT`) are read here too and
+applied by `bounded` as the specification's attribute limits say. A value the relay cannot
+honour is a `ConfigError` at start, naming the variable (the specification would have a bad
+number warned about and ignored; the Python SDK raises, and a relay that silently ran with other
+limits than asked would be harder to notice).
 """
 
 from __future__ import annotations
@@ -40,6 +46,24 @@ SAMPLERS = (
 PROTOCOLS = ("http/protobuf",)
 
 
+# The specification's defaults (sdk-environment-variables.md, "Span Limits"); no length limit.
+DEFAULT_COUNT_LIMIT = 128
+
+
+@dataclass(frozen=True, slots=True)
+class SpanLimits:
+    """How much a span may carry; None is no limit. What is beyond a count is dropped (and
+    counted on the span), a longer string value is cut (see `bounded`)."""
+
+    attribute_count: int | None = DEFAULT_COUNT_LIMIT  # a span's attributes
+    attribute_length: int | None = None  # a span attribute's string value, in characters
+    event_count: int | None = DEFAULT_COUNT_LIMIT
+    link_count: int | None = DEFAULT_COUNT_LIMIT
+    event_attribute_count: int | None = DEFAULT_COUNT_LIMIT
+    event_attribute_length: int | None = None  # OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT only
+    # OTEL_LINK_ATTRIBUTE_COUNT_LIMIT is checked, not kept: the relay's links carry no attributes.
+
+
 @dataclass(frozen=True, slots=True)
 class TracingConfig:
     endpoint: (
@@ -48,6 +72,7 @@ class TracingConfig:
     service_name: str
     sampler: str
     sampler_arg: float | None
+    limits: SpanLimits = SpanLimits()
 
 
 def _flag(environ: Mapping[str, str], name: str) -> bool:
@@ -97,6 +122,51 @@ def _sampler(environ: Mapping[str, str]) -> tuple[str, float | None]:
     return sampler, ratio
 
 
+def _limit(environ: Mapping[str, str], name: str, default: int | None) -> int | None:
+    """A limit variable: a non-negative integer. Empty is unset, as the specification says of
+    every variable (the Python SDK reads an empty one as "no limit")."""
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isascii() or not raw.isdigit():
+        raise ConfigError(f"{name}: a non-negative integer, got {raw!r}")
+    return int(raw)
+
+
+def limits_from_env(environ: Mapping[str, str]) -> SpanLimits:
+    """The span limits the variables set: a model's own variable (`OTEL_SPAN_...`,
+    `OTEL_EVENT_...`) over the general one (`OTEL_ATTRIBUTE_...`) over the default."""
+    count = _limit(environ, "OTEL_ATTRIBUTE_COUNT_LIMIT", DEFAULT_COUNT_LIMIT)
+    length = _limit(environ, "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", None)
+    _limit(environ, "OTEL_LINK_ATTRIBUTE_COUNT_LIMIT", None)
+    return SpanLimits(
+        attribute_count=_limit(environ, "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", count),
+        attribute_length=_limit(environ, "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", length),
+        event_count=_limit(environ, "OTEL_SPAN_EVENT_COUNT_LIMIT", DEFAULT_COUNT_LIMIT),
+        link_count=_limit(environ, "OTEL_SPAN_LINK_COUNT_LIMIT", DEFAULT_COUNT_LIMIT),
+        event_attribute_count=_limit(environ, "OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT", count),
+        event_attribute_length=length,
+    )
+
+
+def bounded(
+    attributes: Mapping[str, Any], count: int | None, length: int | None
+) -> tuple[dict[str, Any], int]:
+    """`attributes` within the limits, and how many were dropped. As the specification's
+    attribute limits say: the first `count` are kept (one added beyond the limit is discarded),
+    a string value longer than `length` characters is cut to it, and so is each string of a
+    sequence value; no other value is changed."""
+    kept = dict(attributes) if count is None else dict(list(attributes.items())[:count])
+    if length is not None:
+        for key, value in kept.items():
+            if isinstance(value, str):
+                if len(value) > length:
+                    kept[key] = value[:length]
+            elif isinstance(value, Sequence):
+                kept[key] = tuple(v[:length] if isinstance(v, str) else v for v in value)
+    return kept, len(attributes) - len(kept)
+
+
 def config_from_env(environ: Mapping[str, str]) -> TracingConfig | None:
     """The tracing configuration the variables ask for, or None when tracing is off."""
     if _flag(environ, "OTEL_SDK_DISABLED"):
@@ -107,7 +177,7 @@ def config_from_env(environ: Mapping[str, str]) -> TracingConfig | None:
     _protocol(environ)
     sampler, arg = _sampler(environ)
     service = environ.get("OTEL_SERVICE_NAME", "").strip() or SERVICE_NAME
-    return TracingConfig(endpoint, service, sampler, arg)
+    return TracingConfig(endpoint, service, sampler, arg, limits_from_env(environ))
 
 
 # -- the port -----------------------------------------------------------------------------------

@@ -258,18 +258,148 @@ def test_a_traceparent_that_is_not_w3c_is_neither_parent_nor_link(
     assert f"{delivery.context.trace_id:032x}" != PRODUCER_TRACE
 
 
-def test_links_beyond_the_span_limit_are_dropped_and_counted(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("OTEL_SPAN_LINK_COUNT_LIMIT", "2")
+# -- the span limits (OTEL_*_LIMIT) ----------------------------------------------------------------
+
+
+def _traced(environ: dict[str, str]) -> tuple[Any, InMemorySpanExporter]:
+    """A tracer configured by `environ` (with an endpoint) that records into memory."""
+    config = config_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT, **environ})
+    assert config is not None
     exporter = InMemorySpanExporter()
-    config = TracingConfig(ENDPOINT + "/v1/traces", "ledger-relay", "always_on", None)
-    tracer = otel.OtelTracer(config, processor=SimpleSpanProcessor(exporter))
+    return otel.OtelTracer(config, processor=SimpleSpanProcessor(exporter)), exporter
+
+
+def _failed_delivery(tracer: Any, error: str, **change: Any) -> Any:
+    """One delivery whose POST failed with `error`, ended; its (POST, delivery) spans."""
+    span = tracer.delivery(_delivery(**change))
+    with span.post("http://ingress.example/runs/run-1/events") as post:
+        post.failed(error)
+    span.outcome("transient", error=error, retry_in=1.5)
+    span.event("acked", status="none", events=0, last_seq=0)
+    span.end()
+
+
+@pytest.mark.parametrize(
+    ("environ", "cut"),
+    [
+        ({"OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "12"}, 12),
+        ({"OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT": "7"}, 7),
+        # the span's own variable over the general one
+        (
+            {
+                "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "3",
+                "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT": "9",
+            },
+            9,
+        ),
+    ],
+)
+def test_a_long_attribute_value_is_cut_to_the_length_limit(
+    environ: dict[str, str], cut: int
+) -> None:
+    tracer, exporter = _traced(environ)
+    error = "ConnectError: " + "x" * 300
+    _failed_delivery(tracer, error, run_id="run-" + "r" * 40)
+    tracer.shutdown()
+    post_span, delivery = exporter.get_finished_spans()
+    attrs = dict(delivery.attributes or {})
+    assert attrs["relay.error"] == error[:cut]
+    assert attrs["relay.run_id"] == ("run-" + "r" * 40)[:cut]
+    assert attrs["relay.epoch"] == 3 and attrs["relay.retry_in"] == 1.5  # numbers are not cut
+    assert delivery.dropped_attributes == 0
+    assert (
+        dict(post_span.attributes or {})["url.full"]
+        == "http://ingress.example/runs/run-1/events"[:cut]
+    )
+
+
+def test_within_the_default_limits_nothing_is_cut_or_dropped() -> None:
+    tracer, exporter = _traced({"OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": ""})  # empty: unset
+    error = "ConnectError: " + "x" * 300
+    _failed_delivery(tracer, error)
+    tracer.shutdown()
+    _, delivery = exporter.get_finished_spans()
+    assert dict(delivery.attributes or {})["relay.error"] == error
+    assert (delivery.dropped_attributes, delivery.dropped_events, delivery.dropped_links) == (
+        0,
+        0,
+        0,
+    )
+
+
+def test_attributes_beyond_the_count_limit_are_dropped_and_counted() -> None:
+    tracer, exporter = _traced(
+        {"OTEL_ATTRIBUTE_COUNT_LIMIT": "50", "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "4"}
+    )
+    _failed_delivery(tracer, "ConnectError: refused")
+    tracer.shutdown()
+    post_span, delivery = exporter.get_finished_spans()
+    # The first four set are kept, the rest dropped and counted (the specification's rule).
+    assert list(delivery.attributes or {}) == [
+        "messaging.system",
+        "messaging.operation.type",
+        "messaging.operation.name",
+        "messaging.destination.name",
+    ]
+    assert delivery.dropped_attributes > 0
+    assert len(delivery.attributes or {}) + delivery.dropped_attributes >= 12
+    assert len(post_span.attributes or {}) == 4
+    # The event's attributes have their own limit, the general one: 50.
+    assert (
+        delivery.events[0].dropped_attributes == 0 and len(delivery.events[0].attributes or {}) == 3
+    )
+
+
+def test_event_limits_apply_to_the_events_and_their_attributes() -> None:
+    tracer, exporter = _traced(
+        {
+            "OTEL_SPAN_EVENT_COUNT_LIMIT": "1",
+            "OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT": "2",
+            "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "2",
+        }
+    )
+    span = tracer.delivery(_delivery())
+    span.event("poison_narrowing", named=True, events=4)
+    span.event("acked", status="acked", events=4, last_seq=8)
+    span.end()
+    tracer.shutdown()
+    (delivery,) = exporter.get_finished_spans()
+    assert [e.name for e in delivery.events] == [
+        "poison_narrowing"
+    ] and delivery.dropped_events == 1
+    (event,) = delivery.events
+    assert dict(event.attributes or {}) == {"named": True, "events": 4}
+    assert dict(delivery.attributes or {})["relay.run_id"] == "ru"  # the general length limit
+
+
+def test_links_beyond_the_span_limit_are_dropped_and_counted() -> None:
+    tracer, exporter = _traced({"OTEL_SPAN_LINK_COUNT_LIMIT": "2"})
     others = [f"00-{i:032x}-{PRODUCER_SPAN}-01" for i in range(1, 5)]
     tracer.delivery(_delivery(traceparents=[TP1, *others])).end()
     tracer.shutdown()
     (delivery,) = exporter.get_finished_spans()
     assert len(delivery.links) == 2 and delivery.dropped_links == 2
+    # the first events' traces are kept
+    assert [link.context.trace_id for link in delivery.links] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "OTEL_ATTRIBUTE_COUNT_LIMIT",
+        "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+        "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT",
+        "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+        "OTEL_SPAN_EVENT_COUNT_LIMIT",
+        "OTEL_SPAN_LINK_COUNT_LIMIT",
+        "OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT",
+        "OTEL_LINK_ATTRIBUTE_COUNT_LIMIT",
+    ],
+)
+@pytest.mark.parametrize("bad", ["-1", "ten", "1.5", "1e3"])
+def test_a_bad_limit_is_refused_at_start_naming_the_variable(name: str, bad: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{name}: a non-negative integer, got '{bad}'$"):
+        start_tracing({"OTEL_EXPORTER_OTLP_ENDPOINT": ENDPOINT, name: bad})
 
 
 # -- through the real exporter into a real OTLP/HTTP receiver ------------------------------------

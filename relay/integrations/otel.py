@@ -14,11 +14,13 @@ per span, which cost the event loop about 85 µs per delivery against 16 µs thi
 docs/performance.md, "Tracing"). A delivery's two spans are known in full when they end and
 nothing but this module touches them, so each is a few plain fields until then, and is handed to
 the processor once, as the `ReadableSpan` the SDK would have built (`SpanProcessor.on_end`).
-Every value is the relay's own str, int or float, so there is nothing to check. Of the SDK's span
-limits the link count (`OTEL_SPAN_LINK_COUNT_LIMIT`, read once) applies: a batch whose events
-come from many traces reaches it. The attribute limits do not: the attributes are a fixed, short
-set, within the defaults (`relay.error` is cut at 200 characters). `on_start` is not called: the
-processors the relay runs (batch, and simple in tests) do nothing there.
+Every value is the relay's own str, int or float, so there is nothing to check. The span limits
+(`OTEL_*_LIMIT`, read once by relay/tracing.py) apply when a span is handed on: links beyond the
+link count (a batch whose events come from many traces reaches it), events beyond the event
+count, attributes beyond a count, string values cut to a length, each counted as dropped on the
+span as the SDK's own would be. Within the defaults (128 of each, no length limit) the relay's
+spans reach none of them, and what is checked per span is a length or two. `on_start` is not
+called: the processors the relay runs (batch, and simple in tests) do nothing there.
 
 A delivery the sampler drops builds no attributes or links and hands nothing on, but its POST
 still sends a `traceparent` with a span id of its own and the sampled flag off, as the SDK's
@@ -37,10 +39,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import (
@@ -57,7 +60,15 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 
 from relay import __version__
 from relay.settings import redact_url
-from relay.tracing import Delivery, DeliverySpan, PostSpan, Tracer, TracingConfig
+from relay.tracing import (
+    Delivery,
+    DeliverySpan,
+    PostSpan,
+    SpanLimits,
+    Tracer,
+    TracingConfig,
+    bounded,
+)
 
 SHUTDOWN_MILLIS = 5_000
 # Outcomes of policy.decide that end a delivery without the ingress taking it.
@@ -151,6 +162,57 @@ class _Resource(Resource):
         return self._hash
 
 
+def _attributes(attributes: Mapping[str, Any], count: int | None, length: int | None) -> Any:
+    """`attributes` within the limits, as the SDK's `BoundedAttributes` that carries the number
+    dropped (which is where the OTLP encoder reads it)."""
+    kept, dropped = bounded(attributes, count, length)
+    result = BoundedAttributes(None, kept)
+    result.dropped = dropped
+    return result
+
+
+def _first(items: Sequence[Any], limit: int) -> Sequence[Any]:
+    """The first `limit` of `items`, the rest counted as dropped (`BoundedList` would keep the
+    last ones: for links, the traces of the batch's first events are the ones to keep)."""
+    kept = BoundedList.from_seq(limit, items[:limit])
+    kept.dropped = len(items) - limit
+    return kept
+
+
+class _Limits:
+    """The span limits as `_Recorder.finish` applies them: nothing but a comparison or two per
+    span while a span is within them."""
+
+    def __init__(self, limits: SpanLimits) -> None:
+        self.limits = limits
+
+    def attributes(self, attributes: Mapping[str, Any]) -> Mapping[str, Any]:
+        count, length = self.limits.attribute_count, self.limits.attribute_length
+        if length is None and (count is None or len(attributes) <= count):
+            return attributes
+        bounded_attributes: Mapping[str, Any] = _attributes(attributes, count, length)
+        return bounded_attributes
+
+    def events(self, events: list[Event]) -> Sequence[Event]:
+        limits = self.limits
+        count, length = limits.event_attribute_count, limits.event_attribute_length
+        events = [
+            e
+            if length is None and (count is None or len(e.attributes or ()) <= count)
+            else Event(e.name, _attributes(e.attributes or {}, count, length), e.timestamp)
+            for e in events
+        ]
+        if limits.event_count is not None and len(events) > limits.event_count:
+            return _first(events, limits.event_count)
+        return events
+
+    def links(self, links: Sequence[Link]) -> Sequence[Link]:
+        limit = self.limits.link_count
+        if limit is not None and len(links) > limit:
+            return _first(links, limit)
+        return links
+
+
 class _Recorder:
     """What the tracer's spans share: where they go and what they are from."""
 
@@ -160,7 +222,7 @@ class _Recorder:
         self.resource = _Resource(Resource.create({"service.name": config.service_name}))
         self.scope = InstrumentationScope("ledger-relay", __version__)
         self.ids = RandomIdGenerator()
-        self.max_links = SpanLimits().max_links
+        self.limits = _Limits(config.limits)
 
     def finish(
         self,
@@ -174,15 +236,16 @@ class _Recorder:
         events: list[Event] | None = None,
         links: Sequence[Link] | None = None,
     ) -> None:
+        limits = self.limits
         self.processor.on_end(
             ReadableSpan(
                 name=name,
                 context=context,
                 parent=parent,
                 resource=self.resource,
-                attributes=attributes,
-                events=events or (),
-                links=links or (),
+                attributes=limits.attributes(attributes),
+                events=limits.events(events) if events else (),
+                links=limits.links(links) if links else (),
                 kind=kind,
                 status=status,
                 start_time=start,
@@ -396,11 +459,7 @@ class OtelTracer(Tracer):
                 if links is None:
                     links = []
                 links.append(Link(other))
-        limit = self.recorder.max_links
-        if links is not None and limit is not None and len(links) > limit:
-            bounded: Sequence[Link] = BoundedList.from_seq(limit, links)  # counts the dropped
-            return bounded
-        return links
+        return links  # within OTEL_SPAN_LINK_COUNT_LIMIT when the span is handed on
 
     def shutdown(self) -> None:
         atexit.unregister(self.shutdown)
