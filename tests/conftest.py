@@ -18,6 +18,7 @@ from relay.migrate import migrate
 from relay.tools.absurd import install_absurd
 from relay.tools.embedded import EmbeddedPostgres
 from relay.tools.sink import Sink, serve_sink
+from tests.support import Rig
 
 
 @pytest.fixture(scope="session")
@@ -96,3 +97,10 @@ async def sink() -> AsyncIterator[tuple[Sink, str]]:
     s = Sink()
     async with serve_sink(s) as url:
         yield s, url
+
+
+@pytest.fixture
+def rig(pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]) -> Rig:
+    """The fixtures most integration tests take together, as one value (tests/support.py)."""
+    s, url = sink
+    return Rig(pg_url, schema, conn, s, url)

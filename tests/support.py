@@ -1,18 +1,22 @@
-"""Helpers shared by the integration tests: settings, waiting on conditions, bulk backlogs, the
-SQL API's tables as snapshots, and notifications read up to a sentinel."""
+"""Helpers shared by the integration tests: the rig most of them stand on, settings, waiting on
+conditions, bulk backlogs, the SQL API's tables as snapshots, and notifications read up to a
+sentinel."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
 import psycopg
 from psycopg import sql
 
+from relay.runner import Relay
 from relay.settings import Settings, load
+from relay.tools.sink import Sink
 
 T = TypeVar("T")
 
@@ -32,6 +36,35 @@ def settings(pg_url: str, schema: str, sink_url: str, **overrides: Any) -> Setti
     }
     flags.update({k: str(v) for k, v in overrides.items()})
     return load(flags, environ={})
+
+
+@dataclass(frozen=True)
+class Rig:
+    """What an integration test of the relay stands on (the `rig` fixture): the server's URL, a
+    freshly migrated schema, an autocommit connection, and the reference ingress in this process
+    (its state and base URL)."""
+
+    pg_url: str
+    schema: str
+    conn: psycopg.Connection[Any]
+    sink: Sink
+    url: str
+
+    def settings(self, **overrides: Any) -> Settings:
+        """The relay's settings for this schema and ingress (see `settings`)."""
+        return settings(self.pg_url, self.schema, self.url, **overrides)
+
+    def relay(self, **overrides: Any) -> Relay:
+        """An in-process relay on `settings(**overrides)`, not yet running."""
+        return Relay(self.settings(**overrides))
+
+    def count(self, where: str = "true") -> int:
+        """How many of the schema's events match `where` (see `count`)."""
+        return count(self.conn, self.schema, where)
+
+    def q(self, text: str) -> sql.Composed:
+        """`text` with `{s}` replaced by the quoted schema (see `q`)."""
+        return q(self.schema, text)
 
 
 async def wait_for(

@@ -23,8 +23,7 @@ import pytest
 from relay import logs
 from relay.runner import Relay
 from relay.settings import describe
-from relay.tools.sink import Sink
-from tests.support import count, settings, wait_for
+from tests.support import Rig, count, settings, wait_for
 from tests.test_cli import RELAY, relay_env
 from tests.test_relay import enqueue_runs
 
@@ -81,14 +80,8 @@ def with_userinfo(sink_url: str) -> str:
 
 
 @pytest.mark.anyio
-async def test_canary_in_process(
-    role_url: str,
-    schema: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    s, url = sink
+async def test_canary_in_process(rig: Rig, role_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    s, conn, schema, url = rig.sink, rig.conn, rig.schema, rig.url
     caplog.set_level("DEBUG", logger="psycopg")  # the pool's own warnings, e.g. failed logins
     stream = io.StringIO()
     logs.configure("json", "debug", stream)
@@ -175,17 +168,10 @@ def secret_env(db_url: str, schema: str, ingress_url: str) -> dict[str, str]:
 
 
 @pytest.mark.anyio
-async def test_canary_in_subprocesses(
-    pg_url: str,
-    role_url: str,
-    schema: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    tmp_path: Path,
-) -> None:
-    s, url = sink
-    good = secret_env(role_url, schema, with_userinfo(url))
-    bad = secret_env(failing_login_url(pg_url), schema, with_userinfo(url))
+async def test_canary_in_subprocesses(rig: Rig, role_url: str, tmp_path: Path) -> None:
+    s, conn, schema = rig.sink, rig.conn, rig.schema
+    good = secret_env(role_url, schema, with_userinfo(rig.url))
+    bad = secret_env(failing_login_url(rig.pg_url), schema, with_userinfo(rig.url))
     outputs: dict[str, str] = {}
 
     async def cli(name: str, env: dict[str, str], *args: str) -> int:
@@ -233,12 +219,10 @@ async def test_canary_in_subprocesses(
 
 
 @pytest.mark.anyio
-async def test_configured_token_wins_over_url_userinfo(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
-) -> None:
-    s, url = sink
-    enqueue_runs(conn, schema, 1, 1, prefix="u", terminal=False)
-    cfg = settings(pg_url, schema, with_userinfo(url), ingress_token=TOKEN)
+async def test_configured_token_wins_over_url_userinfo(rig: Rig) -> None:
+    s = rig.sink
+    enqueue_runs(rig.conn, rig.schema, 1, 1, prefix="u", terminal=False)
+    cfg = settings(rig.pg_url, rig.schema, with_userinfo(rig.url), ingress_token=TOKEN)
     async with Relay(cfg).running():
         await wait_for(lambda: bool(s.state.received), what="a POST")
     assert s.state.received[0]["headers"]["authorization"] == f"Bearer {TOKEN}"

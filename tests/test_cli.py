@@ -17,8 +17,7 @@ import pytest
 from anyio.abc import Process
 
 from relay.migrate import code_version
-from relay.tools.sink import Sink
-from tests.support import assert_acked_only_if_received, count, q, wait_for
+from tests.support import Rig, assert_acked_only_if_received, count, q, wait_for
 from tests.test_relay import enqueue_runs
 
 pytestmark = pytest.mark.anyio
@@ -80,18 +79,12 @@ async def stop_all(procs: list[Process]) -> list[int]:
     return codes
 
 
-async def test_four_replicas_deliver_everything_in_order(
-    pg_url: str,
-    schema: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    tmp_path: Path,
-) -> None:
-    s, url = sink
+async def test_four_replicas_deliver_everything_in_order(rig: Rig, tmp_path: Path) -> None:
+    s, conn, schema = rig.sink, rig.conn, rig.schema
     # Slow enough that no replica can drain it all alone before the others are up.
     s.faults.delay(0.02, times=100_000)
     enqueue_runs(conn, schema, 100, 6, prefix="a")
-    async with replicas(4, relay_env(pg_url, schema, url), tmp_path) as procs:
+    async with replicas(4, relay_env(rig.pg_url, schema, rig.url), tmp_path) as procs:
         # The rest once all four listen (each records itself in `replicas` as its LISTEN
         # session takes its liveness lock): the first replica up may drain "a" alone on a
         # loaded machine, but not "b", which every replica is woken for.
@@ -121,17 +114,11 @@ async def test_four_replicas_deliver_everything_in_order(
     assert len(delivering) >= 2
 
 
-async def test_sigkill_of_one_replica_loses_nothing(
-    pg_url: str,
-    schema: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    tmp_path: Path,
-) -> None:
-    s, url = sink
+async def test_sigkill_of_one_replica_loses_nothing(rig: Rig, tmp_path: Path) -> None:
+    s, conn, schema = rig.sink, rig.conn, rig.schema
     s.faults.delay(0.02, times=100_000)  # slow enough that the kill lands mid-run
     enqueue_runs(conn, schema, 150, 4)
-    env = relay_env(pg_url, schema, url, RELAY_LEASE_TTL="3s", RELAY_HTTP_TIMEOUT="1s")
+    env = relay_env(rig.pg_url, schema, rig.url, RELAY_LEASE_TTL="3s", RELAY_HTTP_TIMEOUT="1s")
     async with replicas(2, env, tmp_path) as procs:
         await wait_for(lambda: len(s.state.deliveries) >= 60, timeout=60, what="some delivery")
         procs[0].kill()  # SIGKILL: no release, leases must expire
@@ -145,18 +132,12 @@ async def test_sigkill_of_one_replica_loses_nothing(
     assert_acked_only_if_received(conn, schema, s.state.deliveries)
 
 
-async def test_sigterm_exits_zero_and_hands_back_leases(
-    pg_url: str,
-    schema: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    tmp_path: Path,
-) -> None:
-    s, url = sink
+async def test_sigterm_exits_zero_and_hands_back_leases(rig: Rig, tmp_path: Path) -> None:
+    s, conn, schema = rig.sink, rig.conn, rig.schema
     s.faults.delay(60.0, times=10)  # POSTs hang: SIGTERM arrives with work in flight
     enqueue_runs(conn, schema, 3, 2, terminal=False)
-    env = relay_env(pg_url, schema, url, RELAY_SHUTDOWN_TIMEOUT="0.5s", RELAY_HTTP_TIMEOUT="30s",
-                    RELAY_LEASE_TTL="60s")  # fmt: skip
+    env = relay_env(rig.pg_url, schema, rig.url, RELAY_SHUTDOWN_TIMEOUT="0.5s",
+                    RELAY_HTTP_TIMEOUT="30s", RELAY_LEASE_TTL="60s")  # fmt: skip
     async with replicas(1, env, tmp_path) as procs:
         await wait_for(lambda: _leased(conn, schema) == 3, what="three leases")
         # Work really in flight when SIGTERM lands: every run's POST reached the ingress.

@@ -16,13 +16,11 @@ from typing import Any
 
 import anyio
 import httpx
-import psycopg
 import pytest
 
 from relay import serving
-from relay.tools.sink import Sink
 from relay.ui.web import Request, Response
-from tests.support import count, wait_for
+from tests.support import Rig, wait_for
 from tests.test_cli import RELAY, relay_env
 from tests.test_relay import enqueue_runs
 
@@ -62,31 +60,27 @@ async def healthy(port: int) -> bool:
         return False
 
 
-async def delivers(conn: psycopg.Connection[Any], schema: str, s: Sink, prefix: str) -> None:
+async def delivers(rig: Rig, prefix: str) -> None:
     """One more run is enqueued and arrives: the process still does its job."""
+    s = rig.sink
     before = len(s.state.deliveries)
-    enqueue_runs(conn, schema, 1, 3, prefix=prefix)
+    enqueue_runs(rig.conn, rig.schema, 1, 3, prefix=prefix)
     await wait_for(lambda: len(s.state.deliveries) >= before + 3, what=f"{prefix} delivered")
-    assert count(conn, schema, "delivered_at is null") == 0
+    assert rig.count("delivered_at is null") == 0
 
 
 async def test_a_malformed_accept_on_metrics_is_refused_and_the_relay_lives_on(
-    pg_url: str,
-    schema: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    tmp_path: Path,
+    rig: Rig, tmp_path: Path
 ) -> None:
-    s, url = sink
     port = free_port()
-    env = relay_env(pg_url, schema, url, RELAY_METRICS_ADDR=f"127.0.0.1:{port}")
+    env = relay_env(rig.pg_url, rig.schema, rig.url, RELAY_METRICS_ADDR=f"127.0.0.1:{port}")
     with relay_process(env, tmp_path / "relay.log") as proc:
         await wait_for(lambda: healthy(port), what="the endpoints")
         got = await get(port, "/metrics", accept="text/plain; version=x")
         assert got.status_code == 406, got.text
         assert proc.poll() is None, (tmp_path / "relay.log").read_text()[-3000:]
         assert (await get(port, "/metrics")).status_code == 200
-        await delivers(conn, schema, s, "after_bad_accept")
+        await delivers(rig, "after_bad_accept")
 
 
 @pytest.mark.parametrize(
@@ -97,23 +91,16 @@ async def test_a_malformed_accept_on_metrics_is_refused_and_the_relay_lives_on(
     ],
 )
 async def test_idle_connections_past_the_descriptor_limit_do_not_end_the_relay(
-    pg_url: str,
-    schema: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    tmp_path: Path,
-    nofile: int,
-    idle: int,
+    rig: Rig, tmp_path: Path, nofile: int, idle: int
 ) -> None:
-    s, url = sink
     port = free_port()
     log = tmp_path / "relay.log"
-    env = relay_env(pg_url, schema, url, RELAY_METRICS_ADDR=f"127.0.0.1:{port}")
+    env = relay_env(rig.pg_url, rig.schema, rig.url, RELAY_METRICS_ADDR=f"127.0.0.1:{port}")
     tight = nofile < serving.MAX_CONNECTIONS * 2
     expected = "endpoint_accept_failed" if tight else "endpoint_connections_shed"
     with relay_process(env, log, nofile=nofile) as proc:
         await wait_for(lambda: healthy(port), what="the endpoints")
-        await delivers(conn, schema, s, "before")
+        await delivers(rig, "before")
         held: list[socket.socket] = []
         try:
             for _ in range(idle):
@@ -128,13 +115,13 @@ async def test_idle_connections_past_the_descriptor_limit_do_not_end_the_relay(
             assert proc.poll() is None, log.read_text()[-3000:]
             if nofile > serving.MAX_CONNECTIONS * 4:
                 # Room to spare: delivery goes on while the connections are held.
-                await delivers(conn, schema, s, "during")
+                await delivers(rig, "during")
         finally:
             for c in held:
                 c.close()
         assert proc.poll() is None, log.read_text()[-3000:]
         await wait_for(lambda: healthy(port), what="the endpoints after the flood")
-        await delivers(conn, schema, s, "after")
+        await delivers(rig, "after")
         assert proc.poll() is None
     text = log.read_text()
     assert f'"event":"{expected}"' in text, text[-3000:]

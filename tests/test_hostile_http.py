@@ -4,16 +4,11 @@ once an answer says it was taken."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import psycopg
 import pytest
 
 import relay
-from relay.runner import Relay
-from relay.tools.sink import Sink
 from relay.transport import MAX_BODY
-from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
+from tests.support import HTTP_TRANSPORTS, Rig, q, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -29,22 +24,15 @@ pytestmark = pytest.mark.anyio
 )
 @pytest.mark.parametrize("http_transport", HTTP_TRANSPORTS)
 async def test_a_2xx_that_cannot_be_read_is_retried_not_acked(
-    pg_url: str,
-    schema: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    body: bytes,
-    error: str,
-    http_transport: str,
+    rig: Rig, body: bytes, error: str, http_transport: str
 ) -> None:
-    s, url = sink
+    s, conn, schema = rig.sink, rig.conn, rig.schema
     s.faults.fail(200, body=body)  # the first answer only; the retry gets a real one
     with conn.transaction():
         relay.enqueue(conn, "r1", "r1-1", "step", {}, schema=schema)
         relay.enqueue(conn, "r1", "r1-2", "step", {}, schema=schema)
-    cfg = settings(pg_url, schema, url, http_transport=http_transport, max_backoff="0.5s")
-    async with Relay(cfg).running():
-        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 2, what="the retry")
+    async with rig.relay(http_transport=http_transport, max_backoff="0.5s").running():
+        await wait_for(lambda: rig.count("state = 'delivered'") == 2, what="the retry")
     assert [x["fault"] for x in s.state.received] == ["fail", None], "acked on the bad answer"
     # one rescheduled attempt (the run's, schema version 7: cleared by the ack), then delivered
     row = conn.execute(q(schema, "select state, attempts from {s}.events where seq = 1")).fetchone()

@@ -15,8 +15,7 @@ import pytest
 
 import relay
 from relay.runner import Relay
-from relay.tools.sink import Sink
-from tests.support import settings, wait_for
+from tests.support import Rig, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -73,21 +72,15 @@ def backlog(conn: psycopg.Connection[Any], schema: str) -> None:
 
 
 async def test_terminal_events_go_critical_and_the_critical_lane_takes_no_ordinary_work(
-    pg_url: str,
-    schema: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    decisions: Decisions,
+    rig: Rig, decisions: Decisions
 ) -> None:
-    s, url = sink
+    s, conn, schema = rig.sink, rig.conn, rig.schema
     for r in range(BACKLOG_RUNS):  # every backlog POST is slow: the ordinary lane stays full
         s.faults.delay(0.2, run_id=f"b{r}")
     backlog(conn, schema)
     # A long safety-net poll: the critical lane finds the terminal runs by their targeted drain
     # (the terminal channel), not by polling for them.
-    cfg = settings(
-        pg_url, schema, url, concurrency=CONCURRENCY, critical_concurrency=2, poll_interval=10
-    )
+    cfg = rig.settings(concurrency=CONCURRENCY, critical_concurrency=2, poll_interval=10)
     committed_at: dict[str, float] = {}
     async with Relay(cfg).running():
         await wait_for(lambda: len(s.state.deliveries) >= 6, what="backlog delivery to start")

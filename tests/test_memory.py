@@ -15,9 +15,7 @@ import anyio
 import psycopg
 import pytest
 
-from relay.runner import Relay
-from relay.tools.sink import Sink
-from tests.support import count, q, settings, wait_for
+from tests.support import Rig, q, wait_for
 from tests.test_cli import relay_env, replicas, stop_all
 
 pytestmark = pytest.mark.anyio
@@ -57,19 +55,15 @@ def peak_rss(pid: int) -> int:
 
 
 async def test_peak_rss_stays_under_the_stated_bound_with_large_payloads(
-    pg_url: str,
-    schema: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    tmp_path: Path,
+    rig: Rig, tmp_path: Path
 ) -> None:
-    s, url = sink
-    large_backlog(conn, schema)
+    s = rig.sink
+    large_backlog(rig.conn, rig.schema)
     total = RUNS * PER_RUN
-    env = relay_env(pg_url, schema, url)
+    env = relay_env(rig.pg_url, rig.schema, rig.url)
     async with replicas(1, env, tmp_path) as procs:
         await wait_for(lambda: len(s.state.deliveries) == total, timeout=180, what="every event")
-        await wait_for(lambda: count(conn, schema, "state <> 'delivered'") == 0, what="acks")
+        await wait_for(lambda: rig.count("state <> 'delivered'") == 0, what="acks")
         rss = peak_rss(procs[0].pid)
         codes = await stop_all(procs)
     assert codes == [0]
@@ -85,26 +79,18 @@ async def test_peak_rss_stays_under_the_stated_bound_with_large_payloads(
     assert largest == (1024 * 1024) // (PAYLOAD_BYTES + 64), largest
 
 
-async def test_a_lane_holds_no_more_than_its_byte_budget_of_claims(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
-) -> None:
+async def test_a_lane_holds_no_more_than_its_byte_budget_of_claims(rig: Rig) -> None:
     """With max_lane_bytes = 2 x max_batch_bytes, the lane holds two runs' prefixes at a time,
     not its usual concurrency + claim_runs (sampled from the database's own lease table while a
     slow ingress keeps every claim in flight)."""
-    s, url = sink
-    large_backlog(conn, schema)
+    s = rig.sink
+    large_backlog(rig.conn, rig.schema)
     s.faults.delay(0.1, times=10_000)
-    cfg = settings(
-        pg_url, schema, url, max_batch_bytes="1MiB", max_lane_bytes="2MiB", concurrency=8
-    )
     most = 0
-    async with Relay(cfg).running():
+    async with rig.relay(max_batch_bytes="1MiB", max_lane_bytes="2MiB", concurrency=8).running():
         while len(s.state.deliveries) < RUNS * PER_RUN // 4:
-            leased = conn.execute(
-                q(
-                    schema,
-                    "select count(*) from {s}.runs where lease_expires_at > clock_timestamp()",
-                )
+            leased = rig.conn.execute(
+                rig.q("select count(*) from {s}.runs where lease_expires_at > clock_timestamp()")
             ).fetchone()
             assert leased is not None
             most = max(most, leased[0])
