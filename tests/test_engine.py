@@ -34,9 +34,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import relay
 from relay.engine import WakeListener, WakeWorker
-from relay.runner import Relay
-from relay.tools.sink import Sink
-from tests.support import count, q, settings, wait_for
+from tests.support import Rig, count, q, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -70,26 +68,29 @@ def register_sync(client: Absurd, blocker: tuple[threading.Event, threading.Even
         return release.wait(60)
 
 
-@pytest.fixture
-async def client(pg_url: str, queue: str) -> AsyncIterator[AsyncAbsurd]:
-    """A worker-side client with the task registered (its one connection is the worker's)."""
+@asynccontextmanager
+async def registered_client(pg_url: str, queue: str) -> AsyncIterator[AsyncAbsurd]:
+    """An async client of `queue` with the task registered, closed on the way out."""
     c = AsyncAbsurd(pg_url, queue_name=queue)
     register_async(c)
     try:
         yield c
     finally:
         await c.close()
+
+
+@pytest.fixture
+async def client(pg_url: str, queue: str) -> AsyncIterator[AsyncAbsurd]:
+    """A worker-side client with the task registered (its one connection is the worker's)."""
+    async with registered_client(pg_url, queue) as c:
+        yield c
 
 
 @pytest.fixture
 async def driver(pg_url: str, queue: str) -> AsyncIterator[AsyncAbsurd]:
     """A second client for the test itself: spawns tasks and runs them up to their await."""
-    c = AsyncAbsurd(pg_url, queue_name=queue)
-    register_async(c)
-    try:
+    async with registered_client(pg_url, queue) as c:
         yield c
-    finally:
-        await c.close()
 
 
 class EmitProbe:
@@ -164,36 +165,31 @@ def inbox(pg_url: str, conn: psycopg.Connection[Any]) -> Iterator[WakeInbox]:
 # --- helpers ----------------------------------------------------------------------------------
 
 
+def on_queue(
+    conn: psycopg.Connection[Any], table: str, queue: str, text: str, key: str
+) -> psycopg.Cursor[Any]:
+    """`text` run with `{}` as the queue's Absurd table `table` ("t" its tasks, "r" their runs,
+    "e" its events) and `%s` as `key`."""
+    return conn.execute(sql.SQL(text).format(sql.Identifier("absurd", f"{table}_{queue}")), (key,))
+
+
 def task_state(conn: psycopg.Connection[Any], queue: str, task_id: str) -> tuple[str, Any]:
-    row = conn.execute(
-        sql.SQL("select state, completed_payload from {} where task_id = %s").format(
-            sql.Identifier("absurd", f"t_{queue}")
-        ),
-        (task_id,),
-    ).fetchone()
+    text = "select state, completed_payload from {} where task_id = %s"
+    row = on_queue(conn, "t", queue, text, task_id).fetchone()
     assert row is not None
     return row[0], row[1]
 
 
 def claimed_by(conn: psycopg.Connection[Any], queue: str, task_id: str) -> list[str | None]:
     """Who claimed each run of the task (Absurd keeps `claimed_by` once completed)."""
-    rows = conn.execute(
-        sql.SQL("select claimed_by from {} where task_id = %s order by attempt").format(
-            sql.Identifier("absurd", f"r_{queue}")
-        ),
-        (task_id,),
-    ).fetchall()
-    return [r[0] for r in rows]
+    text = "select claimed_by from {} where task_id = %s order by attempt"
+    return [r[0] for r in on_queue(conn, "r", queue, text, task_id).fetchall()]
 
 
 def engine_event(conn: psycopg.Connection[Any], queue: str, name: str) -> tuple[bool, Any]:
     """(row exists, payload) of an event in absurd."e_<queue>"."""
-    row = conn.execute(
-        sql.SQL("select payload from {} where event_name = %s").format(
-            sql.Identifier("absurd", f"e_{queue}")
-        ),
-        (name,),
-    ).fetchone()
+    text = "select payload from {} where event_name = %s"
+    row = on_queue(conn, "e", queue, text, name).fetchone()
     return (row is not None, row[0] if row else None)
 
 
@@ -271,23 +267,16 @@ def assert_resumed_by_ack(
 
 
 async def test_the_relays_ack_resumes_sleeping_tasks(
-    pg_url: str,
-    schema: str,
-    queue: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    client: AsyncAbsurd,
-    driver: AsyncAbsurd,
-    probe: EmitProbe,
+    rig: Rig, queue: str, client: AsyncAbsurd, driver: AsyncAbsurd, probe: EmitProbe
 ) -> None:
     """Stock absurd-sdk worker (polling): spawn, sleep, enqueue, deliver, resume, complete."""
-    _, url = sink
+    conn, schema = rig.conn, rig.schema
     runs = [f"run-{i}" for i in range(5)]
     tasks = {r: await spawn_sleeping(driver, conn, queue, r) for r in runs}
     for r in runs:
         enqueue_created(conn, schema, queue, r)
     async with (
-        Relay(settings(pg_url, schema, url)).running(),
+        rig.relay().running(),
         background(lambda: client.start_worker(worker_id="stock", poll_interval=0.05)),
     ):
         for r in runs:
@@ -299,17 +288,11 @@ async def test_the_relays_ack_resumes_sleeping_tasks(
 
 
 async def test_an_event_acknowledged_before_the_task_awaits_it_is_returned_from_the_cache(
-    pg_url: str,
-    schema: str,
-    queue: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    client: AsyncAbsurd,
-    driver: AsyncAbsurd,
+    rig: Rig, queue: str, client: AsyncAbsurd, driver: AsyncAbsurd
 ) -> None:
-    _, url = sink
+    conn, schema = rig.conn, rig.schema
     enqueue_created(conn, schema, queue, "early")
-    async with Relay(settings(pg_url, schema, url)).running():
+    async with rig.relay().running():
         await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="ack")
     assert engine_event(conn, queue, wake_name("early"))[0]  # cached by Absurd
     task_id = str((await driver.spawn(TASK, {"run_id": "early"}))["task_id"])
@@ -322,31 +305,20 @@ async def test_an_event_acknowledged_before_the_task_awaits_it_is_returned_from_
 
 
 async def test_a_rolled_back_ack_wakes_nothing_and_the_retried_ack_wakes_once(
-    pg_url: str,
-    schema: str,
-    queue: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    driver: AsyncAbsurd,
-    probe: EmitProbe,
-    inbox: WakeInbox,
+    rig: Rig, queue: str, driver: AsyncAbsurd, probe: EmitProbe, inbox: WakeInbox
 ) -> None:
     """Another transaction holds the engine's event row: the relay's ack calls emit, times out
     on the lock and rolls back whole (a transient engine error: retried, not failed). The event
     stays pending, the task asleep, no absurd_wake is sent. Once the lock goes, a retried ack
     commits and wakes the task, once."""
-    _, url = sink
+    conn, schema = rig.conn, rig.schema
     task_id = await spawn_sleeping(driver, conn, queue, "r1")
     enqueue_created(conn, schema, queue, "r1")
     inbox.until_marker()  # past the producer's own notification
-    with psycopg.connect(pg_url) as locker:  # not autocommit: the lock lives until rollback
-        locker.execute(
-            sql.SQL("select 1 from {} where event_name = %s for update").format(
-                sql.Identifier("absurd", f"e_{queue}")
-            ),
-            (wake_name("r1"),),
-        )
-        async with Relay(settings(pg_url, schema, url)).running():
+    with psycopg.connect(rig.pg_url) as locker:  # not autocommit: the lock lives until rollback
+        text = "select 1 from {} where event_name = %s for update"
+        on_queue(locker, "e", queue, text, wake_name("r1"))
+        async with rig.relay().running():
             # A second emit call means the first ack has certainly rolled back.
             await wait_for(lambda: probe.attempts() >= 2, what="a retried ack")
             assert probe.committed() == []
@@ -364,30 +336,24 @@ async def test_a_rolled_back_ack_wakes_nothing_and_the_retried_ack_wakes_once(
 
 
 async def test_a_stale_ack_of_a_redelivered_event_does_not_call_emit(
-    pg_url: str,
-    schema: str,
-    queue: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    driver: AsyncAbsurd,
-    probe: EmitProbe,
+    rig: Rig, queue: str, driver: AsyncAbsurd, probe: EmitProbe
 ) -> None:
     """A zombie replica: its POST hangs past its lease, a second replica redelivers the event
     and acks it (the one wake), then the zombie's POST succeeds and its ack, fenced by the
     replaced token, changes nothing and calls no emit."""
-    s, url = sink
+    s, conn, schema = rig.sink, rig.conn, rig.schema
     s.state.reject_stale_epochs = False  # let the zombie's late POST through to its ack
     task_id = await spawn_sleeping(driver, conn, queue, "r1")
     enqueue_created(conn, schema, queue, "r1")
     s.faults.delay(3.0, run_id="r1")
-    first = Relay(settings(pg_url, schema, url, replica_id="first", lease_ttl="30s"))
+    first = rig.relay(replica_id="first", lease_ttl="30s")
     async with first.running():
         await wait_for(lambda: bool(first.lanes["ordinary"].inflight), what="first claim")
         conn.execute(
             q(schema, "update {s}.runs set lease_expires_at = clock_timestamp(),"
                       " next_attempt_at = clock_timestamp()")
         )  # fmt: skip
-        second = Relay(settings(pg_url, schema, url, replica_id="second"))
+        second = rig.relay(replica_id="second")
         async with second.running():
             await wait_for(lambda: probe.attempts() == 1, what="the second replica's ack")
             await wait_for(
@@ -401,18 +367,12 @@ async def test_a_stale_ack_of_a_redelivered_event_does_not_call_emit(
 
 
 async def test_an_ack_spanning_an_already_acknowledged_wake_event_does_not_call_emit(
-    pg_url: str,
-    schema: str,
-    queue: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    driver: AsyncAbsurd,
-    probe: EmitProbe,
+    rig: Rig, queue: str, driver: AsyncAbsurd, probe: EmitProbe
 ) -> None:
     """Poison narrowing resends a rejected batch one event at a time under one lease, acking
     each: the ack of the second event (upto seq 2) covers the first again, whose own ack
     committed a moment before. Only rows an ack marks delivered call emit."""
-    s, url = sink
+    s, conn, schema = rig.sink, rig.conn, rig.schema
     task_id = await spawn_sleeping(driver, conn, queue, "r1")
     with conn.transaction():
         relay.enqueue_many(
@@ -427,7 +387,7 @@ async def test_an_ack_spanning_an_already_acknowledged_wake_event_does_not_call_
             schema=schema,
         )  # fmt: skip
     s.faults.poison("r1-bad", 422)
-    async with Relay(settings(pg_url, schema, url)).running():
+    async with rig.relay().running():
         await wait_for(lambda: count(conn, schema, "state = 'failed'") == 1, what="poison")
     assert count(conn, schema, "state = 'delivered'") == 2
     posts = [req["seqs"] for req in s.state.received if req["run_id"] == "r1"]
@@ -453,21 +413,15 @@ def test_the_emit_probe_sees_a_second_emit_that_absurd_ignores(
 
 
 async def wake_resumes(
-    worker: WakeWorker,
-    pg_url: str,
-    schema: str,
-    queue: str,
-    conn: psycopg.Connection[Any],
-    url: str,
-    driver: AsyncAbsurd,
-    run_id: str,
+    worker: WakeWorker, rig: Rig, queue: str, driver: AsyncAbsurd, run_id: str
 ) -> None:
     """With `worker` running and its stock poll LONG_POLL away: a task sleeping on run_id's
     event is resumed, by a claim of the wake path, within WAKE_DEADLINE of the enqueue."""
+    conn, schema = rig.conn, rig.schema
     task_id = await spawn_sleeping(driver, conn, queue, run_id)
     batches = worker.wake_batches
     enqueue_created(conn, schema, queue, run_id)
-    async with Relay(settings(pg_url, schema, url)).running():
+    async with rig.relay().running():
         await wait_for(
             completed(conn, queue, task_id), timeout=WAKE_DEADLINE, what="a wake to resume it"
         )
@@ -487,42 +441,36 @@ async def listening(worker: WakeWorker, connects: int = 1) -> None:
     )
 
 
-async def test_a_wake_resumes_the_task_long_before_the_poll(
-    pg_url: str,
-    schema: str,
-    queue: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    client: AsyncAbsurd,
-    driver: AsyncAbsurd,
-) -> None:
-    _, url = sink
-    worker = WakeWorker(pg_url, queue, worker_id="w", poll_interval=LONG_POLL)
+@asynccontextmanager
+async def wake_worker(
+    url: str, queue: str, client: AsyncAbsurd, **options: float
+) -> AsyncIterator[WakeWorker]:
+    """A WakeWorker of `client` on `url`, its stock poll LONG_POLL away, running in the
+    background with its listener connected."""
+    worker = WakeWorker(url, queue, worker_id="w", poll_interval=LONG_POLL, **options)
     async with background(lambda: worker.run(client)):
         await listening(worker)
-        await wake_resumes(worker, pg_url, schema, queue, conn, url, driver, "r1")
+        yield worker
+
+
+async def test_a_wake_resumes_the_task_long_before_the_poll(
+    rig: Rig, queue: str, client: AsyncAbsurd, driver: AsyncAbsurd
+) -> None:
+    async with wake_worker(rig.pg_url, queue, client) as worker:
+        await wake_resumes(worker, rig, queue, driver, "r1")
         ignored = worker.listener.ignored
     assert ignored >= 1  # the producer's `outbox:<schema>` notification woke nothing
 
 
 async def test_the_wake_listener_reconnects_after_its_backend_is_killed(
-    pg_url: str,
-    schema: str,
-    queue: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    client: AsyncAbsurd,
-    driver: AsyncAbsurd,
+    rig: Rig, queue: str, client: AsyncAbsurd, driver: AsyncAbsurd
 ) -> None:
-    _, url = sink
-    worker = WakeWorker(pg_url, queue, worker_id="w", poll_interval=LONG_POLL)
-    async with background(lambda: worker.run(client)):
-        await listening(worker)
+    async with wake_worker(rig.pg_url, queue, client) as worker:
         pid = worker.listener.backend_pid
-        assert conn.execute("select pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
+        assert rig.conn.execute("select pg_terminate_backend(%s)", (pid,)).fetchone() == (True,)
         await listening(worker, connects=2)
         assert worker.listener.backend_pid != pid
-        await wake_resumes(worker, pg_url, schema, queue, conn, url, driver, "r1")
+        await wake_resumes(worker, rig, queue, driver, "r1")
 
 
 class Blackhole:
@@ -568,45 +516,28 @@ class Blackhole:
 
 
 async def test_a_silent_network_is_noticed_by_the_health_check_and_the_listener_reconnects(
-    pg_url: str,
-    schema: str,
-    queue: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    client: AsyncAbsurd,
-    driver: AsyncAbsurd,
+    rig: Rig, queue: str, client: AsyncAbsurd, driver: AsyncAbsurd
 ) -> None:
     """Only the listener goes through the proxy. After `swallow()` its connection is open but
     mute: the `select 1` after check_interval of quiet misses its deadline, the listener drops
     it and reconnects, and the next ack still wakes the task."""
-    _, url = sink
-    async with Blackhole(pg_url).running() as proxy:
-        worker = WakeWorker(
-            proxy.url, queue, worker_id="w", poll_interval=LONG_POLL,
-            check_interval=0.2, check_timeout=0.5,
-        )  # fmt: skip
-        async with background(lambda: worker.run(client)):
-            await listening(worker)
-            proxy.swallow()
-            await listening(worker, connects=2)
-            await wake_resumes(worker, pg_url, schema, queue, conn, url, driver, "r1")
+    async with (
+        Blackhole(rig.pg_url).running() as proxy,
+        wake_worker(proxy.url, queue, client, check_interval=0.2, check_timeout=0.5) as worker,
+    ):
+        proxy.swallow()
+        await listening(worker, connects=2)
+        await wake_resumes(worker, rig, queue, driver, "r1")
 
 
-async def test_the_sync_client_is_woken_too(
-    pg_url: str,
-    schema: str,
-    queue: str,
-    conn: psycopg.Connection[Any],
-    sink: tuple[Sink, str],
-    driver: AsyncAbsurd,
-) -> None:
+async def test_the_sync_client_is_woken_too(rig: Rig, queue: str, driver: AsyncAbsurd) -> None:
     """`run_sync` with absurd-sdk's sync client. A blocking task keeps the stock poller busy
     (concurrency 1: it claims nothing while it runs one), so only the wake path can resume."""
-    _, url = sink
+    conn = rig.conn
     blocker = threading.Event(), threading.Event()
-    sync_client = Absurd(pg_url, queue_name=queue)
+    sync_client = Absurd(rig.pg_url, queue_name=queue)
     register_sync(sync_client, blocker)
-    worker = WakeWorker(pg_url, queue, worker_id="sync", poll_interval=0.05)
+    worker = WakeWorker(rig.pg_url, queue, worker_id="sync", poll_interval=0.05)
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -622,7 +553,7 @@ async def test_the_sync_client_is_woken_too(
         blocking = str((await driver.spawn("blocker", {}, queue=queue))["task_id"])
         await wait_for(blocker[0].is_set, what="the stock poller to take the blocker")
         assert claimed_by(conn, queue, blocking) == ["sync"]
-        await wake_resumes(worker, pg_url, schema, queue, conn, url, driver, "r1")
+        await wake_resumes(worker, rig, queue, driver, "r1")
     finally:
         blocker[1].set()
         sync_client.stop_worker()
