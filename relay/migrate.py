@@ -8,7 +8,11 @@ and then find nothing to do. `relay run` only reads the version (`check_version`
 from __future__ import annotations
 
 import hashlib
+import itertools
+import random
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -16,12 +20,23 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
+from relay import logs
 from relay import roles as role_grants
 from relay.names import validate_schema_name as validate_schema_name  # re-exported
+from relay.policy import backoff
 from relay.roles import Roles
 
 _MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 FUNCTIONS_FILE = "functions.sql"
+# A migration takes ACCESS EXCLUSIVE locks on tables that running relays and producers use, and
+# a long wait for one hurts twice. Every statement that arrives meanwhile queues behind the
+# waiting migration (a relay's statement gives up after its own lock_timeout, 2 s, and an ack
+# that gives up is delivered again); and a call that already holds one of the tables and wants
+# another the migration holds deadlocks with it (a previous release's ack locks `runs` before
+# `events`, its enqueue `events` before `runs`: no order of the migration's suits both). So one
+# attempt waits at most this long for any lock, rolls back when it cannot have it (letting go of
+# what it took) and tries again after a backoff, until the call's `lock_timeout` has passed.
+TABLE_LOCK_WAIT = 0.5
 
 
 class SchemaError(Exception):
@@ -105,10 +120,12 @@ def migrate(
     lock_timeout: str = "60s",
     statement_timeout: str = "5min",
     roles: Roles | None = None,
+    table_lock_wait: float = TABLE_LOCK_WAIT,
 ) -> MigrateResult:
     """Bring `schema` to the code's version. Safe to run from many processes at once. With
     `roles`, also create them when missing and grant each exactly its privileges
-    (relay/roles.py)."""
+    (relay/roles.py). `lock_timeout` bounds the whole wait for locks; `table_lock_wait` one
+    attempt's wait for a table (TABLE_LOCK_WAIT)."""
     validate_schema_name(schema)
     ident = sql.Identifier(schema)
     with psycopg.connect(conninfo, autocommit=True) as conn:
@@ -116,7 +133,7 @@ def migrate(
         conn.execute("select set_config('statement_timeout', %s, false)", (statement_timeout,))
         conn.execute("select pg_advisory_lock(%s)", (_lock_key(schema),))
         try:
-            result = _migrate_locked(conn, schema, ident)
+            result = _migrate_locked(conn, schema, ident, table_lock_wait)
             if roles is not None:
                 role_grants.grant(conn, schema, roles)
                 result.granted = roles
@@ -125,7 +142,9 @@ def migrate(
             conn.execute("select pg_advisory_unlock(%s)", (_lock_key(schema),))
 
 
-def _migrate_locked(conn: psycopg.Connection, schema: str, ident: sql.Identifier) -> MigrateResult:
+def _migrate_locked(
+    conn: psycopg.Connection, schema: str, ident: sql.Identifier, table_lock_wait: float
+) -> MigrateResult:
     conn.execute(sql.SQL("create schema if not exists {}").format(ident))
     conn.execute(
         sql.SQL(
@@ -149,9 +168,19 @@ def _migrate_locked(conn: psycopg.Connection, schema: str, ident: sql.Identifier
             "upgrade the relay"
         )
     pending = [m for m in migrations() if m.version > current]
-    # The migrations and the functions of the new version commit together: a migration may
-    # change a table the old functions write (version 7 turned `events` into a view), and a
-    # producer must never run an old function against the new layout, or find none.
+    reapplied = _with_short_lock_waits(
+        conn, table_lock_wait, lambda: _apply(conn, schema, ident, pending)
+    )
+    return MigrateResult([m.version for m in pending], reapplied, target)
+
+
+def _apply(
+    conn: psycopg.Connection, schema: str, ident: sql.Identifier, pending: list[Migration]
+) -> bool:
+    """The pending migrations and the functions of the new version, in one transaction: a
+    migration may change a table the old functions write (version 7 turned `events` into a
+    view), and a producer must never run an old function against the new layout, or find none.
+    Returns whether the functions were re-created."""
     with conn.transaction():
         for m in pending:
             conn.execute(
@@ -164,8 +193,40 @@ def _migrate_locked(conn: psycopg.Connection, schema: str, ident: sql.Identifier
                 ).format(ident),
                 (m.version, m.name, m.checksum),
             )
-        reapplied = _sync_functions(conn, schema, ident)
-    return MigrateResult([m.version for m in pending], reapplied, target)
+        return _sync_functions(conn, schema, ident)
+
+
+def _with_short_lock_waits(
+    conn: psycopg.Connection, table_lock_wait: float, attempt: Callable[[], bool]
+) -> bool:
+    """Runs `attempt` (one transaction) with each lock wait bounded by `table_lock_wait`, and
+    again after a backoff while a lock is not to be had, until the session's lock_timeout has
+    passed (TABLE_LOCK_WAIT says why)."""
+    row = conn.execute(
+        "select current_setting('lock_timeout'),"
+        " extract(epoch from current_setting('lock_timeout')::interval)"
+    ).fetchone()
+    assert row is not None
+    session_setting, overall = str(row[0]), float(row[1])
+    deadline = time.monotonic() + overall if overall > 0 else float("inf")  # 0: no bound
+    one_wait = f"{table_lock_wait * 1000:.0f}ms"
+    conn.execute("select set_config('lock_timeout', %s, false)", (one_wait,))
+    try:
+        for tries in itertools.count():
+            try:
+                return attempt()
+            except psycopg.errors.LockNotAvailable as exc:
+                wait = backoff(tries, base=0.05, cap=1.0, rand=random.random(), jitter=0.5)
+                if time.monotonic() + wait > deadline:
+                    raise SchemaError(
+                        f"migrate: could not take the tables' locks within lock_timeout"
+                        f" {session_setting} (each wait bounded to {table_lock_wait:g} s): {exc}"
+                    ) from exc
+                logs.info("migrate_lock_busy", retry_in=round(wait, 3), error=logs.error_text(exc))
+                time.sleep(wait)
+        raise AssertionError("unreachable")  # itertools.count() does not end
+    finally:
+        conn.execute("select set_config('lock_timeout', %s, false)", (session_setting,))
 
 
 def _sync_functions(conn: psycopg.Connection, schema: str, ident: sql.Identifier) -> bool:

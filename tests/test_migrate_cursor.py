@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from relay.migrate import code_version, migrate
 from tests.faults.harness import relay_env
+from tests.support import wait_until
 from tests.upgrade import Previous, previous_or_skip
 
 # the columns of an event whose value a migration must keep, as the previous release shows them
@@ -249,3 +253,104 @@ def test_writes_of_the_previous_release_through_the_events_view_land_in_the_new_
     assert conn.execute(
         sql.SQL("select run_id from {}.pending_terminals").format(sql.Identifier(schema))
     ).fetchall() == [("r1",)]
+
+
+def lock_waiters(url: str, application_name: str) -> int:
+    """How many backends of `application_name` wait for a lock."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "select count(*) from pg_stat_activity"
+            " where application_name = %s and wait_event_type = 'Lock'",
+            (application_name,),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+class InThread:
+    """`fn()` on a thread of its own; `result()` joins it and returns or raises what it did."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._outcome: list[Any] = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._outcome.append(("value", fn()))
+        except BaseException as exc:  # handed to result()
+            self._outcome.append(("error", exc))
+
+    def result(self, timeout: float = 60.0) -> Any:
+        self._thread.join(timeout)
+        assert self._outcome, "the thread did not finish"
+        kind, value = self._outcome[0]
+        if kind == "error":
+            raise value
+        return value
+
+
+def test_an_ack_of_the_previous_release_that_waited_for_the_migration_finishes_after_it(
+    pg_url: str, old_schema: str
+) -> None:
+    """The previous release's ack had begun when the migration took `events`: it waits in its
+    first statement and resumes after the commit, running its old body against the new layout.
+    Everything that body calls must still be there and mean what it meant: the rolling upgrade
+    saw such an ack fail on "function run_lock_keys(text[]) does not exist" once migration
+    0007 dropped it, and its events delivered again."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        old = Old(conn, old_schema)
+        old.enqueue("inflight", 3)
+        token = old.claim_run("inflight")
+    migrator = make_conninfo(pg_url, application_name="migrate-under-test")
+    acker = make_conninfo(pg_url, application_name="old-ack-under-test")
+    with psycopg.connect(pg_url, autocommit=True) as holder:
+        # `runs` held: the migration takes `events`, then waits for `runs`
+        holder.execute("begin")
+        holder.execute(sql.SQL("lock table {}.runs in access share mode").format(
+            sql.Identifier(old_schema)))  # fmt: skip
+        migration = InThread(lambda: migrate(migrator, old_schema, table_lock_wait=60.0))
+        wait_until(lambda: lock_waiters(pg_url, "migrate-under-test") == 1, 30, "the migration")
+
+        def old_ack() -> list[tuple[Any, ...]]:
+            with psycopg.connect(acker, autocommit=True) as conn:
+                return Old(conn, old_schema).call(
+                    "ack", json.dumps([{"run_id": "inflight", "token": token, "upto": 2}])
+                )
+
+        ack = InThread(old_ack)
+        wait_until(lambda: lock_waiters(pg_url, "old-ack-under-test") == 1, 30, "the old ack")
+        holder.execute("commit")
+    assert migration.result().version == code_version()
+    (result,) = ack.result()
+    assert result[:3] == ("inflight", "acked", 2), result
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        states = conn.execute(
+            sql.SQL("select seq, state from {}.events where run_id = 'inflight' order by seq")
+            .format(sql.Identifier(old_schema))
+        ).fetchall()  # fmt: skip
+        cursor = conn.execute(
+            sql.SQL("select delivered_seq from {}.runs where run_id = 'inflight'").format(
+                sql.Identifier(old_schema))
+        ).fetchone()  # fmt: skip
+    assert states == [(1, "delivered"), (2, "delivered"), (3, "pending")]
+    assert cursor == (2,)
+
+
+def test_the_migration_gives_way_to_a_transaction_holding_a_table_it_needs(
+    pg_url: str, old_schema: str
+) -> None:
+    """A transaction holds `runs` and then reads `events`, in the order the previous release's
+    ack takes them, while the migration holds `events` and waits for `runs`: a deadlock, unless
+    the migration's wait is short. It gives way (rolls back, TABLE_LOCK_WAIT) and tries again;
+    the other transaction commits untouched and the migration then completes. With the
+    migration waiting as long as it likes, PostgreSQL's deadlock detector aborts one of the two:
+    an ack lost this way is an event delivered again."""
+    s = sql.Identifier(old_schema)
+    migrator = make_conninfo(pg_url, application_name="migrate-under-test")
+    with psycopg.connect(pg_url) as other:  # one transaction, like the old ack's
+        other.execute(sql.SQL("select 1 from {}.runs for update").format(s))
+        migration = InThread(lambda: migrate(migrator, old_schema))
+        wait_until(lambda: lock_waiters(pg_url, "migrate-under-test") == 1, 30, "the migration")
+        other.execute(sql.SQL("select count(*) from {}.events").format(s)).fetchone()
+        other.commit()
+    assert migration.result().version == code_version()

@@ -204,10 +204,12 @@ async def test_rolling_upgrade_from_the_previous_release_under_traffic(
         await lab.wait_received(50)
         await lab.hold(hold)
         rolling_from = time.time()
+        migrate_started = time.perf_counter()
         migrated = await anyio.run_process(
             [*NEW_RELAY, "migrate"], env=relay_env(pg_url, lab.schema, lab.sink_url), check=False
         )
         assert migrated.returncode == 0, migrated.stderr.decode()
+        migrate_seconds = time.perf_counter() - migrate_started
         to_version = await lab.schema_version()
         lab.command_prefix = []  # from here on, spawn starts this release
         for old in list(lab.replicas):
@@ -228,7 +230,8 @@ async def test_rolling_upgrade_from_the_previous_release_under_traffic(
     row.notes.append(
         f"{previous.commit[:7]} (schema v{from_version}) -> this checkout (v{to_version}),"
         f" {REPLICAS} replicas one by one under {TXNS_PER_SECOND * 4} events/s: longest pause"
-        f" in deliveries {pause * 1000:.0f} ms over {rolling_to - rolling_from:.1f} s"
+        f" in deliveries {pause * 1000:.0f} ms over {rolling_to - rolling_from:.1f} s;"
+        f" `relay migrate` took {migrate_seconds * 1000:.0f} ms"
     )
     print(row.notes[-1])
     assert row.valid, row.problems
