@@ -9,6 +9,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -20,9 +22,7 @@ from psycopg.rows import dict_row
 
 import relay
 from relay import ops
-from relay.runner import Relay
-from relay.tools.sink import Sink
-from tests.support import count, q, scans, settings, wait_for
+from tests.support import Rig, count, q, scans, wait_for
 from tests.test_relay import enqueue_runs
 
 RELAY = [sys.executable, "-m", "relay.cli"]
@@ -90,20 +90,20 @@ def blocked_run(conn: Conn, schema: str, run_id: str, n: int = 3, seq: int = 1) 
     block(conn, schema, run_id, seq)
 
 
-def run_row(conn: Conn, schema: str, run_id: str) -> dict[str, Any]:
+def one_row(conn: Conn, schema: str, text: str, key: str) -> dict[str, Any]:
+    """The one row `text` (`{s}` the schema, `%s` the key) reads, as a dict."""
     with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(q(schema, "select * from {s}.runs where run_id = %s"), (run_id,))
-        got = row.fetchone()
+        got = cur.execute(q(schema, text), (key,)).fetchone()
     assert got is not None
     return got
+
+
+def run_row(conn: Conn, schema: str, run_id: str) -> dict[str, Any]:
+    return one_row(conn, schema, "select * from {s}.runs where run_id = %s", run_id)
 
 
 def event_row(conn: Conn, schema: str, event_id: str) -> dict[str, Any]:
-    with conn.cursor(row_factory=dict_row) as cur:
-        row = cur.execute(q(schema, "select * from {s}.events where event_id = %s"), (event_id,))
-        got = row.fetchone()
-    assert got is not None
-    return got
+    return one_row(conn, schema, "select * from {s}.events where event_id = %s", event_id)
 
 
 def next_prefix(conn: Conn, schema: str, run_id: str) -> list[int]:
@@ -834,31 +834,33 @@ async def _cli_async(env: dict[str, str], *args: str) -> Any:
     return json.loads(got.stdout)
 
 
-async def _blocked_on_poison(conn: Conn, schema: str, s: Sink) -> None:
-    """Runs r0..r2 of 4 events each; the ingress rejects r1's batches (422) until cleared."""
-    s.faults.fail(422, times=1000, run_id="r1", body={"error": "schema violation"})
-    enqueue_runs(conn, schema, 3, 4)
-    await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 8, what="r0 and r2")
-    await wait_for(lambda: count(conn, schema, "state = 'failed'") == 1, what="r1 blocked")
-    assert event_row(conn, schema, "r1-0")["state"] == "failed"
-    assert run_row(conn, schema, "r1")["blocked_seq"] == 1
-    assert not any(k.startswith("r1-") for k in s.state.deliveries)  # nothing after it
-    s.faults.clear()
+@asynccontextmanager
+async def _live_relay_blocked_on_poison(rig: Rig) -> AsyncIterator[None]:
+    """A running relay on runs r0..r2 of 4 events each, r1 blocked on its first event, which
+    the ingress rejected (422); the ingress takes everything from then on."""
+    s, conn, schema = rig.sink, rig.conn, rig.schema
+    async with rig.relay().running():
+        s.faults.fail(422, times=1000, run_id="r1", body={"error": "schema violation"})
+        enqueue_runs(conn, schema, 3, 4)
+        await wait_for(lambda: rig.count("state = 'delivered'") == 8, what="r0 and r2")
+        await wait_for(lambda: rig.count("state = 'failed'") == 1, what="r1 blocked")
+        assert event_row(conn, schema, "r1-0")["state"] == "failed"
+        assert run_row(conn, schema, "r1")["blocked_seq"] == 1
+        assert not any(k.startswith("r1-") for k in s.state.deliveries)  # nothing after it
+        s.faults.clear()
+        yield
 
 
 @pytest.mark.anyio
-async def test_retry_on_a_live_relay_delivers_the_rest_of_the_run_in_order(
-    pg_url: str, schema: str, conn: Conn, sink: tuple[Sink, str]
-) -> None:
-    s, url = sink
-    async with Relay(settings(pg_url, schema, url)).running():
-        await _blocked_on_poison(conn, schema, s)
-        got = await _cli_async(cli_env(pg_url, schema), "retry", "r1-0", "--by", "alice")
+async def test_retry_on_a_live_relay_delivers_the_rest_of_the_run_in_order(rig: Rig) -> None:
+    s, conn, schema = rig.sink, rig.conn, rig.schema
+    async with _live_relay_blocked_on_poison(rig):
+        got = await _cli_async(cli_env(rig.pg_url, schema), "retry", "r1-0", "--by", "alice")
         assert got["unblocked"] is True
         await wait_for(lambda: count(conn, schema, "state <> 'delivered'") == 0, what="r1")
     assert s.state.first_order["r1"] == [1, 2, 3, 4]
     assert s.state.order_violations == 0
-    inspect = await _cli_async(cli_env(pg_url, schema), "inspect", "r1")
+    inspect = await _cli_async(cli_env(rig.pg_url, schema), "inspect", "r1")
     first = inspect["events"][0]
     assert (first["state"], first["retried_by"], first["last_status"]) == (
         "delivered", "alice", 422,
@@ -866,21 +868,18 @@ async def test_retry_on_a_live_relay_delivers_the_rest_of_the_run_in_order(
 
 
 @pytest.mark.anyio
-async def test_skip_on_a_live_relay_never_sends_the_event_and_delivers_the_rest(
-    pg_url: str, schema: str, conn: Conn, sink: tuple[Sink, str]
-) -> None:
-    s, url = sink
-    async with Relay(settings(pg_url, schema, url)).running():
-        await _blocked_on_poison(conn, schema, s)
+async def test_skip_on_a_live_relay_never_sends_the_event_and_delivers_the_rest(rig: Rig) -> None:
+    s, conn, schema = rig.sink, rig.conn, rig.schema
+    async with _live_relay_blocked_on_poison(rig):
         got = await _cli_async(
-            cli_env(pg_url, schema), "skip", "r1-0", "--reason", "bad schema", "--by", "bob"
+            cli_env(rig.pg_url, schema), "skip", "r1-0", "--reason", "bad schema", "--by", "bob"
         )
         assert got["unblocked"] is True
         await wait_for(lambda: count(conn, schema, "state = 'pending'") == 0, what="the rest of r1")
     assert s.state.first_order["r1"] == [2, 3, 4]
     assert "r1-0" not in s.state.deliveries
     assert s.state.order_violations == 0
-    inspect = await _cli_async(cli_env(pg_url, schema), "inspect", "r1")
+    inspect = await _cli_async(cli_env(rig.pg_url, schema), "inspect", "r1")
     assert [(e["seq"], e["state"]) for e in inspect["events"]] == [
         (1, "skipped"), (2, "delivered"), (3, "delivered"), (4, "delivered"),
     ]  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any
 
@@ -10,10 +12,20 @@ import psycopg
 import pytest
 
 import relay
+from relay.lane import Lane
+from relay.listener import Listener
 from relay.runner import Relay
 from relay.store import Store
 from relay.tools.sink import Sink
-from tests.support import assert_acked_only_if_received, bulk_backlog, count, q, settings, wait_for
+from tests.support import (
+    Rig,
+    assert_acked_only_if_received,
+    bulk_backlog,
+    count,
+    q,
+    settings,
+    wait_for,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -224,32 +236,33 @@ async def test_terminal_event_overtakes_a_large_backlog(
     assert len(before_terminal) < backlog / 2, len(before_terminal)
 
 
-async def test_burst_of_notifications_coalesces(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
-) -> None:
-    _, url = sink
-    async with Relay(settings(pg_url, schema, url, poll_interval="30s")).running() as r:
+@asynccontextmanager
+async def listening(rig: Rig) -> AsyncIterator[tuple[Relay, Listener]]:
+    """A relay whose safety-net poll is 30 s away, and its listener, once LISTEN is up."""
+    async with rig.relay(poll_interval="30s").running() as r:
         assert r.listener is not None
         listener = r.listener
         await wait_for(lambda: listener.up, what="LISTEN up")
+        yield r, listener
+
+
+async def test_burst_of_notifications_coalesces(rig: Rig) -> None:
+    async with listening(rig) as (r, listener):
         ordinary = r.lanes["ordinary"]
         await wait_for(lambda: ordinary.stats.passes >= 1, what="first pass")
         before_passes, before_received = ordinary.stats.passes, listener.received
-        conn.execute("select pg_notify('absurd_wake', g::text) from generate_series(1, 10000) g")
+        rig.conn.execute(
+            "select pg_notify('absurd_wake', g::text) from generate_series(1, 10000) g"
+        )
         await wait_for(lambda: listener.received - before_received >= 10_000, what="10k notes")
         await anyio.sleep(0.1)  # let any pass triggered by the tail run
         passes = ordinary.stats.passes - before_passes
     assert 1 <= passes <= 50, passes
 
 
-async def test_listen_connection_killed_reconnects_and_keeps_delivering(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
-) -> None:
-    s, url = sink
-    async with Relay(settings(pg_url, schema, url, poll_interval="30s")).running() as r:
-        assert r.listener is not None
-        listener = r.listener
-        await wait_for(lambda: listener.up, what="LISTEN up")
+async def test_listen_connection_killed_reconnects_and_keeps_delivering(rig: Rig) -> None:
+    s, conn, schema = rig.sink, rig.conn, rig.schema
+    async with listening(rig) as (_, listener):
         old_pid = listener.backend_pid
         # Events committed while the listener is gone are found by the full pass on reconnect
         # (the safety-net poll is 30 s here, so only the reconnect pass can find them in time).
@@ -352,17 +365,22 @@ async def test_runs_as_a_library_with_an_app_owned_transport(
     assert app.state.first_order == {"r0": [1, 2], "r1": [1, 2]}
 
 
-async def test_lease_is_renewed_while_a_post_is_in_flight(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
-) -> None:
-    s, url = sink
-    s.faults.delay(2.0, run_id="r0")
-    enqueue_runs(conn, schema, 1, 1, terminal=False)
-    cfg = settings(pg_url, schema, url, lease_ttl="3s", http_timeout="2.3s")
-    expiry = q(schema, "select lease_expires_at from {s}.runs where run_id = 'r0'")
-    async with Relay(cfg).running() as r:
+@asynccontextmanager
+async def posting_slowly(rig: Rig) -> AsyncIterator[Lane]:
+    """A relay leasing for 3 s, whose one event (of run r0) takes 2 s to POST: its ordinary
+    lane, once that event is claimed."""
+    rig.sink.faults.delay(2.0, run_id="r0")
+    enqueue_runs(rig.conn, rig.schema, 1, 1, terminal=False)
+    async with rig.relay(lease_ttl="3s", http_timeout="2.3s").running() as r:
         lane = r.lanes["ordinary"]
         await wait_for(lambda: bool(lane.inflight), what="claim")
+        yield lane
+
+
+async def test_lease_is_renewed_while_a_post_is_in_flight(rig: Rig) -> None:
+    s, conn, schema = rig.sink, rig.conn, rig.schema
+    expiry = q(schema, "select lease_expires_at from {s}.runs where run_id = 'r0'")
+    async with posting_slowly(rig) as lane:
         first = conn.execute(expiry).fetchone()
         assert first is not None and first[0] is not None
         # Renewed every ttl/3 while the POST hangs: the expiry moves forward before it returns.
@@ -397,16 +415,9 @@ async def test_a_quick_retry_trusts_the_window_a_renewal_moved_during_its_post(
     assert (lane.stats.posts, lane.stats.retries, lane.stats.lease_lost) == (2, 0, 0)
 
 
-async def test_a_failed_renewal_abandons_the_batch_without_an_ack(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
-) -> None:
-    s, url = sink
-    s.faults.delay(2.0, run_id="r0")
-    enqueue_runs(conn, schema, 1, 1, terminal=False)
-    cfg = settings(pg_url, schema, url, lease_ttl="3s", http_timeout="2.3s")
-    async with Relay(cfg).running() as r:
-        lane = r.lanes["ordinary"]
-        await wait_for(lambda: bool(lane.inflight), what="claim")
+async def test_a_failed_renewal_abandons_the_batch_without_an_ack(rig: Rig) -> None:
+    conn, schema = rig.conn, rig.schema
+    async with posting_slowly(rig) as lane:
         # Another owner takes the run (as after an expiry): the next renewal fails.
         conn.execute(
             q(schema, "update {s}.runs set lease_token = gen_random_uuid(), lease_owner = 'thief'")
