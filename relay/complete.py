@@ -2,21 +2,22 @@
 
 It carries out each `Outcome` that relay/execute.py returns: acks (grouped, relay/ack.py),
 reschedules and hand-backs (`store.release`), the failure of a poison event (`store.fail_event`)
-and the lane's pause gate when the ingress is misconfigured. Nothing else writes the result of
-a delivery, so each write is fenced by the claim's token in one place. Poison narrowing is a
-loop of the two parts: the executor resends a prefix or one event (`resend`, given at
-construction), and this module acks what was accepted, keeping the lease, until it blocks the
-event at fault.
+and the hand-back of a claim while the ingress is misconfigured. Nothing else writes the result
+of a delivery, so each write is fenced by the claim's token in one place.
 
-The lane and the observers read the pause gate through `gate()`, a value.
+Two parts of the completer decide without writing: the lane's pause gate (relay/pause.py: how
+long the lane pauses while the ingress is misconfigured; the lane and the observers read it
+through `gate()`, a value) and poison narrowing (relay/narrowing.py: which prefix or event to
+resend through the executor, given at construction as `resend`, and which event is at fault),
+whose acks and failed event are written here, through the `Results` it is given.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import anyio
 
@@ -24,26 +25,19 @@ from relay import logs
 from relay.ack import AckGroup
 from relay.execute import LeaseLost, Outcome
 from relay.ingress import Answer
-from relay.policy import Ack, Pause, Poison, Retry, misconfigured_backoff
+from relay.narrowing import Narrowing, Resend
+from relay.pause import Gate, PauseGate
+from relay.policy import Ack, Pause, Poison, Retry
 from relay.settings import Settings, redact_url
 from relay.stats import CompleteStats
-from relay.store import AckResult, Claim, ClaimedEvent, Held, Store
+from relay.store import AckResult, Claim, ClaimedEvent, Store
 from relay.tracing import NO_SPAN, DeliverySpan
-
-Resend = Callable[[Held, Sequence[ClaimedEvent]], Awaitable[Outcome]]
-
-
-@dataclass(frozen=True, slots=True)
-class Gate:
-    """The lane's pause gate as the lane and observers read it."""
-
-    paused_until: float  # the lane claims nothing before this (monotonic clock)
-    misconfigured: bool  # the ingress answered "misconfigured" and has not recovered since
 
 
 class Completer:
     """One per lane: `carry()` from the lane's delivery tasks, `run()` (its ack group) as a
-    background task."""
+    background task. It is the `Results` of its narrowing (`carry_one`, `ack_resent`,
+    `block`)."""
 
     def __init__(
         self,
@@ -60,12 +54,10 @@ class Completer:
         self.settings = settings
         self.store = store
         self.stats = stats
-        self.resend = resend  # the executor's, for poison narrowing
-        self.on_ready_change = on_ready_change
         self.observe_ack = observe_ack  # metrics: commit-to-ack lag
         self.acks = AckGroup(store)
-        self._paused_until = 0.0  # the lane claims nothing before this (monotonic clock)
-        self._misconfigured = 0  # consecutive misconfigured answers; 0 once one is accepted
+        self.pause = PauseGate(lane, cap=settings.max_backoff, on_ready_change=on_ready_change)
+        self.narrowing = Narrowing(resend, self)  # resends through the executor's `resend`
 
     async def run(self) -> None:
         await self.acks.run()
@@ -75,7 +67,7 @@ class Completer:
         self.acks.close()
 
     def gate(self) -> Gate:
-        return Gate(self._paused_until, self._misconfigured > 0)
+        return self.pause.view()
 
     def view(self) -> CompleteStats:
         """The completer's counters, a copy (for the lane's view)."""
@@ -89,7 +81,7 @@ class Completer:
         a no-op when the ack released it or the lease was lost)."""
         if len(outcomes) == 1:
             (outcome,) = outcomes
-            return {outcome.run_id: await self._carry(outcome)}
+            return {outcome.run_id: await self.carry_one(outcome)}
         settled: dict[str, bool] = {}
         for lost in (o for o in outcomes if isinstance(o.decision, LeaseLost)):
             with traced(lost):
@@ -98,7 +90,7 @@ class Completer:
         rest = [o for o in outcomes if o.run_id not in settled and not o.accepted_whole]
 
         async def carry(outcome: Outcome) -> None:
-            settled[outcome.run_id] = await self._carry(outcome)
+            settled[outcome.run_id] = await self.carry_one(outcome)
 
         # Runs whose whole batch was accepted are acked in one call to the ack group, the rest
         # carried out concurrently (so their acks can share that group's transaction).
@@ -106,7 +98,7 @@ class Completer:
             for outcome in rest:
                 carrying.start_soon(carry, outcome)
             if whole:
-                self._ingress_ok()
+                self.pause.ingress_ok()
                 claims = [o.held.claim for o in whole]
                 acked = await self.acks.ack_many([(c, c.events[-1].seq, False) for c in claims])
                 for o, c, one in zip(whole, claims, acked, strict=True):
@@ -115,7 +107,7 @@ class Completer:
                         settled[c.run_id] = self._acked(c, c.events, o.answer, one, o.span)
         return settled
 
-    async def _carry(self, outcome: Outcome) -> bool:
+    async def carry_one(self, outcome: Outcome) -> bool:
         """Do what one run's outcome (its answer to `events`, a prefix of the claim) means."""
         with traced(outcome):
             return await self._carry_traced(outcome)
@@ -124,7 +116,7 @@ class Completer:
         claim = outcome.held.claim
         decision = outcome.decision
         if isinstance(decision, Ack) or (isinstance(decision, Retry) and decision.endpoint_ok):
-            self._ingress_ok()
+            self.pause.ingress_ok()
         match decision:
             case LeaseLost():
                 return self._lost(outcome)
@@ -136,7 +128,7 @@ class Completer:
             case Pause():
                 return await self._pause(claim, decision)
             case Poison():
-                return await self._poison(outcome, decision)
+                return await self.narrowing.narrow(outcome, decision)
 
     def _lost(self, outcome: Outcome) -> bool:
         """The lease was lost before an answer could count: abandoned, no ack (settled)."""
@@ -219,18 +211,12 @@ class Completer:
             self.lease_lost(claim, "release_fenced")
         return True
 
-    # -- the pause gate ----------------------------------------------------------------------
+    # -- what the pause gate and the narrowing decide ---------------------------------------
 
     async def _pause(self, claim: Claim, pause: Pause) -> bool:
-        """The endpoint is misconfigured: the whole lane backs off, slowly growing."""
-        now = anyio.current_time()
-        if now >= self._paused_until:
-            # Requests that were already in flight when the pause began don't escalate it.
-            self._misconfigured += 1
-            delay = misconfigured_backoff(self._misconfigured, cap=self.settings.max_backoff)
-            self._paused_until = now + delay
-        delay = self._paused_until - now
-        self.on_ready_change(False)
+        """The endpoint is misconfigured: the whole lane backs off (the gate says how long), and
+        the claim is handed back for as long."""
+        delay = self.pause.misconfigured(anyio.current_time())
         await self.store.release(claim, delay)  # not an attempt: the events are not at fault
         logs.error(
             "ingress_misconfigured",
@@ -243,78 +229,19 @@ class Completer:
         )
         return True
 
-    def _ingress_ok(self) -> None:
-        if self._misconfigured:
-            self._misconfigured = 0
-            self.on_ready_change(True)
-            logs.info("ingress_recovered", lane=self.lane)
+    async def ack_resent(self, claim: Claim, resent: Outcome, *, keep: bool) -> bool:
+        """Ack all a narrowing's resend sent, accepted whole (see `_ack`); its span ends."""
+        assert isinstance(resent.answer, Answer)  # decide acks only an answer
+        with traced(resent):
+            return await self._ack(claim, resent.events, resent.answer, keep=keep, span=resent.span)
 
-    # -- poison narrowing --------------------------------------------------------------------
-
-    async def _poison(self, outcome: Outcome, poison: Poison) -> bool:
-        """Narrow a rejected batch to the event that causes it. When the ingress names it
-        (`{"rejected_event_id": ...}`) the events before it are resent as one batch (the rejection
-        accepted none of them) and acked, and the named one is failed; otherwise the batch is
-        resent one event at a time under the same lease, acking each accepted event (keeping the
-        lease), until one is rejected. Events after the bad one stay pending: its run is blocked,
-        every other run keeps flowing. Nothing is acked without a 2xx for it."""
-        held, events = outcome.held, outcome.events
-        claim = held.claim  # its run, token and events: what a renewal leaves as they are
-        named = poison.rejected_event_id
-        index = next((i for i, e in enumerate(events) if e.event_id == named), None)
-        outcome.span.event("poison_narrowing", named=index is not None, events=len(events))
-        if index is not None:
-            return await self._named(held, claim, events, index, poison)
-        if len(events) == 1:
-            return await self._block(claim, events[0], poison)
-        return await self._one_by_one(held, claim, events, poison)
-
-    async def _named(
-        self,
-        held: Held,
-        claim: Claim,
-        events: Sequence[ClaimedEvent],
-        index: int,
-        poison: Poison,
+    async def block(
+        self, claim: Claim, event: ClaimedEvent, poison: Poison, *, resent: Outcome | None = None
     ) -> bool:
-        """The ingress named the event at `index`: the ones before it are resent as one batch
-        and acked (keeping the lease), then it is failed."""
-        if index > 0:
-            head = await self.resend(held, events[:index])
-            if not head.accepted_whole:
-                return await self._carry(head)  # lease lost, or acks k, retries the rest
-            assert isinstance(head.answer, Answer)
-            with traced(head):
-                if not await self._ack(claim, head.events, head.answer, keep=True, span=head.span):
-                    return True
-        return await self._block(claim, events[index], poison)
-
-    async def _one_by_one(
-        self, held: Held, claim: Claim, events: Sequence[ClaimedEvent], poison: Poison
-    ) -> bool:
-        """Resend one event at a time, acking each accepted one (keeping the lease, but for the
-        last), until one is rejected: that one is failed."""
-        logs.warning(
-            "poison_narrowing",
-            **self.who(claim),
-            first_seq=claim.first_seq,
-            last_seq=claim.last_seq,
-            status=poison.status,
-        )
-        for i, event in enumerate(events):
-            single = await self.resend(held, [event])
-            if not isinstance(single.decision, Ack | Poison):
-                return await self._carry(single)  # lease lost, or a retry
-            with traced(single):
-                if isinstance(single.decision, Poison):
-                    return await self._block(claim, event, single.decision)
-                assert isinstance(single.answer, Answer)
-                last = i == len(events) - 1
-                if not await self._ack(
-                    claim, [event], single.answer, keep=not last, span=single.span
-                ):
-                    return True
-        return True
+        """Fail the poison event and block its run; `resent`: the narrowing's resend that
+        rejected it (its span ends)."""
+        with traced(resent) if resent is not None else _UNTRACED:
+            return await self._block(claim, event, poison)
 
     async def _block(self, claim: Claim, event: ClaimedEvent, poison: Poison) -> bool:
         error = f"ingress answered {poison.status}: {poison.excerpt}"

@@ -648,12 +648,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "poison-narrowing-continues",
         "§9.2: nothing after a poison event is delivered (narrowing stops at it)",
-        "relay/complete.py",
-        "                if isinstance(single.decision, Poison):\n"
-        "                    return await self._block(claim, event, single.decision)",
-        "                if isinstance(single.decision, Poison):\n"
-        "                    await self._block(claim, event, single.decision)\n"
-        "                    continue",
+        "relay/narrowing.py",
+        "            if isinstance(single.decision, Poison):\n"
+        "                return await self.results.block("
+        "claim, event, single.decision, resent=single)",
+        "            if isinstance(single.decision, Poison):\n"
+        "                await self.results.block(claim, event, single.decision, resent=single)\n"
+        "                continue",
         ("tests/test_failures.py::test_poison_in_the_middle_of_a_100_event_batch",),
     ),
     Mutant(
