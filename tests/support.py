@@ -4,9 +4,11 @@ sentinel."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -19,6 +21,7 @@ from relay.settings import Settings, load
 from relay.tools.sink import Sink
 
 T = TypeVar("T")
+H = TypeVar("H", bound=logging.Handler)
 
 # Every HTTP client the relay can POST with (`http_transport`; aiohttp from its extra, which dev
 # installs through bench): the contract, hostile-answer and transport suites run once per entry.
@@ -86,6 +89,21 @@ async def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await anyio.sleep(interval)
+
+
+@contextmanager
+def relay_logs(handler: H) -> Iterator[H]:
+    """`handler` on the `relay` logger at DEBUG for the block, whatever another test configured
+    the logger to do."""
+    logger = logging.getLogger("relay")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def q(schema: str, text: str) -> sql.Composed:

@@ -5,12 +5,14 @@ network: the lane is built over stand-ins it never calls here."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Hashable
+from collections.abc import AsyncIterator, Hashable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
 import anyio
 import pytest
+from anyio.abc import TaskGroup
 
 from relay.lane import Lane, Slot
 from relay.policy import Trust
@@ -60,60 +62,68 @@ def queue(ln: Lane) -> list[tuple[tuple[Hashable, ...], bool]]:
     return [(w.keys, w.critical) for w in ln.posting.queued]
 
 
-async def test_a_freed_slot_goes_to_the_critical_claim_before_an_earlier_group() -> None:
-    """A group queued first waits behind a critical claim queued after it (before the queue
-    was one, a group took the raw semaphore and a freed slot went to it first)."""
+class Takers:
+    """Claims of a lane taking its POST slot, each in a task: `took` is the order they got it."""
+
+    def __init__(self, ln: Lane, tasks: TaskGroup) -> None:
+        self.ln, self.tasks = ln, tasks
+        self.took: list[str] = []
+
+    async def queue(self, name: str, holds: list[Held]) -> None:
+        """Start a taker and return once it waits in the slot queue."""
+        waiting = len(self.ln.posting.queued)
+        self.tasks.start_soon(self._take, name, holds)
+        await until(lambda: len(self.ln.posting.queued) == waiting + 1)
+
+    async def _take(self, name: str, holds: list[Held]) -> None:
+        assert await self.ln._take_slot(holds) is Slot.POSTING
+        self.took.append(name)
+
+    async def release(self, times: int) -> None:
+        """Free the slot `times` times, as a delivery does when its POST is done, each time
+        until the next waiter has it."""
+        for _ in range(times):
+            had = len(self.took)
+            self.ln.posting.release()
+            await until(lambda n=had + 1: len(self.took) == n)
+
+
+@asynccontextmanager
+async def slot_taken() -> AsyncIterator[tuple[Lane, Takers]]:
+    """A lane whose one POST slot run "first" holds, and takers that queue for it."""
     ln = lane()
-    took: list[str] = []
-
-    async def take(name: str, holds: list[Held]) -> None:
-        assert await ln._take_slot(holds) is Slot.POSTING
-        took.append(name)
-
     try:
         assert await ln._take_slot([held("first")]) is Slot.POSTING
         async with anyio.create_task_group() as tasks:
-            tasks.start_soon(take, "group", [held("g1"), held("g2")])
-            await until(lambda: len(ln.posting.queued) == 1)
-            tasks.start_soon(take, "critical", [held("c", critical=True)])
-            await until(lambda: len(ln.posting.queued) == 2)
-            assert queue(ln) == [(("g1", "g2"), False), (("c",), True)]  # the group queued first
-            for i in range(2):
-                ln.posting.release()  # what a delivery does when its POST is done
-                await until(lambda n=i + 1: len(took) == n)
-        assert took == ["critical", "group"]
-        assert {"first", "g1", "g2", "c"} <= ln.posting_runs
+            yield ln, Takers(ln, tasks)
     finally:
         ln.complete.close()
+
+
+async def test_a_freed_slot_goes_to_the_critical_claim_before_an_earlier_group() -> None:
+    """A group queued first waits behind a critical claim queued after it (before the queue
+    was one, a group took the raw semaphore and a freed slot went to it first)."""
+    async with slot_taken() as (ln, takers):
+        await takers.queue("group", [held("g1"), held("g2")])
+        await takers.queue("critical", [held("c", critical=True)])
+        assert queue(ln) == [(("g1", "g2"), False), (("c",), True)]  # the group queued first
+        await takers.release(2)
+        assert takers.took == ["critical", "group"]
+        assert {"first", "g1", "g2", "c"} <= ln.posting_runs
 
 
 async def test_a_promoted_run_makes_its_queued_group_critical() -> None:
     """A terminal event committed for a run queued in a group turns the group critical: it
     goes before single ordinary claims queued earlier."""
-    ln = lane()
-    took: list[str] = []
     group = [held("g1"), held("g2")]
-
-    async def take(name: str, holds: list[Held]) -> None:
-        assert await ln._take_slot(holds) is Slot.POSTING
-        took.append(name)
-
-    try:
-        assert await ln._take_slot([held("first")]) is Slot.POSTING
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(take, "single", [held("s")])
-            await until(lambda: len(ln.posting.queued) == 1)
-            tasks.start_soon(take, "group", group)
-            await until(lambda: len(ln.posting.queued) == 2)
-            assert queue(ln) == [(("s",), False), (("g1", "g2"), False)]
-            ln.inflight.update({h.claim.run_id: h for h in group})
-            ln.promote("g2")  # wakes the group's waiter: it queues again, as critical
-            assert group[1].claim.critical
-            await until(lambda: len(ln.posting.queued) == 2)
-            assert queue(ln) == [(("s",), False), (("g1", "g2"), True)]
-            for i in range(2):
-                ln.posting.release()
-                await until(lambda n=i + 1: len(took) == n)
-        assert took == ["group", "single"]
-    finally:
-        ln.complete.close()
+    async with slot_taken() as (ln, takers):
+        await takers.queue("single", [held("s")])
+        await takers.queue("group", group)
+        assert queue(ln) == [(("s",), False), (("g1", "g2"), False)]
+        ln.inflight.update({h.claim.run_id: h for h in group})
+        ln.promote("g2")  # wakes the group's waiter: it queues again, as critical
+        assert group[1].claim.critical
+        await until(lambda: len(ln.posting.queued) == 2)
+        assert queue(ln) == [(("s",), False), (("g1", "g2"), True)]
+        await takers.release(2)
+        assert takers.took == ["group", "single"]

@@ -15,7 +15,7 @@ import pytest
 
 import relay
 from relay.runner import Relay
-from tests.support import Rig, wait_for
+from tests.support import Rig, relay_logs, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -45,16 +45,8 @@ class Decisions(logging.Handler):
 
 @pytest.fixture
 def decisions() -> Iterator[Decisions]:
-    logger = logging.getLogger("relay")
-    handler = Decisions()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
+    with relay_logs(Decisions()) as handler:
         yield handler
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def backlog(conn: psycopg.Connection[Any], schema: str) -> None:

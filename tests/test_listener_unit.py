@@ -13,6 +13,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from relay.listener import MAX_PAYLOAD, Listener
+from tests.support import relay_logs
 
 CHANNEL = "x_terminal"
 
@@ -59,16 +60,8 @@ class _Capture(logging.Handler):
 @pytest.fixture
 def logged() -> Iterator[list[logging.LogRecord]]:
     """Records of the `relay` logger, whatever another test configured it to do."""
-    logger = logging.getLogger("relay")
-    handler = _Capture()
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
+    with relay_logs(_Capture()) as handler:
         yield handler.records
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
 
 
 def payload(**fields: object) -> str:

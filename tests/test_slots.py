@@ -5,7 +5,8 @@ is blocked, so the order seen is the queue's, not the scheduler's."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import AsyncIterator, Hashable
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
@@ -47,6 +48,15 @@ class Takers:
         await anyio.wait_all_tasks_blocked()
 
 
+@asynccontextmanager
+async def one_slot_taken() -> AsyncIterator[Takers]:
+    """Takers of a single slot that is already taken: each one queues."""
+    slots = Slots(1)
+    assert slots.take_nowait()
+    async with anyio.create_task_group() as tasks:
+        yield Takers(slots, tasks)
+
+
 async def test_takes_free_slots_at_once_and_queues_once_none_is_left() -> None:
     slots = Slots(2)
     assert slots.take_nowait() and await slots.take(critical=False)
@@ -63,10 +73,8 @@ async def test_takes_free_slots_at_once_and_queues_once_none_is_left() -> None:
 
 
 async def test_a_freed_slot_goes_to_critical_waiters_first_then_in_queue_order() -> None:
-    slots = Slots(1)
-    assert slots.take_nowait()
-    async with anyio.create_task_group() as tasks:
-        takers = Takers(slots, tasks)
+    async with one_slot_taken() as takers:
+        slots = takers.slots
         await takers.queue("ordinary-1")
         await takers.queue("critical-1", critical=True)
         await takers.queue("ordinary-2")
@@ -80,10 +88,8 @@ async def test_a_freed_slot_goes_to_critical_waiters_first_then_in_queue_order()
 async def test_a_freed_slot_is_handed_over_not_contended_for_again() -> None:
     """Between the release and the waiter's turn, a newcomer finds no free slot: the waiter
     that queued first gets it, and the newcomer queues behind whoever still waits."""
-    slots = Slots(1)
-    assert slots.take_nowait()
-    async with anyio.create_task_group() as tasks:
-        takers = Takers(slots, tasks)
+    async with one_slot_taken() as takers:
+        slots = takers.slots
         await takers.queue("first")
         await takers.queue("second")
         slots.release()  # the waiter has not run yet
@@ -98,10 +104,8 @@ async def test_a_freed_slot_is_handed_over_not_contended_for_again() -> None:
 
 
 async def test_a_waiter_cancelled_in_the_queue_leaves_it() -> None:
-    slots = Slots(1)
-    assert slots.take_nowait()
-    async with anyio.create_task_group() as tasks:
-        takers = Takers(slots, tasks)
+    async with one_slot_taken() as takers:
+        slots = takers.slots
         await takers.queue("gone")
         takers.scopes["gone"].cancel()
         await anyio.wait_all_tasks_blocked()
@@ -113,10 +117,8 @@ async def test_a_waiter_cancelled_in_the_queue_leaves_it() -> None:
 async def test_a_waiter_cancelled_after_the_hand_over_passes_its_slot_on() -> None:
     """Cancelled, then handed the slot before it ran: it passes the slot to the next waiter
     (or frees it): cancellation never leaks one."""
-    slots = Slots(1)
-    assert slots.take_nowait()
-    async with anyio.create_task_group() as tasks:
-        takers = Takers(slots, tasks)
+    async with one_slot_taken() as takers:
+        slots = takers.slots
         await takers.queue("cancelled")
         await takers.queue("next")
         takers.scopes["cancelled"].cancel()
@@ -144,10 +146,8 @@ async def test_a_caller_deadline_takes_the_waiter_out_of_the_queue() -> None:
 async def test_a_woken_waiter_leaves_without_a_slot() -> None:
     """`wake` (a promotion: the lane's waiter queues again in its new class) and `wake_all`
     (the lane stops) leave the slots where they are."""
-    slots = Slots(1)
-    assert slots.take_nowait()
-    async with anyio.create_task_group() as tasks:
-        takers = Takers(slots, tasks)
+    async with one_slot_taken() as takers:
+        slots = takers.slots
         await takers.queue("group", keys=("g1", "g2"))
         await takers.queue("other")
         await takers.queue("third")
