@@ -4,12 +4,10 @@ and back; the pure decisions behind them."""
 from __future__ import annotations
 
 import gc
-from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 import httpx
-import psycopg
 import pytest
 from anyio.abc import SocketStream, TaskGroup
 
@@ -19,7 +17,7 @@ from relay.metrics import Metrics
 from relay.progress import ListenerView, RelayView, loops_alive, stall_limit
 from relay.runner import GC_THRESHOLDS, Relay, tune_gc
 from relay.tools.sink import Sink
-from tests.support import q, settings, wait_for
+from tests.support import Rig, settings, wait_for
 from tests.test_metrics import get, relay_port
 
 # -- pure -----------------------------------------------------------------------------------
@@ -233,12 +231,8 @@ async def test_health_while_the_database_is_up_down_and_back(
 
 
 @pytest.mark.anyio
-async def test_readyz_reports_a_wrong_schema_version(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
-) -> None:
-    _, url = sink
-    cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0")
-    async with Relay(cfg).running() as r:
+async def test_readyz_reports_a_wrong_schema_version(rig: Rig) -> None:
+    async with rig.relay(metrics_addr="127.0.0.1:0").running() as r:
         port = relay_port(r)
         assert r.endpoints is not None
         endpoints = r.endpoints
@@ -248,7 +242,7 @@ async def test_readyz_reports_a_wrong_schema_version(
 
         await wait_for(ready, what="ready")
         # Someone migrated the database past this relay's code (a newer release rolled out).
-        conn.execute(q(schema, "insert into {s}.schema_migrations values (99, 'future', 'x')"))
+        rig.conn.execute(rig.q("insert into {s}.schema_migrations values (99, 'future', 'x')"))
         await endpoints.probe()
         got = await get(port, "/readyz")
         assert got.status_code == 503

@@ -26,7 +26,7 @@ from relay.ui.pool import PagePool
 from relay.ui.series import RateSeries
 from relay.ui.view import run_href, status_view
 from relay.ui.web import serves_without_token
-from tests.support import bulk_backlog, q, scans, settings, wait_for
+from tests.support import Rig, bulk_backlog, q, scans, settings, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -199,11 +199,9 @@ def test_shape_status_never_raises_on_what_a_report_holds() -> None:
 # -- a running relay ------------------------------------------------------------------------------
 
 
-async def test_a_running_relay_reports_and_a_forger_cannot(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
-) -> None:
-    _, url = sink
-    cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0")
+async def test_a_running_relay_reports_and_a_forger_cannot(rig: Rig) -> None:
+    conn, schema = rig.conn, rig.schema
+    cfg = rig.settings(metrics_addr="127.0.0.1:0")
     async with Relay(cfg).running() as r:
         assert r.endpoints is not None
         store_hostile_rows(conn, schema)  # after start: its hold_liveness forgets dead rows
