@@ -118,38 +118,36 @@ DURATION_OPTIONS = {
 }
 
 
+def assert_refused(option: str, value: str, says: str) -> None:
+    """`value` for `option` is a configuration error that names the option and says `says`."""
+    message = config_error({}, base_env(**{env_name(option): value}))
+    assert message.startswith(option)
+    assert says in message
+
+
 @pytest.mark.parametrize("option", sorted(INT_OPTIONS))
 @pytest.mark.parametrize("garbage", ["", "ten", "1.5", "1e3", "0x10", "12abc", "--1", "∞"])
 def test_int_options_reject_garbage(option: str, garbage: str) -> None:
-    message = config_error({}, base_env(**{env_name(option): garbage}))
-    assert message.startswith(option)
-    assert "integer" in message
+    assert_refused(option, garbage, "integer")
 
 
 @pytest.mark.parametrize("option", sorted(INT_OPTIONS))
 def test_int_options_reject_out_of_range(option: str) -> None:
     for value in (*INT_OPTIONS[option], "-1"):
-        message = config_error({}, base_env(**{env_name(option): value}))
-        assert message.startswith(option)
-        assert "between" in message
+        assert_refused(option, value, "between")
 
 
 @pytest.mark.parametrize("option", sorted(DURATION_OPTIONS))
 @pytest.mark.parametrize("garbage", ["", "soon", "-1s", "1w", "s", "1.2.3s", "nan", "inf", "1 0s"])
 def test_duration_options_reject_garbage(option: str, garbage: str) -> None:
-    message = config_error({}, base_env(**{env_name(option): garbage}))
-    assert message.startswith(option)
-    assert "duration" in message
+    assert_refused(option, garbage, "duration")
 
 
 @pytest.mark.parametrize("option", sorted(DURATION_OPTIONS))
 def test_duration_options_reject_out_of_range(option: str) -> None:
     for value in DURATION_OPTIONS[option]:
-        if value is None:
-            continue
-        message = config_error({}, base_env(**{env_name(option): value}))
-        assert message.startswith(option)
-        assert "between" in message
+        if value is not None:
+            assert_refused(option, value, "between")
 
 
 @pytest.mark.parametrize(
