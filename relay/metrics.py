@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from relay.lane import LaneView
 
 LaneViews = Callable[[], Iterable["LaneView"]]
+InstrumentT = TypeVar("InstrumentT", Counter, Gauge, Histogram)
+ViewT = TypeVar("ViewT")  # what a scraped metric is read from: a lane's view, the listener's
 
 PREFIX = "ledger_relay_"
 LANES = ("critical", "ordinary")
@@ -75,6 +78,190 @@ def type_labels(by_type: Mapping[str, int], limit: int = MAX_TYPES) -> dict[str,
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Instrument(Generic[InstrumentT]):
+    """A metric the relay updates itself, as it is exported: kind, name (after the prefix), help
+    text, label names and, for a histogram, its buckets."""
+
+    kind: type[InstrumentT]
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    def make(self, registry: CollectorRegistry) -> InstrumentT:
+        extra: dict[str, Any] = {"buckets": self.buckets} if self.buckets else {}
+        return self.kind(PREFIX + self.name, self.help, self.labels, registry=registry, **extra)
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A metric built afresh at each scrape, as it is exported: kind, name (after the prefix)
+    and help text."""
+
+    kind: type[CounterMetricFamily | GaugeMetricFamily]
+    name: str
+    help: str
+
+    def make(self, labels: Sequence[str] = ()) -> CounterMetricFamily | GaugeMetricFamily:
+        return self.kind(PREFIX + self.name, self.help, labels=labels)
+
+
+@dataclass(frozen=True, slots=True)
+class Scraped(Family, Generic[ViewT]):
+    """A family with one value per view it is read from: a lane's (labelled by lane), or the
+    listener's."""
+
+    value: Callable[[ViewT], float]
+
+
+# -- what is exported: the instruments the relay updates, then what a scrape reads --------------
+
+LAG = Instrument(
+    Histogram,
+    "delivery_lag_seconds",
+    "Commit-to-ack lag of the oldest event of each acknowledged batch (database clock).",
+    ("lane",),
+    LAG_BUCKETS,
+)
+REQUESTS = Instrument(
+    Counter,
+    "ingress_requests",
+    "POSTs to the ingress by HTTP status class ('error': no answer).",
+    ("lane", "status_class"),
+)
+REQUEST_SECONDS = Instrument(
+    Histogram,
+    "ingress_request_duration_seconds",
+    "Duration of POSTs to the ingress, answered or not.",
+    ("lane",),
+    HTTP_BUCKETS,
+)
+BACKLOG_EVENTS = Instrument(
+    Gauge,
+    "backlog_events",
+    "Pending events of runs that are not blocked, by lane (whole database).",
+    ("lane",),
+)
+BACKLOG_RUNS = Instrument(
+    Gauge,
+    "backlog_runs",
+    "Runs with pending events that are not blocked, by lane (whole database).",
+    ("lane",),
+)
+OLDEST_PENDING = Instrument(
+    Gauge,
+    "oldest_pending_age_seconds",
+    "Age of the oldest pending event of an unblocked run, by lane (database clock).",
+    ("lane",),
+)
+BLOCKED_RUNS = Instrument(
+    Gauge,
+    "blocked_runs",
+    "Runs blocked behind a failed event, waiting for an operator (whole database).",
+)
+FAILED_EVENTS = Instrument(
+    Gauge,
+    "failed_events",
+    "Failed events waiting for an operator to retry or skip them (whole database).",
+)
+OLDEST_FAILED = Instrument(
+    Gauge,
+    "oldest_failed_age_seconds",
+    "Age of the oldest failed event (database clock); 0 when none.",
+)
+BACKLOG_REFRESHED = Instrument(
+    Gauge,
+    "backlog_refresh_timestamp_seconds",
+    "Unix time of the last successful refresh of the backlog gauges.",
+)
+READY = Instrument(Gauge, "ready", "1 while /readyz answers 200.")
+PROBE_FAILURES = Instrument(
+    Counter,
+    "database_probe_failures",
+    "Background database probes (behind /readyz) that failed or ran out of time.",
+)
+# What runs where: the version as a label of a constant 1 (join it onto any series).
+BUILD_INFO = Instrument(
+    Gauge,
+    "build_info",
+    "The relay's version and Python's, as labels; always 1.",
+    ("version", "python"),
+)
+
+DELIVERED = Family(
+    CounterMetricFamily,
+    "delivered_events",
+    "Events acknowledged after the ingress accepted them, by lane and event type.",
+)
+PER_LANE: tuple[Scraped[LaneView], ...] = (
+    Scraped(
+        CounterMetricFamily,
+        "leases_lost",
+        "Batches abandoned because their lease was lost (renewal failed or the ack was "
+        "fenced); each one is delivered again by the new owner.",
+        lambda lane: lane.stats.lease_lost,
+    ),
+    Scraped(
+        CounterMetricFamily,
+        "runs_blocked",
+        "Runs this process blocked: an event was rejected as poison or its engine wake failed.",
+        lambda lane: lane.stats.failed,
+    ),
+    Scraped(
+        CounterMetricFamily,
+        "retries_scheduled",
+        "Batches handed back with a backoff after a transient ingress failure.",
+        lambda lane: lane.stats.retries,
+    ),
+    Scraped(
+        CounterMetricFamily,
+        "claimed_runs",
+        "Run prefixes claimed under a lease.",
+        lambda lane: lane.stats.claimed_runs,
+    ),
+    Scraped(
+        CounterMetricFamily,
+        "leases_reclaimed",
+        "Runs claimed before their lease expired because its owner was dead (its liveness "
+        "lock was free).",
+        lambda lane: lane.stats.reclaimed,
+    ),
+    Scraped(
+        GaugeMetricFamily,
+        "inflight_runs",
+        "Claims held by this process right now.",
+        lambda lane: lane.inflight,
+    ),
+)
+OF_LISTENER: tuple[Scraped[ListenerView], ...] = (
+    Scraped(
+        CounterMetricFamily,
+        "listen_reconnects",
+        "Times the LISTEN connection was re-established after it was lost.",
+        # `reconnects` counts every successful connect, the first one included.
+        lambda listener: max(0, listener.reconnects - 1),
+    ),
+    Scraped(
+        GaugeMetricFamily,
+        "listen_up",
+        "1 while the LISTEN connection is established.",
+        lambda listener: 1.0 if listener.up else 0.0,
+    ),
+    Scraped(
+        CounterMetricFamily,
+        "notifications_received",
+        "Notifications received on the LISTEN connection.",
+        lambda listener: listener.received,
+    ),
+)
+MISCONFIGURED = Family(
+    GaugeMetricFamily,
+    "ingress_misconfigured",
+    "1 while the ingress answers 'misconfigured' (401/403/404/410/3xx) and lanes pause.",
+)
+
+
 class _StatsCollector(Collector):
     """Counters the relay keeps anyway, read at scrape time."""
 
@@ -83,75 +270,22 @@ class _StatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         lanes = list(self.metrics.views())
-        delivered = CounterMetricFamily(
-            PREFIX + "delivered_events",
-            "Events acknowledged after the ingress accepted them, by lane and event type.",
-            labels=["lane", "type"],
-        )
-        leases_lost = CounterMetricFamily(
-            PREFIX + "leases_lost",
-            "Batches abandoned because their lease was lost (renewal failed or the ack was "
-            "fenced); each one is delivered again by the new owner.",
-            labels=["lane"],
-        )
-        blocked = CounterMetricFamily(
-            PREFIX + "runs_blocked",
-            "Runs this process blocked: an event was rejected as poison or its engine wake failed.",
-            labels=["lane"],
-        )
-        retries = CounterMetricFamily(
-            PREFIX + "retries_scheduled",
-            "Batches handed back with a backoff after a transient ingress failure.",
-            labels=["lane"],
-        )
-        claimed = CounterMetricFamily(
-            PREFIX + "claimed_runs", "Run prefixes claimed under a lease.", labels=["lane"]
-        )
-        reclaimed = CounterMetricFamily(
-            PREFIX + "leases_reclaimed",
-            "Runs claimed before their lease expired because its owner was dead (its liveness "
-            "lock was free).",
-            labels=["lane"],
-        )
-        inflight = GaugeMetricFamily(
-            PREFIX + "inflight_runs", "Claims held by this process right now.", labels=["lane"]
-        )
+        delivered = DELIVERED.make(["lane", "type"])
         for lane in lanes:
             for event_type, n in type_labels(lane.stats.by_type).items():
                 delivered.add_metric([lane.name, event_type], n)
-            leases_lost.add_metric([lane.name], lane.stats.lease_lost)
-            blocked.add_metric([lane.name], lane.stats.failed)
-            retries.add_metric([lane.name], lane.stats.retries)
-            claimed.add_metric([lane.name], lane.stats.claimed_runs)
-            reclaimed.add_metric([lane.name], lane.stats.reclaimed)
-            inflight.add_metric([lane.name], lane.inflight)
-        yield from (delivered, leases_lost, blocked, retries, claimed, reclaimed, inflight)
-
+        yield delivered
+        for scraped in PER_LANE:
+            family = scraped.make(["lane"])
+            for lane in lanes:
+                family.add_metric([lane.name], scraped.value(lane))
+            yield family
         listener = self.metrics.listener_view()
-        reconnects = CounterMetricFamily(
-            PREFIX + "listen_reconnects",
-            "Times the LISTEN connection was re-established after it was lost.",
-        )
-        listen_up = GaugeMetricFamily(
-            PREFIX + "listen_up", "1 while the LISTEN connection is established."
-        )
-        notes = CounterMetricFamily(
-            PREFIX + "notifications_received", "Notifications received on the LISTEN connection."
-        )
-        if listener is not None:
-            # `reconnects` counts every successful connect, the first one included.
-            reconnects.add_metric([], max(0, listener.reconnects - 1))
-            listen_up.add_metric([], 1.0 if listener.up else 0.0)
-            notes.add_metric([], listener.received)
-        else:
-            reconnects.add_metric([], 0)
-            listen_up.add_metric([], 0.0)
-            notes.add_metric([], 0)
-        yield from (reconnects, listen_up, notes)
-        misconfigured = GaugeMetricFamily(
-            PREFIX + "ingress_misconfigured",
-            "1 while the ingress answers 'misconfigured' (401/403/404/410/3xx) and lanes pause.",
-        )
+        for scraped_listener in OF_LISTENER:
+            family = scraped_listener.make()
+            family.add_metric([], 0 if listener is None else scraped_listener.value(listener))
+            yield family
+        misconfigured = MISCONFIGURED.make()
         misconfigured.add_metric([], 0.0 if self.metrics.ingress_ok() else 1.0)
         yield misconfigured
 
@@ -171,78 +305,20 @@ class Metrics:
         self.listener_view = listener_view
         self.ingress_ok = ingress_ok
         r = self.registry
-        self.lag = Histogram(
-            PREFIX + "delivery_lag_seconds",
-            "Commit-to-ack lag of the oldest event of each acknowledged batch (database clock).",
-            ["lane"],
-            buckets=LAG_BUCKETS,
-            registry=r,
-        )
-        self.requests = Counter(
-            PREFIX + "ingress_requests",
-            "POSTs to the ingress by HTTP status class ('error': no answer).",
-            ["lane", "status_class"],
-            registry=r,
-        )
-        self.request_seconds = Histogram(
-            PREFIX + "ingress_request_duration_seconds",
-            "Duration of POSTs to the ingress, answered or not.",
-            ["lane"],
-            buckets=HTTP_BUCKETS,
-            registry=r,
-        )
-        self.backlog_events = Gauge(
-            PREFIX + "backlog_events",
-            "Pending events of runs that are not blocked, by lane (whole database).",
-            ["lane"],
-            registry=r,
-        )
-        self.backlog_runs = Gauge(
-            PREFIX + "backlog_runs",
-            "Runs with pending events that are not blocked, by lane (whole database).",
-            ["lane"],
-            registry=r,
-        )
-        self.oldest_pending = Gauge(
-            PREFIX + "oldest_pending_age_seconds",
-            "Age of the oldest pending event of an unblocked run, by lane (database clock).",
-            ["lane"],
-            registry=r,
-        )
-        self.blocked_runs = Gauge(
-            PREFIX + "blocked_runs",
-            "Runs blocked behind a failed event, waiting for an operator (whole database).",
-            registry=r,
-        )
-        self.failed_events = Gauge(
-            PREFIX + "failed_events",
-            "Failed events waiting for an operator to retry or skip them (whole database).",
-            registry=r,
-        )
-        self.oldest_failed = Gauge(
-            PREFIX + "oldest_failed_age_seconds",
-            "Age of the oldest failed event (database clock); 0 when none.",
-            registry=r,
-        )
-        self.backlog_refreshed = Gauge(
-            PREFIX + "backlog_refresh_timestamp_seconds",
-            "Unix time of the last successful refresh of the backlog gauges.",
-            registry=r,
-        )
-        self.ready = Gauge(PREFIX + "ready", "1 while /readyz answers 200.", registry=r)
-        self.probe_failures = Counter(
-            PREFIX + "database_probe_failures",
-            "Background database probes (behind /readyz) that failed or ran out of time.",
-            registry=r,
-        )
-        # What runs where: the version as a label of a constant 1 (join it onto any series),
-        # and the standard process_* / python_* collectors, on this registry too.
-        Gauge(
-            PREFIX + "build_info",
-            "The relay's version and Python's, as labels; always 1.",
-            ["version", "python"],
-            registry=r,
-        ).labels(__version__, platform.python_version()).set(1)
+        self.lag = LAG.make(r)
+        self.requests = REQUESTS.make(r)
+        self.request_seconds = REQUEST_SECONDS.make(r)
+        self.backlog_events = BACKLOG_EVENTS.make(r)
+        self.backlog_runs = BACKLOG_RUNS.make(r)
+        self.oldest_pending = OLDEST_PENDING.make(r)
+        self.blocked_runs = BLOCKED_RUNS.make(r)
+        self.failed_events = FAILED_EVENTS.make(r)
+        self.oldest_failed = OLDEST_FAILED.make(r)
+        self.backlog_refreshed = BACKLOG_REFRESHED.make(r)
+        self.ready = READY.make(r)
+        self.probe_failures = PROBE_FAILURES.make(r)
+        BUILD_INFO.make(r).labels(__version__, platform.python_version()).set(1)
+        # The standard process_* / python_* collectors, on this registry too.
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)

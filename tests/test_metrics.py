@@ -10,8 +10,11 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
+from relay import metrics
 from relay.health import refresh_interval
 from relay.lane import LaneStats, LaneView
 from relay.metrics import Metrics, status_class, type_labels
@@ -106,6 +109,37 @@ def test_every_metric_has_the_prefix_and_a_help_text() -> None:
     samples = parse(body.decode())
     assert ("ledger_relay_leases_lost_total", ()) not in samples  # no lanes yet: no series
     assert ("ledger_relay_listen_reconnects_total", ()) in samples
+
+
+def test_every_metric_of_the_table_is_exported_with_its_type_help_and_labels() -> None:
+    """The metric definitions are data (relay/metrics.py): each one is in a scrape as written
+    there, and no family of ours is in the scrape that the table does not hold."""
+    kinds: dict[type, str] = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}
+    kinds |= {CounterMetricFamily: "counter", GaugeMetricFamily: "gauge"}
+    table: dict[metrics.Instrument[Any] | metrics.Family, tuple[str, ...]] = {
+        v: v.labels for v in vars(metrics).values() if isinstance(v, metrics.Instrument)
+    }
+    table |= {metrics.DELIVERED: ("lane", "type"), metrics.MISCONFIGURED: ()}
+    table |= {v: ("lane",) for v in metrics.PER_LANE}
+    table |= {v: () for v in metrics.OF_LISTENER}
+    lanes = [LaneView("ordinary", LaneStats(by_type={"step": 1}), 0, 0, 0.0, False)]
+    m = Metrics(views=lambda: lanes)
+    m.requests.labels("ordinary", "2xx").inc()
+    for gauge in (m.backlog_events, m.backlog_runs, m.oldest_pending):
+        gauge.labels("ordinary").set(1)
+    families = {
+        f.name: f
+        for f in text_string_to_metric_families(m.exposition()[0].decode())
+        if f.name.startswith("ledger_relay_") and not f.name.endswith("_created")
+    }
+    assert sorted(families) == sorted(metrics.PREFIX + v.name for v in table)
+    for v, labels in table.items():
+        family = families[metrics.PREFIX + v.name]
+        assert (family.type, family.documentation) == (kinds[v.kind], v.help), v.name
+        assert {k for s in family.samples for k in s.labels} - {"le"} == set(labels), v.name
+        buckets = {float(s.labels["le"]) for s in family.samples if "le" in s.labels}
+        want = set(v.buckets) | {float("inf")} if isinstance(v, metrics.Instrument) else set()
+        assert buckets == (want if v.kind is Histogram else set()), v.name
 
 
 def test_the_collector_reads_the_views_it_was_given_and_the_observers_count() -> None:
