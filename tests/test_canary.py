@@ -24,7 +24,7 @@ from relay import logs
 from relay.runner import Relay
 from relay.settings import describe
 from tests.support import Rig, count, settings, wait_for
-from tests.test_cli import RELAY, relay_env
+from tests.test_cli import RELAY, relay_env, relay_run
 from tests.test_relay import enqueue_runs
 
 CANARY = "CANARY" + uuid.uuid4().hex[:12]
@@ -184,18 +184,11 @@ async def test_canary_in_subprocesses(rig: Rig, role_url: str, tmp_path: Path) -
     enqueue_runs(conn, schema, 2, 2, prefix="sub", terminal=False)
     log_path = tmp_path / "run.log"
     with log_path.open("wb") as log:
-        proc = await anyio.open_process(
-            [*RELAY, "run"], env=good, stdout=log, stderr=subprocess.STDOUT
-        )
-        try:
+        async with relay_run(good, stdout=log, stderr=subprocess.STDOUT) as proc:
             await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 4, what="4")
             proc.send_signal(signal.SIGTERM)
             with anyio.fail_after(60):
                 assert await proc.wait() == 0
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
     outputs["run"] = log_path.read_text()
     assert '"event":"delivered"' in outputs["run"]
 

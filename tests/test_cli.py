@@ -43,6 +43,19 @@ def relay_env(
 
 
 @asynccontextmanager
+async def relay_run(env: dict[str, str], **streams: Any) -> AsyncIterator[Process]:
+    """`relay run` in a subprocess for the block (`streams`: its stdout and stderr, as
+    anyio.open_process takes them), killed on the way out if it still runs."""
+    proc = await anyio.open_process([*RELAY, "run"], env=env, **streams)
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+@asynccontextmanager
 async def replicas(n: int, env: dict[str, str], log_dir: Path) -> AsyncIterator[list[Process]]:
     procs = []
     logs = []

@@ -24,7 +24,7 @@ from relay import logs
 from relay.tools.sink import Sink, serve_sink
 from tests.faults.proxy import FaultProxy, via
 from tests.support import count, wait_for
-from tests.test_cli import RELAY, relay_env
+from tests.test_cli import relay_env, relay_run
 from tests.test_relay import enqueue_runs
 
 KEYS = ("ts", "level", "logger", "replica")
@@ -135,10 +135,7 @@ async def test_every_stderr_line_is_json_through_a_database_outage(
             RELAY_METRICS_ADDR="127.0.0.1:0", RELAY_STATEMENT_TIMEOUT="1s",
         )  # fmt: skip
         with err_path.open("wb") as err:
-            proc = await anyio.open_process(
-                [*RELAY, "run"], env=env, stdout=subprocess.DEVNULL, stderr=err
-            )
-            try:
+            async with relay_run(env, stdout=subprocess.DEVNULL, stderr=err) as proc:
                 await wait_for(lambda: '"event":"started"' in err_path.read_text(), what="start")
                 enqueue_runs(conn, schema, 3, 2, prefix="before")
                 await wait_for(lambda: len(sink.state.deliveries) == 6, what="first deliveries")
@@ -163,10 +160,6 @@ async def test_every_stderr_line_is_json_through_a_database_outage(
                 proc.send_signal(signal.SIGTERM)
                 with anyio.fail_after(30):
                     code = await proc.wait()
-            finally:
-                if proc.returncode is None:
-                    proc.kill()
-                    await proc.wait()
         tg.cancel_scope.cancel()
     text = err_path.read_text()
     assert code == 0, text[-2000:]

@@ -25,7 +25,7 @@ from relay.sdnotify import (
 )
 from relay.tools.sink import Sink
 from tests.support import settings
-from tests.test_cli import RELAY, relay_env
+from tests.test_cli import relay_env, relay_run
 from tests.test_health import FakeRelay
 
 
@@ -194,20 +194,13 @@ async def test_relay_run_under_a_notify_socket(
     env = relay_env(pg_url, schema, url, NOTIFY_SOCKET=sock.env_value, WATCHDOG_USEC="1000000")
     log = (tmp_path / "relay.log").open("wb")
     try:
-        proc = await anyio.open_process(
-            [*RELAY, "run"], env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-        try:
+        async with relay_run(env, stdout=log, stderr=subprocess.STDOUT) as proc:
             await sock.until("READY=1")
             await sock.until("WATCHDOG=1")
             proc.send_signal(signal.SIGTERM)
             await sock.until("STOPPING=1")
             with anyio.fail_after(60):
                 code = await proc.wait()
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
     finally:
         log.close()
         sock.close()
