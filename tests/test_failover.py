@@ -26,7 +26,7 @@ from psycopg import sql
 
 from relay.tools.absurd import install_absurd
 from relay.tools.embedded import EmbeddedPostgres
-from tests.faults import scaled
+from tests.faults import own_server, scaled
 from tests.faults.checker import Row, check
 from tests.faults.failover import Pair, kill
 from tests.faults.harness import Lab, Workload
@@ -130,13 +130,8 @@ async def test_failover_to_a_synchronous_standby(pair: Pair, tmp_path: Path) -> 
 
 @pytest.fixture
 def single(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
-    server = EmbeddedPostgres(tmp_path / "single", durable=True)
-    server.start()
-    install_absurd(server.url)
-    try:
+    with own_server(tmp_path / "single") as server:
         yield server
-    finally:
-        server.stop("immediate")
 
 
 async def test_restart_under_traffic(single: EmbeddedPostgres, tmp_path: Path) -> None:

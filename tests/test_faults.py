@@ -25,9 +25,8 @@ import anyio
 import orjson
 import pytest
 
-from relay.tools.absurd import install_absurd
 from relay.tools.embedded import EmbeddedPostgres
-from tests.faults import scaled, soak_seconds
+from tests.faults import own_server, scaled, soak_seconds
 from tests.faults.checker import Row
 from tests.faults.harness import LEASE_TTL, Lab, Replica, Workload
 from tests.faults.proxy import FaultProxy, via
@@ -39,13 +38,8 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture(scope="session")
 def fault_pg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostgres]:
     """The fault suite's own durable cluster: scenarios crash and restart it."""
-    server = EmbeddedPostgres(tmp_path_factory.mktemp("faultpg") / "data", durable=True)
-    server.start()
-    install_absurd(server.url)
-    try:
+    with own_server(tmp_path_factory.mktemp("faultpg") / "data") as server:
         yield server
-    finally:
-        server.stop("immediate")
 
 
 def assert_valid(lab: Lab) -> Row:

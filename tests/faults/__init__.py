@@ -13,6 +13,12 @@ harness owns, the reference ingress, a nemesis, and a Jepsen-style queue checker
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from relay.tools.absurd import install_absurd
+from relay.tools.embedded import EmbeddedPostgres
 
 
 def scale() -> float:
@@ -31,3 +37,16 @@ def soak_seconds() -> float:
     """`RELAY_FAULTS_SOAK_SECONDS` (default: the bounded 20 s soak)."""
     value = float(os.environ.get("RELAY_FAULTS_SOAK_SECONDS", "0") or 0)
     return value if value > 0 else BOUNDED_SOAK_SECONDS
+
+
+@contextmanager
+def own_server(data: Path) -> Iterator[EmbeddedPostgres]:
+    """A durable PostgreSQL of the suite's own in `data`, with the Absurd schema: scenarios crash
+    and restart it. Stopped at once on the way out."""
+    server = EmbeddedPostgres(data, durable=True)
+    server.start()
+    install_absurd(server.url)
+    try:
+        yield server
+    finally:
+        server.stop("immediate")
