@@ -119,6 +119,16 @@ class Relay:
                 self.stop()
 
     async def run(self, *, task_status: TaskStatus[Relay] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._run(task_status)
+        finally:
+            # However the run ends (a stop, an error, a cancellation), the spans it recorded are
+            # exported: what the batch processor still holds, within a bounded time.
+            if self.tracer.enabled:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self.tracer.shutdown)
+
+    async def _run(self, task_status: TaskStatus[Relay]) -> None:
         s = self.settings
         url = s.database_url.reveal()
         pools = [
@@ -238,9 +248,6 @@ class Relay:
                     lane.stop()
             # Lanes are done (in-flight work finished or released): stop the rest.
             background.cancel_scope.cancel()
-        if self.tracer.enabled:  # what the batch processor still holds, within a bounded time
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.tracer.shutdown)
 
     def _lane(
         self, name: str, store: Store, http: Sender, concurrency: int, metrics: Metrics | None

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import anyio
 import psycopg
 import pytest
 
@@ -15,9 +16,10 @@ import relay
 from relay.integrations import start_tracing
 from relay.runner import Relay
 from relay.settings import ConfigError
+from relay.store import Store
 from relay.tools.sink import Sink
 from relay.tracing import NO_TRACING, Delivery, TracingConfig, config_from_env
-from tests.support import settings, wait_for
+from tests.support import count, settings, wait_for
 
 otel = pytest.importorskip("relay.integrations.otel", reason="the otel extra is not installed")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
@@ -509,3 +511,52 @@ async def test_a_runs_trace_goes_from_the_producer_through_the_relay_to_the_ingr
     # The ingress saw the relay's POST span as the parent of whatever it does next.
     (request,) = [r for r in s.state.received if r["run_id"] == "traced"]
     assert request["headers"]["traceparent"] == f"00-{PRODUCER_TRACE}-{post.span_id.hex()}-01"
+
+
+@pytest.mark.anyio
+async def test_a_run_that_ends_with_an_error_still_exports_its_spans(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str],
+    receiver: tuple[str, list[tuple[str, bytes]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`relay run` ending in an error (here the retention task's store call fails once the run
+    is delivered) exports what the batch processor holds on the way out, as a stop does. The
+    processor's schedule is an hour, so nothing arrives but by that flush."""
+    _, url = sink
+    base, got = receiver
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "3600000")
+    with conn.transaction():
+        for i in range(3):
+            relay.enqueue(
+                conn, "crashing", f"c{i}", "step", {"i": i}, traceparent=TP1, schema=schema,
+                terminal=i == 2,
+            )  # fmt: skip
+    broken = False
+
+    async def prune(self: Store, retention: float, limit: int) -> int:
+        if broken:
+            raise RuntimeError("the store broke")
+        return 0
+
+    monkeypatch.setattr(Store, "prune", prune)
+    tracer = start_tracing({"OTEL_EXPORTER_OTLP_ENDPOINT": base})
+    relay_ = Relay(
+        settings(pg_url, schema, url, retention=3600), tracer=tracer, prune_interval=0.01
+    )
+    with pytest.raises(BaseExceptionGroup) as ended:
+        async with anyio.create_task_group() as tg:
+            await tg.start(relay_.run)
+            await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 3, what="acks")
+            assert got == []  # nothing exported yet: the batch processor holds the spans
+            broken = True
+            with anyio.fail_after(60):  # a deadline for the relay to end, not a threshold
+                await anyio.sleep_forever()
+    assert ended.group_contains(RuntimeError, match="the store broke")
+    spans = _spans(got)
+    (delivery,) = [x for x in spans if x.name.startswith("deliver ")]
+    assert {a.key: a.value for a in delivery.attributes}["relay.run_id"].string_value == "crashing"
+    assert [e.name for e in delivery.events] == ["acked"]
+    assert [x.parent_span_id for x in spans if x.name == "POST"] == [delivery.span_id]

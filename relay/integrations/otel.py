@@ -402,6 +402,7 @@ class OtelTracer(Tracer):
     def __init__(self, config: TracingConfig, processor: SpanProcessor | None = None) -> None:
         self.processor = processor or BatchSpanProcessor(OTLPSpanExporter(endpoint=config.endpoint))
         self.recorder = _Recorder(config, self.processor)
+        self._shut = False
         # As the SDK's TracerProvider does: what is still buffered is exported at exit even if
         # the relay did not get to stop in order.
         atexit.register(self.shutdown)
@@ -462,6 +463,11 @@ class OtelTracer(Tracer):
         return links  # within OTEL_SPAN_LINK_COUNT_LIMIT when the span is handed on
 
     def shutdown(self) -> None:
+        """Export what is still buffered and stop the processor; once (the runner calls it when
+        a run ends, and atexit if the process ends first)."""
+        if self._shut:
+            return
+        self._shut = True
         atexit.unregister(self.shutdown)
         self.processor.force_flush(SHUTDOWN_MILLIS)
         self.processor.shutdown()
