@@ -8,7 +8,8 @@ conventions where they have one (messaging, HTTP client); the relay's own are un
 
 The spans are the SDK's and go out the SDK's way: its sampler decides, its random ids, a resource
 from `Resource.create` (so `OTEL_RESOURCE_ATTRIBUTES` applies), its batch span processor and
-OTLP/HTTP exporter. What the relay does not use is the SDK's *live* span (`Tracer.start_span`,
+OTLP/HTTP exporter (whose protobuf body relay/integrations/otlp.py writes, at a third of the
+SDK encoder's cost). What the relay does not use is the SDK's *live* span (`Tracer.start_span`,
 `Span`): a lock, a context, `BoundedAttributes` checking every value, the tracer's metrics hooks,
 per span, which cost the event loop about 85 µs per delivery against 16 µs this way (issue 31;
 docs/performance.md, "Tracing"). A delivery's two spans are known in full when they end and
@@ -41,7 +42,6 @@ from urllib.parse import urlsplit
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -59,6 +59,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from relay import __version__
+from relay.integrations.otlp import RelayOTLPSpanExporter
 from relay.settings import redact_url
 from relay.tracing import (
     Delivery,
@@ -400,7 +401,7 @@ class OtelTracer(Tracer):
     enabled = True
 
     def __init__(self, config: TracingConfig, processor: SpanProcessor | None = None) -> None:
-        self.processor = processor or BatchSpanProcessor(OTLPSpanExporter(endpoint=config.endpoint))
+        self.processor = processor or BatchSpanProcessor(RelayOTLPSpanExporter(config.endpoint))
         self.recorder = _Recorder(config, self.processor)
         self._shut = False
         # As the SDK's TracerProvider does: what is still buffered is exported at exit even if
