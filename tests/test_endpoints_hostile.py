@@ -60,13 +60,26 @@ async def healthy(port: int) -> bool:
         return False
 
 
+async def endpoints_up(port: int) -> bool:
+    """The relay's own endpoints answer. Not `healthy`: while `relay run` waits for its database
+    at start, a stand-in on the same address answers /healthz 200 (relay/startup.py), then
+    closes before the endpoints bind, so a request just after it may find nothing listening.
+    Only the endpoints answer /metrics 200 (the stand-in answers 503)."""
+    try:
+        return (await get(port, "/metrics")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 async def delivers(rig: Rig, prefix: str) -> None:
     """One more run is enqueued and arrives: the process still does its job."""
     s = rig.sink
     before = len(s.state.deliveries)
     enqueue_runs(rig.conn, rig.schema, 1, 3, prefix=prefix)
     await wait_for(lambda: len(s.state.deliveries) >= before + 3, what=f"{prefix} delivered")
-    assert rig.count("delivered_at is null") == 0
+    # The sink counts a delivery as it answers it; the relay acks after that answer, in its own
+    # transaction: wait for the ack to commit, not only for the ingress to have the events.
+    await wait_for(lambda: rig.count("delivered_at is null") == 0, what=f"{prefix} acked")
 
 
 async def test_a_malformed_accept_on_metrics_is_refused_and_the_relay_lives_on(
@@ -75,7 +88,7 @@ async def test_a_malformed_accept_on_metrics_is_refused_and_the_relay_lives_on(
     port = free_port()
     env = relay_env(rig.pg_url, rig.schema, rig.url, RELAY_METRICS_ADDR=f"127.0.0.1:{port}")
     with relay_process(env, tmp_path / "relay.log") as proc:
-        await wait_for(lambda: healthy(port), what="the endpoints")
+        await wait_for(lambda: endpoints_up(port), what="the endpoints")
         got = await get(port, "/metrics", accept="text/plain; version=x")
         assert got.status_code == 406, got.text
         assert proc.poll() is None, (tmp_path / "relay.log").read_text()[-3000:]
@@ -99,7 +112,7 @@ async def test_idle_connections_past_the_descriptor_limit_do_not_end_the_relay(
     tight = nofile < serving.MAX_CONNECTIONS * 2
     expected = "endpoint_accept_failed" if tight else "endpoint_connections_shed"
     with relay_process(env, log, nofile=nofile) as proc:
-        await wait_for(lambda: healthy(port), what="the endpoints")
+        await wait_for(lambda: endpoints_up(port), what="the endpoints")
         await delivers(rig, "before")
         held: list[socket.socket] = []
         try:
