@@ -162,7 +162,7 @@ def bounded(
             if isinstance(value, str):
                 if len(value) > length:
                     kept[key] = value[:length]
-            elif isinstance(value, Sequence):
+            elif isinstance(value, Sequence) and not isinstance(value, bytes):
                 kept[key] = tuple(v[:length] if isinstance(v, str) else v for v in value)
     return kept, len(attributes) - len(kept)
 

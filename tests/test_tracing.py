@@ -18,7 +18,7 @@ from relay.runner import Relay
 from relay.settings import ConfigError
 from relay.store import Store
 from relay.tools.sink import Sink
-from relay.tracing import NO_TRACING, Delivery, TracingConfig, config_from_env
+from relay.tracing import NO_TRACING, Delivery, TracingConfig, bounded, config_from_env
 from tests.support import count, settings, wait_for
 
 otel = pytest.importorskip("relay.integrations.otel", reason="the otel extra is not installed")
@@ -372,6 +372,16 @@ def test_event_limits_apply_to_the_events_and_their_attributes() -> None:
     (event,) = delivery.events
     assert dict(event.attributes or {}) == {"named": True, "events": 4}
     assert dict(delivery.attributes or {})["relay.run_id"] == "ru"  # the general length limit
+
+
+def test_bounded_cuts_strings_alone_and_keeps_the_first_attributes() -> None:
+    attributes = {"s": "abcdef", "seq": ("abcdef", "xy", 7), "b": b"abcdef", "n": 123456, "x": 1.5}
+    assert bounded(attributes, None, 3) == (
+        {"s": "abc", "seq": ("abc", "xy", 7), "b": b"abcdef", "n": 123456, "x": 1.5},
+        0,
+    )
+    assert bounded(attributes, 2, None) == ({"s": "abcdef", "seq": ("abcdef", "xy", 7)}, 3)
+    assert bounded(attributes, 0, 0) == ({}, 5)
 
 
 def test_links_beyond_the_span_limit_are_dropped_and_counted() -> None:
