@@ -154,16 +154,16 @@ def bounded(
 ) -> tuple[dict[str, Any], int]:
     """`attributes` within the limits, and how many were dropped. As the specification's
     attribute limits say: the first `count` are kept (one added beyond the limit is discarded),
-    a string value longer than `length` characters is cut to it, and so is each string of a
-    sequence value; no other value is changed."""
+    a string (or byte string) value longer than `length` characters (bytes) is cut to it, and
+    so is each one in a sequence value; no other value is changed."""
     kept = dict(attributes) if count is None else dict(list(attributes.items())[:count])
     if length is not None:
         for key, value in kept.items():
-            if isinstance(value, str):
+            if isinstance(value, str | bytes):
                 if len(value) > length:
                     kept[key] = value[:length]
-            elif isinstance(value, Sequence) and not isinstance(value, bytes):
-                kept[key] = tuple(v[:length] if isinstance(v, str) else v for v in value)
+            elif isinstance(value, Sequence):
+                kept[key] = tuple(v[:length] if isinstance(v, str | bytes) else v for v in value)
     return kept, len(attributes) - len(kept)
 
 

@@ -374,10 +374,10 @@ def test_event_limits_apply_to_the_events_and_their_attributes() -> None:
     assert dict(delivery.attributes or {})["relay.run_id"] == "ru"  # the general length limit
 
 
-def test_bounded_cuts_strings_alone_and_keeps_the_first_attributes() -> None:
+def test_bounded_cuts_strings_and_bytes_alone_and_keeps_the_first_attributes() -> None:
     attributes = {"s": "abcdef", "seq": ("abcdef", "xy", 7), "b": b"abcdef", "n": 123456, "x": 1.5}
     assert bounded(attributes, None, 3) == (
-        {"s": "abc", "seq": ("abc", "xy", 7), "b": b"abcdef", "n": 123456, "x": 1.5},
+        {"s": "abc", "seq": ("abc", "xy", 7), "b": b"abc", "n": 123456, "x": 1.5},
         0,
     )
     assert bounded(attributes, 2, None) == ({"s": "abcdef", "seq": ("abcdef", "xy", 7)}, 3)
