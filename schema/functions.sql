@@ -79,8 +79,10 @@ begin
         end if;
         perform set_config('lock_timeout', v_old_timeout, true);
     end if;
-    select greatest(s.last_seq, coalesce((select max(o.seq) from outbox o
-                                          where o.run_id = p_run_id), 0)) + 1
+    select greatest(s.last_seq,
+                    coalesce((select max(o.seq) from outbox o where o.run_id = p_run_id), 0),
+                    coalesce((select r.delivered_seq from runs r where r.run_id = p_run_id), 0))
+           + 1
     into v_seq
     from run_seqs s where s.run_id = p_run_id;
     if current_setting('transaction_isolation') <> 'read committed' then
@@ -1087,56 +1089,44 @@ begin
 end
 $$;
 
--- Deletes done events (at or below their run's cursor: delivered or skipped) enqueued more than
--- p_retention ago, at most p_limit per call, oldest first through outbox_created_at. Returns the
--- number deleted. Under each run's run_seqs row lock (a run a producer is writing is left for
--- the next call): when the run's highest event goes, its seq becomes the run's floor
--- (run_seqs.last_seq), which enqueue numbers from once a run's events are gone.
--- A removed event's skip or failure history goes with it. Then forgets what nothing needs any
--- more: finished idle runs with no events left, and dead replicas that hold no lease.
+-- The part of the outbox new events go to (schema version 8, migration 0008): the default of
+-- `outbox.part`, so every insert lands in the current part, whoever makes it.
+create or replace function current_outbox_part() returns smallint
+language sql stable
+set search_path from current
+as $$ select part from outbox_parts where current $$;
+
+-- Retention (DESIGN §4.4; schema version 8: the outbox's three parts take turns, migration
+-- 0008). The part after the current one in turn, "next", is the oldest: once it stopped being
+-- current more than p_retention ago, every event in it is older than that, and it is emptied
+-- (empty_outbox_part). Once next is empty and the current part has been current for
+-- p_retention / 2, next becomes current (rotate_outbox). Up to three such steps a call, so a
+-- call with a retention of 0 removes every done event. Returns the number of events removed.
+-- Then forgets what nothing needs any more: finished idle runs with no events left, and dead
+-- replicas that hold no lease. Concurrent calls (every replica prunes) take turns on
+-- outbox_parts; enqueue only reads it.
 create or replace function prune(p_retention interval, p_limit int) returns int
 language plpgsql volatile
 set search_path from current
 security definer
 as $$
 declare
-    c_runs text[];
-    c_seqs bigint[];
-    v_free text[];
-    v_n int;
+    v_current outbox_parts;
+    v_next outbox_parts;
+    v_removed int := 0;
 begin
-    select array_agg(c.run_id), array_agg(c.seq) into c_runs, c_seqs
-    from (select o.run_id, o.seq
-          from outbox o join runs r on r.run_id = o.run_id
-          where o.created_at < clock_timestamp() - p_retention and o.seq <= r.delivered_seq
-          order by o.created_at
-          limit p_limit) c;
-    if c_runs is null then
-        v_n := 0;
-    else
-        v_free := array(select s.run_id from run_seqs s
-                        where s.run_id = any(c_runs)
-                        order by s.run_id
-                        for update skip locked);
-        update run_seqs s set last_seq = m.upto
-        from (select c.run_id, max(c.seq) as upto
-              from unnest(c_runs, c_seqs) as c(run_id, seq)
-              where c.run_id = any(v_free)
-              group by c.run_id) m
-        where s.run_id = m.run_id and s.last_seq < m.upto
-          and not exists (select 1 from outbox o where o.run_id = m.run_id and o.seq > m.upto);
-        delete from outbox o
-        using unnest(c_runs, c_seqs) as c(run_id, seq)
-        where o.run_id = c.run_id and o.seq = c.seq and c.run_id = any(v_free);
-        get diagnostics v_n = row_count;
-        -- the history of the events removed goes with them
-        delete from event_failures f
-        using unnest(c_runs, c_seqs) as c(run_id, seq)
-        where f.run_id = c.run_id and f.seq = c.seq and c.run_id = any(v_free);
-        delete from event_skips k
-        using unnest(c_runs, c_seqs) as c(run_id, seq)
-        where k.run_id = c.run_id and k.seq = c.seq and c.run_id = any(v_free);
-    end if;
+    lock table outbox_parts in share row exclusive mode;
+    for step in 1..3 loop
+        select * into v_current from outbox_parts where current;
+        select * into v_next from outbox_parts where part = (v_current.part + 1) % 3;
+        if v_next.closed_at < clock_timestamp() - p_retention then
+            v_removed := v_removed + empty_outbox_part(v_next.part, v_current.part, p_limit);
+            select * into v_next from outbox_parts where part = v_next.part;
+        end if;
+        exit when v_next.closed_at is not null
+               or v_current.opened_at >= clock_timestamp() - p_retention / 2;
+        perform rotate_outbox(v_next.part);
+    end loop;
     perform forget_finished_runs(p_retention, p_limit);
     -- Forget dead replicas (liveness lock free) that hold no unexpired lease: nothing of theirs
     -- is left to reclaim. The exclusive try-lock keeps a replica from taking its lock (and
@@ -1145,8 +1135,85 @@ begin
     where not exists (select 1 from runs w
                       where w.lease_owner = rp.owner and w.lease_expires_at > clock_timestamp())
       and pg_try_advisory_xact_lock(liveness_key(rp.owner));
-    return v_n;
+    return v_removed;
 end
+$$;
+
+-- The events of part p_part of the outbox that are not done yet: after their run's cursor (a
+-- blocked run's head and what follows it, a backlog), at most p_limit.
+create or replace function not_done_in_part(p_part smallint, p_limit int)
+returns table (run_id text, seq bigint)
+language sql stable
+set search_path from current
+as $$
+    select o.run_id, o.seq
+    from outbox o left join runs r on r.run_id = o.run_id
+    where o.part = p_part and o.seq > coalesce(r.delivered_seq, 0)
+    limit p_limit
+$$;
+
+-- Empties part p_part of the outbox, which holds only events older than the retention, and
+-- returns how many events it removed. Its events that are not done yet move to the current
+-- part first, at most p_limit a call, keeping their run and seq: a call that moved p_limit
+-- stops there, the next goes on. Once none is left the part is truncated under its exclusive
+-- lock (no relay reads it, no producer that still took it for the current part writes it),
+-- with the skip and failure history of its events. The lock is waited for at most
+-- `outbox_part_lock_timeout` (a setting, 200 ms): a busy part is tried again at the next call,
+-- and what was committed into it meanwhile is looked for again under the lock.
+-- What was done stays done: a cursor never moves back, so an event found done before the lock
+-- is done under it. Enqueue numbers a run's events after its cursor too (lock_run_for_enqueue),
+-- so the seqs the truncate removes are never given again.
+create or replace function empty_outbox_part(p_part smallint, p_current smallint, p_limit int)
+returns int
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_moved int;
+    v_removed int;
+    v_old_timeout text := current_setting('lock_timeout');
+begin
+    update outbox o set part = p_current
+    from not_done_in_part(p_part, p_limit) s
+    where o.part = p_part and o.run_id = s.run_id and o.seq = s.seq;
+    get diagnostics v_moved = row_count;
+    if v_moved >= p_limit then
+        return 0;
+    end if;
+    perform set_config('lock_timeout', setting('outbox_part_lock_timeout'), true);
+    begin
+        execute format('lock table %I in access exclusive mode', 'outbox_p' || p_part);
+    exception when lock_not_available then
+        perform set_config('lock_timeout', v_old_timeout, true);
+        return 0;
+    end;
+    perform set_config('lock_timeout', v_old_timeout, true);
+    -- committed into the part while this call waited for its lock
+    perform 1 from not_done_in_part(p_part, 1);
+    if found then
+        return 0;
+    end if;
+    select count(*) into v_removed from outbox where part = p_part;
+    delete from event_failures f using outbox o
+    where o.part = p_part and f.run_id = o.run_id and f.seq = o.seq;
+    delete from event_skips k using outbox o
+    where o.part = p_part and k.run_id = o.run_id and k.seq = o.seq;
+    execute format('truncate %I', 'outbox_p' || p_part);
+    update outbox_parts set opened_at = null, closed_at = null where part = p_part;
+    return v_removed;
+end
+$$;
+
+-- Makes the empty part p_to the current one: enqueue writes there from the commit on. A
+-- transaction that read the previous current part goes on writing there, which is why a part
+-- is emptied only `retention` after it closed, and under its lock.
+create or replace function rotate_outbox(p_to smallint) returns void
+language sql volatile
+set search_path from current
+as $$
+    update outbox_parts set current = false, closed_at = clock_timestamp() where current;
+    update outbox_parts set current = true, opened_at = clock_timestamp(), closed_at = null
+    where part = p_to;
 $$;
 
 -- Forgets idle runs with no events left, finished (terminal event enqueued) and quiet for

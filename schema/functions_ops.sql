@@ -263,8 +263,9 @@ $$;
 -- and the others pending; the skipped ones are the run's event_skips still in the outbox; the
 -- rest of the outbox's events of the run are delivered. One count of the run's range of the
 -- primary key (events_total), a probe for its highest seq and blocked head.
--- last_seq is the run's last seq: the highest in the outbox, or the floor run_seqs.last_seq
--- that retention leaves when it removed them (schema version 7 no longer writes it per event).
+-- last_seq is the run's last seq: the highest in the outbox or, once retention removed them,
+-- its terminal seq (a finished run ends there), its cursor (retention removes only events at or
+-- below it, schema version 8), or the floor run_seqs.last_seq a version-7 retention left.
 create or replace function inspect_run_summary(p_run_id text)
 returns table (
     run_id text, idle boolean, epoch bigint, lease_owner text, lease_expires_at timestamptz,
@@ -291,7 +292,8 @@ begin
                -- the terminal event is pending: after the cursor, and not the failed head
                coalesce(s.terminal_seq > r.delivered_seq
                         and s.terminal_seq is distinct from h.seq, false),
-               r.updated_at, greatest(s.last_seq, m.last_seq), s.terminal_seq,
+               r.updated_at, greatest(s.last_seq, s.terminal_seq, r.delivered_seq, m.last_seq),
+               s.terminal_seq,
                c.total, c.after - c.failed, c.total - c.after - c.skipped, c.failed, c.skipped,
                v_now
         from (select 1) one
@@ -426,7 +428,9 @@ as $$
                    order by rp.owner)
             from replicas rp), '[]'),
         'tables', jsonb_build_object(
-            'outbox', pg_total_relation_size('outbox'::regclass),
+            -- the outbox's three parts (schema version 8): a partitioned table has no storage
+            'outbox', (select sum(pg_total_relation_size(t.relid))::bigint
+                       from pg_partition_tree('outbox'::regclass) t),
             'event_failures', pg_total_relation_size('event_failures'::regclass),
             'event_skips', pg_total_relation_size('event_skips'::regclass),
             'pending_terminals', pg_total_relation_size('pending_terminals'::regclass),

@@ -208,8 +208,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-prune",
         "§4.4 retention measured on the statement clock",
         SQL,
-        "where o.created_at < clock_timestamp() - p_retention and o.seq <= r.delivered_seq",
-        "where o.created_at < now() - p_retention and o.seq <= r.delivered_seq",
+        "if v_next.closed_at < clock_timestamp() - p_retention then",
+        "if v_next.closed_at < now() - p_retention then",
         (f"{CLOCK}::test_prune_in_an_old_transaction_measures_retention_on_the_statement_clock",),
     ),
     # -- fencing (§9.3) --------------------------------------------------------------------------
@@ -377,20 +377,31 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "enqueue-seq-ignores-floor",
         "§9.2 per-run seqs only grow: after retention removed a run's events, enqueue numbers"
-        " from the run's floor (run_seqs.last_seq)",
+        " after the run's cursor (retention removes only events at or below it)",
         SQL,
-        "select greatest(s.last_seq, coalesce((select max(o.seq) from outbox o",
-        "select greatest(0, coalesce((select max(o.seq) from outbox o",
+        "coalesce((select r.delivered_seq from runs r where r.run_id = p_run_id), 0))",
+        "0)",
         (f"{LEASE}::test_prune_keeps_seqs_and_epochs_monotonic_per_run",),
         ci=True,
     ),
     Mutant(
-        "prune-floor-not-raised",
-        "§9.2 per-run seqs only grow: prune raises the run's floor to the highest seq it removes",
+        "retention-removes-pending",
+        "§9.1 nothing is lost: retention removes only events at or below their run's cursor (the"
+        " part's others move to the current part first)",
         SQL,
-        "        where s.run_id = m.run_id and s.last_seq < m.upto\n",
-        "        where false\n",
-        (f"{LEASE}::test_prune_keeps_seqs_and_epochs_monotonic_per_run",),
+        "    where o.part = p_part and o.seq > coalesce(r.delivered_seq, 0)\n",
+        "    where o.part = p_part and o.seq > coalesce(r.delivered_seq, 0) + 1\n",
+        (f"{LEASE}::test_prune_empties_a_part_past_retention_and_keeps_what_is_not_done",),
+        ci=True,
+    ),
+    Mutant(
+        "retention-no-second-look",
+        "§9.1 nothing is lost: what a producer committed into a part while retention waited for"
+        " its lock is looked for again before the truncate",
+        SQL,
+        "    perform 1 from not_done_in_part(p_part, 1);\n    if found then\n",
+        "    perform 1 from not_done_in_part(p_part, 1);\n    if false then\n",
+        (f"{LEASE}::test_a_part_is_emptied_only_with_every_event_committed_into_it_done",),
     ),
     Mutant(
         "skip-keeps-cursor",

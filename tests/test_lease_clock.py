@@ -190,7 +190,10 @@ def test_prune_in_an_old_transaction_measures_retention_on_the_statement_clock(
     enq(conn, schema, "r1", "e1")
     got = claim(conn, schema, ttl="30 seconds")
     assert [r["status"] for r in ack(conn, schema, ("r1", token(got, "r1"), 1))] == ["acked"]
+    # The outbox's parts in turn (schema version 8): e1's part 0 closes, part 2 is current.
+    call(conn, schema, "rotate_outbox", 1)
+    call(conn, schema, "rotate_outbox", 2)
     with Aged(old):
-        # Delivered more than 1 s before the statement, but after the transaction started.
+        # Part 0 closed more than 1 s before the statement, but after the transaction started.
         pruned = call(old, schema, "prune", timedelta(seconds=1), 100)
     assert pruned[0][0] == 1

@@ -18,7 +18,7 @@ from psycopg import errors, sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from tests.support import Inbox, fn, scans, snapshot, wait_until
+from tests.support import Inbox, InThread, fn, scans, snapshot, wait_until, waits_for_a_lock
 
 Row = dict[str, Any]
 
@@ -892,9 +892,38 @@ def test_an_ack_racing_a_producer_never_strands_its_event(
 # --- prune --------------------------------------------------------------------------------------
 
 
-def test_prune_deletes_only_old_delivered_and_skipped_events(
+def age_parts(conn: psycopg.Connection[Any], schema: str, by: str = "2 days") -> None:
+    """As if `by` had passed since the outbox's parts opened and closed (schema version 8)."""
+    conn.execute(
+        sql.SQL(
+            "update {} set opened_at = opened_at - %(by)s::interval,"
+            " closed_at = closed_at - %(by)s::interval"
+        ).format(fn(schema, "outbox_parts")),
+        {"by": by},
+    )
+
+
+def current_part(conn: psycopg.Connection[Any], schema: str) -> int:
+    row = conn.execute(
+        sql.SQL("select part from {} where current").format(fn(schema, "outbox_parts"))
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def parts(conn: psycopg.Connection[Any], schema: str) -> dict[str, int]:
+    """event id -> the part of the outbox it is in."""
+    rows = conn.execute(sql.SQL("select event_id, part from {}").format(fn(schema, "outbox")))
+    return {event_id: part for event_id, part in rows.fetchall()}
+
+
+def test_prune_empties_a_part_past_retention_and_keeps_what_is_not_done(
     conn: psycopg.Connection[Any], schema: str
 ) -> None:
+    """DESIGN §4.4 with the outbox in three parts that take turns (0008): a part is emptied
+    once it closed more than `retention` ago; its events that are not done move to the current
+    part first (at most p_limit a call), the rest goes with its skip history; younger parts
+    are kept whole."""
     for i in range(4):
         enq(conn, schema, "r1", f"e{i}")
     enq(conn, schema, "r2", "f1")
@@ -904,22 +933,35 @@ def test_prune_deletes_only_old_delivered_and_skipped_events(
     call(conn, schema, "fail_event", "r2", token(got, "r2"), 1, 400, "bad")
     call(conn, schema, "fail_event", "r3", token(got, "r3"), 1, 400, "bad")
     call(conn, schema, "skip_event", "g1", "op", "not needed")
-    # Age every event but e1 (the retention clock is the enqueue time, schema version 7).
-    conn.execute(
-        sql.SQL(
-            "update {} set created_at = created_at - interval '2 days' where event_id <> 'e1'"
-        ).format(fn(schema, "outbox"))
-    )
+    assert set(parts(conn, schema).values()) == {0}
 
-    assert call(conn, schema, "prune", "1 day", 1) == [(1,)]  # at most p_limit
-    assert call(conn, schema, "prune", "1 day", 100) == [(1,)]
+    assert call(conn, schema, "prune", "1 day", 100) == [(0,)]  # part 0 is current and young
+    assert current_part(conn, schema) == 0
+    age_parts(conn, schema)
+    assert call(conn, schema, "prune", "1 day", 100) == [(0,)]  # part 1 takes over
+    assert current_part(conn, schema) == 1
+    enq(conn, schema, "r4", "y1")  # young, and delivered
+    ack(conn, schema, ("r4", token(claim(conn, schema, run_id="r4"), "r4"), 1))
+    assert parts(conn, schema)["y1"] == 1
+    age_parts(conn, schema, "13 hours")  # part 0 closed 13 hours ago: not past retention yet
+    assert call(conn, schema, "prune", "1 day", 100) == [(0,)]  # part 2 takes over
+    assert current_part(conn, schema) == 2
+    age_parts(conn, schema, "12 hours")  # part 0 closed 25 hours ago, part 1 12 hours ago
+
+    assert call(conn, schema, "prune", "1 day", 1) == [(0,)]  # one of three moved: not yet
+    assert call(conn, schema, "prune", "1 day", 100) == [(3,)]  # e0, e1, g1
     assert call(conn, schema, "prune", "1 day", 100) == [(0,)]
 
     remaining = {
-        e["event_id"]: e["state"] for r in ("r1", "r2", "r3") for e in event_rows(conn, schema, r)
+        e["event_id"]: e["state"]
+        for r in ("r1", "r2", "r3", "r4")
+        for e in event_rows(conn, schema, r)
     }
     # young delivered, pending and failed (until an operator acts) are kept
-    assert remaining == {"e1": "delivered", "e2": "pending", "e3": "pending", "f1": "failed"}
+    assert remaining == {
+        "e2": "pending", "e3": "pending", "f1": "failed", "y1": "delivered"
+    }  # fmt: skip
+    assert parts(conn, schema) == {"e2": 2, "e3": 2, "f1": 2, "y1": 1}
     # the skip of g1 went with it; f1's failure stays while f1 does
     history = conn.execute(
         sql.SQL("select (select count(*) from {}), (select count(*) from {})").format(
@@ -927,6 +969,39 @@ def test_prune_deletes_only_old_delivered_and_skipped_events(
         )
     ).fetchone()
     assert history == (0, 1)
+    # what moved is delivered as it was: in its run's order, after its cursor
+    assert seqs(claim(conn, schema, run_id="r1"), "r1") == [3, 4]
+
+
+def test_a_part_is_emptied_only_with_every_event_committed_into_it_done(
+    conn: psycopg.Connection[Any], schema: str, pg_url: str
+) -> None:
+    """A producer's transaction that took part 0 for the current part may commit into it after
+    retention looked for the events that are not done: retention waits for the part's lock
+    (which that transaction holds), then looks again, and truncates nothing that is pending."""
+    conn.execute(
+        sql.SQL("update {} set value = '30s' where key = 'outbox_part_lock_timeout'").format(
+            fn(schema, "settings")
+        )
+    )
+    enq(conn, schema, "r1", "e1")
+    ack(conn, schema, ("r1", token(claim(conn, schema), "r1"), 1))
+    with psycopg.connect(pg_url) as producer:  # one open transaction
+        enq(producer, schema, "late", "late-1")  # into part 0, the current part
+        age_parts(conn, schema)
+        assert call(conn, schema, "prune", "1 day", 100) == [(0,)]  # part 1 is current now
+        age_parts(conn, schema)
+        assert call(conn, schema, "prune", "1 day", 100) == [(0,)]  # part 2
+        age_parts(conn, schema)
+        pid = conn.info.backend_pid
+        retention = InThread(lambda: call(conn, schema, "prune", "1 day", 100))
+        wait_until(lambda: waits_for_a_lock(pg_url, pid), 30, "retention waiting for part 0")
+        producer.commit()
+    assert retention.result() == [(0,)]  # late-1 is pending: part 0 stays
+    assert parts(conn, schema) == {"e1": 0, "late-1": 0}
+    assert call(conn, schema, "prune", "1 day", 100) == [(1,)]  # moved, then e1 removed
+    assert parts(conn, schema) == {"late-1": 2}
+    assert seqs(claim(conn, schema, run_id="late"), "late") == [1]
 
 
 def test_prune_keeps_seqs_and_epochs_monotonic_per_run(
@@ -946,17 +1021,13 @@ def test_prune_keeps_seqs_and_epochs_monotonic_per_run(
     assert [run_row(conn, schema, r)["epoch"] for r in ("open", "done")] == [2, 3]
     assert run_row(conn, schema, "open")["idle"] is True
     conn.execute(
-        sql.SQL("update {} set created_at = created_at - interval '2 days'").format(
-            fn(schema, "outbox")
-        )
-    )
-    conn.execute(
         sql.SQL("update {} set updated_at = updated_at - interval '2 days'").format(
             fn(schema, "runs")
         )
     )
 
-    assert call(conn, schema, "prune", "1 day", 100) == [(5,)]
+    # a retention of 0 takes every part in turn: every done event goes in one call
+    assert call(conn, schema, "prune", "0", 100) == [(5,)]
 
     assert conn.execute(
         sql.SQL("select count(*) from {}").format(fn(schema, "events"))

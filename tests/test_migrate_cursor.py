@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,7 @@ from psycopg.conninfo import make_conninfo
 
 from relay.migrate import code_version, migrate
 from tests.faults.harness import relay_env
-from tests.support import wait_until
+from tests.support import InThread, wait_until
 from tests.upgrade import Previous, previous_or_skip
 
 # the columns of an event whose value a migration must keep, as the previous release shows them
@@ -165,8 +163,19 @@ def test_a_live_database_of_the_previous_release_is_moved_in_place(
         result = migrate(pg_url, schema)
         assert 7 in result.applied and result.version == code_version()
 
-        # 1. every event as it was: state and history
+        # 1. every event as it was: state and history; all in part 0 of the outbox, the
+        #    current part (schema version 8), parts 1 and 2 empty
         assert events(conn, schema) == before
+        assert conn.execute(
+            sql.SQL("select part, count(*) from {}.outbox group by part").format(
+                sql.Identifier(schema)
+            )
+        ).fetchall() == [(0, len(before))]
+        assert conn.execute(
+            sql.SQL("select part, current, closed_at from {}.outbox_parts order by part").format(
+                sql.Identifier(schema)
+            )
+        ).fetchall() == [(0, True, None), (1, False, None), (2, False, None)]
         skipped = conn.execute(
             sql.SQL(
                 "select run_id, seq, skipped_by, skip_reason from {}.event_skips order by run_id"
@@ -264,29 +273,6 @@ def lock_waiters(url: str, application_name: str) -> int:
             (application_name,),
         ).fetchone()
     return int(row[0]) if row else 0
-
-
-class InThread:
-    """`fn()` on a thread of its own; `result()` joins it and returns or raises what it did."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._outcome: list[Any] = []
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self._outcome.append(("value", fn()))
-        except BaseException as exc:  # handed to result()
-            self._outcome.append(("error", exc))
-
-    def result(self, timeout: float = 60.0) -> Any:
-        self._thread.join(timeout)
-        assert self._outcome, "the thread did not finish"
-        kind, value = self._outcome[0]
-        if kind == "error":
-            raise value
-        return value
 
 
 def test_an_ack_of_the_previous_release_that_waited_for_the_migration_finishes_after_it(

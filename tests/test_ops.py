@@ -340,8 +340,9 @@ def test_inspect_summary_of_a_blocked_run(schema: str, conn: Conn) -> None:
 
 def test_inspect_summary_after_retention(schema: str, conn: Conn) -> None:
     """The counts are the events still in the outbox; the last seq is the run's, whether its
-    events are there (the highest seq) or retention removed them all (the floor it leaves in
-    run_seqs.last_seq, which enqueue no longer writes per event)."""
+    events are there (the highest seq) or retention removed them all (a finished run's terminal
+    seq; enqueue no longer writes run_seqs.last_seq per event, nor retention since it truncates
+    whole parts of the outbox, schema version 8)."""
     add_run(conn, schema, "gone", 4, terminal=True)
     deliver(conn, schema, "gone", 4)
     blocked_run(conn, schema, "held", n=5, seq=3)

@@ -40,12 +40,18 @@ EXPECTED_TABLES = {
         "autovacuum_vacuum_scale_factor=0.02",
         "autovacuum_vacuum_cost_delay=0",
     ],
-    # 0007_delivery_cursor: the version-6 `events` table, renamed (events is a view now)
-    "outbox": [
-        "autovacuum_vacuum_scale_factor=0.02",
-        "autovacuum_analyze_scale_factor=0.02",
-        "autovacuum_vacuum_cost_delay=0",
-    ],
+    # 0007_delivery_cursor: the version-6 `events` table, renamed (events is a view now);
+    # 0008_outbox_parts: partitioned into three parts that take turns (part 0 is the old table)
+    "outbox": None,
+    **{
+        f"outbox_p{part}": [
+            "autovacuum_vacuum_scale_factor=0.02",
+            "autovacuum_analyze_scale_factor=0.02",
+            "autovacuum_vacuum_cost_delay=0",
+        ]
+        for part in range(3)
+    },
+    "outbox_parts": None,
     "event_failures": None,
     "event_skips": None,
     "pending_terminals": None,
@@ -79,18 +85,28 @@ EXPECTED_COLUMNS = {
         ("last_status", "integer", False),
     ],
     # 0007_delivery_cursor: written once; the delivery columns moved to the run and to
-    # event_failures / event_skips
-    "outbox": [
-        ("run_id", "text", True),
-        ("seq", "bigint", True),
-        ("event_id", "text", True),
-        ("event_type", "text", True),
-        ("payload", "jsonb", True),
-        ("terminal", "boolean", True),
-        ("wake_queue", "text", False),
-        ("wake_event", "text", False),
-        ("traceparent", "text", False),
-        ("created_at", "timestamp with time zone", True),
+    # event_failures / event_skips. 0008_outbox_parts: the parts of the partitioned outbox.
+    **{
+        f"outbox_p{part}": [
+            ("run_id", "text", True),
+            ("seq", "bigint", True),
+            ("event_id", "text", True),
+            ("event_type", "text", True),
+            ("payload", "jsonb", True),
+            ("terminal", "boolean", True),
+            ("wake_queue", "text", False),
+            ("wake_event", "text", False),
+            ("traceparent", "text", False),
+            ("created_at", "timestamp with time zone", True),
+            ("part", "smallint", True),
+        ]
+        for part in range(3)
+    },
+    "outbox_parts": [
+        ("part", "smallint", True),
+        ("current", "boolean", True),
+        ("opened_at", "timestamp with time zone", False),
+        ("closed_at", "timestamp with time zone", False),
     ],
     "event_failures": [
         ("run_id", "text", True),
@@ -154,10 +170,20 @@ EXPECTED_INDEXES = {
     "runs_idle": "CREATE INDEX runs_idle ON S.runs USING btree (updated_at) WHERE idle",
     "runs_leased": "CREATE INDEX runs_leased ON S.runs USING btree (lease_owner)"
     " WHERE (lease_owner IS NOT NULL)",
-    "outbox_pkey": "CREATE UNIQUE INDEX outbox_pkey ON S.outbox USING btree (run_id, seq)",
-    "outbox_event_id_key": "CREATE UNIQUE INDEX outbox_event_id_key ON S.outbox"
-    " USING btree (event_id)",
-    "outbox_created_at": "CREATE INDEX outbox_created_at ON S.outbox USING btree (created_at)",
+    **{
+        f"outbox_p{part}_pkey": f"CREATE UNIQUE INDEX outbox_p{part}_pkey ON S.outbox_p{part}"
+        " USING btree (run_id, seq)"
+        for part in range(3)
+    },
+    **{
+        f"outbox_p{part}_event_id_key": f"CREATE UNIQUE INDEX outbox_p{part}_event_id_key"
+        f" ON S.outbox_p{part} USING btree (event_id)"
+        for part in range(3)
+    },
+    "outbox_parts_pkey": "CREATE UNIQUE INDEX outbox_parts_pkey ON S.outbox_parts"
+    " USING btree (part)",
+    "outbox_parts_one_current": "CREATE UNIQUE INDEX outbox_parts_one_current"
+    " ON S.outbox_parts USING btree (current) WHERE current",
     "event_failures_pkey": "CREATE UNIQUE INDEX event_failures_pkey ON S.event_failures"
     " USING btree (run_id, seq)",
     "event_failures_failed_at": "CREATE INDEX event_failures_failed_at ON S.event_failures"
@@ -209,6 +235,10 @@ EXPECTED_FUNCTIONS = {
     "emit_wakes": "p_run_id text, p_from bigint, p_upto bigint, p_now timestamp with time zone",
     "delivered_note": "p_run_id text, p_last_seq bigint, p_event_ids text[]",
     "prune": "p_retention interval, p_limit integer",
+    "current_outbox_part": "",
+    "empty_outbox_part": "p_part smallint, p_current smallint, p_limit integer",
+    "rotate_outbox": "p_to smallint",
+    "not_done_in_part": "p_part smallint, p_limit integer",
     "forget_finished_runs": "p_retention interval, p_limit integer",
     # functions_ops.sql: the operator tools
     "unblock_run": "p_run_id text",
@@ -228,6 +258,7 @@ EXPECTED_SETTINGS = {
     "max_id_bytes": "200",
     "notify_ordinary": "on",
     "enqueue_lock_timeout": "5s",
+    "outbox_part_lock_timeout": "200ms",
 }
 
 
