@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -34,27 +35,32 @@ def setup(url: str, tree: str, schema: str, runs: int, history: int) -> None:
                RELAY_INGRESS_URL="http://unused")  # fmt: skip
     subprocess.run([sys.executable, "-m", "relay.cli", "migrate"], env=env, check=True,
                    capture_output=True)  # fmt: skip
-    payload = json.dumps({"x": PAYLOAD})
     with psycopg.connect(url, autocommit=True) as c:
         c.execute(f"set search_path = {schema}")
-        parted = c.execute("select to_regclass('outbox_parts') is not null").fetchone()
-        if parted and parted[0]:
-            c.execute("select rotate_outbox(1::smallint)")
-        c.execute(
-            "select count(enqueue('h' || r, 'h' || r || '-' || i, 't', %s::jsonb))"
-            " from generate_series(1, %s) r, generate_series(1, %s) i",
-            (payload, history, PER_RUN),
-        )
+        row = c.execute("select to_regclass('outbox_parts') is not null").fetchone()
+        parted = bool(row and row[0])
+        into_part(c, parted, 1)
+        enqueue_runs(c, "h", history)
         c.execute("update runs set delivered_seq = %s, idle = true where run_id like 'h%%'",
                   (PER_RUN,))  # fmt: skip
-        if parted and parted[0]:
-            c.execute("select rotate_outbox(2::smallint)")
-        c.execute(
-            "select count(enqueue('r' || r, 'r' || r || '-' || i, 't', %s::jsonb))"
-            " from generate_series(1, %s) r, generate_series(1, %s) i",
-            (payload, runs, PER_RUN),
-        )
+        into_part(c, parted, 2)
+        enqueue_runs(c, "r", runs)
         c.execute("vacuum analyze")
+
+
+def into_part(c: psycopg.Connection[Any], parted: bool, part: int) -> None:
+    """New events go to `part` from now on (schema version 8; nothing before it)."""
+    if parted:
+        c.execute("select rotate_outbox(%s::smallint)", (part,))
+
+
+def enqueue_runs(c: psycopg.Connection[Any], prefix: str, runs: int) -> None:
+    """`runs` runs of PER_RUN events, through the real enqueue, in one statement."""
+    c.execute(
+        "select count(enqueue(%(p)s || r, %(p)s || r || '-' || i, 't', %(payload)s::jsonb))"
+        " from generate_series(1, %(runs)s) r, generate_series(1, %(per)s) i",
+        {"p": prefix, "payload": json.dumps({"x": PAYLOAD}), "runs": runs, "per": PER_RUN},
+    )
 
 
 def cpu_seconds(pid: int) -> float:
