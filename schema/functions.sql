@@ -43,8 +43,9 @@ as $$ select value from settings where key = p_key $$;
 -- one is locked, and locked again by the same transaction for free: the row is written once per
 -- run and transaction, not once per event.
 -- The next seq follows the run's highest event (a probe at the end of its primary-key range, in
--- a new statement: after the lock, so every earlier writer's commit is seen), or `last_seq`,
--- the floor below which retention removed the run's events.
+-- a new statement: after the lock, so every earlier writer's commit is seen), or, once retention
+-- removed them all, the run's cursor (schema version 8), or `last_seq`, the floor a version-7
+-- retention left.
 -- Under repeatable read or serializable the caller's snapshot predates the lock, so the row is
 -- written as before (`last_seq`), and a concurrent writer of the run fails the transaction with
 -- a serialization error rather than with a duplicate seq.
@@ -79,9 +80,12 @@ begin
         end if;
         perform set_config('lock_timeout', v_old_timeout, true);
     end if;
+    -- Retention removes the oldest of a run's events, and only events at or below its cursor:
+    -- the highest left is the run's highest; with none left, the cursor is (read only then).
     select greatest(s.last_seq,
-                    coalesce((select max(o.seq) from outbox o where o.run_id = p_run_id), 0),
-                    coalesce((select r.delivered_seq from runs r where r.run_id = p_run_id), 0))
+                    coalesce((select max(o.seq) from outbox o where o.run_id = p_run_id),
+                             (select r.delivered_seq from runs r where r.run_id = p_run_id),
+                             0))
            + 1
     into v_seq
     from run_seqs s where s.run_id = p_run_id;
@@ -1180,6 +1184,9 @@ begin
     if v_moved >= p_limit then
         return 0;
     end if;
+    -- Counted before the lock, which every statement on the outbox waits for while it is held;
+    -- an event committed into the part meanwhile is pending, and stops the truncate below.
+    select count(*) into v_removed from outbox where part = p_part;
     perform set_config('lock_timeout', setting('outbox_part_lock_timeout'), true);
     begin
         execute format('lock table %I in access exclusive mode', 'outbox_p' || p_part);
@@ -1193,7 +1200,6 @@ begin
     if found then
         return 0;
     end if;
-    select count(*) into v_removed from outbox where part = p_part;
     delete from event_failures f using outbox o
     where o.part = p_part and f.run_id = o.run_id and f.seq = o.seq;
     delete from event_skips k using outbox o

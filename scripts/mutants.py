@@ -379,8 +379,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "§9.2 per-run seqs only grow: after retention removed a run's events, enqueue numbers"
         " after the run's cursor (retention removes only events at or below it)",
         SQL,
-        "coalesce((select r.delivered_seq from runs r where r.run_id = p_run_id), 0))",
-        "0)",
+        " " * 29 + "(select r.delivered_seq from runs r where r.run_id = p_run_id),\n",
+        "",
         (f"{LEASE}::test_prune_keeps_seqs_and_epochs_monotonic_per_run",),
         ci=True,
     ),
