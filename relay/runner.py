@@ -130,33 +130,10 @@ class Relay:
 
     async def _run(self, task_status: TaskStatus[Relay]) -> None:
         s = self.settings
-        url = s.database_url.reveal()
-        pools = [
-            self._pool(url, "ordinary", pool_size(s.concurrency)),
-            self._pool(url, "critical", pool_size(s.critical_concurrency)),
-        ]
-        # Wait for the database first (relay/startup.py): a stop request during the wait ends it.
-        from relay.startup import wait_for_database
-
-        waited = await wait_for_database(
-            url,
-            timeout=s.startup_timeout,
-            stop=self._stop,
-            replica=s.replica_id,
-            metrics_addr=s.metrics_addr,
-        )
-        if not waited:
+        pools = await self._connect()
+        if pools is None:
             logs.info("shutdown", replica=s.replica_id)
             return
-        try:
-            for pool in pools:
-                await pool.open(wait=True, timeout=s.statement_timeout + 5)
-        except Exception as exc:
-            for pool in pools:
-                await pool.close()
-            raise ConnectionError(
-                f"cannot connect to the database at {redact_url(url)}: {type(exc).__name__}"
-            ) from None
         ordinary_pool, critical_pool = pools
         try:
             ordinary_store = self._store(ordinary_pool)
@@ -204,6 +181,37 @@ class Relay:
             logs.info("shutdown", replica=s.replica_id)
 
     # -- internals ---------------------------------------------------------------------------
+
+    async def _connect(self) -> list[Pool] | None:
+        """The ordinary and the critical pool, open; None when a stop request came while the
+        database was waited for (relay/startup.py), which comes first."""
+        s = self.settings
+        url = s.database_url.reveal()
+        pools = [
+            self._pool(url, "ordinary", pool_size(s.concurrency)),
+            self._pool(url, "critical", pool_size(s.critical_concurrency)),
+        ]
+        from relay.startup import wait_for_database
+
+        waited = await wait_for_database(
+            url,
+            timeout=s.startup_timeout,
+            stop=self._stop,
+            replica=s.replica_id,
+            metrics_addr=s.metrics_addr,
+        )
+        if not waited:
+            return None
+        try:
+            for pool in pools:
+                await pool.open(wait=True, timeout=s.statement_timeout + 5)
+        except Exception as exc:
+            for pool in pools:
+                await pool.close()
+            raise ConnectionError(
+                f"cannot connect to the database at {redact_url(url)}: {type(exc).__name__}"
+            ) from None
+        return pools
 
     async def _serve(
         self, store: Store, metrics: Metrics | None, task_status: TaskStatus[Relay]
