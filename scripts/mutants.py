@@ -49,6 +49,7 @@ CLOCK = "tests/test_lease_clock.py"
 LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
 LIVE = "tests/test_liveness.py"
+EMPTY = "tests/test_claim_empty.py"
 # ack_round's fence, and its hold of `upto` to the run's last committed event
 ACK_FENCE = "where r.lease_token = t.token and r.lease_expires_at > v_now"
 ACK_UPTO = (
@@ -443,6 +444,33 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_ops.py::test_skipping_the_last_event_lets_the_run_settle",
             f"{LEASE}::test_an_ack_racing_a_producer_never_strands_its_event",
         ),
+    ),
+    Mutant(
+        "claim-empty-check-includes-cursor",
+        "§4.2/§9.1: a claim's empty check counts only events after the cursor (the delivered one at"
+        " it, not yet removed, left a run with nothing to send leased and returned without rows)",
+        SQL,
+        "where o.run_id = t.run_id and o.seq > t.cursor));",
+        "where o.run_id = t.run_id and o.seq >= t.cursor));",
+        (f"{EMPTY}::test_a_claim_that_finds_a_run_empty_gives_its_lease_back_and_settles_it",),
+        ci=True,
+    ),
+    Mutant(
+        "settle-claim-without-lock",
+        "§9.1 no loss: the claim's settle sets a run idle only while no producer is mid-enqueue"
+        " on it (settle_run takes the run's run_seqs row lock, skip locked)",
+        SQL,
+        "    perform 1 from run_seqs s where s.run_id = p_run_id for update skip locked;\n"
+        "    if not found then\n"
+        "        update runs set next_attempt_at = clock_timestamp() + interval '200 milliseconds'",
+        "    perform 1 from run_seqs s where s.run_id = p_run_id;\n"
+        "    if not found then\n"
+        "        update runs set next_attempt_at = clock_timestamp() + interval '200 milliseconds'",
+        (
+            f"{EMPTY}::"
+            "test_a_claim_that_finds_a_run_empty_while_a_producer_writes_it_never_strands_its_event",
+        ),
+        ci=True,
     ),
     Mutant(
         "fence-renew-token",
