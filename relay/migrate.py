@@ -12,7 +12,8 @@ import itertools
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -27,6 +28,7 @@ from relay.policy import backoff
 from relay.roles import Roles
 
 _MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_AHEAD_RE = re.compile(r"^-- ahead of its migration from version (\d+)\n")
 FUNCTIONS_FILE = "functions.sql"
 # A migration takes ACCESS EXCLUSIVE locks on tables that running relays and producers use, and
 # a long wait for one hurts twice. Every statement that arrives meanwhile queues behind the
@@ -48,10 +50,18 @@ class Migration:
     version: int
     name: str
     text: str
+    # `NNNN_name.prepare.sql`: the migration's work that needs no table lock (_prepare_ahead)
+    prepare: str | None = None
 
     @property
     def checksum(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()
+
+    @property
+    def prepare_from(self) -> int | None:
+        """The oldest version the prepare can run ahead on, from its first line."""
+        m = _AHEAD_RE.match(self.prepare or "")
+        return int(m.group(1)) if m else None
 
 
 def terminal_channel(schema: str) -> str:
@@ -73,7 +83,9 @@ def migrations() -> tuple[Migration, ...]:
     for path in sorted(sql_dir().iterdir()):
         m = _MIGRATION_RE.match(path.name)
         if m:
-            found.append(Migration(int(m.group(1)), m.group(2), path.read_text()))
+            prepare = path.with_suffix(".prepare.sql")
+            text = prepare.read_text() if prepare.is_file() else None
+            found.append(Migration(int(m.group(1)), m.group(2), path.read_text(), text))
     versions = [m.version for m in found]
     if versions != list(range(1, len(found) + 1)):
         raise SchemaError(f"migrations must be numbered 1..n without gaps, found {versions}")
@@ -126,18 +138,43 @@ def migrate(
     `roles`, also create them when missing and grant each exactly its privileges
     (relay/roles.py). `lock_timeout` bounds the whole wait for locks; `table_lock_wait` one
     attempt's wait for a table (TABLE_LOCK_WAIT)."""
-    validate_schema_name(schema)
     ident = sql.Identifier(schema)
+    with _session(conninfo, schema, lock_timeout, statement_timeout) as conn:
+        result = _migrate_locked(conn, schema, ident, table_lock_wait)
+        if roles is not None:
+            role_grants.grant(conn, schema, roles)
+            result.granted = roles
+        return result
+
+
+def prepare(
+    conninfo: str,
+    schema: str,
+    *,
+    lock_timeout: str = "60s",
+    statement_timeout: str = "5min",
+    table_lock_wait: float = TABLE_LOCK_WAIT,
+) -> list[int]:
+    """Only what `migrate` does first: the pending migrations' prepares (_prepare_ahead), while
+    the running version goes on. Returns the versions prepared. A later `migrate` prepares only
+    what changed since, then migrates."""
+    with _session(conninfo, schema, lock_timeout, statement_timeout) as conn:
+        ahead = _prepare_pending(conn, schema, _read_version(conn, schema), table_lock_wait)
+        return [m.version for m in ahead]
+
+
+@contextmanager
+def _session(
+    conninfo: str, schema: str, lock_timeout: str, statement_timeout: str
+) -> Iterator[psycopg.Connection]:
+    """A connection holding the schema's migration lock: one migrates, the others wait."""
+    validate_schema_name(schema)
     with psycopg.connect(conninfo, autocommit=True) as conn:
         conn.execute("select set_config('lock_timeout', %s, false)", (lock_timeout,))
         conn.execute("select set_config('statement_timeout', %s, false)", (statement_timeout,))
         conn.execute("select pg_advisory_lock(%s)", (_lock_key(schema),))
         try:
-            result = _migrate_locked(conn, schema, ident, table_lock_wait)
-            if roles is not None:
-                role_grants.grant(conn, schema, roles)
-                result.granted = roles
-            return result
+            yield conn
         finally:
             conn.execute("select pg_advisory_unlock(%s)", (_lock_key(schema),))
 
@@ -168,24 +205,85 @@ def _migrate_locked(
             "upgrade the relay"
         )
     pending = [m for m in migrations() if m.version > current]
+    ahead = _prepare_pending(conn, schema, current, table_lock_wait)
     reapplied = _with_short_lock_waits(
-        conn, table_lock_wait, lambda: _apply(conn, schema, ident, pending)
+        conn, table_lock_wait, lambda: _apply(conn, schema, ident, pending, ahead)
     )
     return MigrateResult([m.version for m in pending], reapplied, target)
 
 
+def _prepare_pending(
+    conn: psycopg.Connection, schema: str, current: int, table_lock_wait: float
+) -> list[Migration]:
+    """The prepares that can run ahead on a database at version `current`, run."""
+    pending = [m for m in migrations() if m.version > current]
+    ahead = [m for m in pending if m.prepare_from is not None and current >= m.prepare_from]
+    for m in ahead:
+        _prepare_ahead(conn, schema, m, table_lock_wait)
+    return ahead
+
+
+def _prepare_ahead(
+    conn: psycopg.Connection, schema: str, m: Migration, table_lock_wait: float
+) -> None:
+    """A migration's prepare before its transaction, while the previous version runs on: the
+    file in one short transaction (it adds what the old functions never name, and notes what
+    changes from then on), then its `migrate_prepare_step` in transactions of their own until it
+    returns null. The migration then only catches up with what changed meanwhile, under its
+    locks. A prepare that stopped half-way is simply run again by the next `relay migrate`."""
+    logs.info("migrate_prepare", version=m.version, name=m.name)
+    started = time.monotonic()
+    _with_short_lock_waits(conn, table_lock_wait, lambda: _run_prepare_file(conn, schema, m))
+    steps = _prepare_steps(conn, schema)
+    logs.info(
+        "migrate_prepared",
+        version=m.version,
+        steps=steps,
+        seconds=round(time.monotonic() - started, 3),
+    )
+
+
+def _run_prepare_file(conn: psycopg.Connection, schema: str, m: Migration) -> bool:
+    assert m.prepare is not None
+    with conn.transaction():
+        conn.execute(
+            sql.SQL("set local search_path = {}, pg_catalog").format(sql.Identifier(schema))
+        )
+        conn.execute(m.prepare.encode())
+    return True
+
+
+def _prepare_steps(conn: psycopg.Connection, schema: str) -> int:
+    step = sql.SQL("select {}.migrate_prepare_step(%s)").format(sql.Identifier(schema))
+    after: str | None = None
+    for steps in itertools.count(1):
+        row = conn.execute(step, (after,)).fetchone()
+        after = row[0] if row else None
+        if after is None:
+            return steps
+    raise AssertionError("unreachable")  # itertools.count() does not end
+
+
 def _apply(
-    conn: psycopg.Connection, schema: str, ident: sql.Identifier, pending: list[Migration]
+    conn: psycopg.Connection,
+    schema: str,
+    ident: sql.Identifier,
+    pending: list[Migration],
+    prepared: list[Migration],
 ) -> bool:
     """The pending migrations and the functions of the new version, in one transaction: a
     migration may change a table the old functions write (version 7 turned `events` into a
     view), and a producer must never run an old function against the new layout, or find none.
+    A migration's prepare that did not run ahead (`prepared`) runs here, just before it.
     Returns whether the functions were re-created."""
     with conn.transaction():
         for m in pending:
             conn.execute(
                 sql.SQL("set local search_path = {}, pg_catalog").format(sql.Identifier(schema))
             )
+            if m.prepare is not None and m not in prepared:
+                conn.execute(m.prepare.encode())
+                _prepare_steps(conn, schema)
             conn.execute(m.text.encode())
             conn.execute(
                 sql.SQL(

@@ -22,8 +22,10 @@
 --     `last_seq` is the floor below which retention removed events (prune raises it first).
 --
 -- In place: this file and the new functions are applied in one transaction (relay migrate),
--- which holds `events`/`outbox` exclusively while it runs: producers wait for it. The work is
--- index-driven, one pass over the runs; docs/storage.md gives the measured time for 1M events.
+-- which holds `events`/`outbox` and `runs` exclusively while it runs: producers wait for it. So
+-- the work that reads every event (each run's cursor, history and pending terminal) is done
+-- before it, without those locks, by 0007_delivery_cursor.prepare.sql; here only the runs that
+-- changed since are done again. docs/storage.md gives the measured wait for 1M events.
 
 -- Shims for functions of older versions, which used to sit in functions.sql (issue 27, item 6).
 -- A call from a relay of the previous version must resolve to exactly one function:
@@ -47,83 +49,26 @@ drop function if exists hold_liveness(text);
 -- looks them up by name (tests/test_rolling_upgrade.py went red on "function run_lock_key(text)
 -- does not exist" when they were dropped here). The migration after the next release drops them.
 
+-- The prepare (0007_delivery_cursor.prepare.sql) computed every run's cursor, history and
+-- pending terminal while the previous version ran on. Under the locks, every transaction
+-- that wrote an event has ended: catch up with the runs that changed since it read
+-- them, or that it did not reach.
+lock table events, runs in access exclusive mode;
+select migrate_0007_runs(array(select run_id from runs where delivered_seq is null
+                               union
+                               select run_id from migrate_0007_changed));
+drop function migrate_prepare_step(text);
+drop function migrate_0007_runs(text[]);
+drop function migrate_0007_note_changed() cascade;   -- and its triggers
+drop table migrate_0007_changed;
+
+alter table runs
+    alter column delivered_seq set default 0,
+    alter column delivered_seq set not null;
+
 alter table events rename to outbox;
 alter index events_pkey rename to outbox_pkey;
 alter index events_event_id_key rename to outbox_event_id_key;
--- Retention removes delivered events by age (created_at): the delivery time is no longer kept
--- per event. Inserts come in time order, so this index only ever grows at its right edge.
-create index outbox_created_at on outbox (created_at);
-
-alter table runs
-    add column delivered_seq bigint not null default 0,
-    add column delivered_at  timestamptz,          -- when the cursor last moved
-    add column last_status   integer;              -- the HTTP status of the last failed attempt
-
-create table event_failures (
-    run_id       text not null,
-    seq          bigint not null,
-    attempts     integer not null default 0,        -- failed attempts when it was failed
-    last_status  integer,
-    last_error   text,
-    failed_at    timestamptz not null default clock_timestamp(),
-    retried_by   text,
-    retried_role text,
-    retried_at   timestamptz,
-    retries      integer not null default 0,
-    primary key (run_id, seq)
-);
-create index event_failures_failed_at on event_failures (failed_at);
-
-create table event_skips (
-    run_id       text not null,
-    seq          bigint not null,
-    skipped_by   text not null,
-    skipped_role text,
-    skip_reason  text not null,
-    skipped_at   timestamptz not null default clock_timestamp(),
-    primary key (run_id, seq)
-);
-
-create table pending_terminals (
-    run_id     text primary key,
-    seq        bigint not null,
-    created_at timestamptz not null        -- the terminal event's: the critical lane's order
-);
-create index pending_terminals_created_at on pending_terminals (created_at);
-
--- The history the version-6 rows carry, before their columns go (one pass over the events).
-with history as materialized (
-    select * from outbox
-    where state in ('failed', 'skipped') or failed_at is not null or retries > 0
-), failures as (
-    insert into event_failures (run_id, seq, attempts, last_status, last_error, failed_at,
-                                retried_by, retried_role, retried_at, retries)
-    select run_id, seq, attempts, last_status, last_error, coalesce(failed_at, created_at),
-           retried_by, retried_role, retried_at, retries
-    from history
-    where state = 'failed' or failed_at is not null or retries > 0
-)
-insert into event_skips (run_id, seq, skipped_by, skipped_role, skip_reason, skipped_at)
-select run_id, seq, coalesce(skipped_by, 'unknown'), skipped_role, coalesce(skip_reason, ''),
-       coalesce(done_at, created_at)
-from history
-where state = 'skipped';
-
-insert into pending_terminals (run_id, seq, created_at)
-select run_id, seq, created_at from outbox
-where terminal and state in ('pending', 'failed');
-
--- The cursor: everything below the run's first event that is not done. In version 6 the done
--- events of a run are always a prefix (the ack takes a prefix, only a failed head is skipped),
--- so this is exact. A run with nothing left to do gets its seq counter (retention may have
--- removed its events). The cursor's last move is taken to be the run's last update: version 6's
--- ack wrote updated_at as it released the run.
-update runs r
-set delivered_seq = coalesce(least((select min(p.seq) from outbox p
-                                    where p.run_id = r.run_id and p.state = 'pending'),
-                                   r.blocked_seq) - 1,
-                             (select s.last_seq from run_seqs s where s.run_id = r.run_id)),
-    delivered_at = r.updated_at;
 
 alter table outbox
     drop column state,

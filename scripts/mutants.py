@@ -50,6 +50,8 @@ LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
 LIVE = "tests/test_liveness.py"
 EMPTY = "tests/test_claim_empty.py"
+MIGRATE = "tests/test_migrate_cursor.py"
+PREPARE = "schema/0007_delivery_cursor.prepare.sql"
 # ack_round's fence, and its hold of `upto` to the run's last committed event
 ACK_FENCE = "where r.lease_token = t.token and r.lease_expires_at > v_now"
 ACK_UPTO = (
@@ -823,6 +825,26 @@ MUTANTS: tuple[Mutant, ...] = (
         "perform jsonb_build_array(v_wake.wake_queue, v_wake.wake_event,",
         (f"{LEASE}::test_ack_emits_the_engine_wake_and_notifies",),
     ),
+    Mutant(
+        "prepare-notes-nothing",
+        "§9.1 no loss, §9.2 order: the migration's prepare ran ahead of its locks, so a run the"
+        " previous release changed after the prepare read it is computed again under them",
+        PREPARE,
+        "    insert into migrate_0007_changed (run_id) select distinct run_id from changed;\n",
+        "    perform 1;\n",
+        (
+            f"{MIGRATE}::"
+            "test_what_the_previous_release_changes_after_the_prepare_is_caught_up_under_the_lock",
+        ),
+    ),
+    Mutant(
+        "prepare-step-waits",
+        "rolling upgrade: a step of the migration's prepare never waits for a run an ack holds",
+        PREPARE,
+        "          for update skip locked) batch;",
+        "          for update) batch;",
+        (f"{MIGRATE}::test_a_prepare_step_passes_over_a_run_another_transaction_holds",),
+    ),
 )
 
 
@@ -843,6 +865,11 @@ def scratch_copy(dest: Path) -> None:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
+    # The previous release the upgrade tests run is built from git history, which the copy
+    # lacks; the checkout's build (git-ignored) serves the copy too.
+    previous = ROOT / ".venv-previous"
+    if previous.is_dir():
+        (dest / ".venv-previous").symlink_to(previous)
 
 
 def apply(copy: Path, m: Mutant) -> None:

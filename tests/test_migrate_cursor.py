@@ -24,7 +24,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from relay.migrate import code_version, migrate
+from relay.migrate import code_version, migrate, migrations, prepare
 from tests.faults.harness import relay_env
 from tests.support import InThread, wait_until
 from tests.upgrade import Previous, previous_or_skip
@@ -340,3 +340,86 @@ def test_the_migration_gives_way_to_a_transaction_holding_a_table_it_needs(
         other.execute(sql.SQL("select count(*) from {}.events").format(s)).fetchone()
         other.commit()
     assert migration.result().version == code_version()
+
+
+def cursors(conn: psycopg.Connection[Any], schema: str) -> dict[str, int | None]:
+    rows = conn.execute(
+        sql.SQL("select run_id, delivered_seq from {}.runs").format(sql.Identifier(schema))
+    ).fetchall()
+    return {run: seq for run, seq in rows}
+
+
+def test_what_the_previous_release_changes_after_the_prepare_is_caught_up_under_the_lock(
+    pg_url: str, old_schema: str
+) -> None:
+    """Migration 0007's prepare computes every run's cursor, history and pending terminal
+    before the migration's transaction, while the previous release goes on (producers then
+    wait only for the short locked part: docs/storage.md). What that release changes after the
+    prepare read a run must be taken again under the migration's locks: a run delivered
+    further, a head that failed, a failed head skipped or retried, runs created since. Left
+    out, the run keeps the cursor and history of the moment the prepare read it."""
+    schema = old_schema
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        old = Old(conn, schema)
+        make_history(old)
+        assert prepare(pg_url, schema) == [7]
+        assert None not in cursors(conn, schema).values()
+
+        old.ack("partial-0", old.claim_run("partial-0"), 5)  # delivered to the end
+        old.fail("partial-1", old.claim_run("partial-1"), 4)  # its head failed: blocked
+        old.call("skip_event", "failed-0-2", "carol", "skipped after the prepare")
+        old.call("retry_event", "failed-1-2", "dave")
+        old.enqueue("late-0", 2)
+        old.enqueue("late-1", 2, terminal=True)
+        before = events(conn, schema)
+
+        migrate(pg_url, schema)
+
+        assert events(conn, schema) == before
+        got = cursors(conn, schema)
+        assert [got[r] for r in ("partial-0", "partial-1", "failed-0", "failed-1")] == [5, 3, 2, 1]
+        assert got["late-0"] == got["late-1"] == 0
+        terminals = conn.execute(
+            sql.SQL("select run_id from {}.pending_terminals order by run_id").format(
+                sql.Identifier(schema)
+            )
+        ).fetchall()
+        assert [r[0] for r in terminals] == [f"critical-{r}" for r in range(3)] + ["late-1"]
+
+
+def test_a_prepare_step_passes_over_a_run_another_transaction_holds(
+    pg_url: str, old_schema: str
+) -> None:
+    """A step of the prepare must never wait for a run's row: the previous release's ack holds
+    the rows of the runs it acks, and a step waiting for one (while holding rows the ack may
+    want next) would stall or deadlock it. It passes over the run (`skip locked`), which the
+    migration then computes under its locks."""
+    schema = old_schema
+    s = sql.Identifier(schema)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        old = Old(conn, schema)
+        old.enqueue("free", 2)
+        old.enqueue("held", 3)
+        old.ack("held", old.claim_run("held"), 1)
+        (m7,) = [m for m in migrations() if m.version == 7]
+        assert m7.prepare is not None
+        with conn.transaction():
+            conn.execute(sql.SQL("set local search_path = {}, pg_catalog").format(s))
+            conn.execute(m7.prepare.encode())
+        with psycopg.connect(pg_url) as holder:
+            holder.execute(
+                sql.SQL("select 1 from {}.runs where run_id = 'held' for update").format(s)
+            )
+            conn.execute("set lock_timeout = '5s'")
+            step = sql.SQL("select {}.migrate_prepare_step(null)").format(s)
+            assert conn.execute(step).fetchone() == ("free",)
+            assert cursors(conn, schema) == {"free": 0, "held": None}
+        migrate(pg_url, schema)
+        assert cursors(conn, schema) == {"free": 0, "held": 1}
+        claimed = Old(conn, schema).call("claim", "new-relay", 10, 100, "30 seconds", "ordinary")
+        assert sorted((row[0], row[6]) for row in claimed) == [
+            ("free", 1),
+            ("free", 2),
+            ("held", 2),
+            ("held", 3),
+        ]
