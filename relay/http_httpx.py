@@ -1,11 +1,11 @@
 """POSTs through httpcore, httpx's transport layer (`http_transport=httpx`), and through an httpx
 transport the application owns (`Relay(transport=...)`, e.g. an in-process ASGI app).
 
-The relay's own POSTs go straight to `httpcore.AsyncConnectionPool.handle_async_request`, all of
-it httpcore's public API: no `httpx.AsyncClient` (URL merging with a base URL, cookie jars, auth
-and redirect flows, default headers, event hooks) and no `httpx.AsyncHTTPTransport` (a request
-and a response model wrapped around httpcore's per POST) in between. What they did that the
-relay needs is done here, once:
+The relay's own POSTs go to httpcore's connections (`httpcore.AsyncHTTP11Connection`) kept
+here, or through a proxy to `httpcore.AsyncConnectionPool`, all of it httpcore's public API: no
+`httpx.AsyncClient` (URL merging with a base URL, cookie jars, auth and redirect flows, default
+headers, event hooks) and no `httpx.AsyncHTTPTransport` (a request and a response model wrapped
+around httpcore's per POST) in between. What they did that the relay needs is done here, once:
 
 - **Proxies.** The environment's proxy for each origin (`HTTP_PROXY`, `HTTPS_PROXY`,
   `ALL_PROXY`, `NO_PROXY`, read as httpx's client reads them with `trust_env`:
@@ -13,16 +13,22 @@ relay needs is done here, once:
   in the proxy's URL becomes its Basic auth, a TLS proxy is verified against the system's
   store). An app-owned transport is used as it is, never proxied (as httpx's client does with
   an explicit `transport=`).
-- **Headers.** `Host` (computed once per origin) and `Content-Length` are set here.
-- **Limits.** A lane's `connections` are split over pools of at most `POOL_WIDTH` connections,
-  and each POST takes the pool with the fewest in flight: httpcore's pool scans every
-  connection it holds on each request and each release (quadratically), so one pool of 32 cost
-  the relay 40% of its events/s against pools of 8 (docs/performance.md, "The httpx path at
-  32 POST slots").
-  HTTP/1.1; connect, read, write and pool timeouts from `http_timeout` (the whole request is
-  bounded by IngressClient's own deadline); keep-alive connections idle 5 s at most (httpx's
-  default); at most `READ_LIMIT` bytes of an answer read, after which the connection is closed
-  rather than drained.
+- **Headers.** `Host` (computed once per origin) and `Content-Length` are set here; the URL
+  is parsed once per origin, and each POST's request target is the rest of its URL.
+- **Connections.** Straight to the ingress, a lane's POSTs take a kept connection (the most
+  recently used) or open one, at most `connections` at once, one request at a time on each:
+  httpcore's pool, with its lock, its shielded scopes and a scan of every connection it holds
+  on each request and each release, cost a quarter of this sender's CPU per POST
+  (docs/performance.md, "The httpx path without httpcore's pool"). A kept connection is
+  reused only if httpcore left it idle (its answer read whole, keep-alive) and it has not
+  expired: idle over 5 s (httpx's default), or closed by the server meanwhile. Through a
+  proxy, httpcore's pools do it (tunnelling and forwarding are theirs), a lane's `connections`
+  split over pools of at most `POOL_WIDTH`, each POST taking the least busy: their scans grow
+  with the square of their size (docs/performance.md, "The httpx path at 32 POST slots").
+- **Limits.** HTTP/1.1; connect, read and write timeouts (and the pools' wait) from
+  `http_timeout` (the whole request is bounded by IngressClient's own deadline); at most
+  `READ_LIMIT` bytes of an answer read, after which the connection is closed rather than
+  drained.
 
 Every httpcore or httpx error (refused, reset, TLS, a malformed answer, a timeout of one phase)
 becomes a `TransportFailure` naming it: a failure of this request, never of the relay.
@@ -30,12 +36,15 @@ becomes a `TransportFailure` naming it: a failure of this request, never of the 
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import os
-import select
 import ssl
 import typing
+from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
+import anyio
 import httpcore
 import httpx
 
@@ -96,9 +105,24 @@ class _Pools:
         return counts.index(min(counts)) if len(counts) > 1 else 0
 
 
+@dataclass(slots=True)
+class _Route:
+    """Where POSTs to one origin go: straight to it over connections kept here (`idle`), or
+    through a proxy's pools."""
+
+    prefix: int  # characters of the URL up to its path: scheme://netloc
+    scheme: bytes
+    host: bytes
+    port: int | None
+    host_header: bytes
+    pools: _Pools | None  # through a proxy
+    keeps: bool  # whether its connections are kept (the sender remembers the route)
+    idle: list[httpcore.AsyncHTTP11Connection] = field(default_factory=list)
+
+
 class HttpxSender:
-    """The `Sender` over httpcore pools of its own (per the environment, proxied ones too), or
-    over the application's httpx transport."""
+    """The `Sender` over httpcore connections of its own (through the environment's proxies,
+    httpcore's pools), or over the application's httpx transport."""
 
     def __init__(
         self,
@@ -114,41 +138,55 @@ class HttpxSender:
             self._ssl = verify
         else:
             self._ssl = httpx.create_ssl_context(verify=verify)
+        self._ssl.set_alpn_protocols(["http/1.1"])  # as httpcore's connections say: HTTP/1.1
         self._connections = connections
         self._proxy_rules = NO_PROXIES
         if transport is None:
             self._proxy_rules = proxy_rules(os.environ) if rules is None else rules
-        self._pools: dict[str | None, _Pools] = {}  # per proxy URL (None: direct)
-        t = float(timeout)
+        self._pools: dict[str, _Pools] = {}  # per proxy URL
+        self._timeout = t = float(timeout)
         self._extensions = {"timeout": {"connect": t, "read": t, "write": t, "pool": t}}
-        # Per origin: (its pools, its Host header); the relay POSTs to one or two origins
-        # (ingress_url, ingress_batch_url), so this stays tiny.
-        self._routes: dict[Origin, tuple[_Pools, bytes]] = {}
+        self._slots = asyncio.Semaphore(connections)  # POSTs in flight on direct connections
+        self._network = _Backend()
+        # Per origin; the relay POSTs to one or two (ingress_url, ingress_batch_url).
+        self._routes: dict[Origin, _Route] = {}
 
-    def _pools_for(self, proxy: str | None) -> _Pools:
+    def _pools_for(self, proxy: str) -> _Pools:
         if proxy not in self._pools:
 
             def make(width: int) -> httpcore.AsyncConnectionPool:
                 return httpcore.AsyncConnectionPool(
                     ssl_context=self._ssl,
-                    proxy=None if proxy is None else _proxy(proxy),
+                    proxy=_proxy(proxy),
                     max_connections=width,
                     max_keepalive_connections=width,
                     keepalive_expiry=KEEPALIVE_EXPIRY,
                     http1=True,
                     http2=False,
-                    network_backend=_Backend(httpcore.AnyIOBackend()),
+                    network_backend=self._network,
                 )
 
             self._pools[proxy] = _Pools(make, self._connections)
         return self._pools[proxy]
 
-    def _route(self, url: str) -> tuple[_Pools, bytes]:
+    def _route(self, url: str) -> _Route:
         origin = _origin(url)
         route = self._routes.get(origin)
         if route is None:
-            route = (self._pools_for(self._proxy_rules.for_url(url)), httpx.URL(url).netloc)
-            if len(self._routes) < 64:  # a caller POSTing to many origins: not kept forever
+            parsed = httpx.URL(url)
+            if parsed.raw_scheme not in (b"http", b"https") or not parsed.raw_host:
+                raise httpcore.UnsupportedProtocol(f"not an http(s) URL with a host: {url}")
+            proxy = self._proxy_rules.for_url(url)
+            route = _Route(
+                len(origin[0]) + 3 + len(origin[1]),
+                parsed.raw_scheme,
+                parsed.raw_host,
+                parsed.port,
+                parsed.netloc,
+                None if proxy is None else self._pools_for(proxy),
+                keeps=len(self._routes) < 64,  # a caller POSTing to many origins: not forever
+            )
+            if route.keeps:
                 self._routes[origin] = route
         return route
 
@@ -158,29 +196,68 @@ class HttpxSender:
         if self._app is not None:
             return await self._send_app(self._app, url, body, headers)
         try:
-            pools, host = self._route(url)
-            raw = [(b"host", host), (b"content-length", b"%d" % len(body))]
+            route = self._route(url)
+            raw = [(b"host", route.host_header), (b"content-length", b"%d" % len(body))]
             raw += [(k.encode("ascii"), v.encode("ascii")) for k, v in headers.items()]
             request = httpcore.Request(
-                b"POST", url, headers=raw, content=body, extensions=self._extensions
+                b"POST",
+                httpcore.URL(
+                    scheme=route.scheme,
+                    host=route.host,
+                    port=route.port,
+                    target=_target(url, route.prefix),
+                ),
+                headers=raw,
+                content=body,
+                extensions=self._extensions,
             )
-            i = pools.pick()
-            pools.in_flight[i] += 1
-            try:
-                response = await pools.pools[i].handle_async_request(request)
-                try:
-                    chunks = await _read(response.aiter_stream())
-                finally:
-                    await response.aclose()
-            finally:
-                pools.in_flight[i] -= 1
-            retry_after = next(
-                (v.decode("latin-1") for k, v in response.headers if k.lower() == b"retry-after"),
-                None,
-            )
-            return response.status, chunks, retry_after
+            if route.pools is None:
+                async with self._slots:
+                    return await self._direct(route, request)
+            return await self._proxied(route.pools, request)
         except (*HTTPCORE_ERRORS, OSError) as exc:
             raise TransportFailure(_failure(exc)) from exc
+
+    async def _direct(
+        self, route: _Route, request: httpcore.Request
+    ) -> tuple[int, bytes, str | None]:
+        """On a kept connection to the origin (a new one if none is idle), kept again if its
+        answer was read whole and it stays open (httpcore closes it otherwise)."""
+        conn = await self._kept(route) or await self._connect(route)
+        answer = await _exchange(conn, request)
+        if conn.is_idle():
+            if route.keeps:
+                route.idle.append(conn)
+            else:
+                await conn.aclose()
+        return answer
+
+    async def _kept(self, route: _Route) -> httpcore.AsyncHTTP11Connection | None:
+        while route.idle:
+            conn = route.idle.pop()  # the most recently used: the least likely to be closing
+            if not conn.has_expired():  # idle past KEEPALIVE_EXPIRY, or the server closed it
+                return conn
+            await conn.aclose()
+        return None
+
+    async def _connect(self, route: _Route) -> httpcore.AsyncHTTP11Connection:
+        host = route.host.decode("ascii")
+        port = route.port or (443 if route.scheme == b"https" else 80)
+        stream = await self._network.connect_tcp(host, port, timeout=self._timeout)
+        if route.scheme == b"https":
+            stream = await stream.start_tls(self._ssl, server_hostname=host, timeout=self._timeout)
+        origin = httpcore.Origin(route.scheme, route.host, port)
+        return httpcore.AsyncHTTP11Connection(origin, stream, keepalive_expiry=KEEPALIVE_EXPIRY)
+
+    async def _proxied(
+        self, pools: _Pools, request: httpcore.Request
+    ) -> tuple[int, bytes, str | None]:
+        i = pools.pick()
+        pools.in_flight[i] += 1
+        try:
+            return await _exchange(pools.pools[i], request)
+        finally:
+            pools.in_flight[i] -= 1
 
     async def _send_app(
         self, transport: httpx.AsyncBaseTransport, url: str, body: bytes, headers: dict[str, str]
@@ -209,9 +286,34 @@ class HttpxSender:
 
     async def aclose(self) -> None:
         # Only what this sender opened: an app-owned transport is the application's to close.
+        for route in self._routes.values():
+            while route.idle:
+                await route.idle.pop().aclose()
         for pools in self._pools.values():
             for pool in pools.pools:
                 await pool.aclose()
+
+
+async def _exchange(
+    via: httpcore.AsyncHTTP11Connection | httpcore.AsyncConnectionPool, request: httpcore.Request
+) -> tuple[int, bytes, str | None]:
+    response = await via.handle_async_request(request)
+    try:
+        chunks = await _read(response.aiter_stream())
+    finally:
+        await response.aclose()
+    retry_after = next(
+        (v.decode("latin-1") for k, v in response.headers if k.lower() == b"retry-after"), None
+    )
+    return response.status, chunks, retry_after
+
+
+def _target(url: str, prefix: int) -> bytes:
+    """The request target: the URL past its origin (`prefix` characters), without fragment."""
+    target = url[prefix:].partition("#")[0]
+    if not target.startswith("/"):
+        target = "/" + target  # no path: the origin's root
+    return target.encode("ascii")
 
 
 async def _read(stream: typing.AsyncIterable[bytes]) -> bytes:
@@ -244,21 +346,75 @@ def _failure(exc: Exception) -> str:
 
 # -- a leaner network layer under httpcore ---------------------------------------------------
 #
-# Measured on the relay's path (docs/performance.md), two costs of httpcore's default network
-# layer sit on every POST: its pool asks each idle pooled connection whether the server closed
-# it, and each asking builds anyio's table of socket attributes (a `getpeername` call and a
-# dozen closures) and a new `poll` object; and the request head and body go out in two
-# `send` calls, each waking the ingress. httpcore takes any network backend (its public
-# `AsyncNetworkBackend` interface, the pool's `network_backend=`). The pool's question about an
-# idle connection is `get_extra_info("is_readable")`, a key httpcore's own backends answer but
-# its docs do not name: tests/test_http_httpx.py fails if an upgrade stops asking it (the
-# cheaper answer here would then go unused, silently).
+# httpcore takes any network backend (its public `AsyncNetworkBackend` interface; the pools'
+# `network_backend=`, and the streams this sender connects itself). Its own, over anyio, costs
+# on every POST: a cancel scope and a timer around every read and write, anyio's stream
+# wrappers, and (for the pool's question whether an idle connection was closed by the server)
+# anyio's table of socket attributes and a new `poll` object. This one is an asyncio protocol
+# (the relay runs on anyio's asyncio backend only): a read returns what already arrived, or
+# waits for the protocol's next wake-up under one loop timer; the request's head and body
+# leave in one `send`; "is the idle connection readable?" is answered from what the protocol
+# has seen (bytes or the end of the stream). That question's key is httpcore's convention, not
+# its documented API: tests/test_http_httpx.py fails if an upgrade stops asking it (the
+# cheaper answer would then go unused, silently).
+
+BUFFERED = 256 * 1024  # bytes received and not yet read before the socket is no longer read
+
+
+class _Protocol(asyncio.Protocol):
+    """What arrived on one connection, and who waits for it."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.paused = False  # reading, while more than BUFFERED bytes wait unread
+        self.ended = False  # the peer's end of the stream, or the connection lost
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future[None] | None = None  # a read waiting for data
+        self.drained: asyncio.Future[None] | None = None  # set while writing is paused
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream transport
+
+    def data_received(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.buffered += len(data)
+        if self.buffered > BUFFERED and self.transport is not None and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake(self.waiter)
+
+    def eof_received(self) -> bool:
+        self.ended = True
+        self._wake(self.waiter)
+        return False  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.ended = True
+        self.error = exc
+        self._wake(self.waiter)
+        self._wake(self.drained)
+
+    def pause_writing(self) -> None:
+        self.drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        self._wake(self.drained)
+        self.drained = None
+
+    @staticmethod
+    def _wake(future: asyncio.Future[None] | None) -> None:
+        if future is not None and not future.done():
+            future.set_result(None)
+
+
+def _expire(future: asyncio.Future[None], error: Exception) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 class _Backend(httpcore.AsyncNetworkBackend):
-    def __init__(self, inner: httpcore.AsyncNetworkBackend) -> None:
-        self._inner = inner
-
     async def connect_tcp(
         self,
         host: str,
@@ -267,8 +423,12 @@ class _Backend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: typing.Iterable[typing.Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        return _Stream(
-            await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
+        loop = asyncio.get_running_loop()
+        local = None if local_address is None else (local_address, 0)
+        return await _open(
+            lambda: loop.create_connection(_Protocol, host, port, local_addr=local),
+            timeout,
+            socket_options,
         )
 
     async def connect_unix_socket(
@@ -277,47 +437,115 @@ class _Backend(httpcore.AsyncNetworkBackend):
         timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
         socket_options: typing.Iterable[typing.Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        return _Stream(await self._inner.connect_unix_socket(path, timeout, socket_options))
+        loop = asyncio.get_running_loop()
+        return await _open(
+            lambda: loop.create_unix_connection(_Protocol, path), timeout, socket_options
+        )
 
     async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)
+        await anyio.sleep(seconds)
+
+
+async def _open(
+    connect: typing.Callable[
+        [], typing.Awaitable[tuple[asyncio.BaseTransport, asyncio.BaseProtocol]]
+    ],
+    timeout: float | None,  # noqa: ASYNC109 - httpcore's interface
+    socket_options: typing.Iterable[typing.Any] | None,
+) -> _Stream:
+    try:
+        # anyio's deadline: the caller's anyio cancel scopes (the request's deadline, a lost
+        # lease) may cancel this task too, and one task takes one cancellation scheme.
+        with anyio.fail_after(timeout):
+            transport, protocol = await connect()
+    except TimeoutError as exc:
+        raise httpcore.ConnectTimeout(f"connect timed out after {timeout:g}s") from exc
+    except OSError as exc:
+        raise httpcore.ConnectError(exc) from exc
+    assert isinstance(protocol, _Protocol)
+    protocol.transport = transport  # type: ignore[assignment]  # uvloop: made only after this
+    sock = transport.get_extra_info("socket")
+    for option in socket_options or ():
+        sock.setsockopt(*option)
+    return _Stream(protocol)
 
 
 class _Stream(httpcore.AsyncNetworkStream):
-    """httpcore's stream with (1) what it writes held until it next reads, so a request's
-    head and body leave in one `send` (HTTP/1.1: a client always reads after its request;
-    closing or upgrading to TLS sends what is held first), and (2) "is the idle connection
-    readable?" answered by one `poll` object kept per connection."""
+    """One connection as httpcore reads and writes it. What it writes is held until it next
+    reads, so a request's head and body leave in one `send` (HTTP/1.1: a client always reads
+    after its request; closing or upgrading to TLS sends what is held first)."""
 
-    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
-        self._inner = inner
+    def __init__(self, protocol: _Protocol) -> None:
+        self._protocol = protocol
+        assert protocol.transport is not None
+        self._transport: asyncio.Transport = protocol.transport
         self._held: list[bytes] = []
         self._held_timeout: float | None = None
-        self._poll: typing.Any = None
-        sock = inner.get_extra_info("socket")
-        fd = sock.fileno() if sock is not None else -1
-        if fd != -1 and hasattr(select, "poll"):
-            self._poll = select.poll()
-            self._poll.register(fd, select.POLLIN)
-
-    async def _flush(self) -> None:
-        if self._held:
-            data = b"".join(self._held)
-            self._held.clear()
-            await self._inner.write(data, self._held_timeout)
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
         await self._flush()
-        return await self._inner.read(max_bytes, timeout)
+        p = self._protocol
+        if not p.chunks and not p.ended:
+            await self._wait(timeout)
+        if p.chunks:
+            chunk = p.chunks.popleft()
+            if len(chunk) > max_bytes:
+                chunk, rest = chunk[:max_bytes], chunk[max_bytes:]
+                p.chunks.appendleft(rest)
+            p.buffered -= len(chunk)
+            if p.paused and p.buffered <= BUFFERED:
+                p.paused = False
+                self._transport.resume_reading()
+            return chunk
+        if p.error is not None:
+            raise httpcore.ReadError(p.error)
+        return b""  # the end of the stream
+
+    async def _wait(self, timeout: float | None) -> None:  # noqa: ASYNC109
+        waiter = asyncio.get_running_loop().create_future()
+        self._protocol.waiter = waiter
+        timer = None
+        if timeout is not None:
+            expired = httpcore.ReadTimeout(f"no answer within {timeout:g}s")
+            timer = waiter.get_loop().call_later(timeout, _expire, waiter, expired)
+        try:
+            await waiter
+        finally:
+            self._protocol.waiter = None
+            if timer is not None:
+                timer.cancel()
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
         if buffer:
             self._held.append(buffer)
             self._held_timeout = timeout
 
+    async def _flush(self) -> None:
+        if not self._held:
+            return
+        data = b"".join(self._held)
+        self._held.clear()
+        p = self._protocol
+        if p.ended or self._transport.is_closing():
+            raise httpcore.WriteError(p.error or "the connection is closed")
+        self._transport.write(data)
+        drained = p.drained
+        if drained is not None:  # over the transport's high-water mark: wait for it to drain
+            timer = None
+            if self._held_timeout is not None:
+                expired = httpcore.WriteTimeout(f"not sent within {self._held_timeout:g}s")
+                timer = drained.get_loop().call_later(self._held_timeout, _expire, drained, expired)
+            try:
+                await drained
+            finally:
+                if timer is not None:
+                    timer.cancel()
+            if p.error is not None:
+                raise httpcore.WriteError(p.error)
+
     async def aclose(self) -> None:
         self._held.clear()  # nobody will read an answer to it
-        await self._inner.aclose()
+        self._transport.abort()  # as the default sender: nothing is owed to the peer
 
     async def start_tls(
         self,
@@ -326,9 +554,28 @@ class _Stream(httpcore.AsyncNetworkStream):
         timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
     ) -> httpcore.AsyncNetworkStream:
         await self._flush()
-        return _Stream(await self._inner.start_tls(ssl_context, server_hostname, timeout))
+        loop = asyncio.get_running_loop()
+        p = self._protocol
+        try:
+            with anyio.fail_after(timeout):
+                tls = await loop.start_tls(
+                    self._transport, p, ssl_context, server_hostname=server_hostname
+                )
+        except TimeoutError as exc:
+            self._transport.abort()
+            raise httpcore.ConnectTimeout(f"TLS handshake timed out after {timeout:g}s") from exc
+        except OSError as exc:  # ssl.SSLError is one
+            self._transport.abort()
+            raise httpcore.ConnectError(exc) from exc
+        assert tls is not None
+        p.transport = tls
+        return _Stream(p)
 
     def get_extra_info(self, info: str) -> typing.Any:
-        if info == "is_readable" and self._poll is not None:
-            return bool(self._poll.poll(0))
-        return self._inner.get_extra_info(info)
+        if info == "is_readable":
+            return bool(self._protocol.chunks) or self._protocol.ended
+        if info == "client_addr":
+            return self._transport.get_extra_info("sockname")
+        if info == "server_addr":
+            return self._transport.get_extra_info("peername")
+        return self._transport.get_extra_info(info)  # "ssl_object", "socket"

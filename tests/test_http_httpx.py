@@ -1,7 +1,9 @@
 """The httpx sender (relay/http_httpx.py) on what is its own, beside the contract, hostile-answer,
-TLS and proxy suites that run it with the other senders: its pools (a lane's connections split
-over pools of at most POOL_WIDTH, every connection usable at once), its leaner network layer
-(still asked by httpcore's pool), and a proxy's userinfo sent as its Basic auth."""
+TLS and proxy suites that run it with the other senders: its connections (kept and reused, not
+once the server closed them; every one of a lane's usable at once, straight or through a
+proxy's pools of at most POOL_WIDTH), its leaner network layer (still asked by httpcore whether
+an idle connection is readable; its read and write timeouts), the request target, and a
+proxy's userinfo sent as its Basic auth."""
 
 from __future__ import annotations
 
@@ -15,17 +17,19 @@ import anyio
 import pytest
 
 from relay import http_httpx
-from relay.http_httpx import POOL_WIDTH, HttpxSender, _Stream
+from relay.http_httpx import POOL_WIDTH, HttpxSender, _Stream, _target
 from relay.proxies import proxy_rules
+from relay.transport import TransportFailure
+from tests.support import wait_for
 from tests.test_http_httptools import OK, Scripted
 
 pytestmark = pytest.mark.anyio
 
 
-def test_a_lanes_connections_are_split_over_narrow_pools() -> None:
+def test_a_lanes_connections_through_a_proxy_are_split_over_narrow_pools() -> None:
     def widths(n: int) -> list[int]:
         sender = HttpxSender(connections=n)
-        pools = sender._pools_for(None)
+        pools = sender._pools_for("http://proxy.test:3128")
         assert len(pools.pools) == len(pools.widths)
         return pools.widths
 
@@ -33,7 +37,7 @@ def test_a_lanes_connections_are_split_over_narrow_pools() -> None:
     assert widths(POOL_WIDTH) == [POOL_WIDTH]
     assert widths(32) == [POOL_WIDTH] * (32 // POOL_WIDTH)
     assert widths(2 * POOL_WIDTH + 1) == [POOL_WIDTH, POOL_WIDTH, 1]
-    pools = HttpxSender(connections=32)._pools_for(None)
+    pools = HttpxSender(connections=32)._pools_for("http://proxy.test:3128")
     pools.in_flight[:] = [3, 1, 2, 1] + [POOL_WIDTH] * (len(pools.pools) - 4)
     assert pools.pick() == 1  # the least busy (the first of equals)
 
@@ -69,12 +73,18 @@ class Gate:
             server.close()
 
 
-async def test_every_connection_of_the_lane_is_usable_at_once() -> None:
-    """Split over pools, the sender still holds `connections` requests in flight together (the
-    server answers none until all 32 are in): no POST waits for a pool while another has room."""
+@pytest.mark.parametrize("route", ["direct", "proxied"])
+async def test_every_connection_of_the_lane_is_usable_at_once(route: str) -> None:
+    """The sender holds `connections` requests in flight together (the server answers none until
+    all 32 are in), straight to the ingress or split over a proxy's pools: no POST waits for a
+    connection while another has room."""
     gate = Gate(32)
     async with gate.serving() as url:
-        sender = HttpxSender(connections=32, rules=proxy_rules({}))
+        rules = proxy_rules({})
+        if route == "proxied":  # the gate as a forwarding proxy: it reads and answers the same
+            rules = proxy_rules({"HTTP_PROXY": url.split("/runs/")[0]})
+            url = "http://ingress.test/runs/r/events"
+        sender = HttpxSender(connections=32, rules=rules)
         answers: list[Any] = []
 
         async def one() -> None:
@@ -128,3 +138,66 @@ async def test_a_proxys_userinfo_is_its_basic_auth() -> None:
     }
     assert fields[b"proxy-authorization"] == b"Basic " + base64.b64encode(b"relay:p@ss"), head
     assert http_httpx.KEEPALIVE_EXPIRY == 5.0
+
+
+async def test_a_kept_connection_the_server_closed_is_not_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server answers keep-alive and then closes: once that close has arrived, the sender
+    sees it on the idle connection (its stream says readable) and opens a new one, rather than
+    sending the next POST into a closed connection (which would fail: no answer)."""
+    protocols: list[http_httpx._Protocol] = []
+
+    class Recorded(http_httpx._Protocol):
+        def __init__(self) -> None:
+            super().__init__()
+            protocols.append(self)
+
+    monkeypatch.setattr(http_httpx, "_Protocol", Recorded)
+    server = Scripted(lambda n: [OK, None])
+    async with server.serving() as url:
+        sender = HttpxSender(connections=1, rules=proxy_rules({}))
+        assert (await sender.send(url, b"{}", {}))[0] == 200
+        await wait_for(lambda: protocols[0].ended, timeout=10, what="the server's close")
+        assert (await sender.send(url, b"{}", {}))[0] == 200
+        await sender.aclose()
+    assert server.connections == 2
+
+
+async def test_an_answer_that_never_comes_is_a_read_timeout() -> None:
+    never = Scripted(lambda n: [])  # reads the request, answers nothing
+    async with never.serving() as url:
+        sender = HttpxSender(connections=1, timeout=0.2, rules=proxy_rules({}))
+        with anyio.fail_after(30), pytest.raises(TransportFailure, match="ReadTimeout"):
+            await sender.send(url, b"{}", {})
+        await sender.aclose()
+
+
+async def test_a_body_the_server_does_not_read_is_a_write_timeout() -> None:
+    """Past the transport's high-water mark the stream waits for the body to drain, under the
+    write timeout, instead of waiting for an answer to a request still unsent."""
+    unread = asyncio.Event()
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await unread.wait()  # never reads: the body fills the socket buffers
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/runs/r/events"
+    try:
+        sender = HttpxSender(connections=1, timeout=0.2, rules=proxy_rules({}))
+        with anyio.fail_after(30), pytest.raises(TransportFailure, match="WriteTimeout"):
+            await sender.send(url, b"x" * (64 * 1024 * 1024), {})
+        await sender.aclose()
+    finally:
+        unread.set()
+        server.close()
+
+
+def test_the_request_target_is_the_url_past_its_origin() -> None:
+    prefix = len("http://ingress.test:8080")
+    assert _target("http://ingress.test:8080/runs/a%2Fb/events?x=1#mine", prefix) == (
+        b"/runs/a%2Fb/events?x=1"  # the fragment is the client's own: never sent
+    )
+    assert _target("http://ingress.test:8080", prefix) == b"/"
+    assert _target("http://ingress.test:8080?x=1", prefix) == b"/?x=1"
