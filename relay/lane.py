@@ -33,12 +33,13 @@ from anyio.abc import TaskGroup
 from relay import logs
 from relay.complete import Completer
 from relay.execute import Executor, LeaseLost, Outcome
+from relay.holdings import Holdings
 from relay.ingress import IngressClient
 from relay.policy import Poison, backoff, plan_groups
 from relay.settings import Settings
 from relay.slots import Slots
 from relay.stats import CompleteStats, ExecuteStats, FetchStats, LaneStats
-from relay.store import AckResult, Claim, Held, Store, payload_bytes
+from relay.store import AckResult, Claim, Held, Store
 from relay.tracing import NO_TRACING, Tracer
 from relay.wake import Wake
 
@@ -104,24 +105,7 @@ class Lane:
         self.slot_freed = Wake()
         self.targets: list[str] = []  # runs to drain now (critical lane)
         self.wanted: set[str] = set()  # terminal runs we could not claim yet
-        # Claims this lane holds: POSTing, or queued for a POST slot. Holding claim_runs more
-        # than the concurrency keeps the slots busy with no claim round trip between runs.
-        self.inflight: dict[str, Held] = {}
-        # Payload bytes those claims hold (issue 13): no claim once max_lane_bytes are held; a
-        # claim asks for no more runs than fit, each counted at max_batch_bytes (its SQL's most).
-        self.held_bytes = 0
-        self._held: dict[int, int] = {}  # id(held) -> its payload bytes as claimed
-        # Claims whose run this lane claimed again after their lease expired (a zombie of our
-        # own, e.g. a POST that outlived its lease): still running until they settle.
-        self._superseded: list[Held] = []
-        # With `ingress_batch_url`, one POST slot carries up to a claim's worth of small runs:
-        # the lane then holds enough runs to fill every slot, plus one claim ahead (counted in
-        # runs, a claim of small runs would otherwise fill the lane with one POST in flight).
-        self.capacity = (
-            (concurrency + 1) * settings.claim_runs
-            if settings.ingress_batch_url
-            else concurrency + settings.claim_runs
-        )
+        self.holdings = Holdings(settings, concurrency)  # the claims held, their bytes
         # One queue for single claims and groups alike, critical ones first (relay/slots.py).
         self.posting = Slots(concurrency)
         self.posting_runs: set[str] = set()  # claims past their slot wait (POST started)
@@ -135,6 +119,11 @@ class Lane:
         # Liveness, for /healthz and the systemd watchdog (read through view()).
         self.turns = 0
         self.turned_at = 0.0
+
+    @property
+    def inflight(self) -> dict[str, Held]:
+        """The claims this lane holds, by run: POSTing, or queued for a POST slot."""
+        return self.holdings.inflight
 
     @property
     def stats(self) -> LaneStats:
@@ -212,7 +201,7 @@ class Lane:
         if now < paused_until:
             await self.wake.wait(min(paused_until - now, self.settings.poll_interval))
             return False
-        if not self._may_claim():  # the byte budget is spent, or too little room for a claim
+        if not self.holdings.may_claim():  # the byte budget is spent, or too little room
             await self.slot_freed.wait(self.settings.poll_interval)
             return True
         if self.targets:
@@ -226,7 +215,8 @@ class Lane:
         since = now - self._last_empty_pass
         if since < MIN_EMPTY_PASS_SPACING:
             await anyio.sleep(MIN_EMPTY_PASS_SPACING - since)
-        want = max(1, min(self._room(), self.settings.claim_runs, self._fits()))
+        holdings = self.holdings
+        want = max(1, min(holdings.room(), self.settings.claim_runs, holdings.fits()))
         self.fetched.passes += 1
         claims = await self.store.claim(self.name, want)
         self._start(claims)
@@ -235,23 +225,9 @@ class Lane:
             return False
         return True
 
-    def _room(self) -> int:
-        return self.capacity - len(self.inflight)
-
-    def _fits(self) -> int:  # runs the byte budget has room for, each at max_batch_bytes
-        return (self.settings.max_lane_bytes - self.held_bytes) // self.settings.max_batch_bytes
-
-    def _may_claim(self) -> bool:
-        """The byte budget has room for one more run (or nothing is held), and the lane for half
-        a claim of runs (or a POST slot is idle)."""
-        held = len(self.inflight)
-        if held and self._fits() < 1:
-            return False
-        return self._room() >= max(1, self.settings.claim_runs // 2) or held < self.concurrency
-
     def _settled(self) -> None:
         """Wake the discovery loop when it may claim again (not at each settle: for nothing)."""
-        if self.stopping or self._may_claim():
+        if self.stopping or self.holdings.may_claim():
             self.slot_freed.set()
 
     def _launch(self, work: Work, arg: Any) -> None:
@@ -275,7 +251,7 @@ class Lane:
         held: list[Held] = []
         for claim in claims:
             self.fetched.claimed_runs += 1
-            held.append(self._hold(claim))
+            held.append(self.holdings.hold(claim))
             self.wanted.discard(claim.run_id)
             if claim.reclaimed_from is not None:
                 self.fetched.reclaimed += 1
@@ -297,33 +273,14 @@ class Lane:
             share=share,
             batch_size=self.settings.batch_size,
             max_bytes=self.settings.max_batch_bytes,
-            size_of=lambda h: self._held.get(id(h), 0),
+            size_of=self.holdings.size_of,
         )
         for group in groups:
             self._launch(self._deliver_job, group)
 
-    def _hold(self, claim: Claim) -> Held:
-        held = Held(claim)
-        older = self.inflight.get(claim.run_id)
-        if older is not None:
-            self._superseded.append(older)  # it settles on its own (its ack is fenced)
-        self.inflight[claim.run_id] = held
-        size = payload_bytes(claim.events)
-        self._held[id(held)] = size
-        self.held_bytes += size
-        return held
-
-    def _drop(self, held: Held) -> None:
-        """Forget a settled claim (and only it: the run may have been claimed again meanwhile)."""
-        if self.inflight.get(held.claim.run_id) is held:
-            del self.inflight[held.claim.run_id]
-        else:
-            self._superseded = [h for h in self._superseded if h is not held]
-        self.held_bytes -= self._held.pop(id(held), 0)
-
     async def _finish_inflight(self) -> None:
         with anyio.move_on_after(self.settings.shutdown_timeout):
-            while self.inflight or self._superseded:
+            while self.holdings.unsettled():
                 await self.slot_freed.wait(0.05)
 
     def stop(self) -> None:
@@ -349,7 +306,7 @@ class Lane:
         """Take over a claim another lane holds but cannot start yet, if there is room."""
         if self.stopping or self._deliveries is None or len(self.inflight) >= self.concurrency:
             return False
-        held = self._hold(claim)
+        held = self.holdings.hold(claim)
         self.fetched.adopted += 1
         self._launch(self._deliver_job, [held])
         return True
@@ -407,7 +364,7 @@ class Lane:
             self._delivery_error(holds, exc)
         finally:
             for h in holds:
-                self._drop(h)
+                self.holdings.drop(h)
             if slot is not Slot.HANDED_OFF:  # else the critical lane owns the claim now
                 await self._let_go(holds, settled, free_slot)
             self._settled()

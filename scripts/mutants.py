@@ -535,7 +535,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "bytes-lane-unbounded",
         "memory bound: a lane holds at most max_lane_bytes of claims",
-        "relay/lane.py",
+        "relay/holdings.py",
         "return (self.settings.max_lane_bytes - self.held_bytes) // self.settings.max_batch_bytes",
         "return 10**6",
         ("tests/test_memory.py::test_a_lane_holds_no_more_than_its_byte_budget_of_claims",),
