@@ -18,7 +18,7 @@ around httpcore's per POST) in between. What they did that the relay needs is do
 - **Connections.** Straight to the ingress, a lane's POSTs take a kept connection (the most
   recently used) or open one, at most `connections` at once, one request at a time on each:
   httpcore's pool, with its lock, its shielded scopes and a scan of every connection it holds
-  on each request and each release, cost a quarter of this sender's CPU per POST
+  on each request and each release, cost a fifth of this sender's CPU per POST
   (docs/performance.md, "The httpx path without httpcore's pool"). A kept connection is
   reused only if httpcore left it idle (its answer read whole, keep-alive) and it has not
   expired: idle over 5 s (httpx's default), or closed by the server meanwhile. Through a
