@@ -66,6 +66,7 @@ class Env:
     stack: AsyncExitStack
     queues: list[str] = field(default_factory=list)
     _external: str | None = None
+    external_sink_pid: int | None = None  # its process, once started
     # the most per-run order violations the sink saw in one relay run (`until_received`)
     relay_order_violations: int | None = None
 
@@ -94,7 +95,8 @@ class Env:
     async def external_sink(self) -> str:
         """Base URL of a `relay sink` subprocess (started on first use, reset by `reset`)."""
         if self._external is None:
-            self._external = await self.stack.enter_async_context(sink_process(self.workdir))
+            started = await self.stack.enter_async_context(sink_process(self.workdir))
+            self._external, self.external_sink_pid = started
         return self._external
 
 
@@ -263,8 +265,8 @@ async def _stop(proc: anyio.abc.Process, grace: float = 20) -> None:
 
 
 @asynccontextmanager
-async def sink_process(workdir: Path) -> AsyncIterator[str]:
-    """`relay sink` in its own process; yields its base URL."""
+async def sink_process(workdir: Path) -> AsyncIterator[tuple[str, int]]:
+    """`relay sink` in its own process; yields its base URL and its pid."""
     port = free_port()
     log = workdir / f"sink-{port}.log"
     code = "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -287,7 +289,7 @@ async def sink_process(workdir: Path) -> AsyncIterator[str]:
     try:
         base = f"http://127.0.0.1:{port}"
         await _wait_http(base + "/healthz", proc, "relay sink", log)
-        yield base
+        yield base, proc.pid
     finally:
         await _stop(proc)
 

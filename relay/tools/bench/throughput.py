@@ -9,8 +9,10 @@ of the backlog (the relay already running, idle) to the last receipt.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,6 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from relay.ingress import Batch, IngressClient, open_sender
 from relay.store import CONNECT_KWARGS, ClaimedEvent, Store
+from relay.tools.bench import cpu
 from relay.tools.bench.kit import (
     BenchFailed,
     Env,
@@ -83,6 +86,9 @@ async def db_limit(env: Env, a: argparse.Namespace) -> Result:
     """The relay's own claim + grouped-ack SQL in a tight loop: what the database allows."""
     loops, claim_runs = 4, env.settings().claim_runs
     rates = []
+    # the relay's code runs in this process (the in-process sink beside it stays idle)
+    who, unseen = cpu.parties(server=await _server(env), relay=[os.getpid()], sink=None)
+    usages: list[tuple[cpu.Usage, int]] = []
     for rep in range(a.reps):
         await reset(env)
         await backlog(env, a.limit_runs, a.e2e_per_run, f"d{rep}-", notify=False)
@@ -100,23 +106,43 @@ async def db_limit(env: Env, a: argparse.Namespace) -> Result:
 
         try:
             with env.console.status(f"db_limit_eps: rep {rep + 1}/{a.reps}"):
-                started = time.monotonic()
-                async with anyio.create_task_group() as tg:
-                    for _ in range(loops):
-                        tg.start_soon(loop, store)
-                rates.append(done / (time.monotonic() - started))
+                with cpu.window(who, unseen) as w:
+                    started = time.monotonic()
+                    async with anyio.create_task_group() as tg:
+                        for _ in range(loops):
+                            tg.start_soon(loop, store)
+                    rates.append(done / (time.monotonic() - started))
+                usages.append((w.usage, done))
         finally:
             await pool.close()
     eps = median(rates)
     return Result(
-        ["key", "events_per_s", "reps"],
-        [{"key": "db_limit_eps", "events_per_s": eps, "reps": [round(r) for r in rates]}],
+        ["key", "events_per_s", "reps", "cpu_us_per_event"],
+        [
+            {
+                "key": "db_limit_eps",
+                "events_per_s": eps,
+                "reps": [round(r) for r in rates],
+                "cpu_us_per_event": _cpu_cell(usages),
+            }
+        ],
         [
             f"{loops} concurrent loops of Store.claim(ordinary, {claim_runs} runs) + one "
-            f"grouped Store.ack; {a.limit_runs} runs of {a.e2e_per_run} events; no HTTP"
+            f"grouped Store.ack; {a.limit_runs} runs of {a.e2e_per_run} events; no HTTP",
+            cpu.note("db_limit", usages) + "; relay = the bench process running the loops",
         ],
-        metrics={"db_limit_eps": eps},
+        data={"cpu": [cpu.summary("db_limit", u, n) for u, n in usages]},
+        metrics={"db_limit_eps": eps, "db_limit_cpu_us_per_event": cpu.median_split(usages)},
     )
+
+
+async def _server(env: Env) -> int | None:
+    return await anyio.to_thread.run_sync(cpu.server_pid, env.url)
+
+
+def _cpu_cell(usages: list[tuple[cpu.Usage, int]]) -> float | None:
+    """The table's cell: the median total µs of CPU per event over the reps."""
+    return cpu.median_split(usages).get("total")
 
 
 def _fake_batches(n_runs: int, per_run: int, tag: str) -> list[Batch]:
@@ -147,6 +173,11 @@ async def http_limit(env: Env, a: argparse.Namespace) -> Result:
     base = await env.external_sink()
     s = env.settings(ingress_url=base + "/runs/{run_id}/events")
     rates = []
+    # the relay's IngressClient runs in this process; the server is idle but counted
+    who, unseen = cpu.parties(
+        server=await _server(env), relay=[os.getpid()], sink=env.external_sink_pid
+    )
+    usages: list[tuple[cpu.Usage, int]] = []
     for rep in range(a.reps):
         await reset(env)
         batches = _fake_batches(a.limit_runs, a.e2e_per_run, str(rep))
@@ -164,20 +195,31 @@ async def http_limit(env: Env, a: argparse.Namespace) -> Result:
                     done += len(b.events)
 
             with env.console.status(f"http_limit_eps: rep {rep + 1}/{a.reps}"):
-                started = time.monotonic()
-                async with anyio.create_task_group() as tg:
-                    for _ in range(s.concurrency):
-                        tg.start_soon(loop, client, it)
-                rates.append(done / (time.monotonic() - started))
+                with cpu.window(who, unseen) as w:
+                    started = time.monotonic()
+                    async with anyio.create_task_group() as tg:
+                        for _ in range(s.concurrency):
+                            tg.start_soon(loop, client, it)
+                    rates.append(done / (time.monotonic() - started))
+                usages.append((w.usage, done))
     eps = median(rates)
     return Result(
-        ["key", "events_per_s", "reps"],
-        [{"key": "http_limit_eps", "events_per_s": eps, "reps": [round(r) for r in rates]}],
+        ["key", "events_per_s", "reps", "cpu_us_per_event"],
+        [
+            {
+                "key": "http_limit_eps",
+                "events_per_s": eps,
+                "reps": [round(r) for r in rates],
+                "cpu_us_per_event": _cpu_cell(usages),
+            }
+        ],
         [
             f"{s.concurrency} concurrent IngressClient.post loops, {a.limit_runs} runs of "
-            f"{a.e2e_per_run} events each, to `relay sink` in its own process; no database"
+            f"{a.e2e_per_run} events each, to `relay sink` in its own process; no database",
+            cpu.note("http_limit", usages) + "; relay = the bench process running the loops",
         ],
-        metrics={"http_limit_eps": eps},
+        data={"cpu": [cpu.summary("http_limit", u, n) for u, n in usages]},
+        metrics={"http_limit_eps": eps, "http_limit_cpu_us_per_event": cpu.median_split(usages)},
     )
 
 
@@ -199,12 +241,36 @@ async def e2e_once(
     """One repetition: replicas ready and idle, backlog committed, wait for the last receipt.
     Returns (events/s, the first replica's peak RSS in MB). `environ`: more variables for the
     replicas (the tracing scenario's OTEL_*)."""
+    one = await _e2e_run(
+        env, what, replicas, runs, per_run, batched, watch_rss, settings or {}, environ
+    )
+    return one.eps, one.peak_rss_mb
+
+
+@dataclass
+class E2ERun:
+    eps: float
+    peak_rss_mb: float
+    events: int
+    cpu: cpu.Usage  # from the backlog's commit to the last receipt
+
+
+async def _e2e_run(
+    env: Env,
+    what: str,
+    replicas: int,
+    runs: int,
+    per_run: int,
+    batched: bool,
+    watch_rss: bool,
+    settings: dict[str, str],
+    environ: dict[str, str] | None,
+) -> E2ERun:
     await reset(env)
     base = await env.external_sink()
+    server = await _server(env)
     extra = {"ingress_batch_url": base + "/batch"} if batched else {}
-    async with relay_processes(
-        env, replicas, base, environ=environ, **extra, **(settings or {})
-    ) as procs:
+    async with relay_processes(env, replicas, base, environ=environ, **extra, **settings) as procs:
         peak = 0.0
 
         def tick() -> None:
@@ -212,13 +278,22 @@ async def e2e_once(
             if watch_rss:
                 peak = max(peak, procs[0].peak_rss_mb())
 
-        committed = await backlog(env, runs, per_run, "e")
-        total = runs * per_run
-        finished = await until_received(
-            env, base, total, what, on_tick=tick, timeout=max(120, total / 200)
+        who, unseen = cpu.parties(
+            server=server,
+            relay=[p.proc.pid for p in procs],
+            sink=env.external_sink_pid,
+            bench=True,
         )
+        committed = await backlog(env, runs, per_run, "e")
+        # The window starts once the backlog is committed (writing it is not the relay's
+        # work), a few ms after the replicas woke up to it; it ends on the last receipt.
+        with cpu.window(who, unseen) as w:
+            total = runs * per_run
+            finished = await until_received(
+                env, base, total, what, on_tick=tick, timeout=max(120, total / 200)
+            )
         tick()
-    return total / (finished - committed), peak
+    return E2ERun(total / (finished - committed), peak, total, w.usage)
 
 
 # The modes of one replica measured side by side (issue 16): the default settings (the
@@ -239,17 +314,22 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
     rows: list[dict[str, Any]] = []
     by: dict[str, float] = {}
     paired: dict[str, list[float]] = {key: [] for key in E2E_MODES}
+    usages: dict[str, list[tuple[cpu.Usage, int]]] = {key: [] for key in E2E_MODES}
     for rep in range(a.e2e_reps):
         for key in rotated(list(E2E_MODES), rep):
-            eps, _ = await e2e_once(
+            one = await _e2e_run(
                 env,
                 f"{key} 1 replica, rep {rep + 1}",
                 1,
                 a.e2e_runs,
                 a.e2e_per_run,
-                settings=E2E_MODES[key],
+                False,
+                False,
+                E2E_MODES[key],
+                None,
             )
-            paired[key].append(eps)
+            paired[key].append(one.eps)
+            usages[key].append((one.cpu, one.events))
     metrics: dict[str, Any] = {key: median(rates) for key, rates in paired.items()}
     for key, rates in paired.items():
         transport = E2E_MODES[key].get("http_transport", env.settings().http_transport)
@@ -259,6 +339,7 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
                 "http_transport": transport,
                 "events_per_s": metrics[key],
                 "reps": [round(r) for r in rates],
+                "cpu_us_per_event": _cpu_cell(usages[key]),
             }
         )
     by["1"] = metrics["e2e_eps"]
@@ -287,7 +368,7 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
         if key != "e2e_eps"
     )
     return Result(
-        ["replicas", "http_transport", "events_per_s", "reps"],
+        ["replicas", "http_transport", "events_per_s", "reps", "cpu_us_per_event"],
         rows,
         [
             f"`relay run` subprocesses with default settings, `relay sink` subprocess; backlog "
@@ -295,8 +376,17 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
             "the replicas were idle; events/s from that commit to the last receipt",
             "one replica: the default transport (httptools), http_transport=aiohttp and "
             f"http_transport=httpx in rotating, paired reps; per rep {ratios}",
+            cpu.note("e2e (httptools, 1 replica)", usages["e2e_eps"])
+            + "; relay = the `relay run` process, bench = this process polling the sink",
         ],
-        metrics={**metrics, "e2e_eps_by_replicas": by},
+        data={
+            "cpu": {key: [cpu.summary(key, u, n) for u, n in runs] for key, runs in usages.items()}
+        },
+        metrics={
+            **metrics,
+            "e2e_eps_by_replicas": by,
+            "e2e_cpu_us_per_event": cpu.median_split(usages["e2e_eps"]),
+        },
     )
 
 
