@@ -34,13 +34,14 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import orjson
 import psycopg
-from anyio.abc import SocketAttribute, TaskStatus
+from anyio.abc import SocketAttribute, SocketStream, TaskStatus
+from anyio.streams.stapled import MultiListener
 from psycopg import sql
 
 from relay import logs
 from relay.migrate import read_version, version_problem
 from relay.progress import RelayView, loops_alive, stall_limit
-from relay.serving import serve_listeners
+from relay.serving import Respond, serve_listeners
 from relay.settings import Settings
 from relay.ui.data import Backlog, Data
 from relay.ui.pool import PagePool
@@ -276,51 +277,56 @@ def waiting_route(method: str, path: str, _accept: str) -> tuple[int, str, bytes
     return 404, "text/plain; charset=utf-8", b"not found\n"
 
 
+class MetricsPort:
+    """`metrics_addr`, bound once at start and answered for the whole run: by `waiting_route`
+    while the relay waits for its database and starts, then by the endpoints (`serve`). A
+    scrape or a probe in between is answered, never refused: the address was briefly closed
+    between the start-up answers and the endpoints until 2026-12 (a probe saw "connection
+    refused" under load)."""
+
+    def __init__(self, listener: MultiListener[SocketStream], addr: str) -> None:
+        self.listener = listener
+        self.addr = addr
+        self.port: int = listener.listeners[0].extra(SocketAttribute.local_port)
+        self.respond: Respond = _waiting
+
+    @classmethod
+    async def bind(cls, addr: str) -> MetricsPort:
+        host, port = split_addr(addr)
+        try:
+            listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+        except OSError as exc:
+            raise ConnectionError(f"cannot listen on metrics_addr {addr}: {exc.strerror}") from None
+        return cls(listener, addr)
+
+    async def run(self) -> None:
+        """Serve until cancelled, each request by whoever answers at that moment."""
+        async with self.listener:
+            await serve_listeners(self.listener.listeners, self._dispatch)
+
+    async def _dispatch(self, request: Request) -> Response:
+        return await self.respond(request)
+
+
 async def serve(
     settings: Settings,
     view: RelayView,
     store: Store,
     metrics: Metrics,
+    port: MetricsPort,
     *,
     task_status: TaskStatus[Endpoints] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the endpoints on `metrics_addr` until cancelled: readiness and liveness from
-    `view`, the exposition of `metrics` (whose observers the runner wired into the lanes)."""
-    addr = settings.metrics_addr
-    assert addr is not None
+    """The endpoints on `port` until cancelled: readiness and liveness from `view`, the
+    exposition of `metrics` (whose observers the runner wired into the lanes)."""
     endpoints = Endpoints(settings, view, store, metrics)
-    host, port = split_addr(addr)
-    try:
-        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-    except OSError as exc:
-        raise ConnectionError(f"cannot listen on metrics_addr {addr}: {exc.strerror}") from None
-    async with listener, anyio.create_task_group() as tg:
-        endpoints.port = listener.listeners[0].extra(SocketAttribute.local_port)
-        logs.info("endpoints_listening", addr=f"{host or ''}:{endpoints.port}")
-        await endpoints.probe()
-        tg.start_soon(_probe_after, endpoints)
-        task_status.started(endpoints)
-        await serve_listeners(listener.listeners, endpoints.dispatch)
-
-
-async def _probe_after(endpoints: Endpoints) -> None:
+    endpoints.port = port.port
+    host, _ = split_addr(port.addr)
+    logs.info("endpoints_listening", addr=f"{host or ''}:{endpoints.port}")
+    await endpoints.probe()
+    port.respond = endpoints.dispatch
+    task_status.started(endpoints)
     await endpoints.probe_loop()
-
-
-async def serve_waiting(
-    addr: str, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED
-) -> None:
-    """Serve `waiting_route` on `addr` until cancelled (the start-up wait for the database);
-    reports the bound port. A busy address is not an error here: the real endpoints report it."""
-    host, port = split_addr(addr)
-    try:
-        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-    except OSError:
-        task_status.started(0)
-        return
-    async with listener:
-        task_status.started(listener.listeners[0].extra(SocketAttribute.local_port))
-        await serve_listeners(listener.listeners, _waiting)
 
 
 async def _waiting(request: Request) -> Response:

@@ -120,7 +120,8 @@ class Relay:
 
     async def run(self, *, task_status: TaskStatus[Relay] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
-            await self._run(task_status)
+            async with self._metrics_port() as port:
+                await self._run(port, task_status)
         finally:
             # However the run ends (a stop, an error, a cancellation), the spans it recorded are
             # exported: what the batch processor still holds, within a bounded time.
@@ -128,7 +129,23 @@ class Relay:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self.tracer.shutdown)
 
-    async def _run(self, task_status: TaskStatus[Relay]) -> None:
+    @asynccontextmanager
+    async def _metrics_port(self) -> AsyncIterator[health.MetricsPort | None]:
+        """`metrics_addr`, bound before anything else and answered until the run ends: the
+        start-up answers while the database is waited for and the relay starts, the endpoints
+        from then on (health.MetricsPort). A busy address ends the start at once."""
+        if not self.settings.metrics_addr:
+            yield None
+            return
+        port = await health.MetricsPort.bind(self.settings.metrics_addr)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(port.run)
+            try:
+                yield port
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def _run(self, port: health.MetricsPort | None, task_status: TaskStatus[Relay]) -> None:
         s = self.settings
         pools = await self._connect()
         if pools is None:
@@ -142,7 +159,7 @@ class Relay:
                 raise SchemaError(problem)
             # Metrics only when they are served; their observers are wired into the lanes.
             metrics = None
-            if s.metrics_addr:
+            if port is not None:
                 metrics = Metrics(
                     views=self._lane_views,
                     listener_view=self._listener_view,
@@ -174,7 +191,7 @@ class Relay:
                     on_connected=self._wake_all,
                     liveness=(s.schema, s.replica_id),
                 )
-                await self._serve(ordinary_store, metrics, task_status)
+                await self._serve(ordinary_store, metrics, port, task_status)
         finally:
             for pool in pools:
                 await pool.close()
@@ -198,7 +215,6 @@ class Relay:
             timeout=s.startup_timeout,
             stop=self._stop,
             replica=s.replica_id,
-            metrics_addr=s.metrics_addr,
         )
         if not waited:
             return None
@@ -214,7 +230,11 @@ class Relay:
         return pools
 
     async def _serve(
-        self, store: Store, metrics: Metrics | None, task_status: TaskStatus[Relay]
+        self,
+        store: Store,
+        metrics: Metrics | None,
+        port: health.MetricsPort | None,
+        task_status: TaskStatus[Relay],
     ) -> None:
         assert self.listener is not None
         s = self.settings
@@ -230,8 +250,10 @@ class Relay:
             if s.retention > 0:
                 background.start_soon(self._retention, store)
             # Operations (relay/health.py, relay/sdnotify.py), each only when configured.
-            if metrics is not None:
-                self.endpoints = await background.start(health.serve, s, self.view, store, metrics)
+            if metrics is not None and port is not None:
+                self.endpoints = await background.start(
+                    health.serve, s, self.view, store, metrics, port
+                )
             notifier = sdnotify.from_environ()
             if notifier is not None:
                 background.start_soon(sdnotify.supervise, s, self.view, notifier)

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import psycopg
 
-from relay import health, logs, sdnotify
+from relay import logs, sdnotify
 from relay.policy import backoff
 from relay.settings import redact_url
 
@@ -70,28 +70,20 @@ async def wait_for_database(
     stop: anyio.Event,
     replica: str,
     connect: Callable[[str, float], Awaitable[Any]] = _connect_once,
-    metrics_addr: str | None = None,
 ) -> bool:
     """Return True once a connection to `url` succeeds, False when `stop` is set first; raise
     ConnectionError (its message without the password) when `timeout` > 0 runs out.
 
-    While it waits, `metrics_addr` (when set) answers /healthz 200 and /readyz 503, so that a
-    liveness or startup probe does not restart a relay that is only waiting; under systemd,
-    each attempt extends the start timeout (EXTEND_TIMEOUT_USEC) and pings the watchdog."""
+    While it waits, `metrics_addr` (when set, relay/health.py's MetricsPort) answers /healthz
+    200 and /readyz 503, so that a liveness or startup probe does not restart a relay that is
+    only waiting; under systemd, each attempt extends the start timeout (EXTEND_TIMEOUT_USEC)
+    and pings the watchdog."""
     notifier = sdnotify.from_environ()
-    reached = False
     try:
-        async with anyio.create_task_group() as tg:
-            if metrics_addr:
-                await tg.start(health.serve_waiting, metrics_addr)
-            try:
-                reached = await _wait(url, timeout, stop, replica, connect, notifier)
-            finally:
-                tg.cancel_scope.cancel()
+        return await _wait(url, timeout, stop, replica, connect, notifier)
     finally:
         if notifier is not None:
             notifier.close()
-    return reached
 
 
 async def _wait(

@@ -4,6 +4,7 @@ and back; the pure decisions behind them."""
 from __future__ import annotations
 
 import gc
+import socket
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
@@ -287,3 +288,53 @@ def test_relay_run_tunes_the_garbage_collector_for_a_long_life() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+@pytest.mark.anyio
+async def test_the_metrics_port_answers_from_its_first_answer_until_the_relay_runs(
+    pg_url: str, schema: str, sink: tuple[Sink, str]
+) -> None:
+    """`metrics_addr` is bound once, at start: the start-up answers while the relay waits for
+    its database and starts, then the endpoints. A probe in between is answered, never refused.
+    A LISTEN connection that cannot connect holds the start for `statement_timeout` (the
+    relay then starts without liveness): the stand-in used to close before that and the
+    endpoints to bind after it, and a probe in that window found the port closed."""
+    _, url = sink
+    with socket.socket() as s:  # a free port to name in advance
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = settings(
+        pg_url,
+        schema,
+        url,
+        metrics_addr=f"127.0.0.1:{port}",
+        listen_database_url="postgresql://127.0.0.1:1/none",
+        statement_timeout="3s",
+    )
+    answers: list[int | str] = []
+    done = anyio.Event()  # stop probing: before the relay stops and closes the port
+
+    async def probe() -> None:
+        while not done.is_set():
+            try:
+                answer: int | str = (await get(port, "/readyz")).status_code
+            except httpx.ConnectError:
+                answer = "refused"
+            if not done.is_set():
+                answers.append(answer)
+            await anyio.sleep(0.02)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(probe)
+        async with Relay(cfg).running() as r:
+            assert relay_port(r) == port
+            started = len(answers)
+            await wait_for(lambda: len(answers) > started + 5, what="the endpoints' answers")
+            done.set()
+    first = next(i for i, a in enumerate(answers) if a != "refused")
+    after = answers[first:]
+    assert "refused" not in after, f"closed during the start after answering: {after}"
+    # answered through the ~3 s of the start (at ~20 ms a probe), not ready all along (no
+    # LISTEN connection)
+    assert len(after) >= 10, f"the start went unanswered (bound with the endpoints): {answers}"
+    assert set(after) == {503}, after
