@@ -368,7 +368,7 @@ class _Protocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
-        self.paused = False  # reading, while more than BUFFERED bytes wait unread
+        self.paused = False  # not reading: more than BUFFERED bytes wait unread
         self.ended = False  # the peer's end of the stream, or the connection lost
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None  # a read waiting for data
@@ -409,9 +409,28 @@ class _Protocol(asyncio.Protocol):
             future.set_result(None)
 
 
-def _expire(future: asyncio.Future[None], error: Exception) -> None:
+async def _within(
+    future: asyncio.Future[None],
+    seconds: float | None,
+    error: type[httpcore.TimeoutException],
+    what: str,
+) -> None:
+    """Wait for `future`, under one loop timer: past `seconds` it fails with `error`."""
+    timer = None
+    if seconds is not None:
+        timer = future.get_loop().call_later(seconds, _expire, future, error, what, seconds)
+    try:
+        await future
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+def _expire(
+    future: asyncio.Future[None], error: type[Exception], what: str, seconds: float
+) -> None:
     if not future.done():
-        future.set_exception(error)
+        future.set_exception(error(f"{what} within {seconds:g}s"))
 
 
 class _Backend(httpcore.AsyncNetworkBackend):
@@ -459,7 +478,7 @@ async def _open(
         with anyio.fail_after(timeout):
             transport, protocol = await connect()
     except TimeoutError as exc:
-        raise httpcore.ConnectTimeout(f"connect timed out after {timeout:g}s") from exc
+        raise httpcore.ConnectTimeout(f"connect timed out after {timeout}s") from exc
     except OSError as exc:
         raise httpcore.ConnectError(exc) from exc
     assert isinstance(protocol, _Protocol)
@@ -504,16 +523,10 @@ class _Stream(httpcore.AsyncNetworkStream):
     async def _wait(self, timeout: float | None) -> None:  # noqa: ASYNC109
         waiter = asyncio.get_running_loop().create_future()
         self._protocol.waiter = waiter
-        timer = None
-        if timeout is not None:
-            expired = httpcore.ReadTimeout(f"no answer within {timeout:g}s")
-            timer = waiter.get_loop().call_later(timeout, _expire, waiter, expired)
         try:
-            await waiter
+            await _within(waiter, timeout, httpcore.ReadTimeout, "no answer")
         finally:
             self._protocol.waiter = None
-            if timer is not None:
-                timer.cancel()
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
         if buffer:
@@ -531,15 +544,7 @@ class _Stream(httpcore.AsyncNetworkStream):
         self._transport.write(data)
         drained = p.drained
         if drained is not None:  # over the transport's high-water mark: wait for it to drain
-            timer = None
-            if self._held_timeout is not None:
-                expired = httpcore.WriteTimeout(f"not sent within {self._held_timeout:g}s")
-                timer = drained.get_loop().call_later(self._held_timeout, _expire, drained, expired)
-            try:
-                await drained
-            finally:
-                if timer is not None:
-                    timer.cancel()
+            await _within(drained, self._held_timeout, httpcore.WriteTimeout, "not sent")
             if p.error is not None:
                 raise httpcore.WriteError(p.error)
 
@@ -563,7 +568,7 @@ class _Stream(httpcore.AsyncNetworkStream):
                 )
         except TimeoutError as exc:
             self._transport.abort()
-            raise httpcore.ConnectTimeout(f"TLS handshake timed out after {timeout:g}s") from exc
+            raise httpcore.ConnectTimeout(f"TLS handshake timed out after {timeout}s") from exc
         except OSError as exc:  # ssl.SSLError is one
             self._transport.abort()
             raise httpcore.ConnectError(exc) from exc

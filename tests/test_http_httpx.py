@@ -2,8 +2,8 @@
 TLS and proxy suites that run it with the other senders: its connections (kept and reused, not
 once the server closed them; every one of a lane's usable at once, straight or through a
 proxy's pools of at most POOL_WIDTH), its leaner network layer (still asked by httpcore whether
-an idle connection is readable; its read and write timeouts), the request target, and a
-proxy's userinfo sent as its Basic auth."""
+an idle connection is readable; its read and write timeouts; its flow control), the request
+target, and a proxy's userinfo sent as its Basic auth."""
 
 from __future__ import annotations
 
@@ -201,3 +201,38 @@ def test_the_request_target_is_the_url_past_its_origin() -> None:
     )
     assert _target("http://ingress.test:8080", prefix) == b"/"
     assert _target("http://ingress.test:8080?x=1", prefix) == b"/?x=1"
+
+
+class Reading:
+    """The transport side the stream's flow control drives: whether it reads."""
+
+    def __init__(self) -> None:
+        self.reading = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+
+async def test_the_stream_stops_reading_while_too_much_waits_unread() -> None:
+    """Past BUFFERED unread bytes the socket is no longer read, until reads bring it back under;
+    a read returns at most what it asked for, keeping the rest in order."""
+    transport = Reading()
+    protocol = http_httpx._Protocol()
+    protocol.connection_made(transport)  # type: ignore[arg-type]  # only its flow control
+    stream = _Stream(protocol)
+    protocol.data_received(b"x" * http_httpx.BUFFERED)
+    assert transport.reading
+    protocol.data_received(b"y")
+    assert not transport.reading
+    assert stream.get_extra_info("is_readable")
+    assert await stream.read(65536) == b"x" * 65536
+    assert transport.reading
+    assert await stream.read(http_httpx.BUFFERED) == b"x" * (http_httpx.BUFFERED - 65536)
+    assert await stream.read(65536) == b"y"
+    assert not stream.get_extra_info("is_readable")
+    protocol.eof_received()
+    assert stream.get_extra_info("is_readable")  # the server's close: not to be reused
+    assert await stream.read(65536) == b""
