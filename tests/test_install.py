@@ -1,10 +1,10 @@
 """The core install as a user gets it: the wheel, built once, installed without extras into a
-fresh venv of the default Python and of Python 3.13 (pyenv's, when it has one; skipped with the
-reason otherwise). The venv holds the core dependencies and theirs, nothing of the tools wing;
-`relay --help` works; `relay sink|demo|bench` name the extra to install; and `relay run` from
-that venv delivers an enqueued event to the reference sink and exits 0 on SIGTERM. On 3.13 the
-`sink` extra installs and serves, and the `demo` extra leaves pgserver out by its marker (the
-embedded PostgreSQL then uses the system's binaries).
+fresh venv of the default Python and of Python 3.13 (pyenv's, or `python3.13` on PATH, when this
+user can run one; skipped with the reason otherwise). The venv holds the core dependencies and
+theirs, nothing of the tools wing; `relay --help` works; `relay sink|demo|bench` name the extra
+to install; and `relay run` from that venv delivers an enqueued event to the reference sink and
+exits 0 on SIGTERM. On 3.13 the `sink` extra installs and serves, and the `demo` extra leaves
+pgserver out by its marker (the embedded PostgreSQL then uses the system's binaries).
 
 Cheap enough for every CI run (not `slow`): one wheel build and one venv per Python and install
 per session, cached under the session's tmp dir (about a minute for the module with a warm pip
@@ -51,28 +51,84 @@ PYTHONS = ["default", "3.13"]
 
 
 def find_python_313() -> tuple[Path | None, str]:
-    """pyenv's newest 3.13.x, or why there is none."""
-    root: Path | None = None
+    """A Python 3.13 this user may run: pyenv's newest 3.13.x, else `python3.13` on PATH; or
+    the reason to skip, naming each place looked at and what it lacked. A place this user
+    cannot read counts as not found: an ordinary user's environment may still point at root's
+    pyenv (`su` keeps PYENV_ROOT and PATH), behind a 0700 /root."""
+    missing: list[str] = []
+    for root in pyenv_roots():
+        python, why = pyenv_313(root)
+        if python is not None:
+            return python, ""
+        missing.append(why)
+    python, why = path_313()
+    if python is not None:
+        return python, ""
+    missing.append(why)
+    return None, f"Python 3.13 check skipped: no Python 3.13 found ({'; '.join(missing)})"
+
+
+def pyenv_roots() -> list[Path]:
+    """Where pyenv may keep its Pythons: `pyenv root`, $PYENV_ROOT, ~/.pyenv (each once)."""
+    roots: list[Path] = []
     pyenv = shutil.which("pyenv")
     if pyenv:
-        got = subprocess.run(
-            [pyenv, "root"], capture_output=True, text=True, timeout=30, check=False
-        )
-        if got.returncode == 0 and got.stdout.strip():
-            root = Path(got.stdout.strip())
-    if root is None:
-        root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
-    if not (root / "versions").is_dir():
-        return None, f"Python 3.13 check skipped: no pyenv (not on PATH, no {root}/versions)"
-    versions = sorted(
-        (tuple(int(p) for p in path.name.split(".")), path)
-        for path in (root / "versions").iterdir()
-        if re.fullmatch(r"3\.13\.\d+", path.name) and (path / "bin" / "python").exists()
+        try:
+            got = subprocess.run(
+                [pyenv, "root"], capture_output=True, text=True, timeout=30, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            got = None
+        if got is not None and got.returncode == 0 and got.stdout.strip():
+            roots.append(Path(got.stdout.strip()))
+    if os.environ.get("PYENV_ROOT"):
+        roots.append(Path(os.environ["PYENV_ROOT"]))
+    roots.append(Path.home() / ".pyenv")
+    return list(dict.fromkeys(roots))
+
+
+def pyenv_313(root: Path) -> tuple[Path | None, str]:
+    """The newest 3.13.x under the pyenv root `root`, or what that root lacks."""
+    versions = root / "versions"
+    try:
+        names = sorted(p.name for p in versions.iterdir())
+    except FileNotFoundError:
+        return None, f"no {versions}"
+    except OSError as exc:  # PermissionError: another user's pyenv
+        return None, f"{versions} not readable ({exc.strerror})"
+    found = sorted(
+        (tuple(int(part) for part in name.split(".")), versions / name / "bin" / "python")
+        for name in names
+        if re.fullmatch(r"3\.13\.\d+", name)
     )
-    if not versions:
-        have = ", ".join(sorted(p.name for p in (root / "versions").iterdir())) or "none"
-        return None, f"Python 3.13 check skipped: pyenv ({root}) has no 3.13.x (has: {have})"
-    return versions[-1][1] / "bin" / "python", ""
+    runnable = [python for _, python in found if os.access(python, os.X_OK)]
+    if not runnable:
+        return None, f"{versions} has no 3.13.x (has: {', '.join(names) or 'none'})"
+    return runnable[-1], ""
+
+
+def path_313() -> tuple[Path | None, str]:
+    """`python3.13` on PATH, as the interpreter it runs (a pyenv shim resolves to its
+    version's), or why there is none."""
+    found = shutil.which("python3.13")
+    if found is None:
+        return None, "no python3.13 on PATH"
+    try:
+        got = subprocess.run(
+            [found, "-c", "import sys; print(*sys.version_info[:2]); print(sys.executable)"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=clean_env(),
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"{found} does not run ({exc})"
+    lines = got.stdout.splitlines()
+    if got.returncode != 0 or len(lines) != 2 or lines[0] != "3 13":
+        said = (got.stderr or got.stdout).strip().splitlines()
+        return None, f"{found} is not a Python 3.13 ({said[-1] if said else 'no output'})"
+    return Path(lines[1]), ""
 
 
 def clean_env(**extra: str) -> dict[str, str]:
