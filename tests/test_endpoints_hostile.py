@@ -7,6 +7,8 @@ exited 1). After each, the same process must still answer its probes and deliver
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -46,6 +48,36 @@ def relay_process(env: dict[str, str], log: Path, nofile: int | None = None) -> 
         finally:
             proc.kill()
             proc.wait(timeout=30)
+
+
+# Descriptors this process may need beside the idle connections it holds: the in-process sink's
+# connections from the relay, the probes' clients, the relay's log.
+SPARE_DESCRIPTORS = 64
+
+
+@contextmanager
+def room_for_descriptors(more: int) -> Iterator[None]:
+    """Room in this process for `more` descriptors beyond those it holds: its soft
+    RLIMIT_NOFILE raised for the block (an ordinary user's is often 1024; any user may raise it
+    up to the hard limit, and root past it), then put back. Skips, naming the limits, when the
+    hard limit leaves no such room."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = len(os.listdir("/proc/self/fd")) + more + SPARE_DESCRIPTORS
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        yield
+        return
+    try:
+        fits = hard == resource.RLIM_INFINITY or hard >= need
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard if fits else need))
+    except (ValueError, OSError):
+        pytest.skip(
+            f"the test process needs {need} file descriptors (RLIMIT_NOFILE) to hold {more} idle "
+            f"connections; its hard limit is {hard} and cannot be raised here (ulimit -Hn)"
+        )
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 async def get(port: int, path: str, **headers: str) -> httpx.Response:
@@ -111,7 +143,8 @@ async def test_idle_connections_past_the_descriptor_limit_do_not_end_the_relay(
     env = relay_env(rig.pg_url, rig.schema, rig.url, RELAY_METRICS_ADDR=f"127.0.0.1:{port}")
     tight = nofile < serving.MAX_CONNECTIONS * 2
     expected = "endpoint_accept_failed" if tight else "endpoint_connections_shed"
-    with relay_process(env, log, nofile=nofile) as proc:
+    # The test process holds the client ends: more than its own soft limit may allow.
+    with room_for_descriptors(idle), relay_process(env, log, nofile=nofile) as proc:
         await wait_for(lambda: endpoints_up(port), what="the endpoints")
         await delivers(rig, "before")
         held: list[socket.socket] = []
