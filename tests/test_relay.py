@@ -173,7 +173,10 @@ async def test_stale_lease_ack_is_rejected_and_wakes_once(
         settings(pg_url, schema, url, replica_id="first", lease_ttl="30s", poll_interval=120)
     )
     async with first.running():
-        await wait_for(lambda: bool(first.lanes["ordinary"].inflight), what="first claim")
+        # Its POST is on the wire once the sink took the delay. Not `inflight`: a claim is held
+        # before its delivery task runs, and a lane stopped in between hands the claim back
+        # unsent (no POST, no ack to fence: the wait below timed out on a loaded machine).
+        await wait_for(lambda: s.faults.pending() == 0, what="the first replica's POST")
         for lane in first.lanes.values():
             lane.stop()  # it claims nothing more; its in-flight POST and that POST's ack go on
         # The lease runs out under the first replica (as if it had stalled past the TTL).
