@@ -10,6 +10,12 @@ SDK's BatchSpanProcessor with its defaults), each rep starting with the other mo
 (`otlp_receiver`): it answers every export 200 at once and only counts, after each rep, what
 arrived (spans when opentelemetry-proto is installed; requests and bytes always).
 
+Beside events/s, each rep reports the relay process's own CPU time (user + system, start-up
+and the final flush included) per POST the sink answered, off and on: the relay is the bench's
+child, so its CPU is what `os.times()` adds for children across the rep. It is steadier than
+events/s on a machine other work shares (a ratio of two wall-clock rates moves with every
+neighbour; the CPU a delivery costs, much less).
+
 `tracing_on_ratio` is the median of the pairs' on / off ratios; main.py's targets judge it
 against 0.8. Without the `otel` extra the scenario is skipped and says why.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import os
 import statistics
 import threading
 import zlib
@@ -174,12 +181,19 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 class _Rep:
     first: str
     eps: dict[str, float]  # mode -> events/s
+    cpu_us: dict[str, float]  # mode -> the relay process's CPU per POST, µs
     posts: int  # POSTs the sink answered in the rep with tracing on
     got: Received  # what the receiver got in that rep
 
     @property
     def ratio(self) -> float:
         return self.eps["on"] / self.eps["off"]
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's children that have ended (the relay once it stopped)."""
+    times = os.times()
+    return times.children_user + times.children_system
 
 
 async def _posts(env: Env) -> int:
@@ -198,20 +212,26 @@ async def _rep(env: Env, a: argparse.Namespace, rep: int, receiver: OtlpReceiver
     }
     order = rotated(["off", "on"], rep)
     eps: dict[str, float] = {}
+    cpu_us: dict[str, float] = {}
     posts, got = 0, Received(0, 0, 0)
     for mode in order:
         what = f"tracing {mode}, rep {rep + 1}/{a.tracing_reps}"
         environ = traced if mode == "on" else None
+        cpu = _children_cpu()
         eps[mode], _ = await e2e_once(env, what, 1, runs, a.e2e_per_run, environ=environ)
-        # The relay has stopped, its batch processor flushed: every export of the rep is in.
+        # The relay has stopped (and been waited for), its batch processor flushed: its CPU is
+        # counted and every export of the rep is in.
+        cpu = _children_cpu() - cpu
+        answered = await _posts(env)
+        cpu_us[mode] = cpu * 1e6 / max(answered, 1)
         received = receiver.take()
         if mode == "off" and received.requests:
             raise BenchFailed(f"{what}: tracing off, yet {received.requests} exports arrived")
         if mode == "on":
-            posts, got = await _posts(env), received
+            posts, got = answered, received
             if not received.requests or received.spans == 0:
                 raise BenchFailed(f"{what}: tracing on, yet no span reached the receiver")
-    return _Rep(order[0], eps, posts, got)
+    return _Rep(order[0], eps, cpu_us, posts, got)
 
 
 def _row(label: str, rep: _Rep) -> dict[str, Any]:
@@ -221,6 +241,8 @@ def _row(label: str, rep: _Rep) -> dict[str, Any]:
         "off_eps": round(rep.eps["off"]),
         "on_eps": round(rep.eps["on"]),
         "on_over_off": round(rep.ratio, 3),
+        "off_cpu_us": round(rep.cpu_us["off"]),
+        "on_cpu_us": round(rep.cpu_us["on"]),
         "posts": rep.posts,
         "spans": rep.got.spans,
         "exports": rep.got.requests,
@@ -237,6 +259,8 @@ async def tracing(env: Env, a: argparse.Namespace) -> Result:
     off = median([r.eps["off"] for r in reps])
     on = median([r.eps["on"] for r in reps])
     ratio = round(statistics.median(r.ratio for r in reps), 3)
+    cpu_off = median([r.cpu_us["off"] for r in reps])
+    cpu_on = median([r.cpu_us["on"] for r in reps])
     metrics: dict[str, Any] = {
         "tracing_off_eps": off,
         "tracing_on_eps": on,
@@ -263,6 +287,8 @@ async def tracing(env: Env, a: argparse.Namespace) -> Result:
             "receiver of the bench's (answers 200 at once), OTEL_TRACES_SAMPLER=always_on, "
             "BatchSpanProcessor defaults",
             f"{spans}; on/off per rep: " + ", ".join(f"{r.ratio:.3f}" for r in reps),
+            f"the relay process's CPU per POST (median of the reps): off {cpu_off:,.0f} µs, "
+            f"on {cpu_on:,.0f} µs (+{cpu_on - cpu_off:,.0f} µs tracing)",
             f"target tracing_on_ratio ≥ {NEEDED}: {verdict} ({ratio}; off {off:,.0f}, "
             f"on {on:,.0f} events/s)",
         ],
