@@ -143,6 +143,17 @@ def test_a_batch_is_grouped_by_resource_and_scope_as_the_sdk_groups_it() -> None
     assert _parsed(otlp.encode(batch)) == encode_spans(batch)
 
 
+def test_one_key_with_values_of_every_length_in_one_batch() -> None:
+    """The encoder keeps an attribute's bytes before its value per key and value length: spans
+    whose values under the same keys differ in length (across the one- and two-byte varints)
+    are each written as the SDK encodes them."""
+    batch = [
+        _span(attributes={"s": "x" * n, "i": i, "f": float(n)})
+        for n, i in [(0, 0), (1, 127), (127, 128), (128, 2**40), (300, -1), (1, 5)]
+    ]
+    assert _parsed(otlp.encode(batch)) == encode_spans(batch)
+
+
 def test_an_empty_batch_is_an_empty_request() -> None:
     assert otlp.encode([]) == b"" and encode_spans([]).SerializeToString() == b""
 

@@ -5,9 +5,12 @@ The SDK's exporter builds the body as protobuf message objects, a `KeyValue` and
 per attribute, a `Span` per span, each copied into its parent, then serializes them: about 35 µs
 a span for the relay's two span shapes, on the batch processor's thread, which shares the GIL
 with the event loop (docs/performance.md, "Tracing"). `encode` writes the same
-`ExportTraceServiceRequest` (opentelemetry-proto's trace_service.proto) as bytes in one pass.
-tests/test_tracing.py parses what it writes and compares it with the SDK encoder's message, for
-spans with and without parents, links, events, errors and every attribute type.
+`ExportTraceServiceRequest` (opentelemetry-proto's trace_service.proto) as bytes in one pass:
+each span's fields appended to one list of byte strings and joined once, an attribute's bytes
+up to its value cached per key and value length (`_KeyValues`), the relay's span names and
+kinds cached whole. tests/test_tracing_otlp.py parses what it writes and compares it with the
+SDK encoder's message, for spans with and without parents, links, events, errors and every
+attribute type.
 
 Everything else is the SDK exporter's own: its endpoint, headers, compression, timeout, TLS and
 retries (`OTEL_EXPORTER_OTLP_*`), its size limit and its metrics. What `export` reuses of it is
@@ -24,13 +27,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
-from opentelemetry.trace import SpanKind
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 _logger = logging.getLogger(__name__)
 
 _SMALL = [bytes([i]) for i in range(128)]
+_INT64 = 0xFFFFFFFFFFFFFFFF
 _DOUBLE = struct.Struct("<d").pack
 _FIXED64 = struct.Struct("<Q").pack
 _FIXED32 = struct.Struct("<I").pack
@@ -49,6 +55,8 @@ _REMOTE_PARENT = b"\x85\x01" + _FIXED32(0x300)
 def _varint(n: int) -> bytes:
     if n < 128:
         return _SMALL[n]
+    if n < 16384:  # the lengths of most spans and of most ints the relay sends
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     out = bytearray()
     while n >= 128:
         out.append((n & 0x7F) | 0x80)
@@ -74,7 +82,7 @@ def _value(value: Any) -> bytes:
     if isinstance(value, str):
         return _text(b"\x0a", value)
     if isinstance(value, int):
-        return b"\x18" + _varint(value & 0xFFFFFFFFFFFFFFFF)  # int64: two's complement
+        return b"\x18" + _varint(value & _INT64)  # int64: two's complement
     if isinstance(value, float):
         return b"\x21" + _DOUBLE(value)
     if value is None:
@@ -88,124 +96,203 @@ def _value(value: Any) -> bytes:
     raise TypeError(f"invalid attribute value type {type(value).__name__}: {value!r}")
 
 
-_KEYS: dict[str, bytes] = {}  # KeyValue.key fields: the relay's attribute names, a few dozen
+class _KeyValues:
+    """KeyValue fields numbered by one tag (a span's attributes, an event's...), written by
+    prefixes cached per key: what comes before a string's text or an integer's varint depends
+    only on the key and the value's encoded length, so a typical attribute costs a dict lookup
+    and two appends. The relay's keys are a few dozen and its values' lengths vary little; the
+    caches stop growing at `LIMIT` entries (what is not cached is computed each time)."""
+
+    LIMIT = 4096
+
+    def __init__(self, tag: bytes) -> None:
+        self.tag = tag
+        self.strings: dict[tuple[str, int], bytes] = {}  # (key, text length) -> up to the text
+        self.ints: dict[tuple[str, int], bytes] = {}  # (key, varint length) -> up to the varint
+        self.floats: dict[str, bytes] = {}  # key -> up to the double
+
+    def _prefix(self, key: str, value_head: bytes, n: int) -> bytes:
+        """A KeyValue's bytes up to its value's last `n` bytes, `value_head` being the AnyValue
+        field's bytes before them."""
+        head = _text(b"\x0a", key)
+        any_length = len(value_head) + n
+        pair_length = len(head) + 1 + len(_varint(any_length)) + any_length
+        return self.tag + _varint(pair_length) + head + b"\x12" + _varint(any_length) + value_head
+
+    def _string(self, key: str, n: int) -> bytes:
+        prefix = self._prefix(key, b"\x0a" + _varint(n), n)
+        if len(self.strings) < self.LIMIT:
+            self.strings[key, n] = prefix
+        return prefix
+
+    def _int(self, key: str, n: int) -> bytes:
+        prefix = self._prefix(key, b"\x18", n)
+        if len(self.ints) < self.LIMIT:
+            self.ints[key, n] = prefix
+        return prefix
+
+    def _float(self, key: str) -> bytes:
+        prefix = self._prefix(key, b"\x21", 8)
+        if len(self.floats) < self.LIMIT:
+            self.floats[key] = prefix
+        return prefix
+
+    def write(self, attributes: Mapping[str, Any] | None, out: list[bytes]) -> None:
+        """Append each attribute as a KeyValue field to `out`."""
+        if not attributes:
+            return
+        strings, ints, floats = self.strings, self.ints, self.floats
+        for key, value in attributes.items():
+            kind = type(value)
+            if kind is str:  # most of them: AnyValue.string_value
+                text = value.encode()
+                out.append(strings.get((key, len(text))) or self._string(key, len(text)))
+                out.append(text)
+            elif kind is int:  # AnyValue.int_value, an int64: two's complement
+                number = _SMALL[value] if 0 <= value < 128 else _varint(value & _INT64)
+                out.append(ints.get((key, len(number))) or self._int(key, len(number)))
+                out.append(number)
+            elif kind is float:
+                out.append(floats.get(key) or self._float(key))
+                out.append(_DOUBLE(value))
+            else:
+                out.append(_field(self.tag, _text(b"\x0a", key) + _field(b"\x12", _value(value))))
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
-    """Each attribute as a KeyValue field numbered by `tag`."""
+    """Each attribute as a KeyValue field numbered by `tag` (uncached: the rare fields)."""
     if not attributes:
         return b""
-    out = []
-    keys = _KEYS
-    for key, value in attributes.items():
-        head = keys.get(key)
-        if head is None:
-            head = _text(b"\x0a", key)
-            if len(keys) < 1024:
-                keys[key] = head
-        if type(value) is str:  # most of them: AnyValue.string_value, inline
-            text = value.encode()
-            n = len(text)
-            any_value = b"\x0a" + (_SMALL[n] if n < 128 else _varint(n)) + text
-        else:
-            any_value = _value(value)
-        n = len(any_value)
-        pair = head + b"\x12" + (_SMALL[n] if n < 128 else _varint(n)) + any_value
-        n = len(pair)
-        out.append(tag + (_SMALL[n] if n < 128 else _varint(n)) + pair)
-    return b"".join(out)
+    return b"".join(
+        _field(tag, _text(b"\x0a", str(key)) + _field(b"\x12", _value(value)))
+        for key, value in attributes.items()
+    )
+
+
+# Span.attributes (9), Event.attributes (3), Link.attributes (4), Resource.attributes (1)
+_SPAN_ATTRIBUTES = _KeyValues(b"\x4a")
+_EVENT_ATTRIBUTES = _KeyValues(b"\x1a")
+_NAMES: dict[tuple[str, SpanKind], bytes] = {}  # Span.name and Span.kind: the relay's few spans
+_STATUS_UNSET = b"\x7a\x00"
+_TIMES = struct.Struct("<BQBQ").pack  # Span.start_time_unix_nano (7), end_time_unix_nano (8)
 
 
 def _count(tag: bytes, n: int) -> bytes:
     return tag + _varint(n) if n else b""
 
 
-def _span(span: ReadableSpan) -> bytes:
+def _name(name: str, kind: SpanKind) -> bytes:
+    head = _NAMES.get((name, kind))
+    if head is None:
+        head = _text(b"\x2a", name) + _KINDS[kind]
+        if len(_NAMES) < _KeyValues.LIMIT:
+            _NAMES[name, kind] = head
+    return head
+
+
+def _event(event: Event) -> bytes:
+    parts = [b"\x09" + _FIXED64(event.timestamp), _text(b"\x12", event.name)]
+    _EVENT_ATTRIBUTES.write(event.attributes, parts)
+    parts.append(_count(b"\x20", event.dropped_attributes))
+    return _field(b"\x5a", b"".join(parts))
+
+
+def _link(link: Link) -> bytes:
+    linked = link.context
+    return _field(
+        b"\x6a",
+        b"\x0a\x10"
+        + linked.trace_id.to_bytes(16, "big")
+        + b"\x12\x08"
+        + linked.span_id.to_bytes(8, "big")
+        + _attributes(b"\x22", link.attributes)
+        + _count(b"\x28", link.dropped_attributes)
+        + b"\x35"
+        + _FIXED32(0x300 if linked.is_remote else 0x100),
+    )
+
+
+def _status(status: Status) -> bytes:
+    code = status.status_code
+    if code is StatusCode.UNSET and not status.description:
+        return _STATUS_UNSET
+    return _field(
+        b"\x7a",
+        (_text(b"\x12", status.description) if status.description else b"")
+        + (b"\x18" + _SMALL[code.value] if code.value else b""),
+    )
+
+
+def _span(span: ReadableSpan, out: list[bytes]) -> None:
+    """Append the span as a ScopeSpans.spans field (2) to `out`."""
     context = span.context
     assert context is not None
     parent = span.parent
+    parts = [b"\x0a\x10", context.trace_id.to_bytes(16, "big"), b"\x12\x08"]
+    parts.append(context.span_id.to_bytes(8, "big"))
     trace_state = context.trace_state
-    state = ",".join(f"{k}={v}" for k, v in trace_state.items()) if trace_state else ""
-    status = span.status
-    parts = [
-        b"\x0a\x10" + context.trace_id.to_bytes(16, "big"),
-        b"\x12\x08" + context.span_id.to_bytes(8, "big"),
-        _text(b"\x1a", state) if state else b"",
-        b"\x22\x08" + parent.span_id.to_bytes(8, "big") if parent else b"",
-        _text(b"\x2a", span.name),
-        _KINDS[span.kind],
-        b"\x39" + _FIXED64(span.start_time or 0),
-        b"\x41" + _FIXED64(span.end_time or 0),
-        _attributes(b"\x4a", span.attributes),
-        _count(b"\x50", span.dropped_attributes),
-    ]
+    if trace_state:
+        parts.append(_text(b"\x1a", ",".join(f"{k}={v}" for k, v in trace_state.items())))
+    if parent is not None:
+        parts.append(b"\x22\x08")
+        parts.append(parent.span_id.to_bytes(8, "big"))
+    parts.append(_name(span.name, span.kind))
+    parts.append(_TIMES(0x39, span.start_time or 0, 0x41, span.end_time or 0))
+    _SPAN_ATTRIBUTES.write(span.attributes, parts)
+    dropped = span.dropped_attributes
+    if dropped:
+        parts.append(b"\x50" + _varint(dropped))
     for event in span.events:
-        parts.append(
-            _field(
-                b"\x5a",
-                b"\x09"
-                + _FIXED64(event.timestamp)
-                + _text(b"\x12", event.name)
-                + _attributes(b"\x1a", event.attributes)
-                + _count(b"\x20", event.dropped_attributes),
-            )
-        )
-    parts.append(_count(b"\x60", span.dropped_events))
+        parts.append(_event(event))
+    dropped = span.dropped_events
+    if dropped:
+        parts.append(b"\x60" + _varint(dropped))
     for link in span.links:
-        linked = link.context
-        parts.append(
-            _field(
-                b"\x6a",
-                b"\x0a\x10"
-                + linked.trace_id.to_bytes(16, "big")
-                + b"\x12\x08"
-                + linked.span_id.to_bytes(8, "big")
-                + _attributes(b"\x22", link.attributes)
-                + _count(b"\x28", link.dropped_attributes)
-                + b"\x35"
-                + _FIXED32(0x300 if linked.is_remote else 0x100),
-            )
-        )
-    parts.append(_count(b"\x70", span.dropped_links))
-    code = status.status_code.value
-    parts.append(
-        _field(
-            b"\x7a",
-            (_text(b"\x12", status.description) if status.description else b"")
-            + (b"\x18" + _SMALL[code] if code else b""),
-        )
-    )
+        parts.append(_link(link))
+    dropped = span.dropped_links
+    if dropped:
+        parts.append(b"\x70" + _varint(dropped))
+    parts.append(_status(span.status))
     parts.append(_REMOTE_PARENT if parent is not None and parent.is_remote else _LOCAL_PARENT)
-    return _field(b"\x12", b"".join(parts))  # as ScopeSpans.spans (2)
+    body = b"".join(parts)
+    out.append(b"\x12" + _varint(len(body)))
+    out.append(body)
+
+
+def _scope(scope: InstrumentationScope | None, spans: list[bytes]) -> bytes:
+    """A ScopeSpans field (2) of the spans written by `_span`."""
+    head = b"\x0a\x00"  # no scope: an empty one, as the SDK writes it
+    if scope is not None:
+        head = _field(
+            b"\x0a",
+            (_text(b"\x0a", scope.name) if scope.name else b"")
+            + (_text(b"\x12", scope.version) if scope.version else b"")
+            + _attributes(b"\x1a", scope.attributes),
+        )
+    schema = scope.schema_url if scope is not None else ""
+    return _field(b"\x12", head + b"".join(spans) + (_text(b"\x1a", schema) if schema else b""))
 
 
 def encode(spans: Sequence[ReadableSpan]) -> bytes:
     """An ExportTraceServiceRequest of `spans`, grouped by resource and then scope in the order
     first seen, as the SDK's `encode_spans` groups them."""
-    groups: dict[Any, dict[Any, list[bytes]]] = {}
+    groups: dict[Resource, dict[InstrumentationScope | None, list[bytes]]] = {}
+    resource: Resource | None = None
+    scope: InstrumentationScope | None = None
+    current: list[bytes] = []
     for span in spans:
-        by_scope = groups.setdefault(span.resource, {})
-        by_scope.setdefault(span.instrumentation_scope, []).append(_span(span))
+        # The relay's spans all share one resource and one scope: the same objects as the last
+        # span's need no lookup (hashing a scope or a resource is a Python call).
+        if span.resource is not resource or span.instrumentation_scope is not scope or not current:
+            resource, scope = span.resource, span.instrumentation_scope
+            current = groups.setdefault(resource, {}).setdefault(scope, [])
+        _span(span, current)
     out = []
-    for resource, by_scope in groups.items():
-        body = [_field(b"\x0a", _attributes(b"\x0a", resource.attributes))]
-        for scope, encoded in by_scope.items():
-            head = b"\x0a\x00"  # no scope: an empty one, as the SDK writes it
-            if scope is not None:
-                head = _field(
-                    b"\x0a",
-                    (_text(b"\x0a", scope.name) if scope.name else b"")
-                    + (_text(b"\x12", scope.version) if scope.version else b"")
-                    + _attributes(b"\x1a", scope.attributes),
-                )
-            schema = scope.schema_url if scope is not None else ""
-            body.append(
-                _field(
-                    b"\x12", head + b"".join(encoded) + (_text(b"\x1a", schema) if schema else b"")
-                )
-            )
-        if resource.schema_url:
-            body.append(_text(b"\x1a", resource.schema_url))
+    for resource_, by_scope in groups.items():
+        body = [_field(b"\x0a", _attributes(b"\x0a", resource_.attributes))]
+        body.extend(_scope(scope_, encoded) for scope_, encoded in by_scope.items())
+        if resource_.schema_url:
+            body.append(_text(b"\x1a", resource_.schema_url))
         out.append(_field(b"\x0a", b"".join(body)))
     return b"".join(out)
 
