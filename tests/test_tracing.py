@@ -238,6 +238,33 @@ def test_a_delivery_the_sampler_drops_records_nothing_but_passes_the_decision_on
     assert span.trace_id == PRODUCER_TRACE and span.span_id is not None
 
 
+def _sampled_by(sampler: str, traceparents: list[str | None]) -> list[bool]:
+    """Whether each delivery (one event, with this traceparent) was recorded, in order."""
+    exporter = InMemorySpanExporter()
+    config = TracingConfig(ENDPOINT + "/v1/traces", "ledger-relay", sampler, 0.5)
+    tracer = otel.OtelTracer(config, processor=SimpleSpanProcessor(exporter))
+    recorded = []
+    for tp in traceparents:
+        span = tracer.delivery(_delivery(traceparents=[tp]))
+        span.end()
+        recorded.append(bool(exporter.get_finished_spans()))
+        exporter.clear()
+    tracer.shutdown()
+    return recorded
+
+
+def test_a_samplers_decision_follows_each_deliverys_own_parent() -> None:
+    """A static sampler's decision is kept per kind of parent (none, sampled, not sampled), never
+    one for all; a ratio sampler's, which depends on the trace id, is asked every time."""
+    sampled, unsampled = TP1, f"00-{PRODUCER_TRACE}-{PRODUCER_SPAN}-00"
+    order = [sampled, unsampled, None, unsampled, sampled, None]
+    assert _sampled_by("parentbased_always_on", order) == [True, False, True, False, True, True]
+    assert _sampled_by("parentbased_always_off", order) == [True, False, False, False, True, False]
+    # traceidratio 0.5: a trace id whose low 64 bits are small is sampled, a large one is not
+    low, high = f"00-{'0' * 31}1-{PRODUCER_SPAN}-01", f"00-{'f' * 32}-{PRODUCER_SPAN}-01"
+    assert _sampled_by("traceidratio", [low, high, low, high]) == [True, False, True, False]
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -6,12 +6,13 @@ is a CLIENT span inside it, and its context is the `traceparent` header the ingr
 the ingress's own span is a child of the relay's. Attribute names follow OpenTelemetry's semantic
 conventions where they have one (messaging, HTTP client); the relay's own are under `relay.`.
 
-The spans are the SDK's and go out the SDK's way: its sampler decides, its random ids, a resource
+The spans are the SDK's and go out the SDK's way: its sampler decides (a static one, always on or
+off, parent-based or not, once per kind of parent: `_Recorder.sample`), its random ids, a resource
 from `Resource.create` (so `OTEL_RESOURCE_ATTRIBUTES` applies), its batch span processor and
-OTLP/HTTP exporter (whose protobuf body relay/integrations/otlp.py writes, at a third of the
-SDK encoder's cost). What the relay does not use is the SDK's *live* span (`Tracer.start_span`,
+OTLP/HTTP exporter (whose protobuf body relay/integrations/otlp.py writes, at about a fifth of
+the SDK encoder's cost). What the relay does not use is the SDK's *live* span (`Tracer.start_span`,
 `Span`): a lock, a context, `BoundedAttributes` checking every value, the tracer's metrics hooks,
-per span, which cost the event loop about 85 µs per delivery against 16 µs this way (issue 31;
+per span, which cost the event loop about 85 µs per delivery against 12 µs this way (issue 31;
 docs/performance.md, "Tracing"). A delivery's two spans are known in full when they end and
 nothing but this module touches them, so each is a few plain fields until then, and is handed to
 the processor once, as the `ReadableSpan` the SDK would have built (`SpanProcessor.on_end`).
@@ -19,7 +20,8 @@ Every value is the relay's own str, int or float, so there is nothing to check. 
 (`OTEL_*_LIMIT`, read once by relay/tracing.py) apply when a span is handed on: links beyond the
 link count (a batch whose events come from many traces reaches it), events beyond the event
 count, attributes beyond a count, string values cut to a length, each counted as dropped on the
-span as the SDK's own would be. Within the defaults (128 of each, no length limit) the relay's
+span as the SDK's own would be (an event's attributes as the event is added, as the SDK's
+`add_event` does). Within the defaults (128 of each, no length limit) the relay's
 spans reach none of them, and what is checked per span is a length or two. `on_start` is not
 called: the processors the relay runs (batch, and simple in tests) do nothing there.
 
@@ -39,7 +41,6 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
 
-from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -52,11 +53,20 @@ from opentelemetry.sdk.trace.sampling import (
     Decision,
     ParentBased,
     Sampler,
+    SamplingResult,
     TraceIdRatioBased,
 )
-from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    set_span_in_context,
+)
 
 from relay import __version__
 from relay.integrations.otlp import RelayOTLPSpanExporter
@@ -85,12 +95,26 @@ _TRACEPARENT = re.compile(
 )
 _MAX_TRACEPARENT = 512
 _ROOT = Context()  # a root delivery's parent context: none (never whatever is current)
-# Attribute values every delivery span carries alike, one object each (nothing to copy).
-_MESSAGING = {
-    "messaging.system": "ledger_relay",
-    "messaging.operation.type": "process",
-    "messaging.operation.name": "deliver",
-}
+
+
+# The samplers whose decision depends on the parent's flags alone (never on the trace id, the
+# span's name or its attributes): `_Recorder.sample` asks them once per kind of parent.
+STATIC_SAMPLERS = frozenset(
+    {"always_on", "always_off", "parentbased_always_on", "parentbased_always_off"}
+)
+
+
+def _hex_trace_id(trace_id: int) -> str:
+    """The id as W3C trace context writes it (lower-case hex, zero-padded): through bytes, three
+    times as fast as a format spec on a 128-bit int."""
+    return trace_id.to_bytes(16, "big").hex()
+
+
+def _hex_span_id(span_id: int) -> str:
+    return span_id.to_bytes(8, "big").hex()
+
+
+_FLAGS = [f"{flags:02x}" for flags in range(256)]
 
 
 def sampler_of(config: TracingConfig) -> Sampler:
@@ -172,46 +196,50 @@ def _attributes(attributes: Mapping[str, Any], count: int | None, length: int | 
     return result
 
 
-def _first(items: Sequence[Any], limit: int) -> Sequence[Any]:
-    """The first `limit` of `items`, the rest counted as dropped (`BoundedList` would keep the
-    last ones: for links, the traces of the batch's first events are the ones to keep)."""
-    kept = BoundedList.from_seq(limit, items[:limit])
-    kept.dropped = len(items) - limit
-    return kept
-
-
 class _Limits:
     """The span limits as `_Recorder.finish` applies them: nothing but a comparison or two per
-    span while a span is within them."""
+    span while a span is within them. Each returns what is kept and how many were dropped."""
 
     def __init__(self, limits: SpanLimits) -> None:
         self.limits = limits
 
-    def attributes(self, attributes: Mapping[str, Any]) -> Mapping[str, Any]:
+    def attributes(self, attributes: Mapping[str, Any]) -> tuple[Mapping[str, Any], int]:
         count, length = self.limits.attribute_count, self.limits.attribute_length
         if length is None and (count is None or len(attributes) <= count):
-            return attributes
-        bounded_attributes: Mapping[str, Any] = _attributes(attributes, count, length)
-        return bounded_attributes
+            return attributes, 0
+        return bounded(attributes, count, length)
 
-    def events(self, events: list[Event]) -> Sequence[Event]:
-        limits = self.limits
-        count, length = limits.event_attribute_count, limits.event_attribute_length
-        events = [
-            e
-            if length is None and (count is None or len(e.attributes or ()) <= count)
-            else Event(e.name, _attributes(e.attributes or {}, count, length), e.timestamp)
-            for e in events
-        ]
-        if limits.event_count is not None and len(events) > limits.event_count:
-            return _first(events, limits.event_count)
-        return events
+    def event(self, name: str, attributes: dict[str, Any], timestamp: int) -> Event:
+        """An event, its attributes within their limits (applied as it is added, as the SDK's
+        `add_event` does)."""
+        count, length = self.limits.event_attribute_count, self.limits.event_attribute_length
+        if length is None and (count is None or len(attributes) <= count):
+            return Event(name, attributes, timestamp)
+        return Event(name, _attributes(attributes, count, length), timestamp)
 
-    def links(self, links: Sequence[Link]) -> Sequence[Link]:
+    def events(self, events: list[Event]) -> tuple[Sequence[Event], int]:
+        limit = self.limits.event_count
+        if limit is not None and len(events) > limit:
+            # the first ones (a `BoundedList` would keep the last)
+            return events[:limit], len(events) - limit
+        return events, 0
+
+    def links(self, links: Sequence[Link]) -> tuple[Sequence[Link], int]:
         limit = self.limits.link_count
         if limit is not None and len(links) > limit:
-            return _first(links, limit)
-        return links
+            # the first ones: the traces of the batch's first events
+            return links[:limit], len(links) - limit
+        return links, 0
+
+
+class _Span(ReadableSpan):
+    """The `ReadableSpan` the SDK would have built, with its dropped counts as plain fields: the
+    SDK's properties test the type of each collection (an ABC check apiece), and the OTLP
+    encoder reads all three for every span."""
+
+    dropped_attributes: int = 0
+    dropped_events: int = 0
+    dropped_links: int = 0
 
 
 class _Recorder:
@@ -224,6 +252,23 @@ class _Recorder:
         self.scope = InstrumentationScope("ledger-relay", __version__)
         self.ids = RandomIdGenerator()
         self.limits = _Limits(config.limits)
+        self.static = config.sampler in STATIC_SAMPLERS
+        self._decisions: dict[int | None, SamplingResult] = {}
+
+    def sample(self, parent: SpanContext | None, trace_id: int, name: str) -> SamplingResult:
+        """The sampler's decision for a delivery span. A static sampler's is asked once per kind
+        of parent (none, sampled, not sampled) and kept: the parents are the events' remote
+        contexts, which carry no trace state, so it would answer each of a kind alike."""
+        key = None if parent is None else parent.trace_flags & _SAMPLED
+        if self.static and key in self._decisions:
+            return self._decisions[key]
+        # The sampler sees no attributes or links: none of the six it can be looks at them, and
+        # a dropped delivery is not worth building them for.
+        context = _ROOT if parent is None else set_span_in_context(NonRecordingSpan(parent))
+        sampling = self.sampler.should_sample(context, trace_id, name, SpanKind.CONSUMER)
+        if self.static:
+            self._decisions[key] = sampling
+        return sampling
 
     def finish(
         self,
@@ -238,22 +283,30 @@ class _Recorder:
         links: Sequence[Link] | None = None,
     ) -> None:
         limits = self.limits
-        self.processor.on_end(
-            ReadableSpan(
-                name=name,
-                context=context,
-                parent=parent,
-                resource=self.resource,
-                attributes=limits.attributes(attributes),
-                events=limits.events(events) if events else (),
-                links=limits.links(links) if links else (),
-                kind=kind,
-                status=status,
-                start_time=start,
-                end_time=time_ns(),
-                instrumentation_scope=self.scope,
-            )
+        attributes, dropped_attributes = limits.attributes(attributes)
+        kept_events, dropped_events = limits.events(events) if events else ((), 0)
+        kept_links, dropped_links = limits.links(links) if links else ((), 0)
+        span = _Span(
+            name=name,
+            context=context,
+            parent=parent,
+            resource=self.resource,
+            attributes=attributes,
+            events=kept_events,
+            links=kept_links,
+            kind=kind,
+            status=status,
+            start_time=start,
+            end_time=time_ns(),
+            instrumentation_scope=self.scope,
         )
+        if dropped_attributes:
+            span.dropped_attributes = dropped_attributes
+        if dropped_events:
+            span.dropped_events = dropped_events
+        if dropped_links:
+            span.dropped_links = dropped_links
+        self.processor.on_end(span)
 
 
 class _OtelPost(PostSpan):
@@ -266,7 +319,10 @@ class _OtelPost(PostSpan):
         self._url = url
         context = delivery.context
         self._span_id = span_id = delivery.recorder.ids.generate_span_id()
-        self.traceparent = f"00-{context.trace_id:032x}-{span_id:016x}-{context.trace_flags:02x}"
+        self.traceparent = (
+            f"00-{_hex_trace_id(context.trace_id)}-{_hex_span_id(span_id)}"
+            f"-{_FLAGS[context.trace_flags]}"
+        )
         self._status_code: int | None = None
         self._error: str | None = None
         self._start = time_ns()
@@ -351,11 +407,11 @@ class _OtelDelivery(DeliverySpan):
 
     @property
     def trace_id(self) -> str:
-        return f"{self.context.trace_id:032x}"
+        return _hex_trace_id(self.context.trace_id)
 
     @property
     def span_id(self) -> str:
-        return f"{self.context.span_id:016x}"
+        return _hex_span_id(self.context.span_id)
 
     def post(self, url: str) -> PostSpan:
         return _OtelPost(self, url)
@@ -374,7 +430,9 @@ class _OtelDelivery(DeliverySpan):
     def event(self, name: str, **attributes: Any) -> None:
         if self._attributes is None:
             return
-        event = Event(name, {k: v for k, v in attributes.items() if v is not None}, time_ns())
+        event = self.recorder.limits.event(
+            name, {k: v for k, v in attributes.items() if v is not None}, time_ns()
+        )
         if self._events is None:
             self._events = [event]
         else:
@@ -416,14 +474,10 @@ class OtelTracer(Tracer):
         if parent is None:
             trace_id = recorder.ids.generate_trace_id()
             flags = _RANDOM  # the id generator's trace ids are random
-            parent_context = _ROOT
         else:
             trace_id = parent.trace_id
             flags = parent.trace_flags & _RANDOM
-            parent_context = trace.set_span_in_context(trace.NonRecordingSpan(parent))
-        # The sampler sees no attributes or links: none of the six it can be looks at them, and
-        # a dropped delivery is not worth building them for.
-        sampling = recorder.sampler.should_sample(parent_context, trace_id, name, SpanKind.CONSUMER)
+        sampling = recorder.sample(parent, trace_id, name)
         sampled = sampling.decision is Decision.RECORD_AND_SAMPLE
         context = SpanContext(
             trace_id,
@@ -434,7 +488,10 @@ class OtelTracer(Tracer):
         )
         if not sampled:
             return _OtelDelivery(recorder, name, context, parent, None, None)
-        attributes = _MESSAGING | {
+        attributes: dict[str, Any] = {
+            "messaging.system": "ledger_relay",
+            "messaging.operation.type": "process",
+            "messaging.operation.name": "deliver",
             "messaging.destination.name": d.lane,
             "messaging.batch.message_count": d.events,
             "relay.run_id": d.run_id,
@@ -447,7 +504,7 @@ class OtelTracer(Tracer):
             attributes["relay.outbox_wait_seconds"] = d.outbox_wait_seconds
         if sampling.attributes:
             attributes.update(sampling.attributes)
-        links = self._links(d, parent)
+        links = self._links(d, parent) if len(d.traceparents) > 1 else None
         return _OtelDelivery(recorder, name, context, parent, attributes, links)
 
     def _links(self, d: Delivery, parent: SpanContext | None) -> Sequence[Link] | None:
