@@ -16,8 +16,9 @@ from typing import Any
 import anyio
 import pytest
 
-from relay import http_httpx
-from relay.http_httpx import POOL_WIDTH, HttpxSender, _Stream, _target
+from relay import http_httpx, http_network
+from relay.http_httpx import POOL_WIDTH, HttpxSender, _target
+from relay.http_network import Stream
 from relay.proxies import proxy_rules
 from relay.transport import TransportFailure
 from tests.support import wait_for
@@ -105,13 +106,13 @@ async def test_httpcore_still_asks_the_lean_stream_about_idle_connections(
     kept poll object; the key is httpcore's convention, not its documented API, so an upgrade
     that stops asking it must fail here, not go quietly slower."""
     asked: list[str] = []
-    original = _Stream.get_extra_info
+    original = Stream.get_extra_info
 
-    def recording(self: _Stream, info: str) -> Any:
+    def recording(self: Stream, info: str) -> Any:
         asked.append(info)
         return original(self, info)
 
-    monkeypatch.setattr(_Stream, "get_extra_info", recording)
+    monkeypatch.setattr(Stream, "get_extra_info", recording)
     server = Scripted(lambda n: [OK])
     async with server.serving() as url:
         sender = HttpxSender(connections=1, rules=proxy_rules({}))
@@ -146,14 +147,14 @@ async def test_a_kept_connection_the_server_closed_is_not_reused(
     """The server answers keep-alive and then closes: once that close has arrived, the sender
     sees it on the idle connection (its stream says readable) and opens a new one, rather than
     sending the next POST into a closed connection (which would fail: no answer)."""
-    protocols: list[http_httpx._Protocol] = []
+    protocols: list[http_network.Received] = []
 
-    class Recorded(http_httpx._Protocol):
+    class Recorded(http_network.Received):
         def __init__(self) -> None:
             super().__init__()
             protocols.append(self)
 
-    monkeypatch.setattr(http_httpx, "_Protocol", Recorded)
+    monkeypatch.setattr(http_network, "Received", Recorded)
     server = Scripted(lambda n: [OK, None])
     async with server.serving() as url:
         sender = HttpxSender(connections=1, rules=proxy_rules({}))
@@ -220,17 +221,17 @@ async def test_the_stream_stops_reading_while_too_much_waits_unread() -> None:
     """Past BUFFERED unread bytes the socket is no longer read, until reads bring it back under;
     a read returns at most what it asked for, keeping the rest in order."""
     transport = Reading()
-    protocol = http_httpx._Protocol()
+    protocol = http_network.Received()
     protocol.connection_made(transport)  # type: ignore[arg-type]  # only its flow control
-    stream = _Stream(protocol)
-    protocol.data_received(b"x" * http_httpx.BUFFERED)
+    stream = Stream(protocol)
+    protocol.data_received(b"x" * http_network.BUFFERED)
     assert transport.reading
     protocol.data_received(b"y")
     assert not transport.reading
     assert stream.get_extra_info("is_readable")
     assert await stream.read(65536) == b"x" * 65536
     assert transport.reading
-    assert await stream.read(http_httpx.BUFFERED) == b"x" * (http_httpx.BUFFERED - 65536)
+    assert await stream.read(http_network.BUFFERED) == b"x" * (http_network.BUFFERED - 65536)
     assert await stream.read(65536) == b"y"
     assert not stream.get_extra_info("is_readable")
     protocol.eof_received()
