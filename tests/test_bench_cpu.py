@@ -145,6 +145,20 @@ def test_a_tree_from_a_proc_table(tmp_path: Path) -> None:
     assert cpu.party_ticks(table, cpu.Party("p", (10, 14))) is None
 
 
+def test_a_child_reaped_while_the_table_was_read_is_not_counted_twice() -> None:
+    parent = cpu.Party("server", (100,))
+    alive = {100: cpu.Stat(100, 1, 10, 0), 99: cpu.Stat(99, 100, 500, 0)}
+    # pid 99 (a child: pids wrap around) read alive, then reaped before its parent was read
+    twice = {100: cpu.Stat(100, 1, 10, 500), 99: cpu.Stat(99, 100, 500, 0)}
+    reaped = {100: cpu.Stat(100, 1, 10, 500)}
+    reads = iter([twice, reaped, reaped])
+    table = cpu.consistent_table([parent], lambda: next(reads))
+    assert cpu.party_ticks(table, parent) == 510
+    # processes of other parties come and go without a second read being needed
+    others = iter([alive, alive | {7: cpu.Stat(7, 1, 1, 0)}])
+    assert cpu.consistent_table([parent], lambda: next(others)) == alive
+
+
 def test_the_server_is_found_when_local_and_not_when_its_processes_are_not_seen(
     pg_url: str, tmp_path: Path
 ) -> None:

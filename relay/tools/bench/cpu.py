@@ -2,14 +2,16 @@
 PostgreSQL server, the relay, the sink, the bench itself) read from /proc, per event.
 
 A machine's cores are shared by every party end to end, so CPU per event says what each limit
-costs and what end to end can reach at best (`ceiling_eps`); it is also far less sensitive to
-other work on the machine than events per second are.
+costs and what end to end can reach at best (`ceiling_eps`); it is also much less sensitive to
+other work on the machine than events per second are (not immune: caches and cores shared
+with other work, and fewer events per wake-up at lower rates, cost more per event).
 
 How a party is counted: /proc/<pid>/stat's utime + stime (every thread of the process) plus
 cutime + cstime (the children it has reaped), summed over the party's root and every live
 descendant. A child that exits and is reaped moves its whole time into its parent's cutime +
 cstime, so a PostgreSQL backend or parallel worker that comes and goes inside the window is
-still counted, by the postmaster. Not counted: a process reaped by something outside the
+still counted, by the postmaster (`consistent_table`: a child reaped in the middle of a read
+is counted once). Not counted: a process reaped by something outside the
 party's tree, and kernel work charged to no process (softirqs run by ksoftirqd, for one):
 `Usage.machine_busy_s` (all of the machine's non-idle time, /proc/stat) shows how much that,
 and everyone else on the machine, amounts to.
@@ -21,7 +23,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,8 +123,39 @@ class Snapshot:
     machine: tuple[int, int]
 
 
+def _members(table: Mapping[int, Stat], party: Party) -> frozenset[tuple[int, int]]:
+    """(pid, reaped ticks) of each process of the party: what a child's exit changes."""
+    todo, seen = [p for p in party.pids if p in table], set()
+    while todo:
+        pid = todo.pop()
+        seen.add((pid, table[pid].reaped))
+        if party.tree:
+            todo += [s.pid for s in table.values() if s.ppid == pid]
+    return frozenset(seen)
+
+
+def consistent_table(
+    parties: Iterable[Party], read: Callable[[], dict[int, Stat]], tries: int = 10
+) -> dict[int, Stat]:
+    """A table in which no process of the parties was reaped while it was read. A read is not
+    atomic: a child read alive, then reaped before its parent is read (pids wrap around, so a
+    child may come first), is counted twice, once alive and once in its parent's cutime; the
+    other way round it is not counted at all. Either would be wrong by the child's whole
+    lifetime (a backend that wrote a backlog: seconds). A read is kept when the next one finds
+    the same processes with the same reaped ticks, so nothing was reaped during it."""
+    parties = list(parties)
+    table = read()
+    for _ in range(tries):
+        again = read()
+        if all(_members(table, p) == _members(again, p) for p in parties):
+            return table
+        table = again
+    return table  # still moving after `tries` reads: the last one, as good as any
+
+
 def snapshot(parties: Iterable[Party], proc: Path = PROC) -> Snapshot:
-    table = read_table(proc)
+    parties = list(parties)
+    table = consistent_table(parties, lambda: read_table(proc))
     ticks = {p.name: party_ticks(table, p) for p in parties}
     return Snapshot(time.monotonic(), ticks, machine_ticks(proc))
 
@@ -197,7 +230,9 @@ def server_pid(url: str, proc: Path = PROC) -> int | None:
     """The postmaster's pid when the server at `url` runs on this machine (and this process
     can see it), else None. A backend's pid from pg_backend_pid() is a process here only by
     chance when the server is elsewhere (another host, a container): the server's processes in
-    pg_stat_activity must all be children of that backend's parent, the postmaster."""
+    pg_stat_activity must all be children of that backend's parent, the postmaster. Every
+    process of the server counts, other clients' backends too: the bench's embedded cluster
+    has none, a shared `--database-url` server may."""
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute("select pg_backend_pid()").fetchone()
         pids = [r[0] for r in conn.execute("select pid from pg_stat_activity").fetchall()]
