@@ -83,6 +83,11 @@ async def test_delivers_every_event_in_order_and_wakes_engine(
     async with Relay(settings(pg_url, schema, url)).running() as r:
         await wait_for(lambda: len(s.state.deliveries) == 180, what="180 deliveries")
         await wait_for(lambda: count(conn, schema, "state <> 'delivered'") == 0, what="all acked")
+        # The acks' commits are visible before the relay has their answers and counts them.
+        await wait_for(
+            lambda: sum(lane.stats.delivered for lane in r.lanes.values()) == 180,
+            what="all acks counted",
+        )
         stats = {name: lane.stats for name, lane in r.lanes.items()}
     assert s.state.order_violations == 0
     # No crash, no lost lease, no lost reply: no duplicate (invariant 5).
