@@ -288,11 +288,13 @@ async def soak(env: Env, a: argparse.Namespace) -> Result:
     await reset(env)
     prune_interval = max(0.5, a.soak_retention / 2)
     settings = env.settings(retention=str(a.soak_retention))
+    # The outbox and the runs (`events` is a view since schema version 7: it has no size). The
+    # outbox is partitioned since version 8, and a partitioned table has no storage of its own:
+    # its partitions are summed (pg_partition_tree of a plain table is the table itself).
     size_q = env.q(
-        "select (pg_total_relation_size(%s::regclass) + pg_total_relation_size(%s::regclass))"
-        "::float8 / 1048576"
+        "select ((select sum(pg_total_relation_size(relid)) from pg_partition_tree(%s::regclass))"
+        " + pg_total_relation_size(%s::regclass))::float8 / 1048576"
     )
-    # the outbox and the runs (`events` is a view since schema version 7: it has no size)
     names = (f'"{env.schema}".outbox', f'"{env.schema}".runs')
     sizes: list[tuple[float, float]] = []
     per_tick = max(1, a.soak_rate // 10)
@@ -313,7 +315,7 @@ async def soak(env: Env, a: argparse.Namespace) -> Result:
                     row = await (await conn.execute(size_q, names)).fetchone()
                     assert row is not None
                     sizes.append((round(now - started, 1), round(row[0], 3)))
-                    next_size += max(1.0, a.soak_seconds / 40)
+                    next_size += 1.0
                     status.update(
                         f"soak: {now - started:.0f}/{a.soak_seconds:g} s, {sent:,} events, "
                         f"outbox {row[0]:.2f} MB"
@@ -323,10 +325,15 @@ async def soak(env: Env, a: argparse.Namespace) -> Result:
             assert row is not None
             sizes.append((round(time.monotonic() - started, 1), round(row[0], 3)))
     # Start after the warm-up: the retention filled, and two rounds of autovacuum (its naptime
-    # is 60 s by default; until its first pass, pruned rows' space is not reusable).
+    # is 60 s by default; until its first pass, pruned rows' space is not reusable). Retention
+    # removes a whole part of the outbox at a time (schema version 8): its size is a saw tooth
+    # of one part's turn, holding between `retention` and 1.5 x `retention` of events. So each
+    # end is the highest size over one tooth (plus prune's own period), not one sample.
     warm = max(a.soak_retention + 3 * prune_interval, 0.4 * a.soak_seconds)
-    start = next((mb for t, mb in sizes if t >= warm), sizes[-1][1])
-    end = sizes[-1][1]
+    tooth = 1.5 * a.soak_retention + prune_interval
+    last = sizes[-1][0]
+    start = max((mb for t, mb in sizes if warm <= t < warm + tooth), default=sizes[-1][1])
+    end = max(mb for t, mb in sizes if t >= last - tooth)
     await reset(env)
     return Result(
         ["key", "mb", "events_sent"],
@@ -338,8 +345,9 @@ async def soak(env: Env, a: argparse.Namespace) -> Result:
         [
             f"{a.soak_rate} events/s for {a.soak_seconds:g} s (runs of {per_tick} events), relay "
             f"in process with retention {a.soak_retention:g} s and prune every ~"
-            f"{prune_interval:g} s; size = outbox + runs tables with indexes and TOAST; start "
-            f"= first sample after {warm:g} s"
+            f"{prune_interval:g} s; size = outbox (its parts) + runs tables with indexes and "
+            f"TOAST, sampled every second; start = the highest over {tooth:g} s from {warm:g} s, "
+            f"end = the highest over the last {tooth:g} s"
         ],
         data={"sizes_mb": sizes},
         metrics={"soak_table_mb_start": start, "soak_table_mb_end": end},
