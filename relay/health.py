@@ -28,7 +28,8 @@ behind `ui_token` when one is set; the probe loop also writes this replica's rep
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -298,6 +299,19 @@ class MetricsPort:
         except OSError as exc:
             raise ConnectionError(f"cannot listen on metrics_addr {addr}: {exc.strerror}") from None
         return cls(listener, addr)
+
+    @classmethod
+    @asynccontextmanager
+    async def serving(cls, addr: str) -> AsyncIterator[MetricsPort]:
+        """Bound to `addr` and served for the duration of the block (a busy address raises at
+        once)."""
+        port = await cls.bind(addr)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(port.run)
+            try:
+                yield port
+            finally:
+                tg.cancel_scope.cancel()
 
     async def run(self) -> None:
         """Serve until cancelled, each request by whoever answers at that moment."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import random
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,7 +120,9 @@ class Relay:
 
     async def run(self, *, task_status: TaskStatus[Relay] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
-            async with self._metrics_port() as port:
+            # Bound before anything else and answered until the run ends (health.MetricsPort).
+            addr = self.settings.metrics_addr
+            async with health.MetricsPort.serving(addr) if addr else nullcontext() as port:
                 await self._run(port, task_status)
         finally:
             # However the run ends (a stop, an error, a cancellation), the spans it recorded are
@@ -128,22 +130,6 @@ class Relay:
             if self.tracer.enabled:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self.tracer.shutdown)
-
-    @asynccontextmanager
-    async def _metrics_port(self) -> AsyncIterator[health.MetricsPort | None]:
-        """`metrics_addr`, bound before anything else and answered until the run ends: the
-        start-up answers while the database is waited for and the relay starts, the endpoints
-        from then on (health.MetricsPort). A busy address ends the start at once."""
-        if not self.settings.metrics_addr:
-            yield None
-            return
-        port = await health.MetricsPort.bind(self.settings.metrics_addr)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(port.run)
-            try:
-                yield port
-            finally:
-                tg.cancel_scope.cancel()
 
     async def _run(self, port: health.MetricsPort | None, task_status: TaskStatus[Relay]) -> None:
         s = self.settings

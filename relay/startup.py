@@ -86,6 +86,29 @@ async def wait_for_database(
             notifier.close()
 
 
+async def _attempt(
+    url: str,
+    deadline: float,
+    stop: anyio.Event,
+    connect: Callable[[str, float], Awaitable[Any]],
+) -> str | None:
+    """One connection attempt, abandoned when `stop` is set; its error's text, or None."""
+    error: str | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def on_stop() -> None:
+            await stop.wait()
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(on_stop)
+        try:
+            await connect(url, deadline)
+        except (psycopg.Error, OSError, TimeoutError) as exc:
+            error = logs.error_text(exc)
+        tg.cancel_scope.cancel()
+    return error
+
+
 async def _wait(
     url: str,
     timeout: float,  # noqa: ASYNC109 - see wait_for_database
@@ -100,19 +123,7 @@ async def _wait(
         attempt += 1
         left = remaining(timeout, started, anyio.current_time())
         deadline = ATTEMPT_DEADLINE if left is None else max(0.1, min(ATTEMPT_DEADLINE, left))
-        error: str | None = None
-        async with anyio.create_task_group() as tg:
-
-            async def on_stop() -> None:
-                await stop.wait()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(on_stop)
-            try:
-                await connect(url, deadline)
-            except (psycopg.Error, OSError, TimeoutError) as exc:
-                error = logs.error_text(exc)
-            tg.cancel_scope.cancel()
+        error = await _attempt(url, deadline, stop, connect)
         if stop.is_set():
             return False
         if error is None:
