@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
 import psycopg
 from psycopg import sql
@@ -39,6 +40,7 @@ FUNCTIONS_FILE = "functions.sql"
 # attempt waits at most this long for any lock, rolls back when it cannot have it (letting go of
 # what it took) and tries again after a backoff, until the call's `lock_timeout` has passed.
 TABLE_LOCK_WAIT = 0.5
+T = TypeVar("T")  # what one attempt of _with_short_lock_waits returns
 
 
 class SchemaError(Exception):
@@ -243,14 +245,13 @@ def _prepare_ahead(
     )
 
 
-def _run_prepare_file(conn: psycopg.Connection, schema: str, m: Migration) -> bool:
+def _run_prepare_file(conn: psycopg.Connection, schema: str, m: Migration) -> None:
     assert m.prepare is not None
     with conn.transaction():
         conn.execute(
             sql.SQL("set local search_path = {}, pg_catalog").format(sql.Identifier(schema))
         )
         conn.execute(m.prepare.encode())
-    return True
 
 
 def _prepare_steps(conn: psycopg.Connection, schema: str) -> int:
@@ -295,8 +296,8 @@ def _apply(
 
 
 def _with_short_lock_waits(
-    conn: psycopg.Connection, table_lock_wait: float, attempt: Callable[[], bool]
-) -> bool:
+    conn: psycopg.Connection, table_lock_wait: float, attempt: Callable[[], T]
+) -> T:
     """Runs `attempt` (one transaction) with each lock wait bounded by `table_lock_wait`, and
     again after a backoff while a lock is not to be had, until the session's lock_timeout has
     passed (TABLE_LOCK_WAIT says why)."""
