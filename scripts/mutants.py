@@ -52,6 +52,7 @@ LIVE = "tests/test_liveness.py"
 EMPTY = "tests/test_claim_empty.py"
 MIGRATE = "tests/test_migrate_cursor.py"
 PREPARE = "schema/0007_delivery_cursor.prepare.sql"
+CURSOR_MIGRATION = "schema/0007_delivery_cursor.sql"
 # ack_round's fence, and its hold of `upto` to the run's last committed event
 ACK_FENCE = "where r.lease_token = t.token and r.lease_expires_at > v_now"
 ACK_UPTO = (
@@ -844,6 +845,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "          for update skip locked) batch;",
         "          for update) batch;",
         (f"{MIGRATE}::test_a_prepare_step_passes_over_a_run_another_transaction_holds",),
+    ),
+    Mutant(
+        "catch-up-forgets-passed-over",
+        "rolling upgrade: a run the last prepare step passed over (held, noted by nothing) is"
+        " computed under the migration's locks",
+        CURSOR_MIGRATION,
+        "select migrate_0007_runs(array(select run_id from runs where delivered_seq is null\n"
+        "                               union\n"
+        "                               select run_id from migrate_0007_changed));",
+        "select migrate_0007_runs(array(select run_id from migrate_0007_changed));",
+        (f"{MIGRATE}::test_a_run_the_last_prepare_step_passed_over_is_computed_under_the_lock",),
     ),
 )
 

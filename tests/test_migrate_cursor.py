@@ -423,3 +423,58 @@ def test_a_prepare_step_passes_over_a_run_another_transaction_holds(
             ("held", 2),
             ("held", 3),
         ]
+
+
+def test_a_run_the_last_prepare_step_passed_over_is_computed_under_the_lock(
+    pg_url: str, old_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`relay migrate`'s own prepare passes over a run whose row another transaction holds
+    (`skip locked`), and nothing notes that run: the holder wrote no event. The migration's
+    transaction waits for the holder, then must compute the run's cursor under its locks from
+    `delivered_seq is null`. Left out, the run keeps a null cursor, and making the cursor
+    `not null` fails the migration. Reaching this by chance takes a race; here the holder takes
+    the row just before the migration's prepare steps, and lets it go once the migration waits
+    for its tables."""
+    import relay.migrate as migrate_module
+
+    schema = old_schema
+    s = sql.Identifier(schema)
+    migrator = make_conninfo(pg_url, application_name="migrate-under-test")
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        old = Old(conn, schema)
+        old.enqueue("free", 2)
+        old.enqueue("held", 3)
+        old.ack("held", old.claim_run("held"), 1)
+    holder = psycopg.connect(pg_url)
+    steps = migrate_module._prepare_steps
+    released: list[InThread] = []
+
+    def let_go_once_the_migration_waits() -> None:
+        wait_until(lambda: lock_waiters(pg_url, "migrate-under-test") == 1, 30, "the migration")
+        holder.commit()
+
+    def steps_with_a_run_held(conn: psycopg.Connection[Any], schema_: str) -> int:
+        holder.execute(sql.SQL("select 1 from {}.runs where run_id = 'held' for update").format(s))
+        n = steps(conn, schema_)
+        with psycopg.connect(pg_url, autocommit=True) as look:  # passed over, not waited for
+            assert cursors(look, schema) == {"free": 0, "held": None}
+        released.append(InThread(let_go_once_the_migration_waits))
+        return n
+
+    monkeypatch.setattr(migrate_module, "_prepare_steps", steps_with_a_run_held)
+    try:
+        result = migrate(migrator, schema, table_lock_wait=60.0)
+    finally:
+        holder.close()
+    assert result.version == code_version()
+    (release,) = released
+    release.result()
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        assert cursors(conn, schema) == {"free": 0, "held": 1}
+        claimed = Old(conn, schema).call("claim", "new-relay", 10, 100, "30 seconds", "ordinary")
+    assert sorted((row[0], row[6]) for row in claimed) == [
+        ("free", 1),
+        ("free", 2),
+        ("held", 2),
+        ("held", 3),
+    ]
