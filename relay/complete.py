@@ -71,7 +71,7 @@ class Completer:
 
     def view(self) -> CompleteStats:
         """The completer's counters, a copy (for the lane's view)."""
-        return replace(self.stats, by_type=dict(self.stats.by_type))
+        return replace(self.stats, by_type=dict(self.stats.by_type), ack_groups=self.acks.groups)
 
     # -- carrying out outcomes ---------------------------------------------------------------
 

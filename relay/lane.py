@@ -206,6 +206,7 @@ class Lane:
             return True
         if self.targets:
             run_id = self.targets.pop(0)
+            self.fetched.claims += 1
             claims = await self.store.claim(self.name, 1, run_id)
             if not claims and run_id not in self.inflight:
                 self.wanted.add(run_id)  # leased elsewhere or backing off; retried on delivery
@@ -218,6 +219,7 @@ class Lane:
         holdings = self.holdings
         want = max(1, min(holdings.room(), self.settings.claim_runs, holdings.fits()))
         self.fetched.passes += 1
+        self.fetched.claims += 1
         claims = await self.store.claim(self.name, want)
         self._start(claims)
         if len(claims) < want:

@@ -222,6 +222,20 @@ PER_LANE: tuple[Scraped[LaneView], ...] = (
     ),
     Scraped(
         CounterMetricFamily,
+        "claims",
+        "Claim statements run; claimed_runs / claims is the runs per claim (at most "
+        "claim_runs; fewer when the lane's byte budget or its room is the bound).",
+        lambda lane: lane.stats.claims,
+    ),
+    Scraped(
+        CounterMetricFamily,
+        "ack_groups",
+        "Ack statements committed, each acknowledging a group of runs in one transaction; "
+        "delivery_lag_seconds_count / ack_groups is the runs per group.",
+        lambda lane: lane.stats.ack_groups,
+    ),
+    Scraped(
+        CounterMetricFamily,
         "leases_reclaimed",
         "Runs claimed before their lease expired because its owner was dead (its liveness "
         "lock was free).",

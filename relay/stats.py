@@ -12,6 +12,7 @@ class FetchStats:
     """The lane's own (relay/lane.py): discovery and hand-over."""
 
     passes: int = 0
+    claims: int = 0  # claim statements run, targeted ones included
     claimed_runs: int = 0
     adopted: int = 0  # critical runs taken over from the ordinary lane's queue
     reclaimed: int = 0  # runs claimed from a dead owner before their lease expired (issue 18)
@@ -33,6 +34,7 @@ class CompleteStats:
 
     delivered: int = 0
     acks: int = 0
+    ack_groups: int = 0  # ack statements committed (the ack group's count, filled in by the view)
     lease_lost: int = 0
     retries: int = 0
     failed: int = 0
@@ -43,10 +45,12 @@ class CompleteStats:
 @dataclass
 class LaneStats:
     passes: int = 0
+    claims: int = 0  # claim statements run: claimed_runs / claims is the runs per claim
     claimed_runs: int = 0
     delivered: int = 0
     posts: int = 0
     acks: int = 0
+    ack_groups: int = 0  # ack statements: acks / ack_groups is the runs per group
     lease_lost: int = 0
     retries: int = 0
     failed: int = 0
@@ -63,10 +67,12 @@ class LaneStats:
         """The three parts' counters (each a copy its part gave), as one value."""
         return cls(
             passes=fetch.passes,
+            claims=fetch.claims,
             claimed_runs=fetch.claimed_runs,
             delivered=complete.delivered,
             posts=execute.posts,
             acks=complete.acks,
+            ack_groups=complete.ack_groups,
             lease_lost=complete.lease_lost,
             retries=complete.retries,
             failed=complete.failed,

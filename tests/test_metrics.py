@@ -143,7 +143,10 @@ def test_every_metric_of_the_table_is_exported_with_its_type_help_and_labels() -
 
 
 def test_the_collector_reads_the_views_it_was_given_and_the_observers_count() -> None:
-    stats = LaneStats(claimed_runs=3, lease_lost=1, failed=2, retries=4, by_type={"step": 5})
+    stats = LaneStats(
+        claims=2, claimed_runs=3, ack_groups=6, lease_lost=1, failed=2, retries=4,
+        by_type={"step": 5},
+    )  # fmt: skip
     lanes = [LaneView("ordinary", stats, inflight=2, turns=9, turned_at=1.0, misconfigured=False)]
     listener = ListenerView(up=True, reconnects=3, received=7)
     m = Metrics(views=lambda: lanes, listener_view=lambda: listener)
@@ -156,6 +159,8 @@ def test_the_collector_reads_the_views_it_was_given_and_the_observers_count() ->
     samples = parse(m.exposition()[0].decode())
     assert total(samples, "ledger_relay_delivered_events_total", lane="ordinary", type="step") == 5
     assert total(samples, "ledger_relay_claimed_runs_total", lane="ordinary") == 3
+    assert total(samples, "ledger_relay_claims_total", lane="ordinary") == 2
+    assert total(samples, "ledger_relay_ack_groups_total", lane="ordinary") == 6
     assert total(samples, "ledger_relay_leases_lost_total", lane="ordinary") == 1
     assert total(samples, "ledger_relay_runs_blocked_total", lane="ordinary") == 2
     assert total(samples, "ledger_relay_retries_scheduled_total", lane="ordinary") == 4
@@ -247,6 +252,7 @@ async def test_scrape_of_a_running_relay(
         samples = await scrape(port)
         acks = sum(lane.stats.acks for lane in r.lanes.values())
         posts = sum(lane.stats.posts for lane in r.lanes.values())
+        claim_runs = cfg.claim_runs
 
     assert total(samples, "ledger_relay_delivered_events_total") == 15
     assert total(samples, "ledger_relay_delivered_events_total", type="run_created") == 5
@@ -259,6 +265,13 @@ async def test_scrape_of_a_running_relay(
     assert total(samples, "ledger_relay_listen_up") == 1
     assert total(samples, "ledger_relay_listen_reconnects_total") == 0
     assert total(samples, "ledger_relay_leases_lost_total") == 0
+    # Runs per claim and per ack group, as an operator reads them off the counters: every run
+    # was taken by some claim statement (a claim that found nothing counts too), and acked in
+    # some group.
+    claims = total(samples, "ledger_relay_claims_total")
+    assert 1 <= claims and total(samples, "ledger_relay_claimed_runs_total") <= claims * claim_runs
+    groups = total(samples, "ledger_relay_ack_groups_total")
+    assert 1 <= groups <= total(samples, "ledger_relay_delivery_lag_seconds_count") == acks
     # Ids never become labels: no run id or event id in any label value.
     ids = set(runs) | {f"{run}-{i}" for run in runs for i in range(3)}
     values = {v for (_, labels) in samples for _, v in labels}

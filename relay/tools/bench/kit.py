@@ -25,6 +25,7 @@ import anyio
 import anyio.abc
 import httpx
 import psycopg
+from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 from rich.console import Console
 
@@ -347,6 +348,29 @@ async def relay_processes(
         for i, rp in enumerate(procs):
             await _wait_http(rp.metrics_url + "/readyz", rp.proc, f"relay replica {i}", log)
         yield procs
+
+
+async def statement_sizes(procs: Sequence[RelayProcess]) -> dict[str, float | None]:
+    """Runs per claim statement and per ack statement so far, summed over the replicas, from
+    their own counters (`claims_total`, `ack_groups_total`; docs/operations.md, Metrics)."""
+    totals: dict[str, float] = {}
+    async with httpx.AsyncClient() as client:
+        for rp in procs:
+            text = (await client.get(rp.metrics_url + "/metrics", timeout=10)).text
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+
+    def per(runs: str, statements: str) -> float | None:
+        n = totals.get(statements, 0.0)
+        return round(totals.get(runs, 0.0) / n, 1) if n else None
+
+    return {
+        "runs_per_claim": per("ledger_relay_claimed_runs_total", "ledger_relay_claims_total"),
+        "runs_per_ack": per(
+            "ledger_relay_delivery_lag_seconds_count", "ledger_relay_ack_groups_total"
+        ),
+    }
 
 
 async def sink_stats(client: httpx.AsyncClient, base: str) -> JSON:

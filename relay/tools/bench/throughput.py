@@ -36,6 +36,7 @@ from relay.tools.bench.kit import (
     relay_processes,
     reset,
     rotated,
+    statement_sizes,
     until_received,
 )
 
@@ -253,6 +254,7 @@ class E2ERun:
     peak_rss_mb: float
     events: int
     cpu: cpu.Usage  # from the backlog's commit to the last receipt
+    sizes: dict[str, float | None]  # runs per claim and per ack statement (kit.statement_sizes)
 
 
 async def _e2e_run(
@@ -293,7 +295,8 @@ async def _e2e_run(
                 env, base, total, what, on_tick=tick, timeout=max(120, total / 200)
             )
         tick()
-    return E2ERun(total / (finished - committed), peak, total, w.usage)
+        sizes = await statement_sizes(procs)
+    return E2ERun(total / (finished - committed), peak, total, w.usage, sizes)
 
 
 # The modes of one replica measured side by side (issue 16): the default settings (the
@@ -315,6 +318,7 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
     by: dict[str, float] = {}
     paired: dict[str, list[float]] = {key: [] for key in E2E_MODES}
     usages: dict[str, list[tuple[cpu.Usage, int]]] = {key: [] for key in E2E_MODES}
+    sizes: list[dict[str, float | None]] = []  # the default mode's, per rep
     for rep in range(a.e2e_reps):
         for key in rotated(list(E2E_MODES), rep):
             one = await _e2e_run(
@@ -330,6 +334,8 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
             )
             paired[key].append(one.eps)
             usages[key].append((one.cpu, one.events))
+            if key == "e2e_eps":
+                sizes.append(one.sizes)
     metrics: dict[str, Any] = {key: median(rates) for key, rates in paired.items()}
     for key, rates in paired.items():
         transport = E2E_MODES[key].get("http_transport", env.settings().http_transport)
@@ -378,9 +384,13 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
             f"http_transport=httpx in rotating, paired reps; per rep {ratios}",
             cpu.note("e2e (httptools, 1 replica)", usages["e2e_eps"])
             + "; relay = the `relay run` process, bench = this process polling the sink",
+            "runs per claim statement / per ack statement (httptools, 1 replica, per rep; the "
+            "relay's claims_total and ack_groups_total): "
+            + ", ".join(f"{s['runs_per_claim']} / {s['runs_per_ack']}" for s in sizes),
         ],
         data={
-            "cpu": {key: [cpu.summary(key, u, n) for u, n in runs] for key, runs in usages.items()}
+            "cpu": {key: [cpu.summary(key, u, n) for u, n in runs] for key, runs in usages.items()},
+            "statement_sizes": sizes,
         },
         metrics={
             **metrics,
