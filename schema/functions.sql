@@ -15,6 +15,8 @@
 --   23505 unique_violation          same event_id, different content or another run
 --   55000 object_not_in_prerequisite_state  event after the terminal event / not failed
 --   55P03 lock_not_available        waited too long for another writer of the same run (retry)
+--   40001 serialization_failure     repeatable read / serializable: the transaction's snapshot
+--                                   predates a rotation of the outbox's parts (retry)
 
 -- The advisory-lock key of a replica's liveness (issue 18): held as a session lock by the
 -- replica's LISTEN connection for as long as its process lives. Namespaced by schema too.
@@ -182,6 +184,7 @@ begin
         end if;
     end if;
 
+    perform hold_current_part();
     v_seq := lock_run_for_enqueue(p_run_id);
 
     select * into v_existing from outbox where event_id = p_event_id;
@@ -252,6 +255,32 @@ begin
     -- Dynamic so this schema does not depend on Absurd being installed.
     execute 'select exists (select 1 from absurd.queues where queue_name = $1)' into v using p_queue;
     return v;
+end
+$$;
+
+-- Holds the outbox's current part for the calling transaction until it commits, so that no
+-- two transactions write two different parts at once (schema version 8: the parts take turns).
+-- An event id is unique in each part by its index, and across the parts by enqueue's lookup of
+-- all three; that lookup cannot see an uncommitted event, so a writer of the next part must
+-- start after every writer of the previous one has committed. The hold is a table lock on
+-- `outbox_parts` in row exclusive mode: producers share it (a transaction takes it once, again
+-- for free, and it lives in the backend's fast-path slots, not per event), and the rotation's
+-- share row exclusive mode waits for every holder and holds new ones back until it commits
+-- (prune, hold_back_producers). After the wait, enqueue's next statement takes a new snapshot
+-- and sees the new current part.
+-- Under repeatable read or serializable the caller's snapshot may predate a rotation it never
+-- waited for (it began before, and enqueues after): locking the current part's row, as that
+-- snapshot sees it, then fails with a serialization error (SQLSTATE 40001: retry) instead of
+-- writing a part that is no longer current. The row lock is written only at those levels.
+create or replace function hold_current_part() returns void
+language plpgsql volatile
+set search_path from current
+as $$
+begin
+    lock table outbox_parts in row exclusive mode;
+    if current_setting('transaction_isolation') <> 'read committed' then
+        perform 1 from outbox_parts where current for share;
+    end if;
 end
 $$;
 
@@ -1108,7 +1137,9 @@ as $$ select part from outbox_parts where current $$;
 -- call with a retention of 0 removes every done event. Returns the number of events removed.
 -- Then forgets what nothing needs any more: finished idle runs with no events left, and dead
 -- replicas that hold no lease. Concurrent calls (every replica prunes) take turns on
--- outbox_parts; enqueue only reads it.
+-- outbox_parts in a mode producers do not wait for; a rotation waits for the producers
+-- (hold_back_producers), at most `outbox_part_lock_timeout`, and is tried again at the next call
+-- when one is still writing.
 create or replace function prune(p_retention interval, p_limit int) returns int
 language plpgsql volatile
 set search_path from current
@@ -1119,7 +1150,7 @@ declare
     v_next outbox_parts;
     v_removed int := 0;
 begin
-    lock table outbox_parts in share row exclusive mode;
+    lock table outbox_parts in share update exclusive mode;
     for step in 1..3 loop
         select * into v_current from outbox_parts where current;
         select * into v_next from outbox_parts where part = (v_current.part + 1) % 3;
@@ -1128,7 +1159,8 @@ begin
             select * into v_next from outbox_parts where part = v_next.part;
         end if;
         exit when v_next.closed_at is not null
-               or v_current.opened_at >= clock_timestamp() - p_retention / 2;
+               or v_current.opened_at >= clock_timestamp() - p_retention / 2
+               or not hold_back_producers();
         perform rotate_outbox(v_next.part);
     end loop;
     perform forget_finished_runs(p_retention, p_limit);
@@ -1160,10 +1192,11 @@ $$;
 -- returns how many events it removed. Its events that are not done yet move to the current
 -- part first, at most p_limit a call, keeping their run and seq: a call that moved p_limit
 -- stops there, the next goes on. Once none is left the part is truncated under its exclusive
--- lock (no relay reads it, no producer that still took it for the current part writes it),
--- with the skip and failure history of its events. The lock is waited for at most
--- `outbox_part_lock_timeout` (a setting, 200 ms): a busy part is tried again at the next call,
--- and what was committed into it meanwhile is looked for again under the lock.
+-- lock (no relay reads it), with the skip and failure history of its events. The lock is
+-- waited for at most `outbox_part_lock_timeout` (a setting, 200 ms): a busy part is tried again
+-- at the next call. Producers stopped writing the part before it closed (hold_back_producers);
+-- what a writer that bypasses enqueue (an insert that names the part) committed into it
+-- meanwhile is looked for again under the lock.
 -- What was done stays done: a cursor never moves back, so an event found done before the lock
 -- is done under it. Enqueue numbers a run's events after its cursor too (lock_run_for_enqueue),
 -- so the seqs the truncate removes are never given again.
@@ -1210,9 +1243,34 @@ begin
 end
 $$;
 
--- Makes the empty part p_to the current one: enqueue writes there from the commit on. A
--- transaction that read the previous current part goes on writing there, which is why a part
--- is emptied only `retention` after it closed, and under its lock.
+-- Before a rotation: waits for every producer transaction that holds the current part
+-- (hold_current_part) to commit, and holds new ones back until the rotation commits, so that
+-- no event id can be taken in two parts at once. Waits at most `outbox_part_lock_timeout`
+-- (200 ms): returns false when a producer's transaction is still open by then, and prune tries
+-- again at its next call. A producer queued behind the wait waits that long at most, once a
+-- rotation (every retention / 2).
+create or replace function hold_back_producers() returns boolean
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_old_timeout text := current_setting('lock_timeout');
+begin
+    perform set_config('lock_timeout', setting('outbox_part_lock_timeout'), true);
+    begin
+        lock table outbox_parts in share row exclusive mode;
+    exception when lock_not_available then
+        perform set_config('lock_timeout', v_old_timeout, true);
+        return false;
+    end;
+    perform set_config('lock_timeout', v_old_timeout, true);
+    return true;
+end
+$$;
+
+-- Makes the empty part p_to the current one: enqueue writes there from the commit on. Called
+-- with the producers held back (hold_back_producers): no transaction is still writing the
+-- previous current part. A part is emptied `retention` after it closed, and under its lock.
 create or replace function rotate_outbox(p_to smallint) returns void
 language sql volatile
 set search_path from current

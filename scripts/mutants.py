@@ -400,12 +400,46 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "retention-no-second-look",
-        "§9.1 nothing is lost: what a producer committed into a part while retention waited for"
-        " its lock is looked for again before the truncate",
+        "§9.1 nothing is lost: what a writer that bypasses enqueue committed into a part while"
+        " retention waited for its lock is looked for again before the truncate",
         SQL,
         "    perform 1 from not_done_in_part(p_part, 1);\n    if found then\n",
         "    perform 1 from not_done_in_part(p_part, 1);\n    if false then\n",
         (f"{LEASE}::test_a_part_is_emptied_only_with_every_event_committed_into_it_done",),
+    ),
+    Mutant(
+        "enqueue-ignores-rotation",
+        "§2 an event id is unique across the outbox's parts: a producer holds the current part"
+        " until it commits, so no rotation lets two parts be written at once",
+        SQL,
+        "    perform hold_current_part();\n",
+        "",
+        (
+            f"{LEASE}::test_an_event_id_is_taken_once_across_a_rotation",
+            f"{LEASE}::test_a_producer_still_writing_holds_a_rotation_back_for_a_bounded_wait",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "rotation-without-waiting",
+        "§2 an event id is unique across the outbox's parts: a rotation waits for the producers"
+        " still writing the current part, and holds new ones back until it commits",
+        SQL,
+        "               or not hold_back_producers();\n",
+        "               ;\n",
+        (
+            f"{LEASE}::test_an_event_id_is_taken_once_across_a_rotation",
+            f"{LEASE}::test_a_producer_still_writing_holds_a_rotation_back_for_a_bounded_wait",
+        ),
+    ),
+    Mutant(
+        "stale-snapshot-enqueue",
+        "§2 an event id is unique across the outbox's parts: a repeatable-read producer whose"
+        " snapshot predates a rotation fails rather than write the part no longer current",
+        SQL,
+        "        perform 1 from outbox_parts where current for share;\n",
+        "        null;\n",
+        (f"{LEASE}::test_a_repeatable_read_producer_older_than_a_rotation_is_refused",),
     ),
     Mutant(
         "skip-keeps-cursor",

@@ -278,6 +278,9 @@ class InThread:
         except BaseException as exc:  # handed to result()
             self._outcome.append(("error", exc))
 
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
     def result(self, timeout: float = 60.0) -> Any:
         self._thread.join(timeout)
         assert self._outcome, "the thread did not finish"

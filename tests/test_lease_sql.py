@@ -973,35 +973,137 @@ def test_prune_empties_a_part_past_retention_and_keeps_what_is_not_done(
     assert seqs(claim(conn, schema, run_id="r1"), "r1") == [3, 4]
 
 
+def set_part_lock_timeout(conn: psycopg.Connection[Any], schema: str, timeout: str) -> None:
+    conn.execute(
+        sql.SQL("update {} set value = %s where key = 'outbox_part_lock_timeout'").format(
+            fn(schema, "settings")
+        ),
+        (timeout,),
+    )
+
+
 def test_a_part_is_emptied_only_with_every_event_committed_into_it_done(
     conn: psycopg.Connection[Any], schema: str, pg_url: str
 ) -> None:
-    """A producer's transaction that took part 0 for the current part may commit into it after
-    retention looked for the events that are not done: retention waits for the part's lock
-    (which that transaction holds), then looks again, and truncates nothing that is pending."""
-    conn.execute(
-        sql.SQL("update {} set value = '30s' where key = 'outbox_part_lock_timeout'").format(
-            fn(schema, "settings")
-        )
-    )
+    """A writer that bypasses enqueue (an insert that names part 0) may commit into the part
+    after retention looked for the events that are not done: retention waits for the part's
+    lock (which that transaction holds), then looks again, and truncates nothing pending.
+    (Enqueue itself stops writing a part before it closes: the tests below.)"""
+    set_part_lock_timeout(conn, schema, "30s")
     enq(conn, schema, "r1", "e1")
     ack(conn, schema, ("r1", token(claim(conn, schema), "r1"), 1))
-    with psycopg.connect(pg_url) as producer:  # one open transaction
-        enq(producer, schema, "late", "late-1")  # into part 0, the current part
-        age_parts(conn, schema)
-        assert call(conn, schema, "prune", "1 day", 100) == [(0,)]  # part 1 is current now
-        age_parts(conn, schema)
-        assert call(conn, schema, "prune", "1 day", 100) == [(0,)]  # part 2
-        age_parts(conn, schema)
+    age_parts(conn, schema)
+    assert call(conn, schema, "prune", "1 day", 100) == [(0,)]  # part 1 is current now
+    age_parts(conn, schema)  # the next prune makes part 2 current, then empties part 0
+    with psycopg.connect(pg_url) as writer:  # one open transaction
+        writer.execute(
+            sql.SQL(
+                "insert into {} (run_id, seq, event_id, event_type, payload, part)"
+                " values ('late', 1, 'late-1', 't', '{{}}', 0)"
+            ).format(fn(schema, "outbox"))
+        )
+        writer.execute(
+            sql.SQL("insert into {} (run_id, next_attempt_at) values ('late', now())").format(
+                fn(schema, "runs")
+            )
+        )
         pid = conn.info.backend_pid
         retention = InThread(lambda: call(conn, schema, "prune", "1 day", 100))
         wait_until(lambda: waits_for_a_lock(pg_url, pid), 30, "retention waiting for part 0")
-        producer.commit()
+        writer.commit()
     assert retention.result() == [(0,)]  # late-1 is pending: part 0 stays
     assert parts(conn, schema) == {"e1": 0, "late-1": 0}
     assert call(conn, schema, "prune", "1 day", 100) == [(1,)]  # moved, then e1 removed
     assert parts(conn, schema) == {"late-1": 2}
     assert seqs(claim(conn, schema, run_id="late"), "late") == [1]
+
+
+def finished_or_waiting(thread: InThread, url: str, pid: int) -> bool:
+    return thread.done() or waits_for_a_lock(url, pid)
+
+
+def test_an_event_id_is_taken_once_across_a_rotation(
+    conn: psycopg.Connection[Any], schema: str, pg_url: str
+) -> None:
+    """DESIGN §2: an event id is unique across the outbox's parts. Two runs are given the same
+    id by producers on either side of a rotation: the rotation waits for the first producer's
+    commit and holds the second back until it has rotated, so the second one's lookup sees the
+    first's event and is refused. Each part's unique index sees only its own events: without
+    the hold, both would be taken, in two parts."""
+    set_part_lock_timeout(conn, schema, "30s")
+    age_parts(conn, schema)  # part 0 has been current long enough: the next prune rotates
+    with (
+        psycopg.connect(pg_url) as first,
+        psycopg.connect(pg_url, autocommit=True) as second,
+    ):
+        enq(first, schema, "r1", "shared")  # into part 0, not committed yet
+        rotation = InThread(lambda: call(conn, schema, "prune", "1 day", 100))
+        wait_until(
+            lambda: finished_or_waiting(rotation, pg_url, conn.info.backend_pid),
+            30,
+            "the rotation, done or waiting",
+        )
+        taken = InThread(lambda: enq(second, schema, "r2", "shared"))
+        wait_until(
+            lambda: finished_or_waiting(taken, pg_url, second.info.backend_pid),
+            30,
+            "the second producer, done or waiting",
+        )
+        first.commit()
+        assert rotation.result() == [(0,)]
+        with pytest.raises(errors.UniqueViolation, match="already taken by another run"):
+            taken.result()
+    assert current_part(conn, schema) == 1
+    assert parts(conn, schema) == {"shared": 0}
+    assert [e["event_id"] for e in event_rows(conn, schema, "r1")] == ["shared"]
+
+
+def test_a_repeatable_read_producer_older_than_a_rotation_is_refused(
+    conn: psycopg.Connection[Any], schema: str, pg_url: str
+) -> None:
+    """A producer under repeatable read whose snapshot predates a rotation it did not wait for
+    (its transaction began before, and enqueues after) would see the old part as current and
+    miss what was committed since: it fails with a serialization error (retry) rather than take
+    an event id another run took in the new part."""
+    age_parts(conn, schema)
+    with psycopg.connect(pg_url) as old:
+        old.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        old.execute("select 1")  # its snapshot: part 0 is current
+        assert call(conn, schema, "prune", "1 day", 100) == [(0,)]
+        assert current_part(conn, schema) == 1
+        enq(conn, schema, "r1", "shared")  # into part 1, committed
+        with pytest.raises(errors.SerializationFailure):
+            enq(old, schema, "r2", "shared")
+        old.rollback()
+    assert parts(conn, schema) == {"shared": 1}
+    # a new transaction at the same level sees the new part, and the id taken
+    with psycopg.connect(pg_url) as new:
+        new.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        with pytest.raises(errors.UniqueViolation, match="already taken by another run"):
+            enq(new, schema, "r2", "shared")
+        new.rollback()
+        enq(new, schema, "r2", "own")
+        new.commit()
+    assert parts(conn, schema) == {"shared": 1, "own": 1}
+
+
+def test_a_producer_still_writing_holds_a_rotation_back_for_a_bounded_wait(
+    conn: psycopg.Connection[Any], schema: str, pg_url: str
+) -> None:
+    """Retention rotates the parts only with no producer transaction still writing the current
+    one: it waits for that at most `outbox_part_lock_timeout`, leaves the parts as they are,
+    and rotates at a later call, once the producer committed."""
+    set_part_lock_timeout(conn, schema, "50ms")
+    age_parts(conn, schema)
+    with psycopg.connect(pg_url) as producer:
+        enq(producer, schema, "r1", "e1")
+        assert call(conn, schema, "prune", "1 day", 100) == [(0,)]
+        assert current_part(conn, schema) == 0  # not rotated: the producer still writes part 0
+        enq(producer, schema, "r1", "e2")  # and it was not held up
+        producer.commit()
+    assert call(conn, schema, "prune", "1 day", 100) == [(0,)]
+    assert current_part(conn, schema) == 1
+    assert parts(conn, schema) == {"e1": 0, "e2": 0}
 
 
 def test_prune_keeps_seqs_and_epochs_monotonic_per_run(
