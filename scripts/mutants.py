@@ -412,7 +412,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "§2 an event id is unique across the outbox's parts: a producer holds the current part"
         " until it commits, so no rotation lets two parts be written at once",
         SQL,
-        "    perform hold_current_part();\n",
+        "    lock table outbox_parts in row exclusive mode;\n",
         "",
         (
             f"{LEASE}::test_an_event_id_is_taken_once_across_a_rotation",
