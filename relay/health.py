@@ -123,6 +123,7 @@ class Endpoints:
         # The status page reads on a connection of its own, never the delivery pools (issue 32)
         self.page_pool = PagePool(settings.database_url.reveal())
         self.backlog: Backlog | None = None  # the backlog gauges' last refresh, for the page
+        self._part_age_unavailable = False  # warned once that outbox_part_age() is missing
         self._reporting = False
         self.page = StatusPage(
             Data(self.page_pool.query, settings.schema, view.on_liveness_session),
@@ -198,6 +199,7 @@ class Endpoints:
                 if refresh and self.schema_problem is None:
                     with anyio.fail_after(self.store.deadline):
                         await self._refresh_backlog(conn)
+                        await self._refresh_part_age(conn)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             self.database = False
             self.metrics.probe_failures.inc()
@@ -232,6 +234,27 @@ class Endpoints:
         self.metrics.set_backlog(figures)
         self.backlog = Backlog(figures, anyio.current_time())  # the status page's totals too
         self.metrics.backlog_refreshed.set_to_current_time()
+
+    async def _refresh_part_age(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """The age of the outbox's current part: retention falling behind shows there."""
+        try:
+            async with conn.transaction():
+                cur = await conn.execute(
+                    sql.SQL("select {}.outbox_part_age()").format(sql.Identifier(self.store.schema))
+                )
+                row = await cur.fetchone()
+        except (psycopg.errors.UndefinedFunction, psycopg.errors.InsufficientPrivilege) as exc:
+            # Functions or grants older than this relay: once, then quiet.
+            if not self._part_age_unavailable:
+                self._part_age_unavailable = True
+                logs.warning(
+                    "part_age_unavailable",
+                    error=logs.error_text(exc),
+                    hint="run `relay migrate` (with the roles, if the relay has its own)",
+                )
+            return
+        if row is not None and row[0] is not None:
+            self.metrics.outbox_part_age.set(float(row[0]))
 
     # HTTP
 

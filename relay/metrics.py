@@ -175,6 +175,17 @@ BACKLOG_REFRESHED = Instrument(
     "backlog_refresh_timestamp_seconds",
     "Unix time of the last successful refresh of the backlog gauges.",
 )
+OUTBOX_PART_AGE = Instrument(
+    Gauge,
+    "outbox_part_age_seconds",
+    "How long the outbox's current part has taken new events (database clock): retention"
+    " rotates the parts every retention / 2, so past the retention rotations are held back.",
+)
+RETENTION = Instrument(
+    Gauge,
+    "retention_seconds",
+    "The configured retention of delivered events (RELAY_RETENTION).",
+)
 READY = Instrument(Gauge, "ready", "1 while /readyz answers 200.")
 PROBE_FAILURES = Instrument(
     Counter,
@@ -311,9 +322,10 @@ class Metrics:
         views: LaneViews = lambda: (),
         listener_view: Callable[[], ListenerView | None] = lambda: None,
         ingress_ok: Callable[[], bool] = lambda: True,
+        retention: float | None = None,
     ) -> None:
         """`views` and `listener_view` return snapshots of the lanes and of the LISTEN
-        connection, read at each scrape."""
+        connection, read at each scrape; `retention` (seconds) is exported as configured."""
         self.registry = CollectorRegistry()
         self.views = views
         self.listener_view = listener_view
@@ -329,6 +341,10 @@ class Metrics:
         self.failed_events = FAILED_EVENTS.make(r)
         self.oldest_failed = OLDEST_FAILED.make(r)
         self.backlog_refreshed = BACKLOG_REFRESHED.make(r)
+        self.outbox_part_age = OUTBOX_PART_AGE.make(r)
+        self.retention = RETENTION.make(r)
+        if retention is not None:
+            self.retention.set(retention)
         self.ready = READY.make(r)
         self.probe_failures = PROBE_FAILURES.make(r)
         BUILD_INFO.make(r).labels(__version__, platform.python_version()).set(1)

@@ -40,6 +40,7 @@ RELAY_FUNCTIONS = (
     "ack",
     "prune",
     "backlog",
+    "outbox_part_age",
     "hold_liveness",
     # the status page (issue 17): its replica report and its two read-only queries
     "report_replica",

@@ -150,6 +150,7 @@ class Relay:
                     views=self._lane_views,
                     listener_view=self._listener_view,
                     ingress_ok=lambda: self.health.ingress_ok,
+                    retention=s.retention,
                 )
             async with (
                 open_sender(s, s.concurrency, self.transport) as ordinary_http,

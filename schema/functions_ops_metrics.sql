@@ -54,3 +54,17 @@ as $$
     from (select * from lanes union all select * from blocked) x
     order by x.lane
 $$;
+
+-- How long the outbox's current part has been taking new events, in seconds on the database
+-- clock (schema version 8, docs/storage.md). Retention makes the next part current every
+-- retention / 2; an age past the retention says rotations are held back: producer transactions
+-- that stay open longer than `outbox_part_lock_timeout` at every try, or no replica pruning.
+-- One row of a three-row table: refreshed with the backlog gauges (relay/health.py).
+create or replace function outbox_part_age() returns double precision
+language sql stable
+set search_path from current
+security definer
+as $$
+    select extract(epoch from clock_timestamp() - opened_at)::double precision
+    from outbox_parts where current
+$$;

@@ -328,6 +328,32 @@ async def test_backlog_gauges_and_misconfigured_ingress(
 
 
 @pytestmark_anyio
+async def test_the_outbox_parts_age_is_exported_beside_the_retention(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
+) -> None:
+    """Retention makes the outbox's next part current every retention / 2 (docs/storage.md); a
+    rotation held back (producer transactions open past its wait) shows as the current part's
+    age, exported with the backlog gauges beside the configured retention, which the
+    LedgerRelayRetentionBehind alert compares it with. A rotation starts the age again."""
+    _, url = sink
+    conn.execute(
+        q(schema, "update {s}.outbox_parts set opened_at = now() - interval '3 days' where current")
+    )
+    cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0", retention="1d")
+    async with Relay(cfg, prune_interval=3600).running() as r:  # this test prunes, not the relay
+        port = relay_port(r)
+        assert r.endpoints is not None
+        await r.endpoints.probe()
+        samples = await scrape(port)
+        assert total(samples, "ledger_relay_retention_seconds") == 86400
+        assert total(samples, "ledger_relay_outbox_part_age_seconds") >= 3 * 86400
+        conn.execute(q(schema, "select {s}.prune('1 day', 100)"))  # overdue: the parts rotate
+        await r.endpoints.probe()
+        samples = await scrape(port)
+        assert 0 < total(samples, "ledger_relay_outbox_part_age_seconds") < 3600
+
+
+@pytestmark_anyio
 async def test_a_costly_backlog_refresh_spaces_out_the_next_ones(
     pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
 ) -> None:

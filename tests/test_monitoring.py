@@ -48,6 +48,7 @@ EXPECTED_ALERTS = {
     "LedgerRelayDeliveryStalled",
     "LedgerRelayAckLag",
     "LedgerRelayDatabaseProbeFailing",
+    "LedgerRelayRetentionBehind",
 }
 
 

@@ -988,6 +988,10 @@ async def test_the_relay_role_delivers_end_to_end_and_cannot_write_events(
                 await wait_for(
                     lambda: _backlog_refreshed(client), what="backlog() under the relay role"
                 )
+                await wait_for(
+                    lambda: _gauge_above_zero(client, "outbox_part_age_seconds"),
+                    what="outbox_part_age() under the relay role",
+                )
     wakes = conn.execute(
         sql.SQL("select event_name from absurd.{} order by 1").format(sql.Identifier(f"e_{queue}"))
     ).fetchall()
@@ -1028,6 +1032,12 @@ async def _backlog_refreshed(client: httpx.AsyncClient) -> bool:
     metrics = (await client.get("/metrics")).text
     refreshed = re.search(r"^\w*backlog_refresh_timestamp_seconds (\S+)$", metrics, re.M)
     return refreshed is not None and float(refreshed.group(1)) > 0
+
+
+async def _gauge_above_zero(client: httpx.AsyncClient, name: str) -> bool:
+    metrics = (await client.get("/metrics")).text
+    value = re.search(rf"^\w*{name} (\S+)$", metrics, re.M)
+    return value is not None and float(value.group(1)) > 0
 
 
 def public_grants(conn: psycopg.Connection[Any], schema: str) -> list[str]:
