@@ -455,6 +455,9 @@ $$;
 --                    (events) is gone; the fleet's events per second are the status page's rate
 --                    and the delivered_events_total metric (counted by the replicas)
 --   tables           bytes of each table of the outbox, indexes and TOAST included
+--   outbox_part_age_seconds
+--                    how long the outbox's current part has taken new events (outbox_part_age):
+--                    retention rotates the parts every retention / 2 (docs/storage.md)
 -- Index-backed (status_figures, blocked_runs, runs_delivered_since): no pass over the outbox,
 -- whatever its history; the lanes and the last minute cost a few probes per active run.
 create or replace function status(p_blocked_limit int default 100)
@@ -485,6 +488,7 @@ begin
     return (v_figures - 'held_events') || jsonb_build_object(
         'db_now', v_now,
         'runs_delivered_last_minute', runs_delivered_since(v_now - interval '1 minute'),
+        'outbox_part_age_seconds', outbox_part_age(),
         'lanes', v_lanes,
         'blocked', v_blocked,
         'blocked_runs', blocked_runs_json(0, coalesce(p_blocked_limit, 100), v_now));

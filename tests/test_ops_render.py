@@ -142,6 +142,7 @@ def status_data(**overrides: Any) -> dict[str, Any]:
         "leases": [],
         "expired_leases": 0,
         "runs_delivered_last_minute": 17,
+        "outbox_part_age_seconds": 3 * 3600 + 125.5,
         "tables": {
             "outbox": 3 * 1024 * 1024,
             "event_failures": 16384,
@@ -165,9 +166,17 @@ def test_status_shows_every_figure() -> None:
                   "Runs with deliveries in the last minute: 17",
                   "Outbox size: outbox 3.0 MiB, event_failures 16.0 KiB, event_skips 8.0 KiB,"
                   " pending_terminals 16.0 KiB, runs 512 B, run_seqs 8.0 KiB",
+                  "Current outbox part: taking new events for 3h 02m",
                   "Database time: 2026-01-02 03:04:05.678Z"):  # fmt: skip
         assert words in got, got
     assert LONG_ERROR[:100] in got and LONG_ERROR not in got  # shortened to 120
+
+
+def test_status_of_functions_without_the_part_age_leaves_its_line_out() -> None:
+    data = status_data()
+    del data["outbox_part_age_seconds"]
+    got = render_status(data, 200)
+    assert "Database time" in got and "Current outbox part" not in got
 
 
 def test_status_fits_a_narrow_terminal() -> None:

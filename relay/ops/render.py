@@ -175,10 +175,24 @@ def render_status(data: Mapping[str, Any], width: int) -> str:
     lines = [
         f"Runs with deliveries in the last minute: {data['runs_delivered_last_minute']}",
         *fold(f"Outbox size: {sizes}", width),
+        *_part_age_line(data, width),
         f"Database time: {fmt_time(data['db_now'])}",
     ]
     parts.append("\n".join(lines))
     return "\n\n".join(parts)
+
+
+def _part_age_line(data: Mapping[str, Any], width: int) -> list[str]:
+    """How long the outbox's current part has taken new events (absent from the functions of
+    a release before it: nothing is shown)."""
+    age = data.get("outbox_part_age_seconds")
+    if age is None:
+        return []
+    text = (
+        f"Current outbox part: taking new events for {fmt_age(age)}"
+        " (retention makes the next one current every retention / 2)"
+    )
+    return fold(text, width)
 
 
 def render_inspect(data: Mapping[str, Any], limit: int | None, width: int) -> str:
