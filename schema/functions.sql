@@ -197,8 +197,8 @@ begin
     -- transaction never waited for (it began before, and enqueues after): locking the current
     -- part's row, as that snapshot sees it, then fails with a serialization error (40001:
     -- retry) instead of writing a part that is no longer current. That row lock is written
-    -- only at those levels. Inline, not a function of its own: a call of a function that pins
-    -- search_path cost ~2.8 us an event (enqueue_scaling), the statements here ~0.3.
+    -- only at those levels. Inline: these statements cost ~0.8 us an event (enqueue_scaling,
+    -- docs/storage.md), and ~2.8 us more as a function of their own.
     lock table outbox_parts in row exclusive mode;
     if current_setting('transaction_isolation') <> 'read committed' then
         perform 1 from outbox_parts where current for share;
@@ -1236,11 +1236,11 @@ end
 $$;
 
 -- Before a rotation: waits for every producer transaction that holds the current part
--- (enqueue's lock on outbox_parts) to commit, and holds new ones back until the rotation commits, so that
--- no event id can be taken in two parts at once. Waits at most `outbox_part_lock_timeout`
--- (200 ms): returns false when a producer's transaction is still open by then, and prune tries
--- again at its next call. A producer queued behind the wait waits that long at most, once a
--- rotation (every retention / 2).
+-- (enqueue's lock on outbox_parts) to commit, and holds new ones back until the rotation
+-- commits, so that no event id can be taken in two parts at once. Waits at most
+-- `outbox_part_lock_timeout` (200 ms): returns false when a producer's transaction is still
+-- open by then, and prune tries again at its next call. A producer queued behind the wait
+-- waits that long at most, once a rotation (every retention / 2).
 create or replace function hold_back_producers() returns boolean
 language plpgsql volatile
 set search_path from current
