@@ -186,8 +186,9 @@ drop function if exists ui_blocked_runs(int, int, timestamptz);
 -- outbox per active run: the page takes those totals from the backlog gauges the health loop
 -- already refreshes (spaced by their own cost) and says how old they are; here are status()'s
 -- other figures (ui_figures), the blocked runs paged (blocked_runs_json: p_blocked_offset,
--- capped at 10,000, at most p_blocked_limit, oldest failure first) and each replica's last
--- report (ui_reports). One statement; the page keeps its answer a second or two.
+-- capped at 10,000, at most p_blocked_limit, oldest failure first), how long the outbox's
+-- current part has taken new events (outbox_part_age) and each replica's last report
+-- (ui_reports). One statement; the page keeps its answer a second or two.
 create or replace function ui_status(
     p_blocked_limit int, p_blocked_offset int, p_ttl_seconds float8
 ) returns jsonb
@@ -205,6 +206,7 @@ begin
         'count_cap', ui_count_cap(),
         'blocked_offset', v_offset,
         'blocked_runs', blocked_runs_json(v_offset, v_limit, v_now),
+        'outbox_part_age_seconds', outbox_part_age(),
         'reports', ui_reports(p_ttl_seconds));
 end
 $$;

@@ -213,6 +213,13 @@ async def test_status_page_of_a_running_relay(
     enqueue(conn, schema, HOSTILE, 3, "h")
     for i in range(4):
         enqueue(conn, schema, f"ok{i}", 3, "a")
+    # the current part of the outbox has taken events for two hours (retention: a day)
+    conn.execute(
+        q(
+            schema,
+            "update {s}.outbox_parts set opened_at = now() - interval '2 hours' where current",
+        )
+    )
     cfg = settings(pg_url, schema, url, metrics_addr="127.0.0.1:0")
     async with Relay(cfg).running() as r:
         assert r.endpoints is not None
@@ -238,6 +245,8 @@ async def test_status_page_of_a_running_relay(
             assert cli["runs_delivered_last_minute"] == 4
             assert "runs_delivered_last_minute" not in data
             assert data["backlog_age_seconds"] is not None
+            assert 2 * 3600 <= data["outbox_part_age_seconds"] < 3 * 3600
+            assert data["view"]["figures"]["part_age"].startswith("2h 0")
             assert counts_of(data["blocked_runs"]) == counts_of(cli["blocked_runs"])
             assert [b["run_id"] for b in data["blocked_runs"]] == [HOSTILE]
             [blocked] = data["blocked_runs"]
@@ -261,6 +270,7 @@ async def test_status_page_of_a_running_relay(
             assert "&lt;script&gt;window.pwned=2" in html
             assert f'href="/runs/{quote(HOSTILE, safe="")}"' in html
             assert "422" in html
+            assert "current outbox part open" in html
 
             before = data_layer.queries
             run = await client.get(f"/runs/{quote(HOSTILE, safe='')}")

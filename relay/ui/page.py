@@ -119,6 +119,7 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
             ("blocked.oldest", "oldest failure", False),
             ("expired_leases", "expired leases", False),
             ("table_bytes", "outbox tables", False),
+            ("part_age", "current outbox part open", False),
         )
     )
     body = (

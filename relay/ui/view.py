@@ -78,6 +78,7 @@ def figures(data: dict[str, Any]) -> dict[str, str]:
     out["db_now"] = fmt_time(data.get("db_now"))
     tables = data.get("tables") or {}
     out["table_bytes"] = fmt_bytes(sum(int(v) for v in tables.values()))
+    out["part_age"] = fmt_age(data.get("outbox_part_age_seconds"))
     out["replica_id"] = clean(data.get("replica_id", ""), 200)
     return out
 
