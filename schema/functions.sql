@@ -1200,7 +1200,6 @@ as $$
 declare
     v_moved int;
     v_removed int;
-    v_old_timeout text := current_setting('lock_timeout');
 begin
     update outbox o set part = p_current
     from not_done_in_part(p_part, p_limit) s
@@ -1212,14 +1211,9 @@ begin
     -- Counted before the lock, which every statement on the outbox waits for while it is held;
     -- an event committed into the part meanwhile is pending, and stops the truncate below.
     select count(*) into v_removed from outbox where part = p_part;
-    perform set_config('lock_timeout', setting('outbox_part_lock_timeout'), true);
-    begin
-        execute format('lock table %I in access exclusive mode', 'outbox_p' || p_part);
-    exception when lock_not_available then
-        perform set_config('lock_timeout', v_old_timeout, true);
+    if not lock_outbox_table('outbox_p' || p_part, 'access exclusive') then
         return 0;
-    end;
-    perform set_config('lock_timeout', v_old_timeout, true);
+    end if;
     -- committed into the part while this call waited for its lock
     perform 1 from not_done_in_part(p_part, 1);
     if found then
@@ -1235,13 +1229,12 @@ begin
 end
 $$;
 
--- Before a rotation: waits for every producer transaction that holds the current part
--- (enqueue's lock on outbox_parts) to commit, and holds new ones back until the rotation
--- commits, so that no event id can be taken in two parts at once. Waits at most
--- `outbox_part_lock_timeout` (200 ms): returns false when a producer's transaction is still
--- open by then, and prune tries again at its next call. A producer queued behind the wait
--- waits that long at most, once a rotation (every retention / 2).
-create or replace function hold_back_producers() returns boolean
+-- Takes a table lock of retention's (p_mode, a lock mode its callers name) on p_table, waiting at
+-- most `outbox_part_lock_timeout` (a setting, 200 ms): true once held (until the transaction
+-- ends), false when another transaction held it that long. The caller's own lock_timeout is put
+-- back either way. Retention's two waits: for a part's truncate (empty_outbox_part) and for a
+-- rotation (hold_back_producers).
+create or replace function lock_outbox_table(p_table text, p_mode text) returns boolean
 language plpgsql volatile
 set search_path from current
 as $$
@@ -1250,7 +1243,7 @@ declare
 begin
     perform set_config('lock_timeout', setting('outbox_part_lock_timeout'), true);
     begin
-        lock table outbox_parts in share row exclusive mode;
+        execute format('lock table %I in %s mode', p_table, p_mode);
     exception when lock_not_available then
         perform set_config('lock_timeout', v_old_timeout, true);
         return false;
@@ -1259,6 +1252,17 @@ begin
     return true;
 end
 $$;
+
+-- Before a rotation: waits for every producer transaction that holds the current part
+-- (enqueue's lock on outbox_parts) to commit, and holds new ones back until the rotation
+-- commits, so that no event id can be taken in two parts at once. Waits at most
+-- `outbox_part_lock_timeout` (200 ms): returns false when a producer's transaction is still
+-- open by then, and prune tries again at its next call. A producer queued behind the wait
+-- waits that long at most, once a rotation (every retention / 2).
+create or replace function hold_back_producers() returns boolean
+language sql volatile
+set search_path from current
+as $$ select lock_outbox_table('outbox_parts', 'share row exclusive') $$;
 
 -- Makes the empty part p_to the current one: enqueue writes there from the commit on. Called
 -- with the producers held back (hold_back_producers): no transaction is still writing the

@@ -81,9 +81,20 @@ def _doc(title: str, body: str, attrs: str = "") -> bytes:
     ).encode()
 
 
-def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) -> bytes:
-    f = view["figures"]
-    lanes = "".join(
+# The cards at the top of the status page: (figure key, label, alarm when not zero).
+CARDS = (
+    ("blocked.runs", "blocked runs", True),
+    ("blocked.events", "failed events", True),
+    ("blocked.held", "events held behind them", False),
+    ("blocked.oldest", "oldest failure", False),
+    ("expired_leases", "expired leases", False),
+    ("table_bytes", "outbox tables", False),
+    ("part_age", "current outbox part open", False),
+)
+
+
+def _lane_rows(f: dict[str, str]) -> str:
+    return "".join(
         f"<tr><td>{esc(lane)}</td>"
         + "".join(
             f'<td class="n">{_fig(f, f"{lane}.{k}")}</td>'
@@ -92,8 +103,10 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
         + "</tr>"
         for lane in LANES
     )
-    chart = view["chart"]
-    svg = (
+
+
+def _chart_svg(chart: dict[str, Any]) -> str:
+    return (
         f'<svg id="chart" width="{CHART_W}" height="{CHART_H}" viewBox="0 0 {CHART_W} {CHART_H}"'
         ' role="img" aria-label="delivery rate per lane, last 15 minutes">'
         + "".join(
@@ -104,24 +117,26 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
         + f'<text class="axis" x="{CHART_W - 4}" y="{CHART_H - 4}" text-anchor="end">now</text>'
         + "</svg>"
     )
-    offset = int(view.get("blocked_offset") or 0)
-    pager = []
+
+
+def _pager(offset: int, shown: int, page_size: int) -> str:
+    """Links to the newer and older pages of blocked runs, those that exist."""
+    links = []
     if offset > 0:
-        pager.append(f'<a href="/?offset={max(0, offset - page_size)}">newer failures</a>')
-    if len(view["blocked"]) >= page_size:
-        pager.append(f'<a href="/?offset={offset + page_size}">older failures</a>')
-    cards = "".join(
-        _card(f, key, label, alarm)
-        for key, label, alarm in (
-            ("blocked.runs", "blocked runs", True),
-            ("blocked.events", "failed events", True),
-            ("blocked.held", "events held behind them", False),
-            ("blocked.oldest", "oldest failure", False),
-            ("expired_leases", "expired leases", False),
-            ("table_bytes", "outbox tables", False),
-            ("part_age", "current outbox part open", False),
-        )
-    )
+        links.append(f'<a href="/?offset={max(0, offset - page_size)}">newer failures</a>')
+    if shown >= page_size:
+        links.append(f'<a href="/?offset={offset + page_size}">older failures</a>')
+    return " · ".join(links)
+
+
+def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) -> bytes:
+    f = view["figures"]
+    lanes = _lane_rows(f)
+    chart = view["chart"]
+    svg = _chart_svg(chart)
+    offset = int(view.get("blocked_offset") or 0)
+    pager = _pager(offset, len(view["blocked"]), page_size)
+    cards = "".join(_card(f, key, label, alarm) for key, label, alarm in CARDS)
     body = (
         "<h1>ledger-relay</h1>"
         f'<p class="meta">served by {_fig(f, "replica_id")} · database time {_fig(f, "db_now")}'
@@ -139,7 +154,7 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
         f'<span>max <span id="chart-max">{esc(chart["max"])}</span></span></p>{svg}'
         f"<h2>Blocked runs (from #{offset + 1}, oldest failure first)</h2>"
         + _table(BLOCKED_HEAD, view["blocked"], "blocked-rows", "No blocked runs.")
-        + f'<p class="pager">{" · ".join(pager)}</p>'
+        + f'<p class="pager">{pager}</p>'
         "<h2>Replicas</h2>"
         + _table(FLEET_HEAD, view["fleet"], "fleet-rows", "No replica has reported yet.")
         + '<p class="meta">Lag: commit to ack, the worst replica\'s percentile over its last'
