@@ -124,6 +124,13 @@ begin
     if p_run_id is null or p_run_id = '' then
         raise exception 'relay.enqueue: run_id must be a non-empty string' using errcode = '22023';
     end if;
+    if p_run_id in ('.', '..') then
+        -- A dot segment: URL normalisation (RFC 3986 §6.2.2.3; nginx, and aiohttp's yarl under
+        -- the default transport) removes it from a path, percent-encoded or not, so no ingress
+        -- URL could carry this run to its own place (issue 40).
+        raise exception 'relay.enqueue: run_id must not be "." or "..": a URL path cannot carry it'
+            using errcode = '22023';
+    end if;
     if p_event_id is null or p_event_id = '' then
         raise exception 'relay.enqueue: event_id must be a non-empty string' using errcode = '22023';
     end if;

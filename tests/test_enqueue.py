@@ -113,6 +113,9 @@ def seeded(conn: psycopg.Connection[Any], schema: str) -> dict[str, list[str]]:
 BAD_INPUT = [
     ("empty run_id", {"run_id": ""}, "22023", "run_id must be a non-empty string"),
     ("NULL run_id", {"run_id": None}, "22023", "run_id must be a non-empty string"),
+    # A URL dot segment: no ingress path can carry it (issue 40, tests/test_security.py).
+    ("dot run_id", {"run_id": "."}, "22023", 'run_id must not be "." or ".."'),
+    ("dot-dot run_id", {"run_id": ".."}, "22023", 'run_id must not be "." or ".."'),
     ("empty event_id", {"event_id": ""}, "22023", "event_id must be a non-empty string"),
     ("NULL event_id", {"event_id": None}, "22023", "event_id must be a non-empty string"),
     ("empty event_type", {"event_type": ""}, "22023", "event_type must be a non-empty string"),
