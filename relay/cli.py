@@ -22,8 +22,10 @@ _HELP = {
     "ingress_token": "bearer token for the ingress (secret)",
     "signing_secret": "Standard Webhooks whsec_ secret(s), comma separated (secret)",
     "ingress_ca_file": "PEM CA bundle to verify the ingress's TLS certificate (default: system)",
-    "http_transport": "HTTP client: httptools (default), httpx (alias: httpcore), or aiohttp "
-    "(the aiohttp extra)",
+    "http_transport": "transport under httpx's client: aiohttp (default) or httpx (its own)",
+    "http2": "HTTP/2 to the ingress: true or false (default); httpx's transport, the http2 extra",
+    "ingress_proxy": "proxy for the ingress, e.g. http://proxy:3128 (default: HTTP_PROXY etc.; "
+    "secret)",
     "batch_size": "events per POST (default 100)",
     "lease_ttl": "lease time to live, e.g. 30s",
     "concurrency": "ordinary lane: runs in flight (default 32)",

@@ -1,11 +1,10 @@
-"""The ingress client: one POST per run prefix (DESIGN §5), sent by a `Sender`
-(relay/http_aiohttp.py, relay/http_httpx.py).
+"""The ingress client: one POST per run prefix (DESIGN §5), sent through the relay's one HTTP
+client (relay/http_client.py, httpx).
 
 Builds the exact body bytes once (payloads embedded as `orjson.Fragment`, never decoded),
 signs them when a Standard Webhooks secret is configured, never follows redirects, reads at
 most `MAX_BODY` bytes of the answer, and bounds the whole request with one deadline (httpx's
-timeouts, and aiohttp's, are per phase: a slow-drip server could otherwise hold a request open
-forever).
+timeouts are per phase: a slow-drip server could otherwise hold a request open forever).
 
 The client sends plain request values (`Batch`: a run's id, epoch and events, and the database's
 clock as it goes out): it never sees a lease, and imports nothing from relay/store.py.
@@ -17,10 +16,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
-import os
-import ssl
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
@@ -30,15 +26,11 @@ import anyio
 import httpx
 import orjson
 
-from relay import __version__, logs
-from relay.proxies import ProxyRules, proxy_rules
-from relay.settings import Secret, Settings, redact_url
+from relay import __version__
+from relay.http_client import MAX_BODY, HttpxSender, Reply, Sender, TransportFailure
+from relay.settings import Secret, Settings
 
-# The senders' shared contract lives in relay/transport.py (so relay/http_aiohttp.py never
-# imports this module); re-exported here, where callers have always found it.
-from relay.transport import MAX_BODY as MAX_BODY
-from relay.transport import Sender as Sender
-from relay.transport import TransportFailure as TransportFailure
+__all__ = ["MAX_BODY", "Answer", "Batch", "IngressClient", "TransportFailure"]
 
 USER_AGENT = f"ledger-relay/{__version__}"
 
@@ -50,6 +42,7 @@ class Answer:
     retry_after: str | None
     seconds: float
     truncated: bool = False  # the answer went on past MAX_BODY: `body` is cut
+    unframed: bool = False  # only the connection's close ended it: a reset cannot be told apart
 
 
 class Event(Protocol):
@@ -190,10 +183,8 @@ class IngressClient:
         on_request: RequestObserver | None = None,
     ) -> None:
         self.settings = settings
-        if isinstance(sender, httpx.AsyncBaseTransport):
-            from relay.http_httpx import HttpxSender
-
-            sender = HttpxSender(transport=sender)  # e.g. an in-process app, in tests
+        if isinstance(sender, httpx.AsyncBaseTransport):  # e.g. an in-process app, in tests
+            sender = HttpxSender(httpx.AsyncClient(transport=sender, follow_redirects=False))
         self.sender = sender
         self.on_request = on_request  # metrics (relay/metrics.py): status class and duration
         self.deadlines = Deadlines()
@@ -260,8 +251,8 @@ class IngressClient:
         """Where every POST goes out, single-run and multi-run: the one place it is observed."""
         if "@" in url:
             # Userinfo never travels in the URL: it becomes Basic auth (as httpx does), unless
-            # a bearer token is configured, which wins. Done here rather than by the client so
-            # every transport sends the same request (aiohttp refuses userinfo plus a header).
+            # a bearer token is configured, which wins. Done here rather than by httpx, whose
+            # client would put the userinfo's Basic auth in place of the token.
             parsed = httpx.URL(url)
             if parsed.userinfo:
                 if self.settings.ingress_token is None:
@@ -272,7 +263,7 @@ class IngressClient:
         self.deadlines.add(scope, started + self.settings.http_timeout)
         try:
             with scope:
-                status, answer, retry_after = await self.sender.send(url, body, headers)
+                reply = await self.sender.send(url, body, headers)
             if scope.cancelled_caught:
                 raise TransportFailure(f"timed out after {self.settings.http_timeout:g}s")
         except TransportFailure:
@@ -283,13 +274,18 @@ class IngressClient:
         # (A POST cancelled because its lease was lost is neither answered nor failed: it is
         # not observed.)
         seconds = anyio.current_time() - started
-        result = Answer(status, answer[:MAX_BODY], retry_after, seconds, len(answer) > MAX_BODY)
+        result = answer_from(reply, seconds)
         self._observe(result.status, result.seconds)
         return result
 
     def _observe(self, status: int | None, seconds: float) -> None:
         if self.on_request is not None:
             self.on_request(status, seconds)
+
+
+def answer_from(reply: Reply, seconds: float) -> Answer:
+    body, cut = reply.body[:MAX_BODY], len(reply.body) > MAX_BODY
+    return Answer(reply.status, body, reply.retry_after, seconds, cut, reply.unframed)
 
 
 def _basic_auth(url: httpx.URL) -> str:
@@ -338,82 +334,3 @@ def split_results(answer: Answer, run_ids: Sequence[str]) -> dict[str, Answer | 
         if run_id not in out:
             out[run_id] = TransportFailure("the multi-run reply had no result for this run")
     return out
-
-
-# The senders that take proxies from the environment; the others hand their POSTs to httpx's
-# when a proxy applies (`sender_for`).
-PROXY_AWARE = frozenset({"httpx"})
-_told: set[tuple[str, str, str]] = set()  # (configured, used, proxy): the line is said once
-
-
-def sender_for(settings: Settings, rules: ProxyRules) -> tuple[str, str | None]:
-    """The sender that POSTs for `settings` (its `http_transport`, unless a proxy applies to an
-    ingress URL and that sender takes none: then httpx's), and that proxy. Pure: decided once at
-    start, from the environment's proxy rules."""
-    urls = [render_url(settings.ingress_url, "x"), settings.ingress_batch_url]
-    proxy = next((p for u in urls if u and (p := rules.for_url(u))), None)
-    if proxy is None or settings.http_transport in PROXY_AWARE:
-        return settings.http_transport, proxy
-    return "httpx", proxy
-
-
-@asynccontextmanager
-async def open_sender(
-    settings: Settings, connections: int, transport: httpx.AsyncBaseTransport | None = None
-) -> AsyncIterator[Sender]:
-    """A lane's HTTP client, `connections` wide (the lane's POST slots), closed on exit: the
-    request written onto asyncio's transport and parsed by llhttp (`http_transport=httptools`,
-    the default, relay/http_httptools.py), aiohttp's pool and parser (`aiohttp`), or httpx at its
-    transport level (`httpx`, relay/http_httpx.py); an app-owned httpx transport always goes
-    through the latter. `relay bench` measures them side by side (docs/performance.md).
-
-    Proxies (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY, NO_PROXY: relay/proxies.py) are honoured
-    whatever `http_transport` says: when one applies to the ingress, a sender that does not
-    take proxies (httptools, aiohttp) hands its POSTs to the httpx sender, and the log says so
-    once (`http_transport_proxied`) — at httpx's cost per POST (docs/performance.md)."""
-    # TLS is verified always: against `ingress_ca_file` when given, else the operating system's
-    # trust store (OpenSSL's default paths; SSL_CERT_FILE / SSL_CERT_DIR honoured). Handing the
-    # senders `True` would have them load certifi's bundle instead (httpx.create_ssl_context),
-    # and refuse an ingress whose CA the OS trusts (issue 30, item 2).
-    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=settings.ingress_ca_file)
-    rules = proxy_rules(os.environ)
-    name, proxy = sender_for(settings, rules) if transport is None else ("httpx", None)
-    if transport is None and name != settings.http_transport:
-        told = (settings.http_transport, name, redact_url(proxy or ""))
-        if told not in _told:
-            _told.add(told)
-            logs.info(
-                "http_transport_proxied",
-                configured=settings.http_transport,
-                using=name,
-                proxy=told[2],
-                hint=f"http_transport={settings.http_transport} takes no proxy; POSTs go "
-                "through the httpx sender, which does",
-            )
-    sender: Sender
-    if name == "httptools":
-        from relay.http_httptools import HttptoolsSender
-
-        sender = HttptoolsSender(
-            verify=verify, connections=connections, timeout=settings.http_timeout
-        )
-    elif name == "aiohttp":
-        from relay.http_aiohttp import AiohttpSender
-
-        sender = AiohttpSender(
-            verify=verify, connections=connections, timeout=settings.http_timeout
-        )
-    else:
-        from relay.http_httpx import HttpxSender
-
-        sender = HttpxSender(
-            verify=verify,
-            connections=connections,
-            timeout=settings.http_timeout,
-            transport=transport,
-            rules=rules,
-        )
-    try:
-        yield sender
-    finally:
-        await sender.aclose()

@@ -58,6 +58,8 @@ class HttpAnswer(Protocol):
     def retry_after(self) -> str | None: ...
     @property
     def truncated(self) -> bool: ...
+    @property
+    def unframed(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,16 @@ def decide(
             delay = backoff(attempt, base=base, cap=cap, rand=rand)
             error = f"answer body cut at the read limit: {excerpt(answer.body)}"
             return Retry(delay, status, error, None, quick=False, endpoint_ok=True)
+        if status != 409 and answer.unframed and not answer.body.strip():
+            # No length, not chunked, nothing read: the connection's end ended it, and a reset
+            # right after the head ends it the same way for some transports (aiohttp's). An
+            # empty body would accept everything; nobody can say the ingress sent one.
+            delay = backoff(attempt, base=base, cap=cap, rand=rand)
+            error = (
+                "empty answer without Content-Length or chunked framing: cannot tell it from a "
+                "connection reset (the ingress should frame its answers)"
+            )
+            return Retry(delay, status, error, None, quick=True, endpoint_ok=True)
         k = n_events if status == 409 else _accepted(answer.body, n_events)
         if k is None:
             # Cut at the read limit, or garbled: nobody can say what the ingress took.

@@ -7,6 +7,7 @@ the application's own task group, with its own httpx transport) and by `relay ru
 from __future__ import annotations
 
 import gc
+import os
 import random
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, nullcontext
@@ -21,7 +22,8 @@ from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 from relay import health, logs, sdnotify
-from relay.ingress import IngressClient, Sender, open_sender
+from relay.http_client import Sender, open_sender, require_extras
+from relay.ingress import IngressClient
 from relay.lane import Lane, LaneView
 from relay.listener import Listener
 from relay.metrics import Metrics
@@ -68,13 +70,18 @@ class Relay:
         self,
         settings: Settings,
         *,
+        client: httpx.AsyncClient | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         prune_interval: float = 60.0,
         tracer: Tracer = NO_TRACING,
     ) -> None:
         self.settings = settings
         self.tracer = tracer  # spans of every delivery (relay/tracing.py), when configured
-        self.transport = transport
+        # The application's own HTTP client (or transport, e.g. an in-process ASGI app): both
+        # lanes POST through it, and it stays the application's to close (relay/http_client.py).
+        self.app_http = client if client is not None else transport
+        if self.app_http is None:  # an extra the relay's own client needs: said now, not later
+            require_extras(settings, os.environ)
         self.prune_interval = prune_interval
         self.health = Health()
         self.lanes: dict[str, Lane] = {}
@@ -153,8 +160,8 @@ class Relay:
                     retention=s.retention,
                 )
             async with (
-                open_sender(s, s.concurrency, self.transport) as ordinary_http,
-                open_sender(s, s.critical_concurrency, self.transport) as critical_http,
+                open_sender(s, s.concurrency, self.app_http) as ordinary_http,
+                open_sender(s, s.critical_concurrency, self.app_http) as critical_http,
             ):
                 critical = self._lane(
                     "critical",

@@ -13,7 +13,6 @@ import socket
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -113,7 +112,9 @@ class Settings:
     ingress_token: Secret | None = None
     signing_secret: tuple[Secret, ...] = ()
     ingress_ca_file: str | None = None
-    http_transport: str = "httptools"
+    http_transport: str = "aiohttp"  # the transport under httpx's client (relay/http_client.py)
+    http2: bool = False
+    ingress_proxy: Secret | None = None  # else the environment's (HTTP_PROXY ...), read by httpx
     batch_size: int = 100
     lease_ttl: float = 30.0
     concurrency: int = 32
@@ -151,7 +152,14 @@ class Settings:
 
 
 SECRET_OPTIONS = frozenset(
-    {"database_url", "listen_database_url", "ingress_token", "signing_secret", "ui_token"}
+    {
+        "database_url",
+        "listen_database_url",
+        "ingress_token",
+        "signing_secret",
+        "ui_token",
+        "ingress_proxy",
+    }
 )
 
 
@@ -231,12 +239,29 @@ def _choice(*options: str) -> Callable[[str], str]:
 
 
 def _http_transport(text: str) -> str:
-    name = text.strip().lower()  # `httpcore`, its old name (httpx's client over httpcore):
-    name = _choice("aiohttp", "httptools", "httpx")("httpx" if name == "httpcore" else name)
-    if name == "aiohttp" and not all(find_spec(m) for m in ("aiohttp", "yarl")):
-        # An extra since issue 30 (pyproject.toml): said at start, not at the first POST.
-        raise ValueError("aiohttp is not installed: pip install 'ledger-relay[aiohttp]'")
-    return name
+    """`aiohttp` or `httpx`; the retired names of earlier releases (`httptools`, `httpcore`) are
+    kept as given, so a rolling upgrade starts, and relay/http_client.py says what replaces
+    them."""
+    return _choice("aiohttp", "httpx", "httptools", "httpcore")(text.strip())
+
+
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"must be true or false, got {text!r}")
+
+
+def _proxy_url(text: str) -> Secret:
+    """A proxy URL (http, https, socks5, socks5h); its userinfo is a credential, hence secret."""
+    scheme = urlsplit(text.strip()).scheme.lower()
+    if scheme not in ("http", "https", "socks5", "socks5h"):
+        raise ValueError(
+            f"must be an http://, https:// or socks5:// URL, got {redact_url(text.strip())!r}"
+        )
+    return Secret(text.strip())
 
 
 def _database_url(text: str) -> Secret:
@@ -321,6 +346,8 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "signing_secret": _signing_secrets,
     "ingress_ca_file": _ca_file,
     "http_transport": _http_transport,
+    "http2": _boolean,
+    "ingress_proxy": _proxy_url,
     "batch_size": _int_in(1, 10_000),
     "lease_ttl": _duration_in(1.0, 3600.0),
     "concurrency": _int_in(1, 1024),
@@ -443,7 +470,7 @@ def describe(s: Settings) -> dict[str, Any]:
     for f in fields(s):
         value = getattr(s, f.name)
         if f.name in SECRET_OPTIONS:
-            if f.name in ("database_url", "listen_database_url") and value is not None:
+            if f.name in ("database_url", "listen_database_url", "ingress_proxy") and value:
                 value = redact_url(value.reveal())
             elif value:
                 value = "***"

@@ -683,43 +683,43 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_hostile_http.py",
         ),
     ),
-    # -- the httptools sender's own parts (relay/http_httptools.py): the rest is llhttp's ------
+    # -- the one HTTP client (relay/http_client.py): the rest is httpx's and its transport's ---
     Mutant(
-        "httptools-body-unbounded",
+        "http-body-unbounded",
         "issue 13: an answer is read to READ_LIMIT bytes only, then the connection is dropped",
-        "relay/http_httptools.py",
-        "        if self.size >= READ_LIMIT:",
+        "relay/http_client.py",
+        "        if size >= READ_LIMIT:",
         "        if False:",
-        (
-            "tests/test_http_httptools.py::"
-            "test_an_endless_body_is_read_to_the_limit_and_the_connection_dropped",
-            "tests/test_hostile_http.py",
-        ),
+        ("tests/test_ingress_unit.py::test_post_reads_at_most_max_body",),
         ci=True,
     ),
     Mutant(
-        "httptools-header-injection",
-        "issue 8/13: no header value or path can end its line and add one of its own",
-        "relay/http_httptools.py",
-        '        if _BAD_HEADER.search(name) or _BAD_HEADER.search(value) or ":" in name:',
+        "http-stale-answer-transport",
+        "§9.1 (issue 40): an answer written twice is never read as the next POST's",
+        "relay/http_client.py",
+        "    name = RETIRED_TRANSPORTS.get(configured, configured)",
+        '    name = "httpx"',
+        ("tests/test_http_client.py::test_an_answer_written_twice_is_not_read_as_the_next_posts",),
+    ),
+    Mutant(
+        "http-cookies-kept",
+        "issue 40: an ingress's Set-Cookie never grows the client's state",
+        "relay/http_client.py",
+        "            cookies=no_cookies(),",
+        "            cookies=None,",
+        ("tests/test_http_client.py::test_the_ingress_cannot_set_cookies_on_the_client",),
+    ),
+    Mutant(
+        "unframed-empty-2xx-accepted",
+        "§9.1 (issue 40): an empty 2xx ended only by the connection (maybe a reset) is no ack",
+        "relay/policy.py",
+        "        if status != 409 and answer.unframed and not answer.body.strip():",
         "        if False:",
-        ("tests/test_http_httptools.py::test_the_request_head_refuses_what_would_split_it",),
-    ),
-    Mutant(
-        "httptools-cut-body-accepted",
-        "§5 2xx: an answer whose connection closed before its stated length is no answer",
-        "relay/http_httptools.py",
-        "            if self.headers_done and not self.has_length:",
-        "            if self.headers_done:",
-        ("tests/test_http_httptools.py::test_a_broken_answer_is_a_transport_failure",),
-    ),
-    Mutant(
-        "httptools-cancelled-connection-kept",
-        "a request cancelled mid-flight leaves its connection in an unknown state: never reused",
-        "relay/http_httptools.py",
-        "            self.close()  # cancelled or failed mid-request: the wire's state is unknown",
-        "            pass",
-        ("tests/test_http_httptools.py::test_a_broken_answer_is_a_transport_failure",),
+        (
+            "tests/test_http_client.py::"
+            "test_a_reset_after_a_2xx_head_without_a_length_is_not_an_ack",
+        ),
+        ci=True,
     ),
     Mutant(
         "poison-narrowing-continues",

@@ -27,7 +27,7 @@ H = TypeVar("H", bound=logging.Handler)
 
 # Every HTTP client the relay can POST with (`http_transport`; aiohttp from its extra, which dev
 # installs through bench): the contract, hostile-answer and transport suites run once per entry.
-HTTP_TRANSPORTS = ["httptools", "aiohttp", "httpx"]
+HTTP_TRANSPORTS = ["aiohttp", "httpx"]
 
 
 def settings(pg_url: str, schema: str, sink_url: str, **overrides: Any) -> Settings:

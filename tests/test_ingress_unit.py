@@ -21,7 +21,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from relay import __version__
-from relay.http_httpx import HttpxSender
+from relay.http_client import HttpxSender, Reply, open_sender
 from relay.ingress import (
     MAX_BODY,
     USER_AGENT,
@@ -311,11 +311,9 @@ async def mock(
     handler: Callable[[httpx.Request], httpx.Response] | None = None,
 ) -> AsyncIterator[HttpxSender]:
     """The httpx sender over an in-process transport (what `Relay(transport=...)` uses)."""
-    sender = HttpxSender(transport=httpx.MockTransport(handler or (lambda r: httpx.Response(200))))
-    try:
-        yield sender
-    finally:
-        await sender.aclose()
+    transport = httpx.MockTransport(handler or (lambda r: httpx.Response(200)))
+    async with httpx.AsyncClient(transport=transport) as client:
+        yield HttpxSender(client)
 
 
 # --- IngressClient.headers ----------------------------------------------------------------------
@@ -481,10 +479,10 @@ async def test_an_app_owned_transport_is_taken_as_is_and_left_open() -> None:
         return httpx.Response(200)
 
     transport = Transport(handler)
-    client = IngressClient(settings(), transport)
     events = [event(1)]
-    assert (await client.post(batch(events=events))).status == 200
-    await client.sender.aclose()
+    async with open_sender(settings(), 1, transport) as sender:
+        client = IngressClient(settings(), sender)
+        assert (await client.post(batch(events=events))).status == 200
     (request,) = seen
     assert request.headers["host"] == "ingress.internal"
     assert request.headers["content-length"] == str(len(request.content))
@@ -544,9 +542,7 @@ async def test_post_group_sends_the_same_headers_as_a_single_run_post_but_the_ep
 class _Refusing:
     """A sender with no answer (connection refused)."""
 
-    async def send(
-        self, url: str, body: bytes, headers: dict[str, str]
-    ) -> tuple[int, bytes, str | None]:
+    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> Reply:
         raise TransportFailure("ConnectError: refused")
 
     async def aclose(self) -> None:
@@ -554,9 +550,7 @@ class _Refusing:
 
 
 class _Hanging:
-    async def send(
-        self, url: str, body: bytes, headers: dict[str, str]
-    ) -> tuple[int, bytes, str | None]:
+    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> Reply:
         await anyio.sleep_forever()
         raise AssertionError("unreachable")
 
@@ -603,10 +597,10 @@ async def test_a_post_without_an_answer_is_observed_as_none() -> None:
 class Stalling:
     """A sender that never answers a URL ending in /stall and answers 200 at once otherwise."""
 
-    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes, None]:
+    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> Reply:
         if url.endswith("/stall"):
             await anyio.sleep_forever()
-        return 200, b"{}", None
+        return Reply(200, b"{}", None)
 
     async def aclose(self) -> None:
         pass

@@ -353,23 +353,22 @@ def test_tools_command_without_its_extra_names_the_install(core: Venv, command: 
     assert lines[0].startswith(f"relay {command}: ")
 
 
-def test_the_aiohttp_sender_needs_its_extra(core: Venv) -> None:
-    """aiohttp and yarl left the core install (issue 30, item 4): `http_transport=aiohttp`
-    without the `aiohttp` extra is refused at start, one line naming the option and the install,
-    before any connection is tried."""
-    assert not {"aiohttp", "yarl"} & core.distributions()
+def test_a_socks_proxy_without_its_extra_is_refused_at_start(core: Venv) -> None:
+    """Issue 40: `ALL_PROXY=socks5://…` failed every POST once a second with `No module named
+    'socksio'`. From the core install (no `socks` extra) `relay run` refuses at start, one line
+    naming the install, before any connection is tried."""
+    assert "socksio" not in core.distributions()
     got = core.run(
         core.relay,
         "run",
         RELAY_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none",
         RELAY_INGRESS_URL="http://127.0.0.1:1/runs/{run_id}",
-        RELAY_HTTP_TRANSPORT="aiohttp",
+        ALL_PROXY="socks5://127.0.0.1:1",
     )
     assert got.returncode == 2, (got.stdout, got.stderr)
     lines = got.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in got.stderr, got.stderr
-    assert "http_transport" in lines[0], lines[0]
-    assert "pip install 'ledger-relay[aiohttp]'" in lines[0], lines[0]
+    assert "Traceback" not in got.stderr, got.stderr
+    assert any("pip install 'ledger-relay[socks]'" in line for line in lines), got.stderr
 
 
 # -- relay run from the core install ----------------------------------------------------------

@@ -21,12 +21,11 @@ PACKAGE = ROOT / "relay"
 TOOLS = "relay.tools"
 # The first sentence of a module's docstring names its job: at most this many words.
 MAX_JOB_WORDS = 75
-# Optional integrations: each needs an extra, loaded only when configured (relay/tracing.py;
-# the aiohttp sender only when `http_transport=aiohttp`, relay/ingress.py `open_sender`).
-INTEGRATIONS = {"relay.integrations": "otel", "relay.http_aiohttp": "aiohttp"}
-# In the core install on purpose although nothing imports it: httpcore tries to import it on
-# every request (LIMITS.md: +34% requests/s with it installed).
-INSTALLED_NOT_IMPORTED = {"sniffio"}
+# Optional integrations: each needs an extra, loaded only when configured (relay/tracing.py).
+INTEGRATIONS = {"relay.integrations": "otel"}
+# In the core install although nothing imports it: none since issue 40 (every core dependency
+# is one the production wing imports).
+INSTALLED_NOT_IMPORTED: set[str] = set()
 
 
 def module_name(path: Path) -> str:
@@ -260,7 +259,7 @@ def test_the_production_wing_loads_an_integration_only_inside_a_function() -> No
     code = (
         "import sys, relay.runner, relay.cli, relay.tracing, relay.ingress; "
         "print([m for m in sys.modules if m.startswith(("
-        "'relay.integrations', 'opentelemetry', 'relay.http_aiohttp', 'aiohttp', 'yarl'))])"
+        "'relay.integrations', 'opentelemetry'))])"
     )
     got = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
@@ -293,3 +292,112 @@ def test_every_tools_dependency_sits_in_an_extra(extra: str) -> None:
     assert not {"uvicorn", "rich", "pgserver", "absurdctl", "matplotlib", "pgqueuer"} & (
         core_dependencies()
     )
+
+
+# --- no private name of a dependency (issue 40 item 3) -------------------------------------------
+
+ACCESSORS = {"getattr", "setattr", "hasattr", "delattr"}
+# Underscore names that are documented API: namedtuple's methods (the underscore keeps them
+# apart from field names).
+DOCUMENTED = {"_make", "_asdict", "_replace", "_fields", "_field_defaults"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _names_defined(tree: ast.AST) -> set[str]:
+    """Every name the relay's own code binds: functions, classes, arguments, assignment targets
+    (names and attributes), `__slots__` entries."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out.add(node.name)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
+        ):
+            out |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)}
+    return out
+
+
+def _bindings(tree: ast.AST, *, stdlib: bool) -> set[str]:
+    """Names bound by `import x` / `from x import y` of a third-party module (or, with
+    `stdlib`, of the standard library's)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods = [(a.name, a.asname or a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            mods = [(node.module, a.asname or a.name) for a in node.names]
+        else:
+            continue
+        for module, bound in mods:
+            top = module.split(".")[0]
+            if top != "relay" and (top in sys.stdlib_module_names) == stdlib:
+                out.add(bound)
+    return out
+
+
+def private_names_of_dependencies(sources: dict[str, str]) -> list[str]:
+    """`x._name` (or getattr(x, "_name")) where `_name` is nothing the relay defines, or where
+    `x` is a third-party module or name: a dependency's private name."""
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    defined = set().union(*(_names_defined(t) for t in trees.values()))
+    found = []
+    for name, tree in trees.items():
+        foreign, stdlib = _bindings(tree, stdlib=False), _bindings(tree, stdlib=True)
+        for node in ast.walk(tree):
+            attr, owner = None, None
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                attr, owner = node.attr, node.value
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ACCESSORS
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and _private(node.args[1].value)
+            ):
+                attr, owner = node.args[1].value, node.args[0]
+            if attr is None or attr in DOCUMENTED:
+                continue
+            named = owner.id if isinstance(owner, ast.Name) else None
+            if named in stdlib:  # the standard library's (argparse._SubParsersAction in types)
+                continue
+            if named in foreign or attr not in defined:
+                found.append(f"{name}:{node.lineno} {attr}")
+    return found
+
+
+def production_sources() -> dict[str, str]:
+    return {name: path.read_text() for name, path in modules().items() if not _in_wing(name, TOOLS)}
+
+
+def test_the_production_wing_uses_no_private_name_of_a_dependency() -> None:
+    """A library's underscore names are not its API (docs/style.md): none in relay/ outside
+    relay/tools/ (it read absurd_sdk's `_queue_name`, the OTLP exporter's `_client` and h11's
+    limits before issue 40)."""
+    assert private_names_of_dependencies(production_sources()) == []
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "import absurd_sdk\nq = absurd_sdk._queue_name\n",
+        "def f(client):\n    return getattr(client, '_queue_name', None)\n",
+        "def f(exporter):\n    return exporter._client\n",
+        "from h11 import _util\nx = _util.thing\ny = _util._private\n",
+    ],
+)
+def test_a_private_name_of_a_dependency_is_found(planted: str) -> None:
+    """The walk itself: each planted access is reported, beside the real production wing."""
+    sources = production_sources() | {"relay.planted": planted}
+    found = private_names_of_dependencies(sources)
+    assert [f for f in found if f.startswith("relay.planted:")], found

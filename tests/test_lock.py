@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
-CORE_IMPORTS = "import psycopg, psycopg_pool, anyio, httpx, tenacity, orjson, httptools, h11"
+CORE_IMPORTS = (
+    "import psycopg, psycopg_pool, anyio, httpx, httpx_aiohttp, aiohttp, tenacity, orjson, h11"
+)
 
 
 def _run(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -24,7 +26,7 @@ def _run(*args: str | Path, timeout: float = 600) -> subprocess.CompletedProcess
     ("lock", "imports"),
     [
         ("requirements.lock", CORE_IMPORTS + ", prometheus_client"),
-        ("requirements-sink.lock", CORE_IMPORTS + ", prometheus_client, uvicorn"),
+        ("requirements-sink.lock", CORE_IMPORTS + ", prometheus_client, uvicorn, httptools"),
     ],
     ids=["relay", "sink"],
 )

@@ -70,7 +70,8 @@ def test_minimal_configuration_and_defaults() -> None:
     assert s.retention == 86400.0
     assert s.metrics_addr is None
     assert s.log_format == "json"
-    assert s.http_transport == "httptools"
+    assert s.http_transport == "aiohttp"
+    assert s.http2 is False and s.ingress_proxy is None
     assert s.replica_id  # host:pid
     assert s.replica_id.endswith(f":{os.getpid()}")
 
@@ -171,8 +172,10 @@ def test_duration_options_reject_out_of_range(option: str) -> None:
         ("http_transport", "aiohttp", "aiohttp"),
         ("http_transport", " HTTPTools", "httptools"),
         ("http_transport", "HTTPX", "httpx"),
-        # The old name (httpx's client over httpcore) still works: it means httpx.
-        ("http_transport", "httpcore", "httpx"),
+        # Retired names are kept as given: relay/http_client.py says what replaces them.
+        ("http_transport", "httpcore", "httpcore"),
+        ("http2", "true", True),
+        ("http2", "Off", False),
         ("metrics_addr", "127.0.0.1:9464", "127.0.0.1:9464"),
         ("metrics_addr", "[::1]:9464", "[::1]:9464"),
         ("replica_id", "relay-a", "relay-a"),
@@ -190,6 +193,8 @@ def test_valid_values(option: str, value: str, expected: object) -> None:
         ("log_format", "xml"),
         ("log_level", "trace"),
         ("http_transport", "requests"),
+        ("http2", "maybe"),
+        ("ingress_proxy", "ftp://proxy:21"),
         ("metrics_addr", "9464"),
         ("metrics_addr", "host:http"),
         ("metrics_addr", "host:70000"),
@@ -274,7 +279,11 @@ def test_a_flag_overrides_a_secret_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("option", sorted(SECRET_OPTIONS))
 def test_secret_file(option: str, tmp_path: Path) -> None:
-    value = {"ingress_token": "tok-123", "signing_secret": WHSEC}.get(option, DB)
+    value = {
+        "ingress_token": "tok-123",
+        "signing_secret": WHSEC,
+        "ingress_proxy": "http://user:pw@proxy:3128",
+    }.get(option, DB)
     f = tmp_path / option
     f.write_text(value + "\n")  # the trailing newline of `echo … > file` is stripped
     env = base_env(**{env_name(option) + "_FILE": str(f)})
@@ -678,3 +687,13 @@ def test_canary_absent_from_unreadable_file_errors(tmp_path: Path) -> None:
     env = canary_env(RELAY_DATABASE_URL_FILE=str(f))
     del env["RELAY_DATABASE_URL"]
     assert_no_canary(config_error({}, env))
+
+
+def test_a_proxys_password_never_prints() -> None:
+    """`ingress_proxy` is a secret: its userinfo is a credential, in errors and in describe."""
+    message = config_error({}, base_env(RELAY_INGRESS_PROXY="ftp://user:s3cretPW@proxy:21"))
+    assert message.startswith("ingress_proxy") and "s3cretPW" not in message, message
+    s = load_env(RELAY_INGRESS_PROXY="http://user:s3cretPW@proxy:3128")
+    assert s.ingress_proxy is not None
+    assert s.ingress_proxy.reveal() == "http://user:s3cretPW@proxy:3128"
+    assert "s3cretPW" not in repr(s) and "s3cretPW" not in str(describe(s))
