@@ -10,13 +10,16 @@ long the lane pauses while the ingress is misconfigured; the lane and the observ
 through `gate()`, a value) and poison narrowing (relay/narrowing.py: which prefix or event to
 resend through the executor, given at construction as `resend`, and which event is at fault),
 whose acks and failed event are written here, through the `Results` it is given.
+
+Observers hook in after the writes: once an outcome is carried out, it goes to `observe` (with
+the ack's result, when it acked), given at construction: the tracer ends the delivery's span
+there (relay/tracing.py). Nothing observes from inside a write.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import anyio
@@ -31,7 +34,8 @@ from relay.policy import Ack, Pause, Poison, Retry
 from relay.settings import Settings, redact_url
 from relay.stats import CompleteStats
 from relay.store import AckResult, Claim, ClaimedEvent, Store
-from relay.tracing import NO_SPAN, DeliverySpan
+
+Observe = Callable[[Outcome, AckResult | None], None]
 
 
 class Completer:
@@ -49,12 +53,14 @@ class Completer:
         resend: Resend,
         on_ready_change: Callable[[bool], None],
         observe_ack: Callable[[AckResult], None],
+        observe: Observe,
     ) -> None:
         self.lane = lane
         self.settings = settings
         self.store = store
         self.stats = stats
         self.observe_ack = observe_ack  # metrics: commit-to-ack lag
+        self.observe = observe  # each outcome once carried out (the tracer's spans end there)
         self.acks = AckGroup(store)
         self.pause = PauseGate(lane, cap=settings.max_backoff, on_ready_change=on_ready_change)
         self.narrowing = Narrowing(resend, self)  # resends through the executor's `resend`
@@ -84,8 +90,8 @@ class Completer:
             return {outcome.run_id: await self.carry_one(outcome)}
         settled: dict[str, bool] = {}
         for lost in (o for o in outcomes if isinstance(o.decision, LeaseLost)):
-            with traced(lost):
-                settled[lost.run_id] = self._lost(lost)
+            settled[lost.run_id] = self._lost(lost)
+            self.observe(lost, None)
         whole = [o for o in outcomes if o.run_id not in settled and o.accepted_whole]
         rest = [o for o in outcomes if o.run_id not in settled and not o.accepted_whole]
 
@@ -102,33 +108,33 @@ class Completer:
                 claims = [o.held.claim for o in whole]
                 acked = await self.acks.ack_many([(c, c.events[-1].seq, False) for c in claims])
                 for o, c, one in zip(whole, claims, acked, strict=True):
-                    assert isinstance(o.answer, Answer)  # decide acks only an answer
-                    with traced(o):
-                        settled[c.run_id] = self._acked(c, c.events, o.answer, one, o.span)
+                    settled[c.run_id] = self._acked(c, o, c.events, one)
+                    self.observe(o, one)
         return settled
 
     async def carry_one(self, outcome: Outcome) -> bool:
-        """Do what one run's outcome (its answer to `events`, a prefix of the claim) means."""
-        with traced(outcome):
-            return await self._carry_traced(outcome)
-
-    async def _carry_traced(self, outcome: Outcome) -> bool:
+        """Do what one run's outcome (its answer to `events`, a prefix of the claim) means,
+        then hand it to the observer."""
         claim = outcome.held.claim
         decision = outcome.decision
         if isinstance(decision, Ack) or (isinstance(decision, Retry) and decision.endpoint_ok):
             self.pause.ingress_ok()
+        ack = None
         match decision:
             case LeaseLost():
-                return self._lost(outcome)
+                settled = self._lost(outcome)
             case Ack(k=k):
-                assert isinstance(outcome.answer, Answer)  # decide acks only an answer
-                return await self._ack(claim, outcome.events[:k], outcome.answer, span=outcome.span)
+                acked = outcome.events[:k]
+                ack = await self.acks.ack(claim, acked[-1].seq)
+                settled = self._acked(claim, outcome, acked, ack)
             case Retry():
-                return await self._reschedule(claim, decision)
+                settled = await self._reschedule(claim, decision)
             case Pause():
-                return await self._pause(claim, decision)
+                settled = await self._pause(claim, decision)
             case Poison():
-                return await self.narrowing.narrow(outcome, decision)
+                settled = await self.narrowing.narrow(outcome, decision)
+        self.observe(outcome, ack)
+        return settled
 
     def _lost(self, outcome: Outcome) -> bool:
         """The lease was lost before an answer could count: abandoned, no ack (settled)."""
@@ -136,30 +142,14 @@ class Completer:
         self.lease_lost(outcome.held.claim, outcome.decision.where)
         return True
 
-    async def _ack(
-        self,
-        claim: Claim,
-        acked: Sequence[ClaimedEvent],
-        answer: Answer,
-        *,
-        keep: bool = False,
-        span: DeliverySpan = NO_SPAN,
-    ) -> bool:
-        """Ack `acked` (a prefix of the claim). Returns True when the ack committed and the run
-        is still ours (when `keep`), False when the lease was lost or the ack failed."""
-        result = await self.acks.ack(claim, acked[-1].seq, keep=keep)
-        return self._acked(claim, acked, answer, result, span)
-
     def _acked(
-        self,
-        claim: Claim,
-        acked: Sequence[ClaimedEvent],
-        answer: Answer,
-        result: AckResult,
-        span: DeliverySpan = NO_SPAN,
+        self, claim: Claim, outcome: Outcome, acked: Sequence[ClaimedEvent], result: AckResult
     ) -> bool:
-        """What an ack's result means for the claim (see `_ack`)."""
-        span.event("acked", status=result.status, events=result.acked, last_seq=result.last_seq)
+        """What the ack of `acked` (a prefix of the claim, all `outcome` accepted) means for the
+        claim: True when it committed and the run is still ours (when the ack kept the lease),
+        False when the lease was lost or the ack did not commit."""
+        answer = outcome.answer
+        assert isinstance(answer, Answer)  # decide acks only an answer
         if result.status == "not_committed":
             return False  # not settled: the caller's cleanup releases the lease for a redelivery
         if result.status == "stale":
@@ -184,8 +174,8 @@ class Completer:
                 status=answer.status,
                 http_ms=round(answer.seconds * 1000, 2),
                 lag_ms=round((result.lag_seconds or 0.0) * 1000, 2),
-                trace_id=span.trace_id or _trace_id(acked[0].traceparent),
-                span_id=span.span_id,
+                trace_id=outcome.span.trace_id or _trace_id(acked[0].traceparent),
+                span_id=outcome.span.span_id,
             )
         return result.status == "acked"
 
@@ -230,18 +220,22 @@ class Completer:
         return True
 
     async def ack_resent(self, claim: Claim, resent: Outcome, *, keep: bool) -> bool:
-        """Ack all a narrowing's resend sent, accepted whole (see `_ack`); its span ends."""
-        assert isinstance(resent.answer, Answer)  # decide acks only an answer
-        with traced(resent):
-            return await self._ack(claim, resent.events, resent.answer, keep=keep, span=resent.span)
+        """Ack all a narrowing's resend sent, accepted whole (see `_acked`), then hand the
+        resend to the observer."""
+        result = await self.acks.ack(claim, resent.events[-1].seq, keep=keep)
+        settled = self._acked(claim, resent, resent.events, result)
+        self.observe(resent, result)
+        return settled
 
     async def block(
         self, claim: Claim, event: ClaimedEvent, poison: Poison, *, resent: Outcome | None = None
     ) -> bool:
         """Fail the poison event and block its run; `resent`: the narrowing's resend that
-        rejected it (its span ends)."""
-        with traced(resent) if resent is not None else _UNTRACED:
-            return await self._block(claim, event, poison)
+        rejected it, handed to the observer after."""
+        settled = await self._block(claim, event, poison)
+        if resent is not None:
+            self.observe(resent, None)
+        return settled
 
     async def _block(self, claim: Claim, event: ClaimedEvent, poison: Poison) -> bool:
         error = f"ingress answered {poison.status}: {poison.excerpt}"
@@ -290,50 +284,6 @@ class Completer:
             last_seq=claim.last_seq,
             where=where,
         )
-
-
-OUTCOME_NAMES = {Ack: "accepted", Retry: "transient", Pause: "misconfigured", Poison: "poison"}
-
-
-def traced(outcome: Outcome) -> AbstractContextManager[None]:
-    """The outcome on its delivery span, what is done about it inside, and the span ended.
-    Not tracing: one shared do-nothing context, nothing built per outcome."""
-    if outcome.span is NO_SPAN:
-        return _UNTRACED
-    return _traced(outcome)
-
-
-_UNTRACED: AbstractContextManager[None] = nullcontext()
-
-
-@contextmanager
-def _traced(outcome: Outcome) -> Iterator[None]:
-    span = outcome.span
-    decision = outcome.decision
-    if isinstance(decision, LeaseLost):
-        span.outcome("lease_lost", where=decision.where)
-    else:
-        answer = outcome.answer
-        span.outcome(
-            OUTCOME_NAMES[type(decision)],
-            status=answer.status if isinstance(answer, Answer) else None,
-            retry_after=decision.retry_after if isinstance(decision, Retry) else None,
-            retry_in=decision.delay if isinstance(decision, Retry) else None,
-            error=_error_of(decision),
-        )
-    try:
-        yield
-    finally:
-        span.end()
-
-
-def _error_of(decision: Ack | Retry | Pause | Poison) -> str | None:
-    match decision:
-        case Retry(error=error):
-            return error[:200] or None
-        case Pause(excerpt=excerpt) | Poison(excerpt=excerpt):
-            return excerpt[:200] or None
-    return None
 
 
 def _trace_id(traceparent: str | None) -> str | None:

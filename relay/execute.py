@@ -49,7 +49,7 @@ class Outcome:
     decision: Decision | LeaseLost
     answer: Answer | TransportFailure | None = None
     whole: bool = True
-    span: DeliverySpan = NO_SPAN  # its trace (relay/tracing.py); the completer ends it
+    span: DeliverySpan = NO_SPAN  # its trace (relay/tracing.py), ended by the tracer's observer
 
     @property
     def run_id(self) -> str:
@@ -152,7 +152,7 @@ class Executor:
         replies: _Replies | None = None
         with self.renewer.renewing(holds) as renewal:
             replies = await self._quick(
-                lambda: self._post_once(sends, group=group, span=spans[0]),
+                lambda: self._post_once(sends, group=group, spans=spans),
                 lambda: min((h.claim.trust for h in holds), key=lambda t: t.until),
             )
         outcomes: list[Outcome] = []
@@ -186,13 +186,15 @@ class Executor:
             for held, events in sends
         ]
 
-    async def _post_once(self, sends: list[Send], *, group: bool, span: DeliverySpan) -> _Replies:
+    async def _post_once(
+        self, sends: list[Send], *, group: bool, spans: list[DeliverySpan]
+    ) -> _Replies:
         self.stats.posts += 1
         answer: Answer | TransportFailure
         per_run: dict[str, Answer | TransportFailure]
         batches = [_batch(h.claim, e) for h, e in sends]
         try:
-            answer = await self._send(batches, group=group, span=span)
+            answer = await self._send(batches, group=group, spans=spans)
         except TransportFailure as exc:
             answer = exc
         if not group:  # the common case, kept lean: one run, one answer
@@ -212,15 +214,18 @@ class Executor:
         }
         return _Replies(decided, whole)
 
-    async def _send(self, batches: list[Batch], *, group: bool, span: DeliverySpan) -> Answer:
+    async def _send(
+        self, batches: list[Batch], *, group: bool, spans: list[DeliverySpan]
+    ) -> Answer:
         """The POST itself; when tracing, as a client span (of a multi-run request, inside the
-        first run's delivery span) whose context goes out as the `traceparent` header."""
+        first run's delivery span, linked to the others') whose context goes out as the
+        `traceparent` header."""
         if not self.tracer.enabled:
             if group:
                 return await self.ingress.post_group(batches)
             return await self.ingress.post(batches[0])
         url = self.ingress.group_url() if group else self.ingress.url(batches[0])
-        with span.post(url) as post:
+        with spans[0].post(url, spans[1:]) as post:
             try:
                 if group:
                     answer = await self.ingress.post_group(batches, post.traceparent)

@@ -100,6 +100,7 @@ class Lane:
             resend=self.execute.resend,
             on_ready_change=on_ready_change,
             observe_ack=observe_ack,
+            observe=tracer.observe,
         )
         self.wake = Wake()
         self.slot_freed = Wake()

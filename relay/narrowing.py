@@ -65,7 +65,6 @@ class Narrowing:
         claim = held.claim  # its run, token and events: what a renewal leaves as they are
         named = poison.rejected_event_id
         index = next((i for i, e in enumerate(events) if e.event_id == named), None)
-        outcome.span.event("poison_narrowing", named=index is not None, events=len(events))
         if index is not None:
             return await self._named(held, claim, events, index, poison)
         if len(events) == 1:

@@ -31,7 +31,7 @@ from relay.migrate import SchemaError, version_problem
 from relay.progress import ListenerView, RelayView
 from relay.settings import Settings, redact_url
 from relay.store import CONNECT_KWARGS, AckResult, IdleCheck, Pool, Store
-from relay.tracing import NO_TRACING, Tracer
+from relay.tracing import NO_TRACING, Tracer, flush_timeout
 
 PRUNE_BATCH = 1000
 POOL_CHECK_IDLE = 1.0  # seconds idle after which a pooled connection is checked before use
@@ -133,10 +133,12 @@ class Relay:
                 await self._run(port, task_status)
         finally:
             # However the run ends (a stop, an error, a cancellation), the spans it recorded are
-            # exported: what the batch processor still holds, within a bounded time.
+            # exported: what the batch processor still holds, for at most a share of the grace
+            # period (relay/tracing.py flush_timeout), whatever the collector does.
             if self.tracer.enabled:
+                bound = flush_timeout(self.settings.shutdown_timeout)
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self.tracer.shutdown)
+                    await anyio.to_thread.run_sync(self.tracer.shutdown, bound)
 
     async def _run(self, port: health.MetricsPort | None, task_status: TaskStatus[Relay]) -> None:
         s = self.settings

@@ -1,27 +1,25 @@
-"""The tracing port (issue 31): what the delivery path tells a tracer, and when tracing is on.
+"""The tracing port (issue 31, 40): what the delivery path tells a tracer, and when tracing is on.
 
 The relay records one span per delivery of a prefix (its lane, run, epoch, seq range, attempt
-and outcome), the POST inside it as an HTTP client span whose context is the `traceparent`
-header sent, and the acknowledgement after it. The port is this module: `Tracer` and
-`DeliverySpan` with no-op bodies, which is all the relay runs without tracing (a method call
-per delivery, nothing allocated). The OpenTelemetry implementation lives in
+and outcome) and the POST inside it as an HTTP client span whose context is the `traceparent`
+header sent. The port is this module: `Tracer`, `DeliverySpan` and `PostSpan` with no-op bodies,
+which is all the relay runs without tracing (a method call per delivery, nothing allocated).
+The executor starts a delivery's span and its POST; the completer, once it has written what a
+delivery came to, hands the `Outcome` to one observer (`Tracer.observe`), which ends the span:
+the tracer never wraps a write. The OpenTelemetry implementation lives in
 relay/integrations/otel.py and needs the `otel` extra; `relay.integrations.start_tracing`
 chooses between the two.
 
 Tracing is turned on by OpenTelemetry's standard variables alone, as operators expect of any
 instrumented service (https://opentelemetry.io/docs/specs/otel/configuration/sdk-environment-variables/):
 an OTLP endpoint set (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_EXPORTER_OTLP_ENDPOINT`)
-means export there, unless `OTEL_SDK_DISABLED=true`. `OTEL_SERVICE_NAME` names the service
-(default `ledger-relay`); `OTEL_TRACES_SAMPLER` and `OTEL_TRACES_SAMPLER_ARG` choose the
-sampler; the protocol is OTLP over HTTP with protobuf (`OTEL_EXPORTER_OTLP_PROTOCOL`,
-`..._TRACES_PROTOCOL`: `http/protobuf`, the only one the `otel` extra installs). The span
-limits (`OTEL_ATTRIBUTE_COUNT_LIMIT`, `OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT`, their `OTEL_SPAN_`
-forms, `OTEL_SPAN_EVENT_COUNT_LIMIT`, `OTEL_SPAN_LINK_COUNT_LIMIT`,
-`OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT`, `OTEL_LINK_ATTRIBUTE_COUNT_LIMIT`) are read here too and
-applied by `bounded` as the specification's attribute limits say. A value the relay cannot
-honour is a `ConfigError` at start, naming the variable (the specification would have a bad
-number warned about and ignored; the Python SDK raises, and a relay that silently ran with other
-limits than asked would be harder to notice).
+means export there, unless `OTEL_SDK_DISABLED=true`. Every other variable (the service name and
+resource, the sampler, the span limits, the batch processor's and the exporter's settings) is
+read by the OpenTelemetry SDK itself. This module checks, before anything starts, the few the
+SDK would otherwise warn about and replace with a default (a relay that silently ran with
+another sampler than asked would be hard to notice): the endpoint's scheme, the protocol (the
+`otel` extra installs OTLP over HTTP with protobuf only), the sampler's name and its ratio. A
+bad value is a `ConfigError` naming the variable.
 """
 
 from __future__ import annotations
@@ -29,12 +27,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 from relay.settings import ConfigError
 
-SERVICE_NAME = "ledger-relay"
+if TYPE_CHECKING:
+    from relay.store import AckResult
+
+SERVICE_NAME = "ledger-relay"  # unless OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES names one
 SAMPLERS = (
     "always_on",
     "always_off",
@@ -44,35 +45,19 @@ SAMPLERS = (
     "parentbased_traceidratio",
 )
 PROTOCOLS = ("http/protobuf",)
-
-
-# The specification's defaults (sdk-environment-variables.md, "Span Limits"); no length limit.
-DEFAULT_COUNT_LIMIT = 128
-
-
-@dataclass(frozen=True, slots=True)
-class SpanLimits:
-    """How much a span may carry; None is no limit. What is beyond a count is dropped (and
-    counted on the span), a longer string value is cut (see `bounded`)."""
-
-    attribute_count: int | None = DEFAULT_COUNT_LIMIT  # a span's attributes
-    attribute_length: int | None = None  # a span attribute's string value, in characters
-    event_count: int | None = DEFAULT_COUNT_LIMIT
-    link_count: int | None = DEFAULT_COUNT_LIMIT
-    event_attribute_count: int | None = DEFAULT_COUNT_LIMIT
-    event_attribute_length: int | None = None  # OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT only
-    # OTEL_LINK_ATTRIBUTE_COUNT_LIMIT is checked, not kept: the relay's links carry no attributes.
+# The share of `shutdown_timeout` a stopping relay gives the export of the spans it still holds
+# (5 s at the default 20 s), after its in-flight batches: a collector that answers slowly or
+# not at all costs at most this, never the process's grace period (docs/operations.md).
+FLUSH_SHARE = 0.25
 
 
 @dataclass(frozen=True, slots=True)
 class TracingConfig:
-    endpoint: (
-        str  # the OTLP/HTTP traces URL (a base URL from OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces)
-    )
-    service_name: str
+    """What the relay reads itself of the variables (for its checks and the `tracing_on` log
+    line); the SDK reads the rest."""
+
+    endpoint: str  # the traces URL (OTEL_EXPORTER_OTLP_ENDPOINT's + /v1/traces)
     sampler: str
-    sampler_arg: float | None
-    limits: SpanLimits = SpanLimits()
 
 
 def _flag(environ: Mapping[str, str], name: str) -> bool:
@@ -106,78 +91,37 @@ def _protocol(environ: Mapping[str, str]) -> None:
             return
 
 
-def _sampler(environ: Mapping[str, str]) -> tuple[str, float | None]:
+def _sampler(environ: Mapping[str, str]) -> str:
+    """The sampler's name, checked with its ratio (the SDK would log a warning and sample
+    everything instead)."""
     sampler = environ.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_always_on"
     if sampler not in SAMPLERS:
         raise ConfigError(f"OTEL_TRACES_SAMPLER: one of {', '.join(SAMPLERS)}, got {sampler!r}")
     raw = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
-    if not sampler.endswith("traceidratio") or not raw:
-        return sampler, None
-    try:
-        ratio = float(raw)
-    except ValueError:
-        ratio = -1.0
-    if not 0.0 <= ratio <= 1.0:
-        raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG: a ratio from 0 to 1, got {raw!r}")
-    return sampler, ratio
-
-
-def _limit(environ: Mapping[str, str], name: str, default: int | None) -> int | None:
-    """A limit variable: a non-negative integer. Empty is unset, as the specification says of
-    every variable (the Python SDK reads an empty one as "no limit")."""
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isascii() or not raw.isdigit():
-        raise ConfigError(f"{name}: a non-negative integer, got {raw!r}")
-    return int(raw)
-
-
-def limits_from_env(environ: Mapping[str, str]) -> SpanLimits:
-    """The span limits the variables set: a model's own variable (`OTEL_SPAN_...`,
-    `OTEL_EVENT_...`) over the general one (`OTEL_ATTRIBUTE_...`) over the default."""
-    count = _limit(environ, "OTEL_ATTRIBUTE_COUNT_LIMIT", DEFAULT_COUNT_LIMIT)
-    length = _limit(environ, "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", None)
-    _limit(environ, "OTEL_LINK_ATTRIBUTE_COUNT_LIMIT", None)
-    return SpanLimits(
-        attribute_count=_limit(environ, "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", count),
-        attribute_length=_limit(environ, "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", length),
-        event_count=_limit(environ, "OTEL_SPAN_EVENT_COUNT_LIMIT", DEFAULT_COUNT_LIMIT),
-        link_count=_limit(environ, "OTEL_SPAN_LINK_COUNT_LIMIT", DEFAULT_COUNT_LIMIT),
-        event_attribute_count=_limit(environ, "OTEL_EVENT_ATTRIBUTE_COUNT_LIMIT", count),
-        event_attribute_length=length,
-    )
-
-
-def bounded(
-    attributes: Mapping[str, Any], count: int | None, length: int | None
-) -> tuple[dict[str, Any], int]:
-    """`attributes` within the limits, and how many were dropped. As the specification's
-    attribute limits say: the first `count` are kept (one added beyond the limit is discarded),
-    a string (or byte string) value longer than `length` characters (bytes) is cut to it, and
-    so is each one in a sequence value; no other value is changed."""
-    kept = dict(attributes) if count is None else dict(list(attributes.items())[:count])
-    if length is not None:
-        for key, value in kept.items():
-            if isinstance(value, str | bytes):
-                if len(value) > length:
-                    kept[key] = value[:length]
-            elif isinstance(value, Sequence):
-                kept[key] = tuple(v[:length] if isinstance(v, str | bytes) else v for v in value)
-    return kept, len(attributes) - len(kept)
+    if sampler.endswith("traceidratio") and raw:
+        try:
+            ratio = float(raw)
+        except ValueError:
+            ratio = -1.0
+        if not 0.0 <= ratio <= 1.0:
+            raise ConfigError(f"OTEL_TRACES_SAMPLER_ARG: a ratio from 0 to 1, got {raw!r}")
+    return sampler
 
 
 def config_from_env(environ: Mapping[str, str]) -> TracingConfig | None:
-    """The tracing configuration the variables ask for, or None when tracing is off."""
+    """The tracing the variables ask for, or None when tracing is off."""
     if _flag(environ, "OTEL_SDK_DISABLED"):
         return None
     endpoint = _endpoint(environ)
     if endpoint is None:
         return None
     _protocol(environ)
-    sampler, arg = _sampler(environ)
-    service = environ.get("OTEL_SERVICE_NAME", "").strip() or SERVICE_NAME
-    return TracingConfig(endpoint, service, sampler, arg, limits_from_env(environ))
+    return TracingConfig(endpoint, _sampler(environ))
+
+
+def flush_timeout(shutdown_timeout: float) -> float:
+    """Seconds a stopping relay waits for its spans to be exported (see FLUSH_SHARE)."""
+    return shutdown_timeout * FLUSH_SHARE
 
 
 # -- the port -----------------------------------------------------------------------------------
@@ -225,7 +169,8 @@ class PostSpan:
 
 
 class DeliverySpan:
-    """One delivery. Without tracing every method does nothing."""
+    """One delivery, from its executor to its observer. Without tracing every method does
+    nothing."""
 
     @property
     def trace_id(self) -> str | None:
@@ -236,29 +181,37 @@ class DeliverySpan:
     def span_id(self) -> str | None:
         return None
 
-    def post(self, url: str) -> PostSpan:
+    def post(self, url: str, others: Sequence[DeliverySpan] = ()) -> PostSpan:
+        """The POST of this delivery; `others`: the deliveries of the other runs that share the
+        request (a multi-run POST), linked from it."""
         return _NO_POST
 
-    def outcome(self, outcome: str, **attributes: Any) -> None:
-        """`policy.decide`'s verdict and what led to it (status, retry_after, error...)."""
 
-    def event(self, name: str, **attributes: Any) -> None:
-        """Something on the way: `lease_lost`, `poison_narrowed`, `acked`."""
+class Observed(Protocol):
+    """What the observer is handed: a delivery's `Outcome` (relay/execute.py), which carries
+    the span the executor started (named here as a protocol: execute.py imports this module)."""
 
-    def end(self) -> None:
-        """The delivery is over (acknowledged, rescheduled, failed or abandoned)."""
+    @property
+    def span(self) -> DeliverySpan: ...
 
 
 class Tracer:
-    """Starts delivery spans. This base class is the relay without tracing."""
+    """Starts delivery spans and observes what each delivery came to. This base class is the
+    relay without tracing."""
 
     enabled = False
 
     def delivery(self, d: Delivery) -> DeliverySpan:
         return NO_SPAN
 
-    def shutdown(self) -> None:
-        """Export what is still buffered, within a bounded time."""
+    def observe(self, outcome: Observed, ack: AckResult | None) -> None:
+        """The completer has carried `outcome` out (`ack`: the ack's result, when it acked):
+        its delivery span says so and ends. Called once per outcome, after its write."""
+
+    def shutdown(self, timeout: float) -> bool:
+        """Export what is still buffered and stop, returning within `timeout` seconds whatever
+        the collector does. True when everything was exported in time."""
+        return True
 
 
 _NO_POST = PostSpan()

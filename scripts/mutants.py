@@ -891,6 +891,28 @@ MUTANTS: tuple[Mutant, ...] = (
         "select migrate_0007_runs(array(select run_id from migrate_0007_changed));",
         (f"{MIGRATE}::test_a_run_the_last_prepare_step_passed_over_is_computed_under_the_lock",),
     ),
+    # -- tracing (issue 40): one observer after the writes, a bounded flush at shutdown ----------
+    Mutant(
+        "tracing-resend-unobserved",
+        "tracing: every outcome reaches the observer once, after its write (a narrowing's acked"
+        " resend too)",
+        "relay/complete.py",
+        "        self.observe(resent, result)\n",
+        "",
+        ("tests/test_tracing.py::test_every_outcome_is_observed_once_after_it_is_written",),
+        ci=True,
+    ),
+    Mutant(
+        "tracing-flush-unbounded",
+        "§4.2 graceful shutdown: a collector that drips its answer holds a stopping relay no"
+        " longer than the flush's bound",
+        "relay/integrations/otel.py",
+        "        self._stopping.join(timeout)\n",
+        "        self._stopping.join()\n",
+        (
+            "tests/test_tracing.py::test_a_collector_that_drips_its_answer_cannot_hold_a_stopping_relay",
+        ),
+    ),
 )
 
 

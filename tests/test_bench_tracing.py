@@ -1,5 +1,5 @@
-"""`relay bench --only tracing` (issue 31): tracing off and on in paired reps, the spans counted
-at the bench's own OTLP/HTTP receiver, and `tracing_on_ratio ≥ 0.8` judged.
+"""`relay bench --only tracing` (issues 31, 40): tracing off and on in paired reps, the spans
+counted at the bench's own OTLP/HTTP receiver, and `tracing_on_ratio ≥ 0.6` judged.
 
 As in tests/test_bench.py, no timing assertion: the smoke run checks that both figures, the
 spans and the target come out, and that the target judges the scenario's own ratio.
@@ -29,7 +29,7 @@ KEYS = [
     "tracing_spans",
     "tracing_spans_per_post",
 ]
-TARGET = "tracing_on_ratio ≥ 0.8"
+TARGET = "tracing_on_ratio ≥ 0.6"
 CLI = "import sys; from relay.cli import main; sys.exit(main(sys.argv[1:]))"
 PB2 = "opentelemetry.proto.collector.trace.v1.trace_service_pb2"
 
@@ -68,24 +68,24 @@ def test_smoke_measures_off_and_on_counts_the_spans_and_judges_the_ratio(
     assert metrics["tracing_on_ratio"] == pytest.approx(
         metrics["tracing_on_eps"] / metrics["tracing_off_eps"], abs=0.002
     )
-    # The target judges this ratio against 0.8, in the JSON and in the printed table.
+    # The target judges this ratio against 0.6, in the JSON and in the printed table.
     (judged,) = [t for t in report["targets"] if t["target"].startswith(TARGET)]
     assert judged["measured"] == metrics["tracing_on_ratio"]
-    assert judged["needed"] == 0.8
-    assert judged["verdict"] == ("met" if metrics["tracing_on_ratio"] >= 0.8 else "MISSED")
+    assert judged["needed"] == 0.6
+    assert judged["verdict"] == ("met" if metrics["tracing_on_ratio"] >= 0.6 else "MISSED")
     assert TARGET in proc.stdout
     assert f"target {TARGET}: " in proc.stdout
 
 
-def test_the_target_is_met_at_0_8_and_missed_below() -> None:
+def test_the_target_is_met_at_0_6_and_missed_below() -> None:
     def verdict(ratio: float) -> str:
         (t,) = [t for t in targets({"tracing_on_ratio": ratio}) if t["target"].startswith(TARGET)]
-        assert t["needed"] == 0.8
+        assert t["needed"] == 0.6
         return str(t["verdict"])
 
-    assert verdict(0.8) == "met"
+    assert verdict(0.6) == "met"
     assert verdict(0.95) == "met"
-    assert verdict(0.799) == "MISSED"
+    assert verdict(0.599) == "MISSED"
     assert not [t for t in targets({"e2e_eps": 1000.0}) if t["target"].startswith(TARGET)]
 
 

@@ -10,9 +10,10 @@ from relay.tracing import NO_TRACING, Tracer, config_from_env
 
 
 def start_tracing(environ: Mapping[str, str]) -> Tracer:
-    """The tracer the environment asks for (relay/tracing.py): NO_TRACING when tracing is off
-    or the `otel` extra is missing (said once in the log), OpenTelemetry's otherwise. Raises
-    ConfigError for a variable it cannot honour."""
+    """The tracer the process environment `environ` asks for (relay/tracing.py): NO_TRACING
+    when tracing is off or the `otel` extra is missing (said once in the log), OpenTelemetry's
+    otherwise, whose SDK reads its own variables from `os.environ`. Raises ConfigError for a
+    variable it cannot honour."""
     config = config_from_env(environ)
     if config is None:
         return NO_TRACING
@@ -25,6 +26,6 @@ def start_tracing(environ: Mapping[str, str]) -> Tracer:
             hint="pip install 'ledger-relay[otel]' to export traces",
         )
         return NO_TRACING
-    tracer = OtelTracer(config)
+    tracer = OtelTracer()
     logs.info("tracing_on", endpoint=config.endpoint, sampler=config.sampler)
     return tracer

@@ -1,14 +1,15 @@
-"""The tracing scenario of `relay bench` (issue 31): what a span for every delivery costs end to
-end.
+"""The tracing scenario of `relay bench` (issues 31, 40): what a span for every delivery costs
+end to end.
 
 The e2e workload (one `relay run`, `relay sink` in its own process, a backlog of runs of
 `--e2e-per-run` events committed while the relay is idle; events/s from that commit to the last
 receipt) in paired reps: tracing off (no OTEL_* variable at all: the relay as without the
 `otel` extra) and on (`OTEL_EXPORTER_OTLP_ENDPOINT` set, `OTEL_TRACES_SAMPLER=always_on`, the
-SDK's BatchSpanProcessor with its defaults), each rep starting with the other mode
-(`kit.rotated`). The spans go to a stand-in OTLP/HTTP collector the bench serves itself
-(`otlp_receiver`): it answers every export 200 at once and only counts, after each rep, what
-arrived (spans when opentelemetry-proto is installed; requests and bytes always).
+SDK's BatchSpanProcessor with its defaults over its stock OTLP/HTTP exporter), each rep
+starting with the other mode (`kit.rotated`). The spans go to a stand-in OTLP/HTTP collector
+the bench serves itself (`otlp_receiver`): it answers every export 200 at once and only counts,
+after each rep, what arrived (spans when opentelemetry-proto is installed; requests and bytes
+always).
 
 Beside events/s, each rep reports the relay process's own CPU time (user + system, start-up
 and the final flush included) per POST the sink answered, off and on: the relay is the bench's
@@ -17,7 +18,7 @@ events/s on a machine other work shares (a ratio of two wall-clock rates moves w
 neighbour; the CPU a delivery costs, much less).
 
 `tracing_on_ratio` is the median of the pairs' on / off ratios; main.py's targets judge it
-against 0.8. Without the `otel` extra the scenario is skipped and says why.
+against 0.6. Without the `otel` extra the scenario is skipped and says why.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ from relay.tools.bench.throughput import e2e_once
 
 TRACES_PATH = "/v1/traces"
 SERVICE = "ledger-relay-bench"
-NEEDED = 0.8  # issue 31: tracing on (100% sampled, batch processor) keeps 0.8 of e2e off
+# issue 40: tracing on (100% sampled, the SDK's batch processor and stock exporter) keeps 0.6
+# of e2e off (issue 31's 0.8 was chased with a hand-written encoder and spans, now gone)
+NEEDED = 0.6
 
 
 # -- a stand-in OTLP/HTTP collector ----------------------------------------------------------
