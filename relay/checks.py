@@ -32,7 +32,7 @@ from psycopg import sql
 
 from relay.ingress import USER_AGENT, render_url
 from relay.migrate import code_version, read_version, version_problem
-from relay.settings import ConfigError, Settings, redact_url
+from relay.settings import ConfigError, Settings, passwords_in, redact_url, scrub
 from relay.store import CONNECT_KWARGS
 
 OK = 0
@@ -66,20 +66,17 @@ def exit_code(results: Sequence[Result]) -> int:
 
 
 def secrets_of(s: Settings) -> list[str]:
-    out = [s.database_url.reveal()]
-    if s.listen_database_url is not None:
-        out.append(s.listen_database_url.reveal())
+    """Every secret of the settings, and the passwords inside the database URLs as libpq
+    reads them: an error may quote a password alone (e.g. percent-decoded)."""
+    out = []
+    for url in (s.database_url, s.listen_database_url):
+        if url is not None:
+            out.append(url.reveal())
+            out.extend(passwords_in(url.reveal()))
     if s.ingress_token is not None:
         out.append(s.ingress_token.reveal())
     out.extend(secret.reveal() for secret in s.signing_secret)
     return [x for x in out if x]
-
-
-def scrub(text: str, secrets: Sequence[str]) -> str:
-    """`text` with every secret (and any URL password) replaced by ***."""
-    for secret in sorted(secrets, key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text
 
 
 def _error(exc: BaseException, s: Settings) -> str:
