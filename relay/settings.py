@@ -7,6 +7,7 @@ naming the option. Secrets are wrapped in `Secret` so they never print.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import socket
@@ -442,6 +443,47 @@ def env_name(option: str) -> str:
 
 def flag_name(option: str) -> str:
     return "--" + option.replace("_", "-")
+
+
+# RELAY_* variables the project's own tests and tools read (tests/, scripts/, relay bench): not
+# options of `relay run`, yet no typo either.
+TOOL_VARIABLES = frozenset(
+    {
+        "RELAY_TEST_DATABASE_URL",
+        "RELAY_FAULTS_FAILOVERS",
+        "RELAY_FAULTS_REPORT",
+        "RELAY_FAULTS_SCALE",
+        "RELAY_FAULTS_SOAK_SECONDS",
+        "RELAY_UPGRADE_SECONDS",
+        "RELAY_UI_SCREENSHOT",
+    }
+)
+
+
+def option_variables() -> frozenset[str]:
+    """Every RELAY_* variable an option is read from: RELAY_<NAME>, and RELAY_<NAME>_FILE of
+    the secrets."""
+    names = {env_name(o) for o in PARSERS}
+    return frozenset(names | {env_name(o) + "_FILE" for o in SECRET_OPTIONS})
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """The RELAY_* variables no option is read from, each with the option variable its name
+    is closest to (a typo's likely intent), or None."""
+    known = option_variables()
+    out: list[tuple[str, str | None]] = []
+    for name in sorted(environ):
+        if name.startswith("RELAY_") and name not in known and name not in TOOL_VARIABLES:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            out.append((name, close[0] if close else None))
+    return out
+
+
+def unknown_variables_warning(unknown: Sequence[tuple[str, str | None]]) -> str:
+    """One line naming them. A warning, not an error: during a rolling upgrade a unit file
+    may already set an option this (older) relay does not have (docs/operations.md)."""
+    named = ", ".join(f"{n} (did you mean {m}?)" if m else n for n, m in unknown)
+    return f"ignored, no option of this relay reads them: {named}"
 
 
 def _raw_value(
