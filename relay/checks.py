@@ -11,7 +11,9 @@ failed, as a sum of bits, so a script can tell "database down" from "ingress unr
     16  listen: the LISTEN session is handed to another client between its transactions, or
         cannot receive notifications (e.g. it goes through a transaction-mode pooler: set
         listen_database_url to a direct connection)
-    32  ingress: no HTTP answer (DNS, connection, TLS, timeout) or credentials rejected (401/403)
+    32  ingress: no HTTP answer (DNS, connection, TLS, timeout), or an answer `relay run` would
+        pause its lane for as `ingress_misconfigured` (401/403: fix ingress_token; 404, 405,
+        410 or a redirect: fix ingress_url), from ingress_url or ingress_batch_url
 
 e.g. 36 = database and ingress failed. Nothing a check prints carries a password or token:
 database URLs are redacted and every error text is scrubbed of the configured secrets.
@@ -20,6 +22,7 @@ database URLs are redacted and every error text is scrubbed of the configured se
 from __future__ import annotations
 
 import argparse
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,12 +30,14 @@ from typing import Any
 
 import anyio
 import httpx
+import orjson
 import psycopg
 from psycopg import sql
 
-from relay.ingress import USER_AGENT, render_url
+from relay.ingress import USER_AGENT, render_url, sign
 from relay.migrate import code_version, read_version, version_problem
-from relay.settings import ConfigError, Settings, redact_url
+from relay.policy import Outcome, classify
+from relay.settings import ConfigError, Settings, passwords_in, redact_url, scrub
 from relay.store import CONNECT_KWARGS
 
 OK = 0
@@ -42,8 +47,17 @@ SCHEMA = 8
 LISTEN = 16
 INGRESS = 32
 
-BITS = {"database": DATABASE, "schema": SCHEMA, "listen": LISTEN, "ingress": INGRESS}
+BITS = {
+    "database": DATABASE,
+    "schema": SCHEMA,
+    "listen": LISTEN,
+    "ingress": INGRESS,
+    "ingress_batch": INGRESS,
+}
 PROBE_RUN_ID = "relay-check"
+# A batch of the probe run with no event in it: nothing is delivered.
+PROBE_BODY = orjson.dumps({"run_id": PROBE_RUN_ID, "epoch": 0, "events": []})
+PROBE_GROUP_BODY = orjson.dumps({"batches": []})
 
 
 @dataclass(frozen=True)
@@ -66,20 +80,17 @@ def exit_code(results: Sequence[Result]) -> int:
 
 
 def secrets_of(s: Settings) -> list[str]:
-    out = [s.database_url.reveal()]
-    if s.listen_database_url is not None:
-        out.append(s.listen_database_url.reveal())
+    """Every secret of the settings, and the passwords inside the database URLs as libpq
+    reads them: an error may quote a password alone (e.g. percent-decoded)."""
+    out = []
+    for url in (s.database_url, s.listen_database_url):
+        if url is not None:
+            out.append(url.reveal())
+            out.extend(passwords_in(url.reveal()))
     if s.ingress_token is not None:
         out.append(s.ingress_token.reveal())
     out.extend(secret.reveal() for secret in s.signing_secret)
     return [x for x in out if x]
-
-
-def scrub(text: str, secrets: Sequence[str]) -> str:
-    """`text` with every secret (and any URL password) replaced by ***."""
-    for secret in sorted(secrets, key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text
 
 
 def _error(exc: BaseException, s: Settings) -> str:
@@ -171,28 +182,78 @@ async def _backend_pid(conn: psycopg.AsyncConnection[Any]) -> int:
 
 
 async def check_ingress(
-    s: Settings, within: float, transport: httpx.AsyncBaseTransport | None = None
+    s: Settings,
+    within: float,
+    transport: httpx.AsyncBaseTransport | None = None,
+    *,
+    batch: bool = False,
 ) -> Result:
-    """A HEAD request to the ingress URL of a probe run (no body: nothing is delivered). Any
-    HTTP answer proves reachability; 401/403 mean the configured credentials are rejected."""
-    url = render_url(s.ingress_url, PROBE_RUN_ID)
+    """A POST like `relay run`'s (its headers, token and signature) that carries no event: an
+    empty batch for the probe run `relay-check` (`batch`: an empty `{"batches": []}` to
+    `ingress_batch_url`), so nothing is delivered. The answer is judged by the table `relay
+    run` uses (relay.policy.classify): what would pause a lane as `ingress_misconfigured`
+    (401, 403, 404, 405, 410, a redirect) fails, naming the setting to fix; any other answer
+    (an empty batch may well be refused as such: 400, 422) proves the endpoint takes POSTs.
+
+    A POST rather than a HEAD: an endpoint that takes only POSTs answers a HEAD with 405 (or,
+    under some frameworks, 404), so a HEAD cannot tell a right URL from a wrong one."""
+    setting = "ingress_batch_url" if batch else "ingress_url"
+    if batch:
+        assert s.ingress_batch_url is not None
+        url, body = s.ingress_batch_url, PROBE_GROUP_BODY
+    else:
+        url, body = render_url(s.ingress_url, PROBE_RUN_ID), PROBE_BODY
     where = redact_url(url)
-    headers = {"user-agent": USER_AGENT}
-    if s.ingress_token is not None:
-        headers["authorization"] = f"Bearer {s.ingress_token.reveal()}"
+    name = "ingress_batch" if batch else "ingress"
     try:
         with anyio.fail_after(within):
             async with httpx.AsyncClient(
                 timeout=within, follow_redirects=False, transport=transport
             ) as client:
-                resp = await client.head(url, headers=headers)
+                resp = await client.post(
+                    url, content=body, headers=probe_headers(s, body, epoch=not batch)
+                )
     except (httpx.HTTPError, OSError, TimeoutError) as exc:
-        return Result("ingress", False, f"{where}: {_error(exc, s)}")
-    if resp.status_code in (401, 403):
-        return Result(
-            "ingress", False, f"{where} answered {resp.status_code}: credentials rejected"
-        )
-    return Result("ingress", True, f"{where} answered {resp.status_code}")
+        return Result(name, False, f"{where}: {_error(exc, s)}")
+    status = resp.status_code
+    outcome = classify(status)
+    if outcome is Outcome.MISCONFIGURED:
+        why = _misconfigured(status, resp.headers.get("location"), setting, s)
+        return Result(name, False, f"{where} answered {status}: {why}")
+    note = {
+        Outcome.ACCEPTED: "",
+        Outcome.POISON: " (to an empty batch: the endpoint takes POSTs)",
+        Outcome.TRANSIENT: " (relay run would retry: the ingress is failing now)",
+    }[outcome]
+    return Result(name, True, f"{where} answered {status}{note}")
+
+
+def probe_headers(s: Settings, body: bytes, *, epoch: bool) -> dict[str, str]:
+    """The headers `relay run` sends (DESIGN §5), signed with the local clock."""
+    headers = {"content-type": "application/json", "user-agent": USER_AGENT}
+    if epoch:
+        headers["relay-lease-epoch"] = "0"
+    if s.ingress_token is not None:
+        headers["authorization"] = f"Bearer {s.ingress_token.reveal()}"
+    if s.signing_secret:
+        msg_id, ts = f"msg_{uuid.uuid4().hex}", int(time.time())
+        headers["webhook-id"] = msg_id
+        headers["webhook-timestamp"] = str(ts)
+        headers["webhook-signature"] = sign(s.signing_secret, msg_id, ts, body)
+    return headers
+
+
+def _misconfigured(status: int, location: str | None, setting: str, s: Settings) -> str:
+    """Why an answer would pause the lane, and the setting to fix."""
+    if status in (401, 403):
+        fix = "ingress_token" + (" or signing_secret" if s.signing_secret else "")
+        return f"credentials rejected; fix {fix}"
+    if 300 <= status < 400:
+        to = f" to {redact_url(location)!r}" if location else ""
+        return f"a redirect{to}, which relay run never follows; set {setting} to where it points"
+    if status == 405:
+        return f"this URL does not take POSTs; fix {setting}"
+    return f"no such endpoint; fix {setting} (its path)"
 
 
 async def run_checks(s: Settings, within: float = 5.0) -> list[Result]:
@@ -206,8 +267,10 @@ async def run_checks(s: Settings, within: float = 5.0) -> list[Result]:
         listen = await check_listen(s, within)
     else:
         listen = Result("listen", None, "needs the database")
-    ingress = await check_ingress(s, within)
-    return [config, database, schema, listen, ingress]
+    ingresses = [await check_ingress(s, within)]
+    if s.ingress_batch_url is not None:
+        ingresses.append(await check_ingress(s, within, batch=True))
+    return [config, database, schema, listen, *ingresses]
 
 
 # -- the `relay check` subcommand -------------------------------------------------------------

@@ -83,9 +83,19 @@ def _warn_secret_flags(args: argparse.Namespace) -> None:
         print(f"relay: warning: {secret_flags_warning(flags)}", file=sys.stderr)
 
 
+def _warn_unknown_variables() -> None:
+    """One plain line naming misspelled or unknown RELAY_* variables (commands without a log
+    format; `relay run` logs it)."""
+    from relay.settings import unknown_variables, unknown_variables_warning
+
+    if unknown := unknown_variables(os.environ):
+        print(f"relay: warning: {unknown_variables_warning(unknown)}", file=sys.stderr)
+
+
 def _settings(args: argparse.Namespace, *, warn: bool = True) -> Settings:
     if warn:
         _warn_secret_flags(args)
+        _warn_unknown_variables()
     flags = {k: getattr(args, k, None) for k in PARSERS}
     return load(flags)
 
@@ -99,6 +109,7 @@ def _database_url(args: argparse.Namespace) -> str:
     from relay.settings import option_value
 
     _warn_secret_flags(args)
+    _warn_unknown_variables()
     url = option_value("database_url", {"database_url": getattr(args, "database_url", None)},
                        os.environ)  # fmt: skip
     if url is None:
@@ -210,6 +221,14 @@ def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
     logs.install_hooks()
     if flags := secret_flags(args):  # in the log format: every stderr line of run is a log line
         logs.warning("secrets_on_command_line", flags=flags, hint=secret_flags_warning(flags))
+    from relay.settings import unknown_variables, unknown_variables_warning
+
+    if unknown := unknown_variables(os.environ):
+        logs.warning(
+            "unknown_variables",
+            names=[name for name, _ in unknown],
+            hint=unknown_variables_warning(unknown),
+        )
     if args.migrate:
         from relay.migrate import migrate
 
@@ -345,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except ConfigError as exc:
+        if args.command == "run":  # (the others said it before reading the configuration)
+            _warn_unknown_variables()  # a typo may be the cause: RELAY_DATABSE_URL
         print(f"relay: invalid configuration: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,11 +7,12 @@ naming the option. Secrets are wrapped in `Secret` so they never print.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import socket
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -59,35 +60,56 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-_SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
-# A `password=` parameter of a URL query (libpq URIs accept one) ...
-_QUERY_PASSWORD_RE = re.compile(r"(?i)([?&]password=)[^&]*")
+_SCHEME_RE = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.\-]*://")
+# A libpq key=value conninfo starts with a keyword and '='.
+_CONNINFO_RE = re.compile(r"\s*[A-Za-z_]+\s*=")
+# A `password=` (or the client key's `sslpassword=`) parameter of a URL query (libpq URIs
+# accept both) ...
+_QUERY_PASSWORD_RE = re.compile(r"(?i)([?&](?:ssl)?password=)[^&#]*")
 # ... and of a libpq key=value conninfo: a quoted value with backslash escapes, or a bare one
 # up to whitespace (a backslash escapes a space there too).
 _DSN_PASSWORD_RE = re.compile(
-    r"(?i)((?<!\S)password\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|(?:\\.|[^\s\\])*\\?)", re.S
+    r"(?i)((?<!\S)(?:ssl)?password\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|(?:\\.|[^\s\\])*\\?)", re.S
+)
+# Query parameters of an http URL whose name says they carry a credential (`?code=` of a
+# serverless function, `?token=`, `?api_key=`, `?sig=` ...).
+_HTTP_QUERY_SECRET_RE = re.compile(
+    r"(?i)([?&][\w.\-]*(?:token|key|secret|password|passwd|pwd|sig|signature|auth|code|"
+    r"credential)[\w.\-]*=)[^&#]*"
 )
 
 
 def redact_url(url: str) -> str:
     """A database URL or key=value conninfo, or an http URL, with any password (and the whole
-    userinfo of http URLs) replaced by ***.
+    userinfo of http URLs, and query parameters named like credentials) replaced by ***.
 
     Text-based rather than `urlsplit`: libpq takes everything up to the first '/' after
     `scheme://` as the authority (so an unencoded '?' or '#' in a password is still the
     password) and accepts several comma-separated host:port pairs, which `urlsplit` can
-    neither split right nor give a port for.
+    neither split right nor give a port for. A value that is neither (no `scheme://`, e.g. a
+    URL whose scheme was left out) loses everything before its last '@'.
     """
     m = _SCHEME_RE.match(url)
     if m is None:
-        return _DSN_PASSWORD_RE.sub(r"\1***", url)
+        if _CONNINFO_RE.match(url) or any(c.isspace() for c in url):
+            # A conninfo, or free text (relay/logs.py's redact_text): the `password=` rule.
+            return _QUERY_PASSWORD_RE.sub(r"\1***", _DSN_PASSWORD_RE.sub(r"\1***", url))
+        _, at, rest = url.rpartition("@")
+        return _QUERY_PASSWORD_RE.sub(r"\1***", f"***@{rest}" if at else url)
     head, rest = m.group(0), url[m.end() :]
-    http = head.lower().startswith("http")
+    http = head.strip().lower().startswith("http")
     end = len(rest)
     for stop in "/?#" if http else "/":
         i = rest.find(stop)
         if i != -1:
             end = min(end, i)
+    if not http and "@" not in rest[:end] and _bad_port(rest[:end]):
+        # No '@' before the first '/', yet a port that is no number: an unencoded '/' (or
+        # '?', '#') in a password ends libpq's authority early. Mask up to the last '@'.
+        last_at = rest.rfind("@")
+        if last_at != -1:
+            slash = rest.find("/", last_at)
+            end = len(rest) if slash == -1 else slash
     authority, tail = rest[:end], rest[end:]
     userinfo, at, hosts = authority.rpartition("@")
     if at:
@@ -95,7 +117,37 @@ def redact_url(url: str) -> str:
             authority = f"***@{hosts}"
         elif ":" in userinfo:
             authority = f"{userinfo.partition(':')[0]}:***@{hosts}"
-    return _QUERY_PASSWORD_RE.sub(r"\1***", head + authority + tail)
+    text = _QUERY_PASSWORD_RE.sub(r"\1***", head + authority + tail)
+    return _HTTP_QUERY_SECRET_RE.sub(r"\1***", text) if http else text
+
+
+def _bad_port(authority: str) -> bool:
+    """Whether a (multi-)host authority has a port that is not a number."""
+    for host in authority.split(","):
+        port = host.rpartition("]")[2].partition(":")[2]
+        if port and not port.isdigit():
+            return True
+    return False
+
+
+def passwords_in(url: str) -> list[str]:
+    """The passwords a database URL or conninfo carries (`password`, `sslpassword`), as libpq
+    reads them: for scrubbing error texts that may quote them in any form."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        parts = conninfo_to_dict(url)
+    except Exception:  # unparseable: nothing libpq would send or quote
+        return []
+    return [str(v) for k in ("password", "sslpassword") if (v := parts.get(k))]
+
+
+def scrub(text: str, secrets: Sequence[str]) -> str:
+    """`text` with every secret replaced by *** (the longest first: one secret may hold another)."""
+    for secret in sorted(secrets, key=len, reverse=True):
+        if secret:
+            text = text.replace(secret, "***")
+    return text
 
 
 def _default_replica_id() -> str:
@@ -208,7 +260,15 @@ def _duration_in(lo: float, hi: float) -> Callable[[str], float]:
 def _http_url(text: str) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"must be an http(s) URL, got {redact_url(text)!r}")
+        scheme = _SCHEME_RE.match(text)
+        if scheme is None:  # what it holds is unknown: it may be a token
+            raise ValueError(
+                "must be an http(s) URL, e.g. https://ingress.internal/runs/{run_id}/events "
+                "(the value is not shown: it has no scheme)"
+            )
+        # Redacted as an http URL (its whole userinfo masked), whatever its scheme.
+        shown = scheme.group(0) + redact_url("http://" + text[scheme.end() :])[len("http://") :]
+        raise ValueError(f"must be an http(s) URL, got {shown!r}")
     return text
 
 
@@ -265,7 +325,11 @@ def _proxy_url(text: str) -> Secret:
 
 
 def _database_url(text: str) -> Secret:
-    """A PostgreSQL URL or conninfo, parsed here: libpq's parse errors quote the password."""
+    """A PostgreSQL URL or conninfo, parsed here: libpq's parse errors quote the password.
+
+    A value that does not parse is not echoed at all: nothing says which part of it is the
+    password (a URL without its scheme, a password file given by mistake). One that parses is
+    shown redacted, and only when the host is wrong."""
     from psycopg.conninfo import conninfo_to_dict
 
     if not text.strip():
@@ -274,7 +338,8 @@ def _database_url(text: str) -> Secret:
         parts = conninfo_to_dict(text)
     except Exception:  # psycopg.ProgrammingError, whose message quotes the URL
         raise ValueError(
-            f"is not a PostgreSQL URL or key=value conninfo: {redact_url(text)!r}"
+            "is not a PostgreSQL URL (postgresql://USER:PASSWORD@HOST:PORT/DBNAME) or key=value "
+            f"conninfo{_url_hint(text)} (the value is not shown: it may hold a password)"
         ) from None
     host = str(parts.get("host") or "")
     if any(c in host for c in "@?#/") and not host.startswith("/"):
@@ -283,7 +348,34 @@ def _database_url(text: str) -> Secret:
             f"its host part is not a host name ({redact_url(text)!r}): "
             "percent-encode '@', '?', '#' and '/' in a password (e.g. %40 for '@')"
         )
+    if any(p.strip() and not p.strip().isdigit() for p in str(parts.get("port") or "").split(",")):
+        # An unencoded '/' (or '?', '#') in a password ends libpq's authority early: the
+        # password's start becomes the port. Neither is shown.
+        raise ValueError(
+            "its port is not a number: percent-encode '/', '?', '#' and '@' in a password "
+            "(e.g. %2F for '/') (the value is not shown: it may hold a password)"
+        )
     return Secret(text)
+
+
+def _url_hint(text: str) -> str:
+    """What is likely wrong with a database URL that does not parse, without quoting it."""
+    stripped = text.strip()
+    if stripped != text or stripped.startswith("\ufeff"):
+        return ": it starts or ends with blanks or a byte-order mark"
+    if "://" not in text and "=" not in text and "@" in text:
+        return ": it has no scheme (postgresql://)"
+    return ""
+
+
+def _ingress_token(text: str) -> Secret:
+    token = text.strip()
+    if any(not " " <= c <= "~" for c in token):
+        # An HTTP client refuses such a header value, quoting it in its error.
+        raise ValueError(
+            "must be one line of printable ASCII (the value is not shown: it is a secret)"
+        )
+    return Secret(token)
 
 
 MIN_SIGNING_KEY_BYTES = 24
@@ -342,7 +434,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "listen_database_url": _database_url,
     "schema": validate_schema_name,
     "ingress_batch_url": _http_url,
-    "ingress_token": lambda t: Secret(t.strip()),
+    "ingress_token": _ingress_token,
     "signing_secret": _signing_secrets,
     "ingress_ca_file": _ca_file,
     "http_transport": _http_transport,
@@ -378,6 +470,47 @@ def env_name(option: str) -> str:
 
 def flag_name(option: str) -> str:
     return "--" + option.replace("_", "-")
+
+
+# RELAY_* variables the project's own tests and tools read (tests/, scripts/, relay bench): not
+# options of `relay run`, yet no typo either.
+TOOL_VARIABLES = frozenset(
+    {
+        "RELAY_TEST_DATABASE_URL",
+        "RELAY_FAULTS_FAILOVERS",
+        "RELAY_FAULTS_REPORT",
+        "RELAY_FAULTS_SCALE",
+        "RELAY_FAULTS_SOAK_SECONDS",
+        "RELAY_UPGRADE_SECONDS",
+        "RELAY_UI_SCREENSHOT",
+    }
+)
+
+
+def option_variables() -> frozenset[str]:
+    """Every RELAY_* variable an option is read from: RELAY_<NAME>, and RELAY_<NAME>_FILE of
+    the secrets."""
+    names = {env_name(o) for o in PARSERS}
+    return frozenset(names | {env_name(o) + "_FILE" for o in SECRET_OPTIONS})
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """The RELAY_* variables no option is read from, each with the option variable its name
+    is closest to (a typo's likely intent), or None."""
+    known = option_variables()
+    out: list[tuple[str, str | None]] = []
+    for name in sorted(environ):
+        if name.startswith("RELAY_") and name not in known and name not in TOOL_VARIABLES:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)
+            out.append((name, close[0] if close else None))
+    return out
+
+
+def unknown_variables_warning(unknown: Sequence[tuple[str, str | None]]) -> str:
+    """One line naming them. A warning, not an error: during a rolling upgrade a unit file
+    may already set an option this (older) relay does not have (docs/operations.md)."""
+    named = ", ".join(f"{n} (did you mean {m}?)" if m else n for n, m in unknown)
+    return f"ignored, no option of this relay reads them: {named}"
 
 
 def _raw_value(

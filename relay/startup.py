@@ -19,7 +19,7 @@ import psycopg
 
 from relay import logs, sdnotify
 from relay.policy import backoff
-from relay.settings import redact_url
+from relay.settings import passwords_in, redact_url, scrub
 
 FIRST_DELAY = 0.5
 MAX_DELAY = 10.0
@@ -130,15 +130,15 @@ async def _wait(
             if attempt > 1:
                 logs.info("database_reachable", replica=replica, attempts=attempt)
             return True
+        # Redacted once for every use below; libpq may quote a password alone (decoded).
+        error = scrub(logs.redact_text(error), passwords_in(url))
         if permanent(error):
-            raise ConnectionError(
-                f"cannot connect to the database at {redact_url(url)}: {logs.redact_text(error)}"
-            )
+            raise ConnectionError(f"cannot connect to the database at {redact_url(url)}: {error}")
         left = remaining(timeout, started, anyio.current_time())
         if left is not None and left <= 0:
             raise ConnectionError(
                 f"cannot connect to the database at {redact_url(url)} within startup_timeout "
-                f"({timeout:g}s): {logs.redact_text(error)}"
+                f"({timeout:g}s): {error}"
             )
         delay = startup_delay(attempt, random.random())
         if left is not None:
@@ -153,7 +153,7 @@ async def _wait(
             "database_wait",
             replica=replica,
             attempt=attempt,
-            error=logs.redact_text(error),
+            error=error,
             retry_in=round(delay, 2),
         )
         with anyio.move_on_after(delay):

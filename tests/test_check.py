@@ -3,8 +3,16 @@ CLI in a subprocess against real PostgreSQL and a real HTTP ingress."""
 
 from __future__ import annotations
 
+import base64
+import http.server
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import anyio
 import httpx
+import orjson
 import pytest
 
 from relay.checks import (
@@ -17,8 +25,9 @@ from relay.checks import (
     exit_code,
     scrub,
 )
-from relay.settings import load
-from relay.tools.sink import Sink
+from relay.policy import Outcome, classify
+from relay.settings import Settings, load
+from relay.tools.sink import Sink, serve_sink
 from tests.test_cli import RELAY, relay_env
 
 pytestmark = pytest.mark.anyio
@@ -116,6 +125,138 @@ async def test_ingress_rejecting_credentials() -> None:
     )  # fmt: skip
     got = await check_ingress(s, 3.0, transport=httpx.MockTransport(app))
     assert got.ok is False and "401" in got.detail and "tok-wrong" not in got.line()
-    assert seen[0].method == "HEAD"  # nothing is delivered by a check
+    assert "fix ingress_token" in got.detail
+    # A POST like relay run's, of an empty batch: nothing is delivered by a check.
+    assert seen[0].method == "POST"
+    assert orjson.loads(seen[0].content) == {"run_id": "relay-check", "epoch": 0, "events": []}
     assert seen[0].headers["authorization"] == "Bearer tok-wrong"
+    assert seen[0].headers["relay-lease-epoch"] == "0"
     assert seen[0].url.path == "/runs/relay-check/e"
+
+
+# --- issue 41 item 3: what relay run would pause its lane for fails the check ------------------
+
+
+@dataclass
+class Answering:
+    """A real HTTP server on a socket that answers every request with one status."""
+
+    url: str
+    requests: list[tuple[str, str, bytes]]  # method, path, body
+
+
+@contextmanager
+def answering(status: int, location: str | None = None) -> Iterator[Answering]:
+    requests: list[tuple[str, str, bytes]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            length = int(self.headers.get("content-length") or 0)
+            requests.append((self.command, self.path, self.rfile.read(length)))
+            self.send_response(status)
+            if location is not None:
+                self.send_header("location", location)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield Answering(f"http://127.0.0.1:{server.server_address[1]}", requests)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def probe_settings(ingress: str, **more: str) -> Settings:
+    flags = {"database_url": UNREACHABLE_DB, "ingress_url": ingress + "/runs/{run_id}/events"}
+    return load({**flags, **more}, environ={})
+
+
+MISCONFIGURED = {
+    301: "set ingress_url to where it points",
+    302: "set ingress_url to where it points",
+    307: "set ingress_url to where it points",
+    308: "set ingress_url to where it points",
+    401: "fix ingress_token",
+    403: "fix ingress_token",
+    404: "fix ingress_url",
+    405: "fix ingress_url",
+    410: "fix ingress_url",
+}
+
+
+@pytest.mark.parametrize("status", sorted(MISCONFIGURED))
+async def test_an_answer_relay_run_pauses_for_fails_the_check(status: int) -> None:
+    assert classify(status) is Outcome.MISCONFIGURED  # the one table relay run decides by
+    with answering(status, location="https://u:pw@elsewhere.internal/x") as server:
+        got = await check_ingress(probe_settings(server.url), 3.0)
+    assert got.ok is False, got.line()
+    assert f"answered {status}" in got.detail and MISCONFIGURED[status] in got.detail
+    assert "pw" not in got.detail
+    ((method, path, _),) = server.requests  # the redirect not followed
+    assert (method, path) == ("POST", "/runs/relay-check/events")
+
+
+@pytest.mark.parametrize("status", [200, 202, 204, 400, 409, 422, 429, 500, 503])
+async def test_any_other_answer_proves_the_endpoint(status: int) -> None:
+    assert classify(status) is not Outcome.MISCONFIGURED
+    with answering(status) as server:
+        got = await check_ingress(probe_settings(server.url), 3.0)
+    assert got.ok is True, got.line()
+    assert f"answered {status}" in got.detail
+
+
+async def test_a_signed_probe_verifies_at_the_sink() -> None:
+    """The reference ingress checks signatures before it judges the (empty) batch: the probe is
+    signed like relay run's POSTs, and a wrong secret fails naming it."""
+    secret = "whsec_" + base64.b64encode(b"k" * 32).decode()
+    wrong = "whsec_" + base64.b64encode(b"w" * 32).decode()
+    async with serve_sink(Sink(signing_secrets=[secret])) as url:
+        ok = await check_ingress(probe_settings(url, signing_secret=secret), 3.0)
+        bad = await check_ingress(probe_settings(url, signing_secret=wrong), 3.0)
+    assert ok.ok is True and "answered 400" in ok.detail, ok.line()  # the empty batch, judged
+    assert bad.ok is False and "answered 401" in bad.detail, bad.line()
+    assert "fix ingress_token or signing_secret" in bad.detail
+
+
+async def test_relay_check_fails_a_wrong_ingress_path(
+    pg_url: str, schema: str, sink: tuple[Sink, str]
+) -> None:
+    """The reported case: the right host, the wrong path (the sink answers 404)."""
+    _, url = sink
+    env = relay_env(pg_url, schema, RELAY_INGRESS_URL=url + "/v2/runs/{run_id}/events")
+    code, lines = await check(env)
+    assert code == INGRESS, lines
+    assert marks(lines)["ingress"] == "FAIL"
+    assert "answered 404" in lines[-1] and "fix ingress_url" in lines[-1], lines
+
+
+async def test_relay_check_fails_a_wrong_batch_url(
+    pg_url: str, schema: str, sink: tuple[Sink, str]
+) -> None:
+    _, url = sink
+    env = relay_env(pg_url, schema, url, RELAY_INGRESS_BATCH_URL=url + "/batches")
+    code, lines = await check(env)
+    assert code == INGRESS, lines
+    assert marks(lines) == {
+        "configuration": "ok",
+        "database": "ok",
+        "schema": "ok",
+        "listen": "ok",
+        "ingress": "ok",
+        "ingress_batch": "FAIL",
+    }
+    assert "fix ingress_batch_url" in lines[-1], lines
+    # The right one passes.
+    code, lines = await check(
+        relay_env(pg_url, schema, url, RELAY_INGRESS_BATCH_URL=url + "/batch")
+    )
+    assert code == 0, lines

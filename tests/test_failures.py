@@ -156,7 +156,7 @@ async def test_lost_reply_is_redelivered_and_deduped_by_the_ingress(
     assert_acked_only_if_received(conn, schema, s.state.deliveries)
 
 
-@pytest.mark.parametrize("status", [401, 403, 404, 410, 301, 302, 307, 308])
+@pytest.mark.parametrize("status", [401, 403, 404, 405, 410, 301, 302, 307, 308])
 async def test_misconfigured_endpoint_pauses_the_lane_and_recovers(
     status: int, pg_url: str, schema: str, conn: psycopg.Connection[Any],
     sink: tuple[Sink, str], log_lines: LogLines,

@@ -7,11 +7,15 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from relay import logs
 from relay.settings import ConfigError, load
@@ -132,3 +136,184 @@ def test_the_sink_refuses_an_empty_signing_key_in_one_line() -> None:
     assert got.returncode == 2, got.stderr
     assert "Traceback" not in got.stderr
     assert "at least 24 bytes" in got.stderr.strip().splitlines()[-1]
+
+
+# --- issue 41 item 2: no shape of a database URL, ingress URL or token is echoed ----------------
+
+# A password as two distinctive halves around a character that ends a URL's part early: an
+# error that quotes either half (libpq took the first as a port, the second as a database
+# name) leaks it as surely as one that quotes all of it.
+HALVES = ("Kq7vLefthalf", "Zx9wRighthalf")
+SEPARATORS = "/?#@: '\"\\%="
+
+SHAPES = {
+    "no scheme": "app_owner:{pw}@db.internal:5432/appdb",
+    "blank before the scheme": " postgresql://app:{pw}@127.0.0.1:1/appdb",
+    "one slash": "postgresql:/app:{pw}@127.0.0.1:1/appdb",
+    "two slashes, no scheme": "//app:{pw}@127.0.0.1:1/appdb",
+    "unencoded password": "postgresql://app:{pw}@127.0.0.1:1/appdb",
+    "conninfo, quoted, broken": "host=127.0.0.1 port=1 password='{pw} x' bogus",
+    "conninfo sslpassword, broken": "host=127.0.0.1 port=1 sslpassword={pw} bogus",
+    "a password file given as the URL": "{pw}",
+    "a byte-order mark": "\ufeffpostgresql://app:{pw}@127.0.0.1:1/appdb",
+}
+
+
+def assert_no_halves(text: str) -> None:
+    for half in HALVES:
+        assert half not in text, text
+
+
+@hsettings(deadline=None, max_examples=300)  # no wall-clock threshold: the machine may be busy
+@given(
+    shape=st.sampled_from(sorted(SHAPES.values())),
+    sep=st.sampled_from(SEPARATORS),
+    noise=st.text(st.characters(blacklist_categories=("Cs",)), max_size=6),
+)
+def test_no_shape_of_a_database_url_echoes_its_password(shape: str, sep: str, noise: str) -> None:
+    url = shape.format(pw=HALVES[0] + sep + noise + HALVES[1])
+    try:
+        s = load({"database_url": url, "ingress_url": INGRESS}, environ={})
+    except ConfigError as exc:
+        assert str(exc).startswith("database_url"), exc
+        assert_no_halves(str(exc))
+    else:
+        assert_no_halves(repr(s))
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["password={pw}", "sslpassword={pw}", "application_name=a&password={pw}&sslmode=require"],
+)
+def test_a_password_in_the_query_is_never_shown(query: str) -> None:
+    url = "postgresql://app@db.internal/ledger?" + query.format(pw=HALVES[0])
+    s = load({"database_url": url, "ingress_url": INGRESS}, environ={})
+    assert_no_halves(repr(s))
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("ingress_url", "bot:{pw}@ingress.internal/runs/{{run_id}}/events"),  # no scheme
+        ("ingress_url", "ftp://{pw}@ingress.internal/runs/{{run_id}}/events"),  # token as user
+        ("ingress_batch_url", "bot:{pw}@ingress.internal/batch"),
+        ("ingress_batch_url", "{pw}"),  # the token given in place of the URL
+        ("ingress_token", "tok\n{pw}"),  # a header no client sends: quoted in its error
+        ("ingress_token", "{pw}\x00"),
+    ],
+)
+def test_no_shape_of_an_ingress_setting_echoes_its_secret(option: str, value: str) -> None:
+    message = settings_error(**{option: value.format(pw=HALVES[0])})
+    assert message.startswith(option), message
+    assert_no_halves(message)
+
+
+def test_credential_query_parameters_of_the_ingress_are_masked() -> None:
+    url = f"https://fn.example/api/runs/{{run_id}}?code={HALVES[0]}&x=1"
+    s = load({"database_url": DB, "ingress_url": url}, environ={})
+    assert_no_halves(repr(s))
+    assert "x=1" in repr(s) and "{run_id}" in repr(s)
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    env.update(
+        RELAY_DATABASE_URL="postgresql://app@127.0.0.1:1/appdb",
+        RELAY_INGRESS_URL="http://127.0.0.1:9/runs/{run_id}/events",
+        RELAY_STARTUP_TIMEOUT="0.5s",  # a URL that parses is tried, then refused: exit 2
+    )
+    env.update(extra)
+    return env
+
+
+def cli(command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    args = ["check", "--timeout", "2"] if command == "check" else [command]
+    return subprocess.run(
+        [sys.executable, "-m", "relay.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+
+
+# Through the real CLI: every line it prints, stdout and stderr, whichever part fails.
+CLI_CASES = {
+    **{name: {"RELAY_DATABASE_URL": shape} for name, shape in SHAPES.items()},
+    "sslpassword in the query, database down": {
+        "RELAY_DATABASE_URL": "postgresql://app@127.0.0.1:1/appdb?sslpassword={pw}"
+    },
+    "ingress URL without its scheme": {
+        "RELAY_INGRESS_URL": "bot:{pw}@ingress.internal/runs/{{run_id}}/events"
+    },
+    "ingress URL with a credential query": {
+        "RELAY_INGRESS_URL": "http://127.0.0.1:9/runs/{{run_id}}/events?token={pw}"
+    },
+}
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_the_cli_never_prints_a_password(command: str, case: str, tmp_path: Path) -> None:
+    pw = HALVES[0] + "/" + HALVES[1]
+    env = cli_env(**{k: v.format(pw=pw) for k, v in CLI_CASES[case].items()})
+    got = cli(command, env)
+    assert got.returncode != 0, got
+    assert "Traceback" not in got.stderr, got.stderr
+    assert_no_halves(got.stdout + got.stderr)
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+@pytest.mark.parametrize(
+    ("option", "content"),
+    [
+        ("DATABASE_URL", "\ufeffpostgresql://app:{pw}@127.0.0.1:1/appdb\n"),
+        ("DATABASE_URL", "app_owner:{pw}@db.internal:5432/appdb\n"),
+        ("DATABASE_URL", "{pw}\n"),  # the password file in place of the URL's
+        ("INGRESS_TOKEN", "tok\n{pw}\n"),  # two lines: a header no client sends
+    ],
+)
+def test_a_secret_file_is_never_printed(
+    command: str, option: str, content: str, tmp_path: Path
+) -> None:
+    path = tmp_path / option.lower()
+    path.write_text(content.format(pw=HALVES[0] + "@" + HALVES[1]), encoding="utf-8")
+    env = cli_env(**{f"RELAY_{option}_FILE": str(path)})
+    env.pop(f"RELAY_{option}", None)
+    got = cli(command, env)
+    assert got.returncode == 2, got
+    assert f"{option.lower()}" in got.stdout + got.stderr
+    assert_no_halves(got.stdout + got.stderr)
+
+
+ENCODED_URL = f"postgresql://app:{HALVES[0]}%2F{HALVES[1]}@127.0.0.1:1/appdb"
+
+
+@pytest.mark.anyio
+async def test_a_connection_error_quoting_the_decoded_password_is_scrubbed() -> None:
+    """libpq decodes a URL's password: an error quoting it matches no text of the URL."""
+    import anyio
+    import psycopg
+
+    from relay.startup import wait_for_database
+
+    decoded = f"{HALVES[0]}/{HALVES[1]}"
+
+    async def connect(url: str, deadline: float) -> None:
+        raise psycopg.OperationalError(f'password authentication failed: "{decoded}"')
+
+    with pytest.raises(ConnectionError) as caught:
+        await wait_for_database(
+            ENCODED_URL, timeout=5.0, stop=anyio.Event(), replica="r", connect=connect
+        )
+    assert "authentication failed" in str(caught.value)
+    assert_no_halves(str(caught.value))
+
+
+def test_relay_check_scrubs_the_decoded_password() -> None:
+    from relay.checks import scrub, secrets_of
+
+    s = load({"database_url": ENCODED_URL, "ingress_url": INGRESS}, environ={})
+    text = scrub(f"FATAL: bad password {HALVES[0]}/{HALVES[1]} for {ENCODED_URL}", secrets_of(s))
+    assert_no_halves(text)

@@ -56,7 +56,7 @@ def test_other_5xx_are_transient(status: int) -> None:
     assert classify(status) is Outcome.TRANSIENT
 
 
-@pytest.mark.parametrize("status", [401, 403, 404, 410])
+@pytest.mark.parametrize("status", [401, 403, 404, 405, 410])
 def test_misconfigured_4xx(status: int) -> None:
     assert classify(status) is Outcome.MISCONFIGURED
 
@@ -67,7 +67,7 @@ def test_3xx_is_misconfigured(status: int) -> None:
     assert classify(status) is Outcome.MISCONFIGURED
 
 
-@pytest.mark.parametrize("status", [400, 402, 405, 411, 413, 415, 422, 431, 451, 499])
+@pytest.mark.parametrize("status", [400, 402, 411, 413, 415, 422, 431, 451, 499])
 def test_other_4xx_are_poison(status: int) -> None:
     assert classify(status) is Outcome.POISON
 

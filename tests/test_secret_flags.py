@@ -50,3 +50,25 @@ def test_run_warns_in_its_log_format(pg_url: str, schema: str) -> None:
     (warning,) = [r for r in records if r.get("event") == "secrets_on_command_line"]
     assert warning["flags"] == ["--database-url", "--ingress-token"]
     assert "pw-in-argv" not in got.stderr and "tok-in-argv" not in got.stderr
+
+
+def test_run_names_a_misspelled_variable_in_its_log_format(pg_url: str, schema: str) -> None:
+    env: dict[str, Any] = relay_env(pg_url, schema, "http://127.0.0.1:9",
+                                    RELAY_STARTUP_TIMEOUT="0.5s", RELAY_CONCURENCY="8")  # fmt: skip
+    env["RELAY_DATABASE_URL"] = via(pg_url, dead_port())
+    got = run("run", env=env)
+    assert got.returncode == 2, got.stderr
+    (warning,) = [r for r in parse_lines(got.stderr) if r.get("event") == "unknown_variables"]
+    assert warning["level"] == "warning" and warning["names"] == ["RELAY_CONCURENCY"]
+    assert "did you mean RELAY_CONCURRENCY?" in warning["hint"]
+
+
+def test_check_and_an_invalid_run_name_it_in_one_plain_line(pg_url: str) -> None:
+    env = relay_env(pg_url, "relay", "http://127.0.0.1:9", RELAY_DATABSE_URL="x")
+    del env["RELAY_DATABASE_URL"]  # the typo is why it is missing
+    for command in (["check", "--timeout", "1"], ["run"]):
+        got = run(*command, env=env)
+        assert got.returncode == 2, got
+        lines = got.stderr.strip().splitlines()
+        (line,) = [x for x in lines if "RELAY_DATABSE_URL" in x]
+        assert line.startswith("relay: warning: ") and "RELAY_DATABASE_URL?" in line, lines

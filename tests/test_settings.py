@@ -697,3 +697,30 @@ def test_a_proxys_password_never_prints() -> None:
     assert s.ingress_proxy is not None
     assert s.ingress_proxy.reveal() == "http://user:s3cretPW@proxy:3128"
     assert "s3cretPW" not in repr(s) and "s3cretPW" not in str(describe(s))
+
+
+# --- issue 41 item 2: unknown RELAY_* variables are named --------------------------------------
+
+
+def test_unknown_variables_are_named_with_the_option_they_resemble() -> None:
+    from relay.settings import unknown_variables, unknown_variables_warning
+
+    environ = {
+        "RELAY_CONCURENCY": "8",  # the reported typo
+        "RELAY_CONCURRENCY": "8",
+        "RELAY_DATABASE_URL_FILE": "/run/secrets/db",  # a secret's file form
+        "RELAY_BATCH_SIZE_FILE": "/x",  # not a secret: no file form
+        "RELAY_TEST_DATABASE_URL": "postgresql:///t",  # the project's own tests read it
+        "RELAY_SHINY_NEW_OPTION": "1",  # a newer relay's option during a rolling upgrade
+        "PATH": "/usr/bin",
+    }
+    unknown = unknown_variables(environ)
+    assert unknown == [
+        ("RELAY_BATCH_SIZE_FILE", "RELAY_BATCH_SIZE"),
+        ("RELAY_CONCURENCY", "RELAY_CONCURRENCY"),
+        ("RELAY_SHINY_NEW_OPTION", None),
+    ]
+    line = unknown_variables_warning(unknown)
+    assert "RELAY_CONCURENCY (did you mean RELAY_CONCURRENCY?)" in line
+    assert "\n" not in line and "8" not in line  # names only, never values
+    assert unknown_variables({"RELAY_" + o.upper(): "x" for o in PARSERS}) == []
