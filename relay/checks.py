@@ -34,6 +34,7 @@ import orjson
 import psycopg
 from psycopg import sql
 
+from relay.http_client import TransportFailure, open_sender
 from relay.ingress import USER_AGENT, render_url, sign
 from relay.migrate import code_version, read_version, version_problem
 from relay.policy import Outcome, classify
@@ -206,19 +207,17 @@ async def check_ingress(
     where = redact_url(url)
     name = "ingress_batch" if batch else "ingress"
     try:
+        # The relay's own client (relay/http_client.py): its TLS trust, proxies, transport and
+        # the URL's userinfo handled as `relay run` handles them.
         with anyio.fail_after(within):
-            async with httpx.AsyncClient(
-                timeout=within, follow_redirects=False, transport=transport
-            ) as client:
-                resp = await client.post(
-                    url, content=body, headers=probe_headers(s, body, epoch=not batch)
-                )
-    except (httpx.HTTPError, OSError, TimeoutError) as exc:
+            async with open_sender(s, 1, transport) as sender:
+                reply = await sender.send(url, body, probe_headers(s, body, epoch=not batch))
+    except (TransportFailure, ConfigError, TimeoutError) as exc:
         return Result(name, False, f"{where}: {_error(exc, s)}")
-    status = resp.status_code
+    status = reply.status
     outcome = classify(status)
     if outcome is Outcome.MISCONFIGURED:
-        why = _misconfigured(status, resp.headers.get("location"), setting, s)
+        why = _misconfigured(status, reply.location, setting, s)
         return Result(name, False, f"{where} answered {status}: {why}")
     note = {
         Outcome.ACCEPTED: "",

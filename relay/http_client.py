@@ -29,6 +29,7 @@ ingress client's (relay/ingress.py `Deadlines`): httpx's timeouts are per phase.
 
 from __future__ import annotations
 
+import base64
 import os
 import ssl
 from collections.abc import AsyncIterator, Mapping
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from importlib.util import find_spec
 from typing import Protocol
+from urllib.parse import unquote_to_bytes
 
 import aiohttp  # its errors: httpx_aiohttp passes some through unmapped (a bad status line)
 import httpx
@@ -73,6 +75,7 @@ class Reply:
     body: bytes
     retry_after: str | None
     unframed: bool = False
+    location: str | None = None  # a redirect's target (never followed): for the operator
 
 
 class Sender(Protocol):
@@ -180,6 +183,8 @@ class HttpxSender:
         self.client = client
 
     async def send(self, url: str, body: bytes, headers: dict[str, str]) -> Reply:
+        if "@" in url:
+            url, headers = without_userinfo(url, headers)
         request = self.client.build_request("POST", url, content=body, headers=headers)
         request.headers["accept-encoding"] = "identity"
         try:
@@ -197,8 +202,27 @@ class HttpxSender:
             or response.http_version == "HTTP/2"
         )
         return Reply(
-            response.status_code, read, response.headers.get("retry-after"), unframed=not framed
+            response.status_code,
+            read,
+            response.headers.get("retry-after"),
+            unframed=not framed,
+            location=response.headers.get("location"),
         )
+
+
+def without_userinfo(url: str, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """Userinfo never travels in the URL: it becomes Basic auth (as httpx does), unless the
+    request already carries its credentials (the configured bearer token), which win. Done
+    here rather than by httpx, whose client would put the userinfo's Basic auth in place of
+    the token (issue 40: `relay check` did)."""
+    parsed = httpx.URL(url)
+    if not parsed.userinfo:
+        return url, headers
+    if "authorization" not in headers:
+        user, _, password = parsed.userinfo.partition(b":")
+        raw = unquote_to_bytes(user) + b":" + unquote_to_bytes(password)
+        headers = headers | {"authorization": "Basic " + base64.b64encode(raw).decode()}
+    return str(parsed.copy_with(userinfo=b"")), headers
 
 
 async def _read_some(response: httpx.Response) -> bytes:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
-from urllib.parse import quote, unquote_to_bytes
+from urllib.parse import quote
 
 import anyio
 import httpx
@@ -249,15 +249,6 @@ class IngressClient:
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
         """Where every POST goes out, single-run and multi-run: the one place it is observed."""
-        if "@" in url:
-            # Userinfo never travels in the URL: it becomes Basic auth (as httpx does), unless
-            # a bearer token is configured, which wins. Done here rather than by httpx, whose
-            # client would put the userinfo's Basic auth in place of the token.
-            parsed = httpx.URL(url)
-            if parsed.userinfo:
-                if self.settings.ingress_token is None:
-                    headers = headers | {"authorization": _basic_auth(parsed)}
-                url = str(parsed.copy_with(userinfo=b""))
         started = anyio.current_time()
         scope = anyio.CancelScope()
         self.deadlines.add(scope, started + self.settings.http_timeout)
@@ -286,12 +277,6 @@ class IngressClient:
 def answer_from(reply: Reply, seconds: float) -> Answer:
     body, cut = reply.body[:MAX_BODY], len(reply.body) > MAX_BODY
     return Answer(reply.status, body, reply.retry_after, seconds, cut, reply.unframed)
-
-
-def _basic_auth(url: httpx.URL) -> str:
-    user, _, password = url.userinfo.partition(b":")
-    raw = unquote_to_bytes(user) + b":" + unquote_to_bytes(password)
-    return "Basic " + base64.b64encode(raw).decode()
 
 
 def encode_group(batches: Sequence[Batch]) -> bytes:

@@ -260,3 +260,31 @@ async def test_relay_check_fails_a_wrong_batch_url(
         relay_env(pg_url, schema, url, RELAY_INGRESS_BATCH_URL=url + "/batch")
     )
     assert code == 0, lines
+
+
+@pytest.mark.parametrize("token", [None, "tok-123"])
+async def test_the_check_sends_the_configured_token_not_the_urls_userinfo(
+    token: str | None,
+) -> None:
+    """Issue 40: `relay check` sent a URL's userinfo as Basic auth in place of the configured
+    token (httpx's client on its path, the relay's senders on the other). It now goes through
+    the relay's one client: the token when one is set, else the userinfo as Basic auth; the URL
+    sent never carries the userinfo."""
+    seen: list[httpx.Request] = []
+
+    def app(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200)
+
+    flags = {
+        "database_url": UNREACHABLE_DB,
+        "ingress_url": "https://us%40er:p%3Ass@ingress.test/runs/{run_id}/e",
+    }
+    if token:
+        flags["ingress_token"] = token
+    got = await check_ingress(load(flags, environ={}), 3.0, transport=httpx.MockTransport(app))
+    assert got.ok, got.line()
+    (request,) = seen
+    assert request.url.userinfo == b""
+    basic = "Basic " + base64.b64encode(b"us@er:p:ss").decode()
+    assert request.headers["authorization"] == (f"Bearer {token}" if token else basic)
