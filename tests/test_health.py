@@ -19,7 +19,7 @@ from relay.progress import ListenerView, RelayView, loops_alive, stall_limit
 from relay.runner import GC_THRESHOLDS, Relay, tune_gc
 from relay.tools.sink import Sink
 from tests.support import Rig, settings, wait_for
-from tests.test_metrics import get, relay_port
+from tests.test_metrics import get, relay_port, scrape
 
 # -- pure -----------------------------------------------------------------------------------
 
@@ -338,3 +338,19 @@ async def test_the_metrics_port_answers_from_its_first_answer_until_the_relay_ru
     # LISTEN connection)
     assert len(after) >= 10, f"the start went unanswered (bound with the endpoints): {answers}"
     assert set(after) == {503}, after
+
+
+@pytest.mark.anyio
+async def test_ready_gauge_is_true_without_anyone_asking_readyz(rig: Rig) -> None:
+    """Under systemd nothing calls /readyz: the relay keeps `ledger_relay_ready` itself, so the
+    shipped alert LedgerRelayReplicaNotReady stays quiet for a healthy replica (issue 41). Read
+    first from the registry (no HTTP at all: the probe loop's own refresh), then scraped."""
+    async with rig.relay(metrics_addr="127.0.0.1:0", poll_interval="0.2").running() as r:
+        assert r.endpoints is not None
+        registry = r.endpoints.metrics.registry
+        await wait_for(
+            lambda: registry.get_sample_value("ledger_relay_ready") == 1.0,
+            what="the relay's own readiness refresh",
+        )
+        samples = await scrape(relay_port(r))
+        assert samples[("ledger_relay_ready", ())] == 1.0
