@@ -531,3 +531,95 @@ def test_image_user_matches_kubernetes_user() -> None:
     user = [rest for word, rest in dockerfile() if word == "USER"][-1]
     pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
     assert int(user.split(":")[0]) == pod["securityContext"]["runAsUser"]
+
+
+# What the kubelet does with a secret volume (pkg/volume/secret, volume.SetVolumeOwnership):
+# the files are owned by root; with a pod `fsGroup` their group becomes fsGroup and, the volume
+# being read-only, 0440 is added to their mode. Without `defaultMode` the mode is 0644.
+SECRET_DEFAULT_MODE = 0o644
+FS_GROUP_READ_ONLY_MASK = 0o440
+
+
+FileAccess = tuple[int, int, int]  # owner uid, group gid, mode
+
+
+def secret_file_mode(volume: dict[str, Any], key: str, fs_group: int | None) -> FileAccess:
+    """The file `key` of a secret volume as the kubelet makes it."""
+    secret = volume["secret"]
+    modes = {item["key"]: item.get("mode") for item in secret.get("items", [])}
+    mode = modes.get(key) or secret.get("defaultMode", SECRET_DEFAULT_MODE)
+    if fs_group is None:
+        return 0, 0, mode
+    return 0, fs_group, mode | FS_GROUP_READ_ONLY_MASK
+
+
+def can_read(uid: int, gids: set[int], file: FileAccess) -> bool:
+    """POSIX permission check: the first class that matches (owner, group, other) decides."""
+    owner, group, mode = file
+    if uid == 0:
+        return True
+    if uid == owner:
+        return bool(mode & 0o400)
+    if group in gids:
+        return bool(mode & 0o040)
+    return bool(mode & 0o004)
+
+
+def unreadable_secrets(pod: dict[str, Any], keys: set[str]) -> list[str]:
+    """Every (container, secret file) whose process cannot read the file: computed from the pod's
+    and the container's runAsUser/runAsGroup, fsGroup, supplementalGroups and defaultMode."""
+    pod_ctx = pod.get("securityContext", {})
+    fs_group = pod_ctx.get("fsGroup")
+    volumes = {v["name"]: v for v in pod["volumes"] if "secret" in v}
+    problems = []
+    for container in [*pod.get("initContainers", []), *pod["containers"]]:
+        ctx = {**pod_ctx, **container.get("securityContext", {})}
+        uid = ctx["runAsUser"]
+        gids = {ctx.get("runAsGroup", 0), *pod_ctx.get("supplementalGroups", [])}
+        if fs_group is not None:
+            gids.add(fs_group)
+        for mount in container.get("volumeMounts", []):
+            volume = volumes.get(mount["name"])
+            if volume is None:
+                continue
+            for key in sorted(keys):
+                if not can_read(uid, gids, secret_file_mode(volume, key, fs_group)):
+                    problems.append(f"{container['name']}: {mount['mountPath']}/{key}")
+    return problems
+
+
+def test_the_pods_user_can_read_every_mounted_secret() -> None:
+    """uid 10001 once got root-owned 0400 files and no fsGroup: it could read none of its
+    secrets (issue 41). Every key of the Secret's shape, in every container that mounts it."""
+    pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
+    (example,) = load_all(DEPLOY / "k8s-examples" / "secret.example.yaml")
+    keys = set(example["stringData"])
+    assert {"database_url", "ingress_token", "signing_secret"} <= keys
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert unreadable_secrets(pod, keys) == []
+    # Only the pod's own group reads them, not every user of the node.
+    volume = next(v for v in pod["volumes"] if "secret" in v)
+    for key in keys:
+        assert not secret_file_mode(volume, key, pod["securityContext"].get("fsGroup"))[2] & 0o007
+    # The check sees the shipped mistake: 0400 without fsGroup.
+    planted = yaml.safe_load(yaml.safe_dump(pod))
+    del planted["securityContext"]["fsGroup"]
+    for v in planted["volumes"]:
+        if "secret" in v:
+            v["secret"]["defaultMode"] = 0o400
+    assert len(unreadable_secrets(planted, keys)) == len(keys) * 2  # the migration and the relay
+
+
+def test_kubernetes_image_is_one_you_build_and_name() -> None:
+    """No public image is published: the manifests name a placeholder registry (example.com,
+    which resolves to nothing, so nothing else is pulled by mistake), one image for the
+    migration and the relay, and docs/operations.md says how to build, push and name it."""
+    pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
+    images = {c["image"] for c in [*pod["initContainers"], *pod["containers"]]}
+    (image,) = images
+    repository, _, tag = image.rpartition(":")
+    assert repository == "registry.example.com/ledger-relay" and tag
+    ops = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    built = repository.replace("registry.example.com", "$REGISTRY")
+    assert f"docker build -f deploy/Dockerfile -t {built}" in ops
+    assert "docker push" in ops and "registry.example.com" in ops
