@@ -94,7 +94,7 @@ def test_systemd_template_unit_relations() -> None:
     assert any("%i" in f for f in files) and any("%i" not in f for f in files)
     # Secrets are credentials named like the options the relay reads from
     # $CREDENTIALS_DIRECTORY, never Environment= lines.
-    creds = [v.split(":", 1)[0] for v in values(svc, "LoadCredential")]
+    creds = [credential_id(v) for v in values(svc, "LoadCredential")]
     assert "database_url" in creds and set(creds) <= SECRET_OPTIONS
     assert not any(k.removeprefix("RELAY_").lower() in SECRET_OPTIONS for k in env)
     for key, want in HARDENING.items():
@@ -110,7 +110,8 @@ def test_systemd_migrate_unit() -> None:
     assert values(svc, "Type") == ["oneshot"]
     assert values(svc, "ExecStart")[0].endswith("relay migrate")
     # `relay migrate` reads $CREDENTIALS_DIRECTORY/database_url like `relay run`.
-    assert [v.split(":", 1)[0] for v in values(svc, "LoadCredential")] == ["database_url"]
+    assert [credential_id(v) for v in values(svc, "LoadCredential")] == ["database_url"]
+    assert start_failing_credentials(svc) == []
     # As hardened as the relay's unit (issue 15).
     for key, want in {**HARDENING, **MIGRATE_HARDENING}.items():
         assert want in values(svc, key), key
@@ -118,17 +119,81 @@ def test_systemd_migrate_unit() -> None:
 
 
 MIGRATE_HARDENING = {"ProtectClock": "yes", "ProtectProc": "invisible", "LockPersonality": "yes"}
-# Every secret docs/operations.md §5 lists as a credential.
-DOCUMENTED_CREDENTIALS = {"database_url", "ingress_token", "signing_secret", "listen_database_url"}
+# Every secret docs/operations.md §5 lists as a credential: all of the relay's secrets.
+DOCUMENTED_CREDENTIALS = {
+    "database_url",
+    "ingress_token",
+    "signing_secret",
+    "listen_database_url",
+    "ui_token",
+}
+
+
+def credential_id(value: str) -> str:
+    """The ID of a `LoadCredential=ID[:PATH]` value."""
+    return value.split(":", 1)[0]
+
+
+def start_failing_credentials(svc: list[tuple[str, str]]) -> list[str]:
+    """The credentials whose source, when missing, fails the unit's start (systemd.exec(5),
+    "CREDENTIALS"): an absolute PATH that does not exist is fatal unless a `SetCredential=` of
+    the same ID stands in for it; a relative PATH (or none) names a credential looked up in the
+    service manager's own and in /etc/credstore/, /run/credstore/, /usr/lib/credstore/, and
+    one found nowhere is skipped."""
+    defaults = {credential_id(v) for v in values(svc, "SetCredential")}
+    fatal = []
+    for value in values(svc, "LoadCredential"):
+        cred, _, path = value.partition(":")
+        if path.startswith("/") and cred not in defaults:
+            fatal.append(cred)
+    return fatal
 
 
 def test_systemd_units_load_every_documented_credential() -> None:
     svc = unit_sections(UNIT)["Service"]
-    creds = {v.split(":", 1)[0] for v in values(svc, "LoadCredential")}
-    assert creds == DOCUMENTED_CREDENTIALS
+    creds = {credential_id(v) for v in values(svc, "LoadCredential")}
+    assert creds == DOCUMENTED_CREDENTIALS == SECRET_OPTIONS
     ops = (DEPLOY.parent / "docs" / "operations.md").read_text()
     for name in DOCUMENTED_CREDENTIALS:
         assert f"`{name}`" in ops, name
+
+
+def test_systemd_credentials_a_site_does_not_use_do_not_fail_the_start() -> None:
+    """A site without a signing secret (or a ui_token, or a separate LISTEN URL) starts the unit
+    as shipped: no credential line whose missing source is fatal to systemd (issue 41: each
+    missing file failed the start with 243/CREDENTIALS). Each comes from systemd's credential
+    store under the relay's own prefix, so no other service's credential is picked up."""
+    for unit in (UNIT, MIGRATE_UNIT):
+        svc = unit_sections(unit)["Service"]
+        assert start_failing_credentials(svc) == [], unit.name
+        for value in values(svc, "LoadCredential"):
+            cred, _, path = value.partition(":")
+            assert path == f"ledger-relay.{cred}", value
+    # The check sees the shipped mistake: an absolute path with no fallback.
+    planted = [("LoadCredential", "signing_secret:/etc/ledger-relay/credentials/signing_secret")]
+    assert start_failing_credentials(planted) == ["signing_secret"]
+    assert start_failing_credentials([*planted, ("SetCredential", "signing_secret:")]) == []
+
+
+def test_systemd_does_not_restart_a_configuration_error(tmp_path: Path) -> None:
+    """`relay run` exits 2 on a configuration error and 3 on a schema mismatch: no restart
+    fixes either, so the unit must not restart on them (issue 41: a configuration error
+    restarted five times, until the start limit). The code is `relay run`'s own, read from a
+    real run with a setting missing, as systemd would see it."""
+    svc = unit_sections(UNIT)["Service"]
+    prevented = {int(code) for v in values(svc, "RestartPreventExitStatus") for code in v.split()}
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "CREDENTIALS_DIRECTORY": str(tmp_path)}
+    got = subprocess.run(
+        [str(Path(sys.executable).parent / "relay"), "run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert got.returncode == 2, got.stderr
+    assert "database_url" in got.stderr
+    assert {got.returncode, 3} <= prevented
 
 
 def test_env_files_use_no_unit_specifiers() -> None:
