@@ -15,7 +15,10 @@ Of the relay itself the endpoints read only the `RelayView` the runner hands the
 
 A background task probes the database every `refresh_interval` (reads the schema version and
 refreshes the backlog gauges with the `backlog()` SQL function): scrapes and probes never query
-the database themselves.
+the database themselves. The same task re-evaluates readiness after every probe, and a scrape
+re-evaluates it too, so `ledger_relay_ready` says what `/readyz` would say whether or not anyone
+asks `/readyz` (under systemd nobody does: the gauge once read 0 on every healthy replica and
+the shipped alert paged for all of them, issue 41).
 
 The server is the lightest that is correct: an anyio TCP listener with h11 (already under
 httpx), one request per connection, no keep-alive, bounded in time and in connections, with an
@@ -166,6 +169,7 @@ class Endpoints:
                     now = anyio.current_time()
                     due = now - refreshed >= refresh_gap(interval, self.refresh_took)
                     await self.probe(refresh=due)
+                    self.ready()  # the gauge, whether or not anyone asks /readyz
                     if due:
                         refreshed = now
                         ok = self.database and self.schema_problem is None
@@ -262,6 +266,7 @@ class Endpoints:
         if method not in ("GET", "HEAD"):
             return 405, "text/plain; charset=utf-8", b"method not allowed\n"
         if path == "/metrics":
+            self.ready()  # the gauge as of this scrape, not of the last probe
             try:
                 body, content_type = self.metrics.exposition(accept)
             except (TypeError, ValueError):  # prometheus_client on an Accept it cannot parse

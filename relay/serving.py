@@ -11,6 +11,14 @@ Whatever a client of `metrics_addr` does, the relay's delivery must not notice (
   is closed at once (shed) rather than held, so idle clients cannot pile up descriptors. Each
   connection must send its whole request head within `HEAD_DEADLINE`, and the whole exchange
   ends within `REQUEST_DEADLINE`: an idle connection is dropped after a few seconds.
+- **Shared fairly between peers.** When every slot is taken, a connection from a peer address
+  that holds fewer connections still waiting for their request head than the biggest holder
+  takes the place of that holder's oldest such connection (`to_evict`); one from the biggest
+  holder itself is shed. So one client holding every slot with unfinished request heads cannot
+  starve the kubelet's or Prometheus' `/healthz`, `/readyz` and `/metrics`, which come from
+  another address (issue 41: 70 such connections left 1 probe answered in 20 s, and Kubernetes
+  restarts a pod whose liveness probe goes unanswered). A connection whose head has arrived is
+  never evicted: its answer is bounded by `REQUEST_DEADLINE`.
 - The request head is capped at `MAX_REQUEST` bytes (h11's `max_incomplete_event_size`).
 
 The deploy files raise the descriptor limit (`LimitNOFILE`) well above what these bounds, the
@@ -21,12 +29,13 @@ from __future__ import annotations
 
 import errno
 import random
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import anyio
 import h11
-from anyio.abc import Listener, SocketListener, SocketStream, TaskGroup
+from anyio.abc import Listener, SocketAttribute, SocketListener, SocketStream, TaskGroup
 
 from relay import logs
 from relay.policy import backoff
@@ -108,9 +117,12 @@ async def _send(conn: h11.Connection, stream: SocketStream, method: str, out: Re
     await stream.send(conn.send(h11.EndOfMessage()))
 
 
-async def answer_request(stream: SocketStream, respond: Respond) -> None:
-    """One request on `stream`, answered by `respond(request)`. Never raises: a client that
-    breaks the protocol or goes away is dropped, a failing `respond` answers 500."""
+async def answer_request(
+    stream: SocketStream, respond: Respond, on_head: Callable[[], None] | None = None
+) -> None:
+    """One request on `stream`, answered by `respond(request)`; `on_head()` once its head has
+    arrived. Never raises: a client that breaks the protocol or goes away is dropped, a failing
+    `respond` answers 500."""
     async with stream:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST)
         with anyio.move_on_after(REQUEST_DEADLINE):
@@ -119,6 +131,8 @@ async def answer_request(stream: SocketStream, respond: Respond) -> None:
                     request = await _read_request(conn, stream)
                 if request is None:
                     return
+                if on_head is not None:
+                    on_head()
                 method = request.method.decode("latin-1")
                 incoming = Request(
                     method, request.target.decode("latin-1"), _headers(list(request.headers))
@@ -129,6 +143,62 @@ async def answer_request(stream: SocketStream, respond: Respond) -> None:
                 return
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
                 return
+
+
+# -- the slots: fair between peers ------------------------------------------------------------
+
+
+def to_evict(waiting: Iterable[Hashable], newcomer: Hashable) -> Hashable | None:
+    """With every slot taken: the peer that gives a slot to `newcomer`'s peer, or None (shed the
+    newcomer). `waiting` holds one peer per connection still waiting for its request head. The
+    biggest holder gives way to any peer that holds fewer (max-min fairness), never to itself."""
+    held = Counter(waiting)
+    if not held:
+        return None
+    biggest, most = held.most_common(1)[0]
+    return biggest if most > held[newcomer] else None
+
+
+@dataclass(eq=False)
+class _Slot:
+    peer: Hashable
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    waiting_for_head: bool = True
+
+
+@dataclass
+class Slots:
+    """`limit` connections served at once, oldest first in `held`."""
+
+    limit: int
+    held: dict[_Slot, None] = field(default_factory=dict)  # an ordered set
+
+    def take(self, peer: Hashable) -> _Slot | None:
+        """A slot for a connection from `peer`, evicting another peer's if fairness says so;
+        None: shed it."""
+        if len(self.held) >= self.limit:
+            waiting = [slot for slot in self.held if slot.waiting_for_head]
+            loser = to_evict((slot.peer for slot in waiting), peer)
+            if loser is None:
+                return None
+            oldest = next(slot for slot in waiting if slot.peer == loser)
+            oldest.scope.cancel()  # its task closes the connection and gives the slot back
+            del self.held[oldest]
+        slot = _Slot(peer)
+        self.held[slot] = None
+        return slot
+
+    def give_back(self, slot: _Slot) -> None:
+        self.held.pop(slot, None)
+
+
+def _peer(stream: SocketStream) -> Hashable:
+    """The client's address without its port (a client opens many connections from one host)."""
+    try:
+        address = stream.extra(SocketAttribute.remote_address)
+    except (anyio.TypedAttributeLookupError, OSError):
+        return None
+    return address[0] if isinstance(address, tuple) else address
 
 
 @dataclass
@@ -170,34 +240,38 @@ async def accept_loop(
     listener: SocketListener,
     respond: Respond,
     tg: TaskGroup,
-    slots: anyio.Semaphore,
+    slots: Slots,
     shedding: _Shedding | None = None,
 ) -> None:
     """Accept connections on `listener` until cancelled; each answered in `tg` under a slot."""
     shedding = shedding or _Shedding()
 
-    async def serve_one(stream: SocketStream) -> None:
+    async def serve_one(stream: SocketStream, slot: _Slot) -> None:
+        def head_arrived() -> None:
+            slot.waiting_for_head = False
+
         try:
-            await answer_request(stream, respond)
+            with slot.scope:
+                await answer_request(stream, respond, head_arrived)
         finally:
-            slots.release()
+            slots.give_back(slot)
+            await anyio.aclose_forcefully(stream)  # evicted before answer_request closed it
 
     while True:
         stream = await _accept(listener)
-        try:
-            slots.acquire_nowait()
-        except anyio.WouldBlock:
+        slot = slots.take(_peer(stream))
+        if slot is None:
             shedding.one()
             await stream.aclose()
             continue
         shedding.served()
-        tg.start_soon(serve_one, stream)
+        tg.start_soon(serve_one, stream, slot)
 
 
 async def serve_listeners(listeners: Sequence[Listener[SocketStream]], respond: Respond) -> None:
     """Serve `respond` on every listener of an `anyio.create_tcp_listener` (one per address
     family) until cancelled, sharing MAX_CONNECTIONS slots between them."""
-    slots = anyio.Semaphore(MAX_CONNECTIONS)
+    slots = Slots(MAX_CONNECTIONS)
     shedding = _Shedding()
     async with anyio.create_task_group() as tg:
         for listener in listeners:

@@ -1136,9 +1136,10 @@ as $$ select part from outbox_parts where current $$;
 -- call with a retention of 0 removes every done event. Returns the number of events removed.
 -- Then forgets what nothing needs any more: finished idle runs with no events left, and dead
 -- replicas that hold no lease. Concurrent calls (every replica prunes) take turns on
--- outbox_parts in a mode producers do not wait for; a rotation waits for the producers
--- (hold_back_producers), at most `outbox_part_lock_timeout`, and is tried again at the next call
--- when one is still writing.
+-- outbox_parts in a mode producers do not wait for; a rotation holds the producers back
+-- (hold_back_producers): at once when none is writing, else after a wait of at most
+-- `outbox_part_lock_timeout` that producers queue behind, once per
+-- `outbox_rotation_wait_every` whichever replica calls; it is tried again at the next call.
 create or replace function prune(p_retention interval, p_limit int) returns int
 language plpgsql volatile
 set search_path from current
@@ -1262,14 +1263,70 @@ $$;
 
 -- Before a rotation: waits for every producer transaction that holds the current part
 -- (enqueue's lock on outbox_parts) to commit, and holds new ones back until the rotation
--- commits, so that no event id can be taken in two parts at once. Waits at most
--- `outbox_part_lock_timeout` (200 ms): returns false when a producer's transaction is still
--- open by then, and prune tries again at its next call. A producer queued behind the wait
--- waits that long at most, once a rotation (every retention / 2).
+-- commits, so that no event id can be taken in two parts at once. Returns false when a
+-- producer's transaction is still open, and prune tries again at its next call.
+-- First without waiting: with no producer writing, the hold is taken at once, and with one,
+-- the attempt fails at once and no producer queues behind it. Only then does it wait, at most
+-- `outbox_part_lock_timeout` (200 ms), and every producer that enqueues meanwhile queues
+-- behind that wait: so it waits once per `outbox_rotation_wait_every` (rotation_may_wait),
+-- not at every prune of every replica while a producer holds the rotation back (each prune
+-- stalled producers ~200 ms until 2026-12, issue 41).
 create or replace function hold_back_producers() returns boolean
+language plpgsql volatile
+set search_path from current
+as $$
+begin
+    if lock_outbox_table_at_once('outbox_parts', 'share row exclusive') then
+        return true;
+    end if;
+    if not rotation_may_wait() then
+        return false;
+    end if;
+    perform note_rotation_wait();
+    return lock_outbox_table('outbox_parts', 'share row exclusive');
+end
+$$;
+
+-- lock_outbox_table without waiting: true once held (until the transaction ends), false when
+-- another transaction holds a conflicting lock. A request that fails so never joins the lock's
+-- queue, so no other transaction waits behind it.
+create or replace function lock_outbox_table_at_once(p_table text, p_mode text) returns boolean
+language plpgsql volatile
+set search_path from current
+as $$
+begin
+    execute format('lock table %I in %s mode nowait', p_table, p_mode);
+    return true;
+exception when lock_not_available then
+    return false;
+end
+$$;
+
+-- Whether a held-back rotation may wait for the producers now: its last wait
+-- (note_rotation_wait) was `outbox_rotation_wait_every` ago or more (a setting, 5 min when
+-- unset), or there was none. Prune calls take turns on outbox_parts, so two never both wait.
+create or replace function rotation_may_wait() returns boolean
+language sql stable
+set search_path from current
+as $$
+    select coalesce(
+        to_timestamp(setting('outbox_rotation_waited_at')::double precision)
+            <= clock_timestamp()
+               - coalesce(setting('outbox_rotation_wait_every'), '5 min')::interval,
+        true)
+$$;
+
+-- Records that a held-back rotation waits for the producers now (rotation_may_wait). State,
+-- not configuration, kept in `settings` beside the settings it follows from: a row written
+-- once per wait, in seconds since the epoch (no DateStyle or TimeZone can misread it).
+create or replace function note_rotation_wait() returns void
 language sql volatile
 set search_path from current
-as $$ select lock_outbox_table('outbox_parts', 'share row exclusive') $$;
+as $$
+    insert into settings (key, value)
+    values ('outbox_rotation_waited_at', extract(epoch from clock_timestamp())::text)
+    on conflict (key) do update set value = excluded.value
+$$;
 
 -- Makes the empty part p_to the current one: enqueue writes there from the commit on. Called
 -- with the producers held back (hold_back_producers): no transaction is still writing the

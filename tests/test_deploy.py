@@ -94,7 +94,7 @@ def test_systemd_template_unit_relations() -> None:
     assert any("%i" in f for f in files) and any("%i" not in f for f in files)
     # Secrets are credentials named like the options the relay reads from
     # $CREDENTIALS_DIRECTORY, never Environment= lines.
-    creds = [v.split(":", 1)[0] for v in values(svc, "LoadCredential")]
+    creds = [credential_id(v) for v in values(svc, "LoadCredential")]
     assert "database_url" in creds and set(creds) <= SECRET_OPTIONS
     assert not any(k.removeprefix("RELAY_").lower() in SECRET_OPTIONS for k in env)
     for key, want in HARDENING.items():
@@ -110,7 +110,8 @@ def test_systemd_migrate_unit() -> None:
     assert values(svc, "Type") == ["oneshot"]
     assert values(svc, "ExecStart")[0].endswith("relay migrate")
     # `relay migrate` reads $CREDENTIALS_DIRECTORY/database_url like `relay run`.
-    assert [v.split(":", 1)[0] for v in values(svc, "LoadCredential")] == ["database_url"]
+    assert [credential_id(v) for v in values(svc, "LoadCredential")] == ["database_url"]
+    assert start_failing_credentials(svc) == []
     # As hardened as the relay's unit (issue 15).
     for key, want in {**HARDENING, **MIGRATE_HARDENING}.items():
         assert want in values(svc, key), key
@@ -118,17 +119,81 @@ def test_systemd_migrate_unit() -> None:
 
 
 MIGRATE_HARDENING = {"ProtectClock": "yes", "ProtectProc": "invisible", "LockPersonality": "yes"}
-# Every secret docs/operations.md §5 lists as a credential.
-DOCUMENTED_CREDENTIALS = {"database_url", "ingress_token", "signing_secret", "listen_database_url"}
+# Every secret docs/operations.md §5 lists as a credential: all of the relay's secrets.
+DOCUMENTED_CREDENTIALS = {
+    "database_url",
+    "ingress_token",
+    "signing_secret",
+    "listen_database_url",
+    "ui_token",
+}
+
+
+def credential_id(value: str) -> str:
+    """The ID of a `LoadCredential=ID[:PATH]` value."""
+    return value.split(":", 1)[0]
+
+
+def start_failing_credentials(svc: list[tuple[str, str]]) -> list[str]:
+    """The credentials whose source, when missing, fails the unit's start (systemd.exec(5),
+    "CREDENTIALS"): an absolute PATH that does not exist is fatal unless a `SetCredential=` of
+    the same ID stands in for it; a relative PATH (or none) names a credential looked up in the
+    service manager's own and in /etc/credstore/, /run/credstore/, /usr/lib/credstore/, and
+    one found nowhere is skipped."""
+    defaults = {credential_id(v) for v in values(svc, "SetCredential")}
+    fatal = []
+    for value in values(svc, "LoadCredential"):
+        cred, _, path = value.partition(":")
+        if path.startswith("/") and cred not in defaults:
+            fatal.append(cred)
+    return fatal
 
 
 def test_systemd_units_load_every_documented_credential() -> None:
     svc = unit_sections(UNIT)["Service"]
-    creds = {v.split(":", 1)[0] for v in values(svc, "LoadCredential")}
-    assert creds == DOCUMENTED_CREDENTIALS
+    creds = {credential_id(v) for v in values(svc, "LoadCredential")}
+    assert creds == DOCUMENTED_CREDENTIALS == SECRET_OPTIONS
     ops = (DEPLOY.parent / "docs" / "operations.md").read_text()
     for name in DOCUMENTED_CREDENTIALS:
         assert f"`{name}`" in ops, name
+
+
+def test_systemd_credentials_a_site_does_not_use_do_not_fail_the_start() -> None:
+    """A site without a signing secret (or a ui_token, or a separate LISTEN URL) starts the unit
+    as shipped: no credential line whose missing source is fatal to systemd (issue 41: each
+    missing file failed the start with 243/CREDENTIALS). Each comes from systemd's credential
+    store under the relay's own prefix, so no other service's credential is picked up."""
+    for unit in (UNIT, MIGRATE_UNIT):
+        svc = unit_sections(unit)["Service"]
+        assert start_failing_credentials(svc) == [], unit.name
+        for value in values(svc, "LoadCredential"):
+            cred, _, path = value.partition(":")
+            assert path == f"ledger-relay.{cred}", value
+    # The check sees the shipped mistake: an absolute path with no fallback.
+    planted = [("LoadCredential", "signing_secret:/etc/ledger-relay/credentials/signing_secret")]
+    assert start_failing_credentials(planted) == ["signing_secret"]
+    assert start_failing_credentials([*planted, ("SetCredential", "signing_secret:")]) == []
+
+
+def test_systemd_does_not_restart_a_configuration_error(tmp_path: Path) -> None:
+    """`relay run` exits 2 on a configuration error and 3 on a schema mismatch: no restart
+    fixes either, so the unit must not restart on them (issue 41: a configuration error
+    restarted five times, until the start limit). The code is `relay run`'s own, read from a
+    real run with a setting missing, as systemd would see it."""
+    svc = unit_sections(UNIT)["Service"]
+    prevented = {int(code) for v in values(svc, "RestartPreventExitStatus") for code in v.split()}
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "CREDENTIALS_DIRECTORY": str(tmp_path)}
+    got = subprocess.run(
+        [str(Path(sys.executable).parent / "relay"), "run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert got.returncode == 2, got.stderr
+    assert "database_url" in got.stderr
+    assert {got.returncode, 3} <= prevented
 
 
 def test_env_files_use_no_unit_specifiers() -> None:
@@ -531,3 +596,95 @@ def test_image_user_matches_kubernetes_user() -> None:
     user = [rest for word, rest in dockerfile() if word == "USER"][-1]
     pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
     assert int(user.split(":")[0]) == pod["securityContext"]["runAsUser"]
+
+
+# What the kubelet does with a secret volume (pkg/volume/secret, volume.SetVolumeOwnership):
+# the files are owned by root; with a pod `fsGroup` their group becomes fsGroup and, the volume
+# being read-only, 0440 is added to their mode. Without `defaultMode` the mode is 0644.
+SECRET_DEFAULT_MODE = 0o644
+FS_GROUP_READ_ONLY_MASK = 0o440
+
+
+FileAccess = tuple[int, int, int]  # owner uid, group gid, mode
+
+
+def secret_file_mode(volume: dict[str, Any], key: str, fs_group: int | None) -> FileAccess:
+    """The file `key` of a secret volume as the kubelet makes it."""
+    secret = volume["secret"]
+    modes = {item["key"]: item.get("mode") for item in secret.get("items", [])}
+    mode = modes.get(key) or secret.get("defaultMode", SECRET_DEFAULT_MODE)
+    if fs_group is None:
+        return 0, 0, mode
+    return 0, fs_group, mode | FS_GROUP_READ_ONLY_MASK
+
+
+def can_read(uid: int, gids: set[int], file: FileAccess) -> bool:
+    """POSIX permission check: the first class that matches (owner, group, other) decides."""
+    owner, group, mode = file
+    if uid == 0:
+        return True
+    if uid == owner:
+        return bool(mode & 0o400)
+    if group in gids:
+        return bool(mode & 0o040)
+    return bool(mode & 0o004)
+
+
+def unreadable_secrets(pod: dict[str, Any], keys: set[str]) -> list[str]:
+    """Every (container, secret file) whose process cannot read the file: computed from the pod's
+    and the container's runAsUser/runAsGroup, fsGroup, supplementalGroups and defaultMode."""
+    pod_ctx = pod.get("securityContext", {})
+    fs_group = pod_ctx.get("fsGroup")
+    volumes = {v["name"]: v for v in pod["volumes"] if "secret" in v}
+    problems = []
+    for container in [*pod.get("initContainers", []), *pod["containers"]]:
+        ctx = {**pod_ctx, **container.get("securityContext", {})}
+        uid = ctx["runAsUser"]
+        gids = {ctx.get("runAsGroup", 0), *pod_ctx.get("supplementalGroups", [])}
+        if fs_group is not None:
+            gids.add(fs_group)
+        for mount in container.get("volumeMounts", []):
+            volume = volumes.get(mount["name"])
+            if volume is None:
+                continue
+            for key in sorted(keys):
+                if not can_read(uid, gids, secret_file_mode(volume, key, fs_group)):
+                    problems.append(f"{container['name']}: {mount['mountPath']}/{key}")
+    return problems
+
+
+def test_the_pods_user_can_read_every_mounted_secret() -> None:
+    """uid 10001 once got root-owned 0400 files and no fsGroup: it could read none of its
+    secrets (issue 41). Every key of the Secret's shape, in every container that mounts it."""
+    pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
+    (example,) = load_all(DEPLOY / "k8s-examples" / "secret.example.yaml")
+    keys = set(example["stringData"])
+    assert {"database_url", "ingress_token", "signing_secret"} <= keys
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert unreadable_secrets(pod, keys) == []
+    # Only the pod's own group reads them, not every user of the node.
+    volume = next(v for v in pod["volumes"] if "secret" in v)
+    for key in keys:
+        assert not secret_file_mode(volume, key, pod["securityContext"].get("fsGroup"))[2] & 0o007
+    # The check sees the shipped mistake: 0400 without fsGroup.
+    planted = yaml.safe_load(yaml.safe_dump(pod))
+    del planted["securityContext"]["fsGroup"]
+    for v in planted["volumes"]:
+        if "secret" in v:
+            v["secret"]["defaultMode"] = 0o400
+    assert len(unreadable_secrets(planted, keys)) == len(keys) * 2  # the migration and the relay
+
+
+def test_kubernetes_image_is_one_you_build_and_name() -> None:
+    """No public image is published: the manifests name a placeholder registry (example.com,
+    which resolves to nothing, so nothing else is pulled by mistake), one image for the
+    migration and the relay, and docs/operations.md says how to build, push and name it."""
+    pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
+    images = {c["image"] for c in [*pod["initContainers"], *pod["containers"]]}
+    (image,) = images
+    repository, _, tag = image.rpartition(":")
+    assert repository == "registry.example.com/ledger-relay" and tag
+    ops = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    built = repository.replace("registry.example.com", "$REGISTRY")
+    assert f"docker build -f deploy/Dockerfile -t {built}" in ops
+    assert "docker push" in ops and "registry.example.com" in ops

@@ -12,14 +12,16 @@ import httpx
 import pytest
 from anyio.abc import SocketStream, TaskGroup
 
+from relay import serving
 from relay.health import Endpoints, readiness, refresh_gap, refresh_interval, split_addr
 from relay.lane import LaneStats, LaneView
 from relay.metrics import Metrics
 from relay.progress import ListenerView, RelayView, loops_alive, stall_limit
 from relay.runner import GC_THRESHOLDS, Relay, tune_gc
+from relay.serving import to_evict
 from relay.tools.sink import Sink
 from tests.support import Rig, settings, wait_for
-from tests.test_metrics import get, relay_port
+from tests.test_metrics import get, relay_port, scrape
 
 # -- pure -----------------------------------------------------------------------------------
 
@@ -338,3 +340,106 @@ async def test_the_metrics_port_answers_from_its_first_answer_until_the_relay_ru
     # LISTEN connection)
     assert len(after) >= 10, f"the start went unanswered (bound with the endpoints): {answers}"
     assert set(after) == {503}, after
+
+
+@pytest.mark.anyio
+async def test_ready_gauge_is_true_without_anyone_asking_readyz(rig: Rig) -> None:
+    """Under systemd nothing calls /readyz: the relay keeps `ledger_relay_ready` itself, so the
+    shipped alert LedgerRelayReplicaNotReady stays quiet for a healthy replica (issue 41). Read
+    first from the registry (no HTTP at all: the probe loop's own refresh), then scraped."""
+    async with rig.relay(metrics_addr="127.0.0.1:0", poll_interval="0.2").running() as r:
+        assert r.endpoints is not None
+        registry = r.endpoints.metrics.registry
+        await wait_for(
+            lambda: registry.get_sample_value("ledger_relay_ready") == 1.0,
+            what="the relay's own readiness refresh",
+        )
+        samples = await scrape(relay_port(r))
+        assert samples[("ledger_relay_ready", ())] == 1.0
+
+
+# -- the metrics port under a flood of unfinished requests ------------------------------------
+
+
+def test_a_full_port_takes_from_the_biggest_holder_never_from_a_smaller_one() -> None:
+    # every slot waiting for a head: "a" holds 3, "b" 1
+    assert to_evict(["a", "a", "b", "a"], newcomer="c") == "a"
+    assert to_evict(["a", "a", "b", "a"], newcomer="b") == "a"
+    assert to_evict(["a", "a", "b", "a"], newcomer="a") is None  # the flood sheds its own
+    assert to_evict(["a", "b"], newcomer="a") is None  # as many as the biggest: shed
+    assert to_evict([], newcomer="a") is None  # every slot answering: shed
+
+
+def half_open(port: int, count: int) -> list[socket.socket]:
+    """`count` connections from 127.0.0.1, each holding an unfinished request head."""
+    held = []
+    for _ in range(count):
+        c = socket.create_connection(("127.0.0.1", port))
+        c.sendall(b"GET /healthz HTTP/1.1\r\nHost: flood\r\n")  # no blank line: never ends
+        c.setblocking(False)
+        held.append(c)
+    return held
+
+
+def closed_by_server(c: socket.socket) -> bool:
+    try:
+        return c.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
+
+
+@pytest.mark.anyio
+async def test_probes_are_answered_while_a_client_holds_every_slot(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """100 connections from one client, each with an unfinished request head, fill the metrics
+    port (MAX_CONNECTIONS slots); the kubelet's probe comes from another address (here
+    127.0.0.2, loopback too) and must be answered while they are held. They are held for longer
+    than the test runs (HEAD_DEADLINE raised), so no slot frees itself meanwhile. Until issue 41
+    the probe was shed (closed unanswered) for as long as the flood lasted."""
+    try:  # Linux routes all of 127/8 to loopback; elsewhere only 127.0.0.1 may be there
+        socket.create_server(("127.0.0.2", 0)).close()
+    except OSError:
+        pytest.skip("no second loopback address (127.0.0.2) to probe from")
+    monkeypatch.setattr(serving, "HEAD_DEADLINE", 600.0)
+    monkeypatch.setattr(serving, "REQUEST_DEADLINE", 600.0)
+    async with rig.relay(metrics_addr="127.0.0.1:0").running() as r:
+        port = relay_port(r)
+        await wait_for(lambda: healthz_from(port, "127.0.0.2"), what="the endpoints")
+        flood = half_open(port, 100)
+        try:
+            # The port is full: all but MAX_CONNECTIONS of the flood were shed at once.
+            await wait_for(
+                lambda: sum(map(closed_by_server, flood)) == len(flood) - serving.MAX_CONNECTIONS,
+                what="the flood to fill the port",
+            )
+            holding = [c for c in flood if not closed_by_server(c)]
+            assert len(holding) == serving.MAX_CONNECTIONS
+            with anyio.fail_after(60):  # a hang detector, not a threshold
+                for path in ("/healthz", "/readyz", "/metrics"):
+                    assert await healthz_from(port, "127.0.0.2", path), path
+            # Answered while the flood held on: each probe took one of its slots, no more.
+            still = [c for c in holding if not closed_by_server(c)]
+            assert len(still) >= serving.MAX_CONNECTIONS - 3
+            # The flooding client gets the slots the probes gave back and no more: past them
+            # its new connections are shed, and do not evict its own older ones.
+            free = serving.MAX_CONNECTIONS - len(still)
+            flood += half_open(port, free + 5)
+            more = flood[-(free + 5) :]
+            await wait_for(
+                lambda: sum(map(closed_by_server, more)) == 5, what="the flood's own shed"
+            )
+            assert not any(map(closed_by_server, still))
+        finally:
+            for c in flood:
+                c.close()
+
+
+async def healthz_from(port: int, source: str, path: str = "/healthz") -> bool:
+    """`path` answered (any status) to a client bound to `source`."""
+    transport = httpx.AsyncHTTPTransport(local_address=source)
+    async with httpx.AsyncClient(transport=transport) as client:
+        got = await client.get(f"http://127.0.0.1:{port}{path}", timeout=30)
+    return got.status_code in (200, 503)

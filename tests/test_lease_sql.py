@@ -1106,6 +1106,59 @@ def test_a_producer_still_writing_holds_a_rotation_back_for_a_bounded_wait(
     assert parts(conn, schema) == {"e1": 0, "e2": 0}
 
 
+def prune_waited(conn: psycopg.Connection[Any], schema: str, url: str) -> bool:
+    """Runs prune on `conn` and says whether it waited for a lock while it ran (sampled until it
+    returns; its caller makes a wait last long enough to be seen, `outbox_part_lock_timeout`).
+    A producer that enqueues while prune waits for the rotation's hold queues behind it: each
+    such wait is a stall of the producers."""
+    pid = conn.info.backend_pid
+    pruning = InThread(lambda: call(conn, schema, "prune", "1 day", 100))
+    waited = False
+    while not pruning.done():
+        waited = waits_for_a_lock(url, pid) or waited
+    pruning.result()
+    return waited
+
+
+def age_rotation_wait(conn: psycopg.Connection[Any], schema: str, seconds: int) -> None:
+    """As if the last wait of a held-back rotation for the producers were `seconds` older."""
+    conn.execute(
+        sql.SQL(
+            "update {} set value = (value::double precision - %s)::text"
+            " where key = 'outbox_rotation_waited_at'"
+        ).format(fn(schema, "settings")),
+        (seconds,),
+    )
+
+
+def test_a_held_back_rotation_stalls_producers_once_not_at_every_prune(
+    conn: psycopg.Connection[Any], schema: str, pg_url: str
+) -> None:
+    """While an open producer transaction holds a due rotation back, the first prune waits for
+    it (at most `outbox_part_lock_timeout`, and producers queue behind that wait); the prunes
+    after it, of this replica or any other, try the hold without waiting until
+    `outbox_rotation_wait_every` has passed (issue 41: every prune stalled producers ~200 ms).
+    Waits are counted, not timed: each is made long here so that none goes unseen."""
+    set_part_lock_timeout(conn, schema, "2s")
+    age_parts(conn, schema)  # part 0 has been current long enough: a rotation is due
+    with psycopg.connect(pg_url) as producer, psycopg.connect(pg_url, autocommit=True) as other:
+        enq(producer, schema, "r1", "e1")  # open: holds part 0, and the rotation back
+        assert prune_waited(conn, schema, pg_url)  # waits in vain
+        assert not prune_waited(conn, schema, pg_url)  # the next prune: no wait
+        assert not prune_waited(other, schema, pg_url)  # nor another replica's
+        assert current_part(conn, schema) == 0
+        # once the window has passed, a held-back rotation waits again, once
+        age_rotation_wait(conn, schema, 5 * 60)
+        assert prune_waited(other, schema, pg_url)
+        assert not prune_waited(conn, schema, pg_url)
+        enq(producer, schema, "r1", "e2")
+        producer.commit()
+    # the producer gone, the hold is taken at once (within the window: no wait needed)
+    assert not prune_waited(conn, schema, pg_url)
+    assert current_part(conn, schema) == 1
+    assert parts(conn, schema) == {"e1": 0, "e2": 0}
+
+
 def test_prune_keeps_seqs_and_epochs_monotonic_per_run(
     conn: psycopg.Connection[Any], schema: str
 ) -> None:

@@ -26,7 +26,7 @@ from relay.ui.data import build_report, ingress_state, shape_status
 from relay.ui.page import run_page, status_page
 from relay.ui.series import LagWindow, RateSeries, percentile
 from relay.ui.view import commands, run_href, sh, status_view
-from relay.ui.web import Request, authorized, cookie_value
+from relay.ui.web import Request, authorized, cookie_secret, cookie_value, session_cookie
 from tests.support import count, q, settings, wait_for
 
 HOSTILE = "<img src=x onerror=window.pwned=1>\"'&<script>alert(1)</script> ünï ‮"
@@ -94,10 +94,29 @@ def test_token_by_header_or_cookie_compared_whole() -> None:
     assert authorized(token, req({"authorization": f"bearer {TOKEN}"}))
     assert not authorized(token, req({"authorization": f"Bearer {TOKEN[:-1]}"}))
     assert not authorized(token, req({"authorization": f"Basic {TOKEN}"}))
-    assert authorized(token, req({"cookie": f"a=b; relay_ui_token={TOKEN}"}))
-    assert not authorized(token, req({"cookie": f"relay_ui_token={TOKEN}x"}))
+    session = cookie_secret(TOKEN)
+    assert authorized(token, req({"cookie": f"a=b; relay_ui_session={session}"}))
+    assert not authorized(token, req({"cookie": f"relay_ui_session={session}x"}))
     assert cookie_value("x=1;  relay_ui_token=abc ", "relay_ui_token") == "abc"
     assert cookie_value("relay_ui_tokenx=abc", "relay_ui_token") is None
+
+
+def test_the_cookie_carries_a_derived_value_not_the_token() -> None:
+    """Cookies ignore ports: every service on the relay's host sees the page's cookie, so it
+    holds an HMAC of the token, which opens this page and nothing else (issue 41)."""
+    token = Secret(TOKEN)
+    header = session_cookie(TOKEN)
+    name, _, rest = header.partition("=")
+    value, *attributes = [part.strip() for part in rest.split(";")]
+    assert name == "relay_ui_session"
+    assert value == cookie_secret(TOKEN) and TOKEN not in header
+    assert value != cookie_secret(TOKEN + "x")  # bound to the token
+    assert {"HttpOnly", "SameSite=Strict", "Path=/"} <= set(attributes)
+    # The derived value is no token: neither as a Bearer token nor as `?token=`.
+    assert not authorized(token, req({"authorization": f"Bearer {value}"}))
+    # The token-valued cookie of before opens nothing, under its old name or the new one.
+    assert not authorized(token, req({"cookie": f"relay_ui_token={TOKEN}"}))
+    assert not authorized(token, req({"cookie": f"relay_ui_session={TOKEN}"}))
 
 
 @pytest.mark.parametrize("word", [HOSTILE, "e; rm -rf / $(x) `y` \\'", "a\nb\x1b[31m", "😀 ok"])
@@ -315,10 +334,16 @@ async def test_ui_token_guards_the_page_not_the_probes(
             assert login.status_code == 303
             assert login.headers["location"] == "/?offset=0"
             cookie = login.headers["set-cookie"]
-            assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
-        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-            client.cookies.set("relay_ui_token", TOKEN)
+            assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/" in cookie
+            assert TOKEN not in cookie
+            # The client keeps the cookie the login set, and it opens the page.
             assert (await client.get("/")).status_code == 200
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            client.cookies.set("relay_ui_session", cookie_secret(TOKEN))
+            assert (await client.get("/")).status_code == 200
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            client.cookies.set("relay_ui_token", TOKEN)  # the token itself, as set until 2026-12
+            assert (await client.get("/")).status_code == 401
 
 
 # -- the SQL behind it --------------------------------------------------------------------------

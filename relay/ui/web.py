@@ -7,6 +7,12 @@ Who may see it: with `ui_token` set, whoever sends the token; without one, every
 `kubectl port-forward`), else nobody: a page bound to every interface with no token would show
 the fleet to the whole network (issue 32, item 3; docs/operations.md §6a).
 
+The cookie that `/?token=` sets carries `cookie_secret(token)`, an HMAC of the token, never
+the token: a browser sends cookies to every port of the host (cookies ignore ports), so any
+other service there sees it, and it must not hand over the token that `Authorization: Bearer`
+and `/?token=` accept (issue 41). The cookie only opens this page; a token-valued cookie, as
+set until 2026-12, opens nothing (its holder opens `/?token=` once more).
+
 What it costs: the status document comes from one `ui_status()` that many viewers share
 (relay/ui/coalesce.py: kept `CACHE_SECONDS`, concurrent requests wait for the same fetch), on
 the page's own connection (relay/ui/pool.py), and each body made of it is shaped and rendered
@@ -15,6 +21,7 @@ the HTTP exchange."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import time
@@ -48,7 +55,12 @@ from relay.ui.view import status_view
 if TYPE_CHECKING:
     from relay.lane import LaneView
 
-COOKIE = "relay_ui_token"
+COOKIE = "relay_ui_session"
+# The cookie's value is HMAC-SHA256(token, COOKIE_LABEL): changing the label logs every viewer out.
+COOKIE_LABEL = b"ledger-relay status page cookie v1"
+# Every path of the page and of its script's requests (`StatusPage.handles`): "/", "/runs/",
+# "/api/". A cookie path cannot leave out /metrics, /healthz and /readyz, which ignore it.
+COOKIE_PATH = "/"
 HTML = "text/html; charset=utf-8"
 JSON = "application/json"
 TEXT = "text/plain; charset=utf-8"
@@ -95,8 +107,20 @@ def cookie_value(header: str, name: str) -> str | None:
     return None
 
 
+def cookie_secret(token: str) -> str:
+    """What the page's cookie carries for `token`: derived from it, never the token itself."""
+    return hmac.new(token.encode(), COOKIE_LABEL, hashlib.sha256).hexdigest()
+
+
+def session_cookie(token: str) -> str:
+    """The Set-Cookie value of a login: the derived value, out of reach of the page's scripts
+    (HttpOnly), sent on no request another site starts (SameSite=Strict)."""
+    return f"{COOKIE}={cookie_secret(token)}; HttpOnly; SameSite=Strict; Path={COOKIE_PATH}"
+
+
 def authorized(token: Secret | None, request: Request) -> bool:
-    """No token configured, or the request carries it as a Bearer token or in the cookie."""
+    """No token configured, or the request carries it as a Bearer token, or the cookie carries
+    its derived value."""
     if token is None:
         return True
     secret = token.reveal()
@@ -104,7 +128,7 @@ def authorized(token: Secret | None, request: Request) -> bool:
     if scheme.lower() == "bearer" and same(given.strip(), secret):
         return True
     from_cookie = cookie_value(request.headers.get("cookie", ""), COOKIE)
-    return from_cookie is not None and same(from_cookie, secret)
+    return from_cookie is not None and same(from_cookie, cookie_secret(secret))
 
 
 def serves_without_token(metrics_addr_host: str | None) -> bool:
@@ -250,7 +274,7 @@ class StatusPage:
             return Response(401, TEXT, b"unauthorized: wrong token\n")
         rest = {k: v for k, v in query.items() if k != "token"}
         location = request.path + ("?" + urlencode(rest) if rest else "")
-        cookie = f"{COOKIE}={self.token.reveal()}; HttpOnly; SameSite=Strict; Path=/"
+        cookie = session_cookie(self.token.reveal())
         return Response(303, TEXT, b"see other\n", (("location", location), ("set-cookie", cookie)))
 
     def _not_found(self, path: str) -> Response:
