@@ -179,6 +179,110 @@ begin
 end
 $$;
 
+-- Makes runs that are backing off due now (internal): the run p_run_id, or (p_run_id null) every
+-- run whose last failed attempt ended at or after p_since (null: any time). Backing off: active,
+-- not blocked, no lease, after a failed attempt (attempts > 0), and not due yet. Only
+-- next_attempt_at moves, to now, and nothing else: the failed attempts stay counted (the backoff
+-- grows on if the next one fails too), updated_at stays the time of the last failure (the
+-- release that scheduled the backoff wrote it last: nothing writes an unleased, unblocked run
+-- until it is claimed). A run with a lease is not backing off, whoever holds it, so a live
+-- owner's run is never touched (its next_attempt_at is its lease's expiry, which claim reads).
+-- The update re-checks these conditions on the row it locks (the lock claim, ack and release
+-- take), so a run claimed meanwhile is left alone. Each run made due notifies the terminal
+-- channel with kind `run_due` (a relay's listener takes it as a wake), and who asked, so the
+-- relays claim it at once rather than at the next safety-net poll. Through the partial index
+-- of due runs (runs_due): active runs due after now, never the idle ones nor the outbox.
+-- Returns the runs made due (in no order): their failed attempts, the last failure's status,
+-- error and time, and when they would have been due.
+create or replace function make_due(p_run_id text, p_since timestamptz, p_by text)
+returns table (run_id text, attempts int, last_status int, last_error text,
+               failed_at timestamptz, was_due_at timestamptz)
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_now timestamptz := clock_timestamp();
+    v_due record;
+begin
+    for v_due in
+        update runs r
+        set next_attempt_at = v_now
+        from runs was
+        where was.run_id = r.run_id
+          and (p_run_id is null or r.run_id = p_run_id)
+          and (p_since is null or r.updated_at >= p_since)
+          and not r.idle and r.blocked_seq is null and r.lease_token is null
+          and r.attempts > 0 and r.next_attempt_at > v_now
+        returning r.run_id, r.attempts, r.last_status, r.last_error, r.updated_at,
+                  was.next_attempt_at
+    loop
+        perform pg_notify(terminal_channel(), json_build_object(
+            'kind', 'run_due', 'run_id', v_due.run_id, 'by', p_by)::text);
+        run_id := v_due.run_id;
+        attempts := v_due.attempts;
+        last_status := v_due.last_status;
+        last_error := v_due.last_error;
+        failed_at := v_due.updated_at;
+        was_due_at := v_due.next_attempt_at;
+        return next;
+    end loop;
+end
+$$;
+
+-- Operator: the run p_run_id, backing off after a failed attempt, is due now (make_due): its
+-- next attempt starts as soon as a relay claims it, instead of after its backoff (up to
+-- max_backoff). Raises naming the run's state when it is not backing off (a blocked run's
+-- failed event is retried with retry_run).
+create or replace function retry_run_now(p_run_id text, p_by text)
+returns table (run_id text, attempts int, last_status int, last_error text,
+               failed_at timestamptz, was_due_at timestamptz)
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_run runs%rowtype;
+begin
+    perform check_operator('retry_run_now', p_by);
+    if p_run_id is null or p_run_id = '' then
+        raise exception 'relay.retry_run_now: run_id must be a non-empty string'
+            using errcode = '22023';
+    end if;
+    return query select * from make_due(p_run_id, null, p_by);
+    if found then
+        return;
+    end if;
+    select * into v_run from runs r where r.run_id = p_run_id;
+    if not found then
+        raise exception 'relay.retry_run_now: no run %', p_run_id using errcode = 'P0002';
+    end if;
+    raise exception 'relay.retry_run_now: run % is not backing off: %', p_run_id,
+        case
+            when v_run.blocked_seq is not null then
+                'it is blocked at seq ' || v_run.blocked_seq || ' (retry its failed event)'
+            when v_run.idle then 'it is idle (nothing pending)'
+            when v_run.lease_token is not null and v_run.lease_expires_at > clock_timestamp()
+                then 'a relay holds its lease (' || v_run.lease_owner || ')'
+            when v_run.attempts = 0 then 'no attempt of it failed'
+            else 'it is due already' end
+        using errcode = '55000';
+end
+$$;
+
+-- Operator: every run backing off after a failed attempt that ended at or after p_since (null:
+-- any) is due now (make_due): after an ingress outage, the runs go out again at once instead
+-- of each after its backoff. Returns the runs made due (none is not an error).
+create or replace function retry_backing_off(p_since timestamptz, p_by text)
+returns table (run_id text, attempts int, last_status int, last_error text,
+               failed_at timestamptz, was_due_at timestamptz)
+language plpgsql volatile
+set search_path from current
+as $$
+begin
+    perform check_operator('retry_backing_off', p_by);
+    return query select * from make_due(null, p_since, p_by) d order by d.failed_at, d.run_id;
+end
+$$;
+
 -- Operator: a failed event is skipped — never sent — with who, why and when (event_skips), the
 -- run's cursor moves past it (it is done, like a delivered event), and its run is unblocked so
 -- the rest is delivered in order.

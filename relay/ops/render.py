@@ -258,6 +258,24 @@ def render_action(verb: str, row: Mapping[str, Any], width: int) -> str:
     return table(title, ("field", "value"), rows, width, header=False)
 
 
+def render_due(runs: Sequence[Mapping[str, Any]], width: int) -> str:
+    """What `relay retry --run` (of a run backing off) or `relay retry --backing-off` did: the
+    runs made due now, each with its failed attempts, last failure and the backoff it skipped."""
+    if not runs:
+        return "No run is backing off after a failed attempt (in that time): nothing to retry"
+    rows = [
+        (r["run_id"], r["attempts"], r["last_status"], fmt_time(r["failed_at"], short=True),
+         fmt_time(r["was_due_at"], short=True), clean(r["last_error"] or "", 120))
+        for r in runs
+    ]  # fmt: skip
+    title = (
+        f"{len(runs)} run{'s' if len(runs) != 1 else ''} due now"
+        " (was backing off; a relay claims it at once; times UTC)"
+    )
+    columns = ("run", "att", "status", "failed", "was due", "error")
+    return table(title, columns, rows, width)
+
+
 # -- stdout ------------------------------------------------------------------------------------
 
 
