@@ -327,7 +327,10 @@ $$;
 -- it is a range of the outbox's primary key with a probe of runs, event_failures and
 -- event_skips per event. Since schema version 7 `delivered_at` is the run's last delivery (the
 -- cursor keeps no time per event: "delivered at or before"), and `attempts` the failed attempts
--- of the event (event_failures), the successful one not counted.
+-- of the event, the successful one not counted: those event_failures kept (a failure, retried
+-- since) and, for the run's head while it is not blocked, the run's failed attempts of it
+-- since (runs.attempts: counted on the run while it backs off), so the head's count is the
+-- run's (inspect_run_summary) and grows with each failed attempt.
 create or replace function inspect_run(
     p_run_id text, p_from_seq bigint default 1, p_limit int default null
 ) returns table (
@@ -346,11 +349,15 @@ begin
         raise exception 'relay.inspect_run: no run %', p_run_id using errcode = 'P0002';
     end if;
     return query
-        select e.seq, e.event_id, e.event_type, e.terminal, e.state, e.attempts, e.last_status,
+        select e.seq, e.event_id, e.event_type, e.terminal, e.state,
+               e.attempts + case when e.seq = r.delivered_seq + 1 and r.blocked_seq is null
+                                 then r.attempts else 0 end,
+               e.last_status,
                e.last_error, e.created_at, e.delivered_at, e.failed_at, e.retried_by,
                e.retried_role, e.retried_at, e.retries, e.skipped_by, e.skipped_role, e.skip_reason,
                case when e.state = 'skipped' then e.done_at end, e.wake_queue, e.wake_event
         from events e
+        left join runs r on r.run_id = p_run_id
         where e.run_id = p_run_id and e.seq >= coalesce(p_from_seq, 1)
         order by e.seq
         limit p_limit;
@@ -391,7 +398,12 @@ begin
     return query
         select p_run_id, r.idle, r.epoch, r.lease_owner, r.lease_expires_at,
                coalesce(r.lease_token is not null and r.lease_expires_at > v_now, false),
-               r.next_attempt_at, r.attempts, r.last_error, r.blocked_seq,
+               r.next_attempt_at,
+               -- the head's failed attempts, as inspect_run counts them: a blocked run's are
+               -- its failed event's (the run's and the one that failed it, block_event)
+               (coalesce(f.attempts, 0)
+                + case when r.blocked_seq is null then r.attempts else 0 end)::int,
+               r.last_error, r.blocked_seq,
                h.event_id,
                -- the terminal event is pending: after the cursor, and not the failed head
                coalesce(s.terminal_seq > r.delivered_seq
@@ -407,6 +419,7 @@ begin
                             where o.run_id = p_run_id) m
         left join outbox h on h.run_id = p_run_id and h.seq = r.blocked_seq
                           and h.seq > r.delivered_seq
+        left join event_failures f on f.run_id = p_run_id and f.seq = r.delivered_seq + 1
         cross join lateral (
             select t.total,
                    greatest(coalesce(m.last_seq, 0) - coalesce(r.delivered_seq, 0), 0) as after,

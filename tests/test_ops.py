@@ -441,6 +441,32 @@ def test_inspect_summary_of_a_blocked_run(schema: str, conn: Conn) -> None:
     assert ops.run_state(run).startswith("BLOCKED at seq 2")
 
 
+def test_inspect_counts_the_heads_failed_attempts_alike_in_the_run_and_the_event(
+    schema: str, conn: Conn
+) -> None:
+    """Issue 41: the run's attempts and its head event's `att` agree: while the run backs off
+    (counted on the run, no event_failures row yet) and once it is blocked (the failed event's
+    count, which takes the run's and the one that failed it); before, inspect showed the
+    blocked run's `attempts 0` beside its event's `att 1`."""
+    backing_off(conn, schema, "r1", n=2)
+    summary = call(conn, schema, "inspect_run_summary", "r1")[0]
+    head, rest = call(conn, schema, "inspect_run", "r1")
+    assert (summary["attempts"], head["attempts"], rest["attempts"]) == (1, 1, 0)
+    assert ops.run_state(summary).startswith("backing off until")
+
+    blocked_run(conn, schema, "r2", n=2)  # failed at its first attempt
+    summary = call(conn, schema, "inspect_run_summary", "r2")[0]
+    head, rest = call(conn, schema, "inspect_run", "r2")
+    assert (summary["attempts"], head["attempts"], rest["attempts"]) == (1, 1, 0)
+
+    conn.execute(q(schema, "update {s}.runs set next_attempt_at = '-infinity' where run_id = 'r1'"))
+    token = claim(conn, schema, "r1")[0]["lease_token"]
+    call(conn, schema, "fail_event", "r1", token, 1, 422, "bad payload")  # its second attempt
+    summary = call(conn, schema, "inspect_run_summary", "r1")[0]
+    head, _ = call(conn, schema, "inspect_run", "r1")
+    assert (summary["attempts"], head["attempts"]) == (2, 2)
+
+
 def test_inspect_summary_after_retention(schema: str, conn: Conn) -> None:
     """The counts are the events still in the outbox; the last seq is the run's, whether its
     events are there (the highest seq) or retention removed them all (a finished run's terminal

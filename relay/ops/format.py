@@ -131,7 +131,9 @@ def run_state(run: Mapping[str, Any]) -> str:
         return f"leased by {clean(run['lease_owner'])} until {fmt_time(run['lease_expires_at'])}"
     if run["idle"]:
         return "idle (nothing pending)"
-    if run["attempts"] and run["next_attempt_at"] > run["db_now"]:
+    # last_error: set by a failed attempt, cleared by the ack and an operator's retry (attempts
+    # count an event's failures kept from before a retry too)
+    if run["attempts"] and run["last_error"] and run["next_attempt_at"] > run["db_now"]:
         return f"backing off until {fmt_time(run['next_attempt_at'])} ({run['attempts']} failed)"
     return "due (waiting for a relay)"
 

@@ -204,8 +204,12 @@ def render_inspect(data: Mapping[str, Any], limit: int | None, width: int) -> st
         ("state", run_state(run)),
         ("lane", "critical (terminal event pending)" if run["critical"] else "ordinary"),
         ("lease", f"{lease}, epoch {run['epoch']}"),
-        ("next attempt", f"{fmt_time(run['next_attempt_at'])} (attempts {run['attempts']})"),
     ]
+    if run["blocked_seq"] is None:  # a blocked run has no next attempt until an operator acts
+        attempt = f"{fmt_time(run['next_attempt_at'])} (failed attempts {run['attempts']})"
+        head.append(("next attempt", attempt))
+    else:
+        head.append(("failed attempts", f"{run['attempts']} (of seq {run['blocked_seq']})"))
     if run["last_error"]:
         head.append(("last error", clean(run["last_error"], 300)))
     head.append(("events", f"{run['events_total']} ({counts}); last seq {run['last_seq']}, "
