@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 
 import anyio
 
+from relay import logs
 from relay.ingress import Answer, Batch, IngressClient, TransportFailure, split_results
 from relay.policy import Ack, Decision, Retry, decide
 from relay.renewal import Renewer
@@ -154,6 +155,7 @@ class Executor:
             replies = await self._quick(
                 lambda: self._post_once(sends, group=group, spans=spans),
                 lambda: min((h.claim.trust for h in holds), key=lambda t: t.until),
+                lambda tried, n, retry_in: self._log_failed(sends, tried, n, retry_in),
             )
         outcomes: list[Outcome] = []
         for (held, events), span in zip(sends, spans, strict=True):
@@ -164,6 +166,33 @@ class Executor:
                 answer, decision = replies.per_run[run_id]
                 outcomes.append(Outcome(held, events, decision, answer, replies.whole, span))
         return outcomes
+
+    def _log_failed(
+        self, sends: list[Send], replies: _Replies, try_no: int, retry_in: float | None
+    ) -> None:
+        """One `post_failed` line per run whose try failed for a transient cause (a timeout, a
+        connection error, a 5xx, 429, a garbled 2xx): the cause and what happens next, a quick
+        try in `retry_in` seconds or the run's reschedule (its `retry_scheduled` line follows).
+        Poison and misconfigured answers have lines of their own (run_blocked,
+        ingress_misconfigured)."""
+        for held, _ in sends:
+            answer, decision = replies.per_run[held.claim.run_id]
+            if not isinstance(decision, Retry):
+                continue
+            claim = held.claim
+            logs.warning(
+                "post_failed",
+                lane=self.lane,
+                run_id=claim.run_id,
+                epoch=claim.epoch,
+                attempt=claim.attempts + 1,
+                try_number=try_no,
+                status=decision.status,
+                error=decision.error[:200],
+                http_ms=round(answer.seconds * 1000, 2) if isinstance(answer, Answer) else None,
+                next="quick_retry" if retry_in is not None else "reschedule",
+                retry_in=round(retry_in, 3) if retry_in is not None else None,
+            )
 
     def _spans(self, sends: list[Send]) -> list[DeliverySpan]:
         """One delivery span per run of the request, when tracing (else the no-op span)."""

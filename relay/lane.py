@@ -252,13 +252,15 @@ class Lane:
     def _start(self, claims: list[Claim]) -> None:
         assert self._deliveries is not None
         held: list[Held] = []
+        reclaimed: dict[str, list[str]] = {}  # dead owner -> the runs this claim took from it
         for claim in claims:
             self.fetched.claimed_runs += 1
             held.append(self.holdings.hold(claim))
             self.wanted.discard(claim.run_id)
             if claim.reclaimed_from is not None:
                 self.fetched.reclaimed += 1
-                logs.info(
+                reclaimed.setdefault(claim.reclaimed_from, []).append(claim.run_id)
+                logs.debug(
                     "lease_reclaimed", **self.complete.who(claim), dead_owner=claim.reclaimed_from
                 )
             if logs.enabled(logging.DEBUG):  # per claim: not even built otherwise
@@ -270,6 +272,17 @@ class Lane:
                     events=len(claim.events),
                     critical=claim.critical,
                 )
+        for dead_owner, runs in reclaimed.items():
+            # One line per dead owner and claim (a claim takes at most claim_runs runs), the
+            # per-run lines at debug: a killed replica's 131 runs are a few lines, not 131.
+            logs.info(
+                "leases_reclaimed",
+                lane=self.name,
+                dead_owner=dead_owner,
+                runs=len(runs),
+                run_ids=runs,
+                lease_owner=self.store.owner,
+            )
         share = bool(self.settings.ingress_batch_url)
         groups = plan_groups(
             held,

@@ -25,6 +25,11 @@ QUICK_ATTEMPTS = 3
 
 T = TypeVar("T")
 
+# Told of every try's result (`relay.execute` logs each failed one, `post_failed`): the result,
+# the try's number (1..QUICK_ATTEMPTS) and the wait before the next quick try, or None when no
+# quick try follows (the result goes back to the caller, who reschedules a failure).
+Tried = Callable[[T, int, float | None], None]
+
 
 class QuickRetries(Generic[T]):
     """`await quick(post, trust)`: `post()` once, and again while `retryable` says its result
@@ -37,9 +42,16 @@ class QuickRetries(Generic[T]):
         self.http_timeout = http_timeout
         self._retry = retry_if_result(retryable)
 
-    async def __call__(self, post: Callable[[], Awaitable[T]], trust: Callable[[], Trust]) -> T:
+    async def __call__(
+        self,
+        post: Callable[[], Awaitable[T]],
+        trust: Callable[[], Trust],
+        tried: Tried[T] | None = None,
+    ) -> T:
         first = await post()
         if not self.retryable(first):
+            if tried is not None:
+                tried(first, 1, None)
             return first
         # A blip. tenacity decides from here, starting from this first outcome (replayed as its
         # attempt 1): the common case, an answer at once, never builds a retry loop.
@@ -48,14 +60,21 @@ class QuickRetries(Generic[T]):
         async def attempt() -> T:  # a coroutine function, so tenacity awaits it
             return replay.pop() if replay else await post()
 
+        def before_sleep(state: RetryCallState) -> None:  # a quick try follows this one
+            if tried is not None and state.outcome is not None and state.next_action is not None:
+                tried(state.outcome.result(), state.attempt_number, state.next_action.sleep)
+
         retrying = AsyncRetrying(
             stop=stop_any(_STOP_AFTER, _TrustLow(trust, self.http_timeout)),
             wait=_QUICK_WAIT,
             retry=self._retry,
             retry_error_callback=_last_outcome,
+            before_sleep=before_sleep,
             reraise=True,
         )
         retried: T = await retrying(attempt)
+        if tried is not None:
+            tried(retried, retrying.statistics.get("attempt_number", 1), None)
         return retried
 
 

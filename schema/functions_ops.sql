@@ -179,6 +179,110 @@ begin
 end
 $$;
 
+-- Makes runs that are backing off due now (internal): the run p_run_id, or (p_run_id null) every
+-- run whose last failed attempt ended at or after p_since (null: any time). Backing off: active,
+-- not blocked, no lease, after a failed attempt (attempts > 0), and not due yet. Only
+-- next_attempt_at moves, to now, and nothing else: the failed attempts stay counted (the backoff
+-- grows on if the next one fails too), updated_at stays the time of the last failure (the
+-- release that scheduled the backoff wrote it last: nothing writes an unleased, unblocked run
+-- until it is claimed). A run with a lease is not backing off, whoever holds it, so a live
+-- owner's run is never touched (its next_attempt_at is its lease's expiry, which claim reads).
+-- The update re-checks these conditions on the row it locks (the lock claim, ack and release
+-- take), so a run claimed meanwhile is left alone. Each run made due notifies the terminal
+-- channel with kind `run_due` (a relay's listener takes it as a wake), and who asked, so the
+-- relays claim it at once rather than at the next safety-net poll. Through the partial index
+-- of due runs (runs_due): active runs due after now, never the idle ones nor the outbox.
+-- Returns the runs made due (in no order): their failed attempts, the last failure's status,
+-- error and time, and when they would have been due.
+create or replace function make_due(p_run_id text, p_since timestamptz, p_by text)
+returns table (run_id text, attempts int, last_status int, last_error text,
+               failed_at timestamptz, was_due_at timestamptz)
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_now timestamptz := clock_timestamp();
+    v_due record;
+begin
+    for v_due in
+        update runs r
+        set next_attempt_at = v_now
+        from runs was
+        where was.run_id = r.run_id
+          and (p_run_id is null or r.run_id = p_run_id)
+          and (p_since is null or r.updated_at >= p_since)
+          and not r.idle and r.blocked_seq is null and r.lease_token is null
+          and r.attempts > 0 and r.next_attempt_at > v_now
+        returning r.run_id, r.attempts, r.last_status, r.last_error, r.updated_at,
+                  was.next_attempt_at
+    loop
+        perform pg_notify(terminal_channel(), json_build_object(
+            'kind', 'run_due', 'run_id', v_due.run_id, 'by', p_by)::text);
+        run_id := v_due.run_id;
+        attempts := v_due.attempts;
+        last_status := v_due.last_status;
+        last_error := v_due.last_error;
+        failed_at := v_due.updated_at;
+        was_due_at := v_due.next_attempt_at;
+        return next;
+    end loop;
+end
+$$;
+
+-- Operator: the run p_run_id, backing off after a failed attempt, is due now (make_due): its
+-- next attempt starts as soon as a relay claims it, instead of after its backoff (up to
+-- max_backoff). Raises naming the run's state when it is not backing off (a blocked run's
+-- failed event is retried with retry_run).
+create or replace function retry_run_now(p_run_id text, p_by text)
+returns table (run_id text, attempts int, last_status int, last_error text,
+               failed_at timestamptz, was_due_at timestamptz)
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_run runs%rowtype;
+begin
+    perform check_operator('retry_run_now', p_by);
+    if p_run_id is null or p_run_id = '' then
+        raise exception 'relay.retry_run_now: run_id must be a non-empty string'
+            using errcode = '22023';
+    end if;
+    return query select * from make_due(p_run_id, null, p_by);
+    if found then
+        return;
+    end if;
+    select * into v_run from runs r where r.run_id = p_run_id;
+    if not found then
+        raise exception 'relay.retry_run_now: no run %', p_run_id using errcode = 'P0002';
+    end if;
+    raise exception 'relay.retry_run_now: run % is not backing off: %', p_run_id,
+        case
+            when v_run.blocked_seq is not null then
+                'it is blocked at seq ' || v_run.blocked_seq || ' (retry its failed event)'
+            when v_run.idle then 'it is idle (nothing pending)'
+            when v_run.lease_token is not null and v_run.lease_expires_at > clock_timestamp()
+                then 'a relay holds its lease (' || v_run.lease_owner || ')'
+            when v_run.attempts = 0 then 'no attempt of it failed'
+            else 'it is due already' end
+        using errcode = '55000';
+end
+$$;
+
+-- Operator: every run backing off after a failed attempt that ended at or after p_since (null:
+-- any) is due now (make_due): after an ingress outage, the runs go out again at once instead
+-- of each after its backoff. Returns the runs made due (none is not an error).
+create or replace function retry_backing_off(p_since timestamptz, p_by text)
+returns table (run_id text, attempts int, last_status int, last_error text,
+               failed_at timestamptz, was_due_at timestamptz)
+language plpgsql volatile
+set search_path from current
+as $$
+begin
+    perform check_operator('retry_backing_off', p_by);
+    return query select * from make_due(null, p_since, p_by) d order by d.failed_at, d.run_id;
+end
+$$;
+
 -- Operator: a failed event is skipped — never sent — with who, why and when (event_skips), the
 -- run's cursor moves past it (it is done, like a delivered event), and its run is unblocked so
 -- the rest is delivered in order.
@@ -223,7 +327,10 @@ $$;
 -- it is a range of the outbox's primary key with a probe of runs, event_failures and
 -- event_skips per event. Since schema version 7 `delivered_at` is the run's last delivery (the
 -- cursor keeps no time per event: "delivered at or before"), and `attempts` the failed attempts
--- of the event (event_failures), the successful one not counted.
+-- of the event, the successful one not counted: those event_failures kept (a failure, retried
+-- since) and, for the run's head while it is not blocked, the run's failed attempts of it
+-- since (runs.attempts: counted on the run while it backs off), so the head's count is the
+-- run's (inspect_run_summary) and grows with each failed attempt.
 create or replace function inspect_run(
     p_run_id text, p_from_seq bigint default 1, p_limit int default null
 ) returns table (
@@ -242,11 +349,15 @@ begin
         raise exception 'relay.inspect_run: no run %', p_run_id using errcode = 'P0002';
     end if;
     return query
-        select e.seq, e.event_id, e.event_type, e.terminal, e.state, e.attempts, e.last_status,
+        select e.seq, e.event_id, e.event_type, e.terminal, e.state,
+               e.attempts + case when e.seq = r.delivered_seq + 1 and r.blocked_seq is null
+                                 then r.attempts else 0 end,
+               e.last_status,
                e.last_error, e.created_at, e.delivered_at, e.failed_at, e.retried_by,
                e.retried_role, e.retried_at, e.retries, e.skipped_by, e.skipped_role, e.skip_reason,
                case when e.state = 'skipped' then e.done_at end, e.wake_queue, e.wake_event
         from events e
+        left join runs r on r.run_id = p_run_id
         where e.run_id = p_run_id and e.seq >= coalesce(p_from_seq, 1)
         order by e.seq
         limit p_limit;
@@ -287,7 +398,12 @@ begin
     return query
         select p_run_id, r.idle, r.epoch, r.lease_owner, r.lease_expires_at,
                coalesce(r.lease_token is not null and r.lease_expires_at > v_now, false),
-               r.next_attempt_at, r.attempts, r.last_error, r.blocked_seq,
+               r.next_attempt_at,
+               -- the head's failed attempts, as inspect_run counts them: a blocked run's are
+               -- its failed event's (the run's and the one that failed it, block_event)
+               (coalesce(f.attempts, 0)
+                + case when r.blocked_seq is null then r.attempts else 0 end)::int,
+               r.last_error, r.blocked_seq,
                h.event_id,
                -- the terminal event is pending: after the cursor, and not the failed head
                coalesce(s.terminal_seq > r.delivered_seq
@@ -303,6 +419,7 @@ begin
                             where o.run_id = p_run_id) m
         left join outbox h on h.run_id = p_run_id and h.seq = r.blocked_seq
                           and h.seq > r.delivered_seq
+        left join event_failures f on f.run_id = p_run_id and f.seq = r.delivered_seq + 1
         cross join lateral (
             select t.total,
                    greatest(coalesce(m.last_seq, 0) - coalesce(r.delivered_seq, 0), 0) as after,

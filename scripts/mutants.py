@@ -454,6 +454,17 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "retry-now-moves-a-leased-run",
+        "§9.3: `relay retry --run` of a run backing off never moves a leased run's due time",
+        "schema/functions_ops.sql",
+        "and not r.idle and r.blocked_seq is null and r.lease_token is null",
+        "and not r.idle and r.blocked_seq is null",
+        (
+            "tests/test_ops.py::"
+            "test_retry_run_now_refuses_a_run_that_is_not_backing_off_and_changes_nothing",
+        ),
+    ),
+    Mutant(
         "claim-critical-flag-lost",
         "§4.3: a claimed run with a terminal event not yet delivered is flagged critical",
         SQL,

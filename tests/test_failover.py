@@ -31,7 +31,7 @@ from tests.faults.checker import Row, check
 from tests.faults.failover import Pair, kill
 from tests.faults.harness import Lab, Workload
 from tests.faults.proxy import FaultProxy
-from tests.test_faults import log_events
+from tests.test_faults import reclaimed
 from tests.test_faults_checker import facts
 
 pytestmark = pytest.mark.anyio
@@ -124,7 +124,7 @@ async def test_failover_to_a_synchronous_standby(pair: Pair, tmp_path: Path) -> 
             lab.in_flight = await fail_over(lab, pair, listen)
         tg.cancel_scope.cancel()
     # Every replica lived through it: none may take another's runs for dead (the reclaim wave).
-    row = assert_failover_row(lab, reclaimed=len(log_events(lab, "lease_reclaimed")))
+    row = assert_failover_row(lab, reclaimed=len(reclaimed(lab)))
     print(row.notes[-1])
 
 
@@ -160,7 +160,7 @@ async def test_restart_under_traffic(single: EmbeddedPostgres, tmp_path: Path) -
             )
             lab.in_flight = posted - {r[0] for r in rows}
         tg.cancel_scope.cancel()
-    row = assert_failover_row(lab, reclaimed=len(log_events(lab, "lease_reclaimed")))
+    row = assert_failover_row(lab, reclaimed=len(reclaimed(lab)))
     print(row.notes[-1])
 
 
@@ -190,7 +190,7 @@ async def test_failovers_back_and_forth(pair: Pair, tmp_path: Path) -> None:
                 await anyio.to_thread.run_sync(pair.rebuild_standby)
             lab.in_flight = in_flight
         tg.cancel_scope.cancel()
-    row = assert_failover_row(lab, reclaimed=len(log_events(lab, "lease_reclaimed")))
+    row = assert_failover_row(lab, reclaimed=len(reclaimed(lab)))
     row.notes.append(f"{n} failovers")
     print(row.notes[-2])
 

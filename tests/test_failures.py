@@ -125,6 +125,56 @@ async def test_timeout_is_transient(
     assert "timed out" in line["error"] and line["status"] is None
 
 
+def failed_tries(lines: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return [
+        (x["run_id"], x["attempt"], x["try_number"], x["status"], x["next"])
+        for x in lines
+        if x["event"] == "post_failed"
+    ]
+
+
+async def test_every_failed_try_logs_its_cause_and_what_comes_next(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str],
+    log_lines: LogLines,
+) -> None:  # fmt: skip
+    """Issue 41: each failed try, the quick retries within an attempt included, is one
+    `post_failed` line with its cause and what comes next (before, only the attempt's last
+    try reached the log, as `retry_scheduled`)."""
+    s, url = sink
+    s.faults.fail(503, body=b"upstream down", times=4)  # one attempt's 3 tries, then 1 more
+    enqueue_runs(conn, schema, 1, 1, terminal=False)
+    async with Relay(settings(pg_url, schema, url, max_backoff="0.3s")).running():
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="delivery")
+    assert failed_tries(log_lines()) == [
+        ("r0", 1, 1, 503, "quick_retry"),
+        ("r0", 1, 2, 503, "quick_retry"),
+        ("r0", 1, 3, 503, "reschedule"),
+        ("r0", 2, 1, 503, "quick_retry"),
+    ]
+    lines = [x for x in log_lines() if x["event"] == "post_failed"]
+    assert all(x["error"] == "upstream down" and x["level"] == "warning" for x in lines)
+    assert [x["retry_in"] is not None for x in lines] == [True, True, False, True]
+
+
+async def test_a_hung_ingress_logs_each_try_as_it_times_out(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str],
+    log_lines: LogLines,
+) -> None:  # fmt: skip
+    """A hung ingress: the first try's timeout is logged while the second try hangs, not
+    after the attempt's three tries."""
+    s, url = sink
+    s.faults.delay(30.0, times=3)
+    enqueue_runs(conn, schema, 1, 1, terminal=False)
+    cfg = settings(pg_url, schema, url, http_timeout="1s", lease_ttl="20s")
+    async with Relay(cfg).running():
+        await wait_for(lambda: bool(failed_tries(log_lines())), what="the first try's line")
+        # Logged while the attempt goes on: its reschedule has not come yet.
+        assert not [x for x in log_lines() if x["event"] == "retry_scheduled"]
+    first = next(x for x in log_lines() if x["event"] == "post_failed")
+    assert (first["try_number"], first["status"], first["next"]) == (1, None, "quick_retry")
+    assert first["error"] == "timed out after 1s"
+
+
 async def test_connection_refused_is_transient_and_nothing_is_dropped(
     pg_url: str, schema: str, conn: psycopg.Connection[Any], log_lines: LogLines,
 ) -> None:  # fmt: skip

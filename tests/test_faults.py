@@ -92,7 +92,7 @@ async def test_sigstop_zombie_past_its_lease(fault_pg: EmbeddedPostgres, tmp_pat
     assert row.leases_lost >= stops, row.notes  # the zombie's work was fenced, not acked
     # A frozen replica keeps its connection, so its liveness lock: nobody took its runs before
     # their lease expired (and nobody else died).
-    assert log_events(lab, "lease_reclaimed") == []
+    assert reclaimed(lab) == []
 
 
 def log_events(lab: Lab, event: str) -> list[dict[str, Any]]:
@@ -103,6 +103,16 @@ def log_events(lab: Lab, event: str) -> list[dict[str, Any]]:
         for log in lab.logs
         for line in log.read_bytes().splitlines()
         if marker in line
+    ]
+
+
+def reclaimed(lab: Lab) -> list[dict[str, Any]]:
+    """Every run a replica claimed from a dead owner, `{"run_id", "dead_owner"}`, from the
+    replicas' `leases_reclaimed` lines (one per dead owner and claim; issue 41)."""
+    return [
+        {"run_id": run_id, "dead_owner": line["dead_owner"]}
+        for line in log_events(lab, "leases_reclaimed")
+        for run_id in line["run_ids"]
     ]
 
 
@@ -204,7 +214,7 @@ async def test_sigkill_a_replica_its_runs_are_reclaimed_at_once(
 ) -> None:
     """SIGKILL of one replica under steady traffic with the default 30 s lease (issue 18): the
     database drops its liveness lock with its sessions, so the survivor claims every run it
-    held at once (`lease_reclaimed`), long before the leases expire. The commit-to-delivery
+    held at once (`leases_reclaimed`), long before the leases expire. The commit-to-delivery
     p99 of the events those runs held is reported, not asserted (a wall-clock figure)."""
     async with Lab.open(
         fault_pg, "sigkill_reclaim", tmp_path, replicas=2, env={"RELAY_LEASE_TTL": "30s"}
@@ -215,10 +225,10 @@ async def test_sigkill_a_replica_its_runs_are_reclaimed_at_once(
     row = assert_valid(lab)
     runs = {run_of(e) for e in held}
     assert runs, "the killed replica held no lease: nothing to reclaim"
-    reclaimed = {e["run_id"] for e in log_events(lab, "lease_reclaimed")}
-    by_dead = [e for e in log_events(lab, "lease_reclaimed") if e["dead_owner"] == victim.id]
+    taken = {e["run_id"] for e in reclaimed(lab)}
+    by_dead = [e for e in reclaimed(lab) if e["dead_owner"] == victim.id]
     # Every run it held was claimed from the dead owner before its lease expired.
-    assert runs <= {e["run_id"] for e in by_dead}, (runs - reclaimed, row.notes)
+    assert runs <= {e["run_id"] for e in by_dead}, (runs - taken, row.notes)
     assert row.lost == row.out_of_order == row.acked_without_delivery == 0
     figure = delivery_p99(lab, held)
     last = max(lab.sink.state.first_seen_at[e] for e in held) - killed_at
@@ -299,7 +309,7 @@ async def test_one_replicas_database_connections_cut_while_it_posts(
     row = assert_valid(lab)
     runs = {run_of(e) for e in held}
     assert runs, "the cut replica held no lease when its connections were cut"
-    by_cut = {e["run_id"] for e in log_events(lab, "lease_reclaimed") if e["dead_owner"] == cut.id}
+    by_cut = {e["run_id"] for e in reclaimed(lab) if e["dead_owner"] == cut.id}
     assert by_cut, "no run of the cut replica was reclaimed before its lease expired"
     row.notes.append(
         f"{len(runs)} runs held by the cut replica, {len(by_cut)} reclaimed early;"

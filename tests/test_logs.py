@@ -167,3 +167,38 @@ async def test_every_stderr_line_is_json_through_a_database_outage(
     assert all(r["replica"] == "replica-json" for r in records)
     assert {r["logger"] for r in records} - {"relay"}, "no library line was captured"
     assert "pw-never-logged" not in text
+
+
+# -- a dead owner's reclaim, summed up (issue 41) -------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_dead_owners_reclaim_is_one_summary_line_not_one_per_run(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], captured: io.StringIO
+) -> None:
+    """A killed replica's runs, taken over at once by a live one: one `leases_reclaimed` line
+    per dead owner (its runs counted and named) at info, the per-run `lease_reclaimed` lines
+    at debug (before, one info line per run and no summary: 131 lines for 131 runs)."""
+    from relay.runner import Relay
+    from tests.support import settings
+    from tests.test_lease_sql import claim, enq
+    from tests.test_liveness import Holder, die
+
+    runs = [f"r{i}" for i in range(5)]
+    for run_id in runs:
+        enq(conn, schema, run_id, f"{run_id}-e1")
+    crashed = Holder(pg_url, schema, "crashed")
+    claim(conn, schema, owner="crashed", runs=len(runs), ttl="1 hour")
+    await die(crashed, conn)
+    logs.configure("json", "info", captured, replica="live-one")
+    sink = Sink()
+    async with serve_sink(sink) as url:
+        async with Relay(settings(pg_url, schema, url, replica_id="live-one")).running():
+            await wait_for(lambda: len(sink.state.first_order) == len(runs), what="every run")
+    lines = parse_lines(captured.getvalue())
+    summaries = [x for x in lines if x.get("event") == "leases_reclaimed"]
+    assert [(x["dead_owner"], x["runs"], sorted(x["run_ids"])) for x in summaries] == [
+        ("crashed", 5, runs)
+    ]
+    assert summaries[0]["level"] == "info" and summaries[0]["lease_owner"] == "live-one"
+    assert not [x for x in lines if x.get("event") == "lease_reclaimed"]  # debug: not shown

@@ -197,6 +197,109 @@ def test_a_run_stays_blocked_while_an_earlier_event_is_failed(schema: str, conn:
 # -- skip --------------------------------------------------------------------------------------
 
 
+# -- retry now: runs backing off after a failed attempt (issue 41) ---------------------------
+
+
+def backing_off(conn: Conn, schema: str, run_id: str, n: int = 2, status: int = 503) -> None:
+    """What a relay does for a transient failure: the run's lease is released with an error
+    and a backoff of five minutes (attempts + 1)."""
+    add_run(conn, schema, run_id, n)
+    token = claim(conn, schema, run_id)[0]["lease_token"]
+    delay = timedelta(minutes=5)
+    got = call(conn, schema, "release", run_id, token, delay, "ingress answered 503", status)
+    assert got[0]["release"]
+
+
+def test_retry_run_now_makes_a_run_backing_off_due_and_only_that_moves(
+    pg_url: str, schema: str, conn: Conn
+) -> None:
+    """A run backing off after a failed attempt waits up to max_backoff; retry_run_now makes
+    its next attempt due now (a relay's claim takes it), keeps its failed attempts and last
+    error, and wakes the relays."""
+    backing_off(conn, schema, "r1", n=3)
+    before = run_row(conn, schema, "r1")
+    assert next_prefix(conn, schema, "r1") == []  # backing off: no claim takes it
+
+    with psycopg.connect(pg_url, autocommit=True) as listener:
+        listener.execute(sql.SQL("listen {}").format(sql.Identifier(f"{schema}_terminal")))
+        got = call(conn, schema, "retry_run_now", "r1", "alice@ops")
+        notes = list(listener.notifies(timeout=10, stop_after=1))
+
+    assert [(r["run_id"], r["attempts"], r["last_status"]) for r in got] == [("r1", 1, 503)]
+    assert got[0]["last_error"] == "ingress answered 503"
+    assert got[0]["was_due_at"] == before["next_attempt_at"]
+    assert got[0]["failed_at"] == before["updated_at"]
+    after = run_row(conn, schema, "r1")
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {"next_attempt_at"}  # attempts, error, epoch, lease, updated_at kept
+    db_now = conn.execute("select clock_timestamp()").fetchone()
+    assert db_now is not None and after["next_attempt_at"] <= db_now[0]
+    assert [json.loads(n.payload) for n in notes] == [
+        {"kind": "run_due", "run_id": "r1", "by": "alice@ops"}
+    ]
+    assert next_prefix(conn, schema, "r1") == [1, 2, 3]
+
+
+def test_retry_run_now_refuses_a_run_that_is_not_backing_off_and_changes_nothing(
+    schema: str, conn: Conn
+) -> None:
+    """A leased run (whoever holds it: a live owner's lease is never moved), a blocked one, an
+    idle one, a due one and a missing one are each refused with the reason."""
+    add_run(conn, schema, "leased", 1)
+    claim(conn, schema, "leased", owner="replica-live")
+    blocked_run(conn, schema, "blocked", n=2)
+    add_run(conn, schema, "due", 1)
+    add_run(conn, schema, "idle", 1)
+    deliver(conn, schema, "idle", 1)
+    call(conn, schema, "settle_run", "idle")
+    backing_off(conn, schema, "leased-after-failure")
+    # Made due by hand and claimed again: leased, with a failed attempt behind it.
+    conn.execute(q(schema, "update {s}.runs set next_attempt_at = '-infinity'"
+                           " where run_id = 'leased-after-failure'"))  # fmt: skip
+    claim(conn, schema, "leased-after-failure", owner="replica-live")
+    before = snapshot(conn, schema)
+    for run_id, reason in [
+        ("leased", "a relay holds its lease (replica-live)"),
+        ("leased-after-failure", "a relay holds its lease (replica-live)"),
+        ("blocked", "it is blocked at seq 1"),
+        ("due", "no attempt of it failed"),
+        ("idle", "it is idle"),
+    ]:
+        with pytest.raises(errors.ObjectNotInPrerequisiteState, match="not backing off") as exc:
+            call(conn, schema, "retry_run_now", run_id, "alice")
+        assert reason in str(exc.value)
+    with pytest.raises(errors.NoDataFound, match="no run nope"):
+        call(conn, schema, "retry_run_now", "nope", "alice")
+    with pytest.raises(errors.InvalidParameterValue):
+        call(conn, schema, "retry_run_now", "leased", "")
+    assert snapshot(conn, schema) == before
+
+
+def test_retry_backing_off_since_a_time_takes_the_runs_that_failed_since(
+    schema: str, conn: Conn
+) -> None:
+    """After an outage: every run that failed against the ingress at or after a time is due
+    now; runs that failed before it, leased runs and blocked runs are left as they are."""
+    backing_off(conn, schema, "early")
+    backing_off(conn, schema, "late-1")
+    since = run_row(conn, schema, "late-1")["updated_at"]  # the failure's time (db clock)
+    backing_off(conn, schema, "late-2")
+    add_run(conn, schema, "leased", 1)
+    claim(conn, schema, "leased", owner="replica-live")
+    blocked_run(conn, schema, "blocked")
+    leased = run_row(conn, schema, "leased")
+
+    got = call(conn, schema, "retry_backing_off", since, "bob")
+    assert [r["run_id"] for r in got] == ["late-1", "late-2"]  # oldest failure first
+    assert next_prefix(conn, schema, "early") == []  # failed before: still backing off
+    assert next_prefix(conn, schema, "late-1") == [1, 2]
+    assert run_row(conn, schema, "leased") == leased
+    assert run_row(conn, schema, "blocked")["blocked_seq"] == 1
+    # Without a time: every run backing off (here the early one); none left is not an error.
+    assert [r["run_id"] for r in call(conn, schema, "retry_backing_off", None, "bob")] == ["early"]
+    assert call(conn, schema, "retry_backing_off", None, "bob") == []
+
+
 def test_skip_event_records_who_why_and_when_and_unblocks_its_run(schema: str, conn: Conn) -> None:
     blocked_run(conn, schema, "r1", n=4, seq=2)
     row = call(conn, schema, "skip_event", "r1-2", "carol@ops", "schema v1 payload, superseded")[0]
@@ -336,6 +439,32 @@ def test_inspect_summary_of_a_blocked_run(schema: str, conn: Conn) -> None:
     assert (run["events_total"], run["pending"], run["delivered"], run["skipped"]) == (3, 1, 1, 0)
     assert run["last_error"] == "bad payload" and run["lease_live"] is False
     assert ops.run_state(run).startswith("BLOCKED at seq 2")
+
+
+def test_inspect_counts_the_heads_failed_attempts_alike_in_the_run_and_the_event(
+    schema: str, conn: Conn
+) -> None:
+    """Issue 41: the run's attempts and its head event's `att` agree: while the run backs off
+    (counted on the run, no event_failures row yet) and once it is blocked (the failed event's
+    count, which takes the run's and the one that failed it); before, inspect showed the
+    blocked run's `attempts 0` beside its event's `att 1`."""
+    backing_off(conn, schema, "r1", n=2)
+    summary = call(conn, schema, "inspect_run_summary", "r1")[0]
+    head, rest = call(conn, schema, "inspect_run", "r1")
+    assert (summary["attempts"], head["attempts"], rest["attempts"]) == (1, 1, 0)
+    assert ops.run_state(summary).startswith("backing off until")
+
+    blocked_run(conn, schema, "r2", n=2)  # failed at its first attempt
+    summary = call(conn, schema, "inspect_run_summary", "r2")[0]
+    head, rest = call(conn, schema, "inspect_run", "r2")
+    assert (summary["attempts"], head["attempts"], rest["attempts"]) == (1, 1, 0)
+
+    conn.execute(q(schema, "update {s}.runs set next_attempt_at = '-infinity' where run_id = 'r1'"))
+    token = claim(conn, schema, "r1")[0]["lease_token"]
+    call(conn, schema, "fail_event", "r1", token, 1, 422, "bad payload")  # its second attempt
+    summary = call(conn, schema, "inspect_run_summary", "r1")[0]
+    head, _ = call(conn, schema, "inspect_run", "r1")
+    assert (summary["attempts"], head["attempts"]) == (2, 2)
 
 
 def test_inspect_summary_after_retention(schema: str, conn: Conn) -> None:
@@ -668,6 +797,41 @@ def test_cli_status_inspect_retry_skip(pg_url: str, schema: str, conn: Conn) -> 
     assert "retried by alice" in text.stdout and "bad payload" in text.stdout
 
 
+def test_cli_retry_makes_runs_backing_off_due_now(pg_url: str, schema: str, conn: Conn) -> None:
+    """`relay retry --run` of a run that is only backing off makes it due now (it answered "not
+    blocked", exit 5, before issue 41); `--backing-off --since` does so for every run that
+    failed since; a run neither blocked nor backing off is exit 5 with its state."""
+    env = cli_env(pg_url, schema)
+    backing_off(conn, schema, "r1")
+    backing_off(conn, schema, "r2")
+    backing_off(conn, schema, "r3")
+    add_run(conn, schema, "fresh", 1)
+
+    one = cli_json(env, "retry", "--run", "r1", "--by", "alice")
+    assert (one["run_id"], one["due_now"], one["attempts"], one["last_status"]) == (
+        "r1", True, 1, 503,
+    )  # fmt: skip
+    assert next_prefix(conn, schema, "r1") == [1, 2]
+    text = cli(env, "retry", "--backing-off", "--since", "10m")
+    assert text.returncode == 0, text.stderr
+    assert "2 runs due now" in text.stdout and "r2" in text.stdout and "r3" in text.stdout
+    assert next_prefix(conn, schema, "r3") == [1, 2]
+    none = cli_json(env, "retry", "--backing-off")
+    assert none == {"due_now": 0, "runs": []}
+
+    refused = cli(env, "retry", "--run", "fresh")
+    assert refused.returncode == ops.WRONG_STATE
+    assert "not backing off: no attempt of it failed" in refused.stderr
+    for args in (
+        ["--since", "10m"],
+        ["--backing-off", "--since", "yesterday"],
+        ["--backing-off", "--since", "2025-05-01T10:00:00"],
+        ["r1-1", "--backing-off"],
+    ):
+        bad = cli(env, "retry", *args)
+        assert bad.returncode == ops.USAGE, (args, bad.stderr)
+
+
 def test_the_audit_trail_records_the_database_role_beside_the_name_typed(
     pg_url: str, schema: str, conn: Conn
 ) -> None:
@@ -753,10 +917,14 @@ def test_cli_human_tables_need_no_rich(pg_url: str, schema: str, conn: Conn) -> 
 CLI_ERRORS = [
     (("retry", "nope"), ops.NOT_FOUND, "no event with event_id nope"),
     (("retry", "r1-2"), ops.WRONG_STATE, "is pending, not failed"),
-    (("retry", "--run", "ok"), ops.WRONG_STATE, "not blocked"),
+    (("retry", "--run", "ok"), ops.WRONG_STATE, "not backing off: it is idle"),
     (("retry", "--run", "nope"), ops.NOT_FOUND, "no run nope"),
-    (("retry",), ops.USAGE, "either EVENT_ID or --run"),
-    (("retry", "r1-1", "--run", "r1"), ops.USAGE, "either EVENT_ID or --run"),
+    (("retry",), ops.USAGE, "give one of EVENT_ID, --run RUN_ID or --backing-off"),
+    (
+        ("retry", "r1-1", "--run", "r1"),
+        ops.USAGE,
+        "give one of EVENT_ID, --run RUN_ID or --backing-off",
+    ),
     (("retry", "r1-1", "--by", " "), ops.USAGE, "--by"),
     (("skip", "r1-1"), ops.USAGE, "--reason is required"),
     (("skip", "r1-1", "--reason", " "), ops.USAGE, "--reason is required"),

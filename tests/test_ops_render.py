@@ -205,10 +205,14 @@ def test_action_and_inspect_views() -> None:
              "failed_at": "2026-01-02T03:04:01+00:00", "skipped_at": None, "retries": 0,
              "retried_at": None, "retried_by": None}  # fmt: skip
     got = render_inspect({"run": run, "events": [event]}, 1, 100)
-    for words in ("Run r1", "BLOCKED at seq 1 (event r1-1)", "last error     bad payload",
+    for words in ("Run r1", "BLOCKED at seq 1 (event r1-1)", "last error        bad payload",
                   "01-02 03:04:00   01-02 03:04:01", "1     last error: bad payload",
-                  "showing 1 events from seq 1"):  # fmt: skip
+                  "showing 1 events from seq 1", "failed attempts   0 (of seq 1)"):  # fmt: skip
         assert words in got, got
+    # A blocked run waits for an operator, not for a next attempt (issue 41).
+    assert "next attempt" not in got
+    due = render_inspect({"run": {**run, "blocked_seq": None}, "events": [event]}, 1, 100)
+    assert "next attempt   2026-01-02 03:04:05.000Z (failed attempts 0)" in due, due
 
 
 def test_status_shows_replicas_by_liveness() -> None:

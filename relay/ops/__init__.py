@@ -6,7 +6,11 @@
     relay inspect RUN_ID                every event of a run (state, attempts, last error, audit)
                                         and the run's lease, epoch, backoff and block
     relay retry EVENT_ID                a failed event goes back to pending; its run is unblocked
-    relay retry --run RUN_ID            the same for the failed event that blocks RUN_ID
+    relay retry --run RUN_ID            the same for the failed event that blocks RUN_ID; a
+                                        run backing off after a failed attempt is due now
+    relay retry --backing-off [--since WHEN]
+                                        every run backing off after a failed attempt (since
+                                        WHEN: 10m, or a time) is due now: after an outage
     relay skip EVENT_ID --reason TEXT   a failed event is never sent; its run is unblocked
 
 Each prints a plain-text table, or one JSON document on stdout with `--json`. They take
@@ -24,7 +28,7 @@ nothing):
     3  database unreachable, connection lost (the outcome of a retry or skip is then unknown:
        look with `relay inspect`), or schema missing / not at this relay's version
     4  not found: no such event or run
-    5  wrong state: the event is not failed, or the run is not blocked
+    5  wrong state: the event is not failed, or the run is neither blocked nor backing off
     6  timed out waiting for a lock or a statement; safe to run again
 
 The package: format.py (pure: exit codes, OpsError, clean() and the phrases and figures),
@@ -56,12 +60,14 @@ from relay.ops.queries import (
     connect,
     db_error_reason,
     inspect,
+    retry_backing_off,
     retry_event,
     retry_run,
+    retry_run_now,
     skip_event,
     status,
 )
-from relay.ops.render import render_action, render_inspect, render_status, table
+from relay.ops.render import render_action, render_due, render_inspect, render_status, table
 
 __all__ = [
     "DB_ERROR",
@@ -85,10 +91,13 @@ __all__ = [
     "inspect",
     "non_negative",
     "render_action",
+    "render_due",
     "render_inspect",
     "render_status",
+    "retry_backing_off",
     "retry_event",
     "retry_run",
+    "retry_run_now",
     "run_state",
     "skip_event",
     "status",

@@ -9,15 +9,28 @@ import os
 import socket
 import sys
 from collections.abc import Callable
+from datetime import datetime
 from functools import partial
 from typing import Any
 
-from relay.ops.format import OK, USAGE, OpsError, default_operator
-from relay.ops.queries import Conn, connect, inspect, retry_event, retry_run, skip_event, status
+from relay.ops.format import OK, USAGE, OpsError, default_operator, parse_since
+from relay.ops.queries import (
+    Conn,
+    connect,
+    inspect,
+    retry_backing_off,
+    retry_event,
+    retry_run,
+    retry_run_now,
+    run_blocked,
+    skip_event,
+    status,
+)
 from relay.ops.render import (
     output_width,
     print_json,
     render_action,
+    render_due,
     render_inspect,
     render_status,
     write,
@@ -83,11 +96,24 @@ def cmd_inspect(args: argparse.Namespace, database_url: Resolve, schema_of: Reso
 
 def cmd_retry(args: argparse.Namespace, database_url: Resolve, schema_of: Resolve) -> int:
     def validate() -> None:
-        if (args.event_id is None) == (args.run is None):
-            raise OpsError(USAGE, "give either EVENT_ID or --run RUN_ID (exactly one)")
+        given = [args.event_id is not None, args.run is not None, args.backing_off]
+        if sum(given) != 1:
+            raise OpsError(USAGE, "give one of EVENT_ID, --run RUN_ID or --backing-off")
+        if args.since is not None and not args.backing_off:
+            raise OpsError(USAGE, "--since goes with --backing-off")
+        _since(args)
         _who(args)
 
     def work(conn: Conn, schema: str) -> Any:
+        if args.backing_off:
+            return _retry_backing_off(conn, schema)
+        if args.run is not None and not run_blocked(conn, schema, args.run):
+            # Not blocked: a run backing off after a failed attempt is made due now.
+            due = retry_run_now(conn, schema, args.run, _who(args))
+            if args.json:
+                return {**due, "due_now": True}
+            write(render_due([due], output_width()))
+            return None
         if args.run is not None:
             row = retry_run(conn, schema, args.run, _who(args))
         else:
@@ -97,7 +123,23 @@ def cmd_retry(args: argparse.Namespace, database_url: Resolve, schema_of: Resolv
         write(render_action("retried", row, output_width()))
         return None
 
+    def _retry_backing_off(conn: Conn, schema: str) -> Any:
+        runs = retry_backing_off(conn, schema, _since(args), _who(args))
+        if args.json:
+            return {"due_now": len(runs), "runs": runs}
+        write(render_due(runs, output_width()))
+        return None
+
     return _run("retry", args, database_url, schema_of, work, validate)
+
+
+def _since(args: argparse.Namespace) -> float | datetime | None:
+    if args.since is None:
+        return None
+    try:
+        return parse_since(args.since)
+    except ValueError as exc:
+        raise OpsError(USAGE, f"--since: {exc}") from None
 
 
 def cmd_skip(args: argparse.Namespace, database_url: Resolve, schema_of: Resolve) -> int:
@@ -152,9 +194,30 @@ def add_commands(
     )
 
     by_help = "who acts, recorded in the audit trail (default $USER@host)"
-    p = parser("retry", "put a failed event back to pending and unblock its run", cmd_retry)
+    p = parser(
+        "retry",
+        "put a failed event back to pending and unblock its run, or make runs that back off"
+        " after failed attempts due now",
+        cmd_retry,
+    )
     p.add_argument("event_id", metavar="EVENT_ID", nargs="?")
-    p.add_argument("--run", metavar="RUN_ID", help="retry the failed event that blocks RUN_ID")
+    p.add_argument(
+        "--run",
+        metavar="RUN_ID",
+        help="retry the failed event that blocks RUN_ID, or, when it is backing off after a"
+        " failed attempt, make its next attempt due now",
+    )
+    p.add_argument(
+        "--backing-off",
+        action="store_true",
+        help="make every run backing off after a failed attempt due now (after an ingress outage)",
+    )
+    p.add_argument(
+        "--since",
+        metavar="WHEN",
+        help="with --backing-off: only runs whose last attempt failed since WHEN, a duration"
+        " back from now (10m) or a time (2025-05-01T10:00:00Z)",
+    )
     p.add_argument("--by", help=by_help)
 
     p = parser("skip", "never send a failed event (audited) and unblock its run", cmd_skip)

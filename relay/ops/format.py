@@ -101,6 +101,26 @@ def fmt_time(value: datetime | str | None, *, short: bool = False) -> str:
     return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
 
 
+def parse_since(text: str) -> float | datetime:
+    """`relay retry --backing-off --since`: a duration back from the database's now ('10m',
+    '90s', '2h') or a time with its UTC offset ('2025-05-01T10:00:00Z'); ValueError else."""
+    from relay.settings import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is neither a duration (10m, 90s, 2h) nor a time (2025-05-01T10:00:00Z)"
+        ) from None
+    if when.tzinfo is None:
+        raise ValueError(f"{text!r} has no UTC offset: add Z or +hh:mm")
+    return when
+
+
 def run_state(run: Mapping[str, Any]) -> str:
     """One phrase for a run's scheduling state, from `inspect_run_summary`."""
     if run.get("epoch") is None:
@@ -111,7 +131,9 @@ def run_state(run: Mapping[str, Any]) -> str:
         return f"leased by {clean(run['lease_owner'])} until {fmt_time(run['lease_expires_at'])}"
     if run["idle"]:
         return "idle (nothing pending)"
-    if run["attempts"] and run["next_attempt_at"] > run["db_now"]:
+    # last_error: set by a failed attempt, cleared by the ack and an operator's retry (attempts
+    # count an event's failures kept from before a retry too)
+    if run["attempts"] and run["last_error"] and run["next_attempt_at"] > run["db_now"]:
         return f"backing off until {fmt_time(run['next_attempt_at'])} ({run['attempts']} failed)"
     return "due (waiting for a relay)"
 

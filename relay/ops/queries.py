@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -138,6 +139,34 @@ def retry_event(conn: Conn, schema: str, event_id: str, by: str) -> dict[str, An
 
 def retry_run(conn: Conn, schema: str, run_id: str, by: str) -> dict[str, Any]:
     return _one(conn, (_fn(schema, "retry_run", "%s, %s"), (run_id, by)))
+
+
+def run_blocked(conn: Conn, schema: str, run_id: str) -> bool:
+    """Whether the run is blocked (its failed event is what `retry --run` retries), or
+    OpsError(NOT_FOUND) for no such run."""
+    [rows] = _call(conn, (_fn(schema, "inspect_run_summary", "%s"), (run_id,)))
+    return rows[0]["blocked_seq"] is not None
+
+
+def retry_run_now(conn: Conn, schema: str, run_id: str, by: str) -> dict[str, Any]:
+    """A run backing off after a failed attempt is due now (only its next attempt moves)."""
+    return _one(conn, (_fn(schema, "retry_run_now", "%s, %s"), (run_id, by)))
+
+
+def retry_backing_off(
+    conn: Conn, schema: str, since: float | datetime | None, by: str
+) -> list[dict[str, Any]]:
+    """Every run backing off after a failed attempt that ended at or after `since` (seconds
+    before the database's now, or a time; None: any) is due now. Returns those runs."""
+    if since is None:
+        call: Call = _fn(schema, "retry_backing_off", "null, %s"), (by,)
+    elif isinstance(since, datetime):
+        call = _fn(schema, "retry_backing_off", "%s, %s"), (since, by)
+    else:  # on the database's clock, like every time the relay keeps
+        since_sql = "clock_timestamp() - make_interval(secs => %s), %s"
+        call = _fn(schema, "retry_backing_off", since_sql), (since, by)
+    [rows] = _call(conn, call)
+    return [dict(r) for r in rows]
 
 
 def skip_event(conn: Conn, schema: str, event_id: str, by: str, reason: str) -> dict[str, Any]:

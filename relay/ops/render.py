@@ -204,8 +204,12 @@ def render_inspect(data: Mapping[str, Any], limit: int | None, width: int) -> st
         ("state", run_state(run)),
         ("lane", "critical (terminal event pending)" if run["critical"] else "ordinary"),
         ("lease", f"{lease}, epoch {run['epoch']}"),
-        ("next attempt", f"{fmt_time(run['next_attempt_at'])} (attempts {run['attempts']})"),
     ]
+    if run["blocked_seq"] is None:  # a blocked run has no next attempt until an operator acts
+        attempt = f"{fmt_time(run['next_attempt_at'])} (failed attempts {run['attempts']})"
+        head.append(("next attempt", attempt))
+    else:
+        head.append(("failed attempts", f"{run['attempts']} (of seq {run['blocked_seq']})"))
     if run["last_error"]:
         head.append(("last error", clean(run["last_error"], 300)))
     head.append(("events", f"{run['events_total']} ({counts}); last seq {run['last_seq']}, "
@@ -256,6 +260,24 @@ def render_action(verb: str, row: Mapping[str, Any], width: int) -> str:
         rows.append(("run", f"still blocked at seq {row['blocked_seq']}"))
     title = f"{verb} event {clean(row['event_id'])}"
     return table(title, ("field", "value"), rows, width, header=False)
+
+
+def render_due(runs: Sequence[Mapping[str, Any]], width: int) -> str:
+    """What `relay retry --run` (of a run backing off) or `relay retry --backing-off` did: the
+    runs made due now, each with its failed attempts, last failure and the backoff it skipped."""
+    if not runs:
+        return "No run is backing off after a failed attempt (in that time): nothing to retry"
+    rows = [
+        (r["run_id"], r["attempts"], r["last_status"], fmt_time(r["failed_at"], short=True),
+         fmt_time(r["was_due_at"], short=True), clean(r["last_error"] or "", 120))
+        for r in runs
+    ]  # fmt: skip
+    title = (
+        f"{len(runs)} run{'s' if len(runs) != 1 else ''} due now"
+        " (was backing off; a relay claims it at once; times UTC)"
+    )
+    columns = ("run", "att", "status", "failed", "was due", "error")
+    return table(title, columns, rows, width)
 
 
 # -- stdout ------------------------------------------------------------------------------------
