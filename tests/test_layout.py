@@ -25,7 +25,7 @@ MAX_JOB_WORDS = 75
 # the aiohttp sender only when `http_transport=aiohttp`, relay/ingress.py `open_sender`).
 INTEGRATIONS = {"relay.integrations": "otel", "relay.http_aiohttp": "aiohttp"}
 # In the core install on purpose although nothing imports it: httpcore tries to import it on
-# every request (LIMITS.md: +34% requests/s with it installed).
+# every request (docs/limits.md: +34% requests/s with it installed).
 INSTALLED_NOT_IMPORTED = {"sniffio"}
 
 
@@ -185,7 +185,7 @@ def test_first_sentence_stops_at_the_first_full_stop() -> None:
 
 
 def test_every_module_names_its_one_job_in_its_docstring() -> None:
-    """A module has one job, named in the first sentence of its docstring (STYLE.md): a
+    """A module has one job, named in the first sentence of its docstring (docs/style.md): a
     sentence (it ends with a full stop) of a few words up to a long line's worth, not a
     paragraph that lists several."""
     unnamed = {}
