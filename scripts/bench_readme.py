@@ -1,9 +1,10 @@
-"""Print the README's "Latest full run" section from a `relay bench --json` file.
+"""Write the "Latest full run" table of docs/performance.md from a `relay bench --json` file.
 
-    python scripts/bench_readme.py docs/bench/latest.json
+    python scripts/bench_readme.py docs/bench/latest.json [--print]
 
-Figures, targets and the peers' settings come from the JSON alone; paste the output over the
-section in README.md (from "Latest full run" to the chart), so the README says what was run.
+Figures, targets and the peers' settings come from the JSON alone, so the page says what was
+run. The table replaces what lies between the two marker lines of docs/performance.md (the prose
+after them, written by hand, stays); `--print` prints it instead.
 """
 
 from __future__ import annotations
@@ -12,6 +13,10 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "performance.md"
+START = "<!-- scripts/bench_readme.py writes from here -->"
+END = "<!-- scripts/bench_readme.py writes up to here -->"
 
 
 def _value(v: Any) -> str:
@@ -30,7 +35,7 @@ def section(doc: dict[str, Any]) -> str:
         f"Latest full run: {doc['at']}, ledger-relay {doc['relay_version']}, "
         f"{machine['cpus']} CPUs ({machine['platform']}), {doc['reps']} repetitions per figure "
         "(median), embedded PostgreSQL 16 with fsync on; JSON: "
-        "[docs/bench/latest.json](docs/bench/latest.json).",
+        "[bench/latest.json](bench/latest.json).",
         "",
         "| key | value |",
         "|---|---|",
@@ -65,11 +70,27 @@ def section(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
+def write_into(page: Path, text: str) -> None:
+    """Replace what lies between the page's two marker lines with `text`."""
+    doc = page.read_text()
+    if doc.count(START) != 1 or doc.count(END) != 1 or doc.index(START) > doc.index(END):
+        raise SystemExit(f"{page}: expected one {START!r} line before one {END!r} line")
+    before, rest = doc.split(START, 1)
+    _, after = rest.split(END, 1)
+    page.write_text(f"{before}{START}\n{text}\n{END}{after}")
+
+
+def main(argv: list[str], page: Path = PAGE) -> int:
+    args = [a for a in argv if a != "--print"]
+    if len(args) != 1 or len(argv) - len(args) > 1:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
-    print(section(json.loads(Path(argv[0]).read_text())))
+    text = section(json.loads(Path(args[0]).read_text()))
+    if "--print" in argv:
+        print(text)
+    else:
+        write_into(page, text)
+        print(f"wrote the latest run's table into {page}")
     return 0
 
 

@@ -184,7 +184,7 @@ def test_first_sentence_stops_at_the_first_full_stop() -> None:
 
 
 def test_every_module_names_its_one_job_in_its_docstring() -> None:
-    """A module has one job, named in the first sentence of its docstring (STYLE.md): a
+    """A module has one job, named in the first sentence of its docstring (docs/style.md): a
     sentence (it ends with a full stop) of a few words up to a long line's worth, not a
     paragraph that lists several."""
     unnamed = {}

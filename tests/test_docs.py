@@ -1,0 +1,206 @@
+"""The documentation holds: every ```sql block of README.md runs as written against a migrated
+database, every `DESIGN §N(.M)` citation in the tree names a section of docs/design.md, no file
+points at design documents outside the repository, and relative links in README.md and docs/
+resolve."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from relay.migrate import migrate
+from relay.tools.absurd import install_absurd
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DESIGN = ROOT / "docs" / "design.md"
+# Where citations of the design may live (deploy/ and pyproject.toml carry comments too).
+CITING = ("relay", "schema", "tests", "docs", "scripts", "deploy", "README.md", "pyproject.toml")
+SKIP_DIRS = {"__pycache__", ".venv", ".git", ".mypy_cache", ".ruff_cache", ".pytest_cache"}
+
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
+HEADING = re.compile(r"^#{1,6} ", re.M)
+SECTION = re.compile(r"^#{2,4} §(\d+(?:\.\d+)?)[.\s]", re.M)
+# "DESIGN §4.2", "DESIGN §3, §6", "DESIGN §4.2/§9.1", "DESIGN.md §5 and §9.3"
+CITATION = re.compile(
+    r"DESIGN(?:\.md)?\s*§\s*\d+(?:\.\d+)?(?:\s*(?:,|/|\+|and|or)\s*§\s*\d+(?:\.\d+)?)*"
+)
+NUMBER = re.compile(r"§\s*(\d+(?:\.\d+)?)")
+# scripts/mutants.py names what each planted bug guards by bare DESIGN sections ("§4.2 …").
+BARE = re.compile(r"(?<!\.md )§\s*(\d+(?:\.\d+)?)")
+# Design documents that live outside the repository (built from parts so this file does not
+# match itself).
+OUTSIDE = re.compile(r"(?:\.\./)*" + "sha" + r"red/" + r"|\.\./" + "sha" + "red")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def sql_blocks(markdown: str) -> list[str]:
+    return [m.group(2) for m in FENCE.finditer(markdown) if m.group(1) == "sql"]
+
+
+def blocks_under(markdown: str, heading: str, lang: str) -> list[str]:
+    """The ```lang blocks of the section whose heading line starts with `heading`."""
+    start = markdown.index("\n" + heading) + 1
+    nxt = HEADING.search(markdown, start + len(heading))
+    section = markdown[start : nxt.start() if nxt else len(markdown)]
+    return [m.group(2) for m in FENCE.finditer(section) if m.group(1) == lang]
+
+
+def design_sections(text: str) -> set[str]:
+    """Section numbers of the design page: "§4.2" headings give "4.2" and "4"."""
+    found = set(SECTION.findall(text))
+    return found | {s.split(".")[0] for s in found}
+
+
+def citations(text: str, *, bare: bool = False) -> set[str]:
+    """Section numbers cited as DESIGN §N(.M) (and, with `bare`, as §N(.M) alone)."""
+    cited = {n for m in CITATION.finditer(text) for n in NUMBER.findall(m.group(0))}
+    if bare:
+        cited |= set(BARE.findall(text))
+    return cited
+
+
+def tree_files() -> Iterator[Path]:
+    for name in CITING:
+        top = ROOT / name
+        paths = [top] if top.is_file() else sorted(top.rglob("*"))
+        for p in paths:
+            if p.is_file() and not SKIP_DIRS.intersection(p.relative_to(ROOT).parts):
+                yield p
+
+
+def read_text(p: Path) -> str | None:
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return None  # images, the bench's PNG
+
+
+# -- the design page and its citations --------------------------------------------------------
+
+
+def dangling(files: dict[str, str], sections: set[str]) -> list[str]:
+    """`path: §N` for every citation that names no section."""
+    out = []
+    for rel, text in files.items():
+        bare = rel == "scripts/mutants.py"
+        out += [f"{rel}: §{n}" for n in sorted(citations(text, bare=bare)) if n not in sections]
+    return out
+
+
+def test_the_citation_collector_reads_every_form_and_finds_a_missing_section() -> None:
+    text = "x (DESIGN §4.2, §6, §9). y DESIGN §5/§9.1 z DESIGN.md §3 and §8.2; DESIGN § 7."
+    assert citations(text) == {"4.2", "6", "9", "5", "9.1", "3", "8.2", "7"}
+    assert citations('"§4.2 liveness", docs/operations.md §8a', bare=True) == {"4.2"}
+    sections = design_sections("## §4. Loop\n### §4.2 Lease\n## §9. Invariants\n### §9.1 x\n")
+    assert sections == {"4", "4.2", "9", "9.1"}
+    # §4.7 and §9.3 stand apart in this file, so the tree's own check does not read them.
+    files = {"relay/a.py": "# DESIGN §4.2, " + "§4.7", "scripts/mutants.py": '"§9.3 fencing"'}
+    assert dangling(files, sections) == ["relay/a.py: §4.7", "scripts/mutants.py: §9.3"]
+
+
+def test_every_design_citation_names_a_section_of_docs_design_md() -> None:
+    sections = design_sections(DESIGN.read_text())
+    assert {"1", "2", "3", "4.1", "4.5", "5", "6", "7", "8.1", "8.2", "9.1", "9.6"} <= sections
+    files = {}
+    for p in tree_files():
+        text = read_text(p)
+        if text is not None:
+            files[str(p.relative_to(ROOT))] = text
+    cited = {n for rel, t in files.items() for n in citations(t, bare=rel == "scripts/mutants.py")}
+    assert len(cited) >= 10, f"the collector found too few citations: {sorted(cited)}"
+    assert dangling(files, sections) == []
+
+
+def test_the_design_page_says_how_it_is_cited() -> None:
+    top = DESIGN.read_text().split("\n## ", 1)[0]
+    assert '"DESIGN §N"' in top
+
+
+def test_nothing_points_at_design_documents_outside_the_repository() -> None:
+    hits = []
+    for p in tree_files():
+        text = read_text(p)
+        if text is None:
+            continue
+        for i, line in enumerate(text.splitlines(), 1):
+            if OUTSIDE.search(line):
+                hits.append(f"{p.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert hits == []
+
+
+def test_relative_links_of_the_readme_and_docs_resolve() -> None:
+    broken = []
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert broken == []
+
+
+# -- the README's SQL runs as written ---------------------------------------------------------
+
+
+@pytest.fixture
+def readme_db(pg_url: str) -> Iterator[str]:
+    """A fresh database with the relay migrated under its default schema name `relay`, and
+    Absurd with the queue `default` (the README's wake examples name it)."""
+    name = f"docs_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("create database {}").format(sql.Identifier(name)))
+    url = make_conninfo(pg_url, dbname=name)
+    try:
+        migrate(url, "relay")
+        install_absurd(url, ("default",))
+        yield url
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(name))
+            )
+
+
+def test_the_readme_has_sql_blocks_with_named_arguments() -> None:
+    blocks = sql_blocks(README.read_text())
+    assert len(blocks) >= 2
+    assert any("p_terminal => true" in b for b in blocks)
+
+
+def test_every_sql_block_of_the_readme_runs_against_a_migrated_database(readme_db: str) -> None:
+    blocks = sql_blocks(README.read_text())
+    with psycopg.connect(readme_db, autocommit=True) as conn:
+        for i, block in enumerate(blocks, 1):
+            try:
+                conn.execute(block.encode())  # no parameters: one simple-protocol message
+            except psycopg.Error as e:
+                pytest.fail(f"README.md's sql block {i} fails: {e}\n{block}")
+        named = {n for b in blocks for n in re.findall(r"p_event_id\s*=>\s*'([^']+)'", b)}
+        cur = conn.execute(
+            "select event_id from relay.outbox where event_id = any(%s)", [list(named)]
+        )
+        assert named and {r[0] for r in cur} == named
+
+
+def test_the_quick_starts_python_runs_as_written(readme_db: str) -> None:
+    (block,) = blocks_under(README.read_text(), "## Quick start", "python")
+    env = {**os.environ, "RELAY_DATABASE_URL": readme_db}
+    subprocess.run([sys.executable, "-c", block], env=env, check=True, timeout=60, cwd=ROOT)
+    ids = set(re.findall(r'"(run-\d+:\w+)"', block))
+    with psycopg.connect(readme_db) as conn:
+        cur = conn.execute(
+            "select event_id, terminal from relay.outbox where event_id = any(%s)", [list(ids)]
+        )
+        rows = dict(cur.fetchall())
+    assert ids and set(rows) == ids and any(rows.values())
