@@ -159,11 +159,13 @@ class Admission:
 
     def _room(self, priority: Priority) -> bool:
         allowed = self.limit.allowed
-        if self.inflight >= allowed:
-            return False
         if priority is Priority.CRITICAL:
-            return True
-        return self._inflight[Priority.ORDINARY] < allowed - self.reserve
+            # The reserve is the critical lane's even when ordinary POSTs sent under a higher
+            # limit still fill the new one: in flight may then pass it by the reserve at most.
+            reserved = self._inflight[Priority.CRITICAL] < self.reserve
+            return reserved or self.inflight < allowed
+        ordinary = self._inflight[Priority.ORDINARY]
+        return self.inflight < allowed and ordinary < allowed - self.reserve
 
     def _grant(self, priority: Priority, now: float) -> Permit:
         self._inflight[priority] += 1

@@ -132,6 +132,21 @@ def test_a_release_feeds_the_answer_to_the_limit() -> None:
     assert adm.try_acquire(CRITICAL, NOW + 0.06) is not None  # 3 in flight
 
 
+def test_the_reserve_stays_critical_when_the_limit_falls_under_ordinary_posts() -> None:
+    """Ordinary POSTs sent under a limit of 16 fill all of the 8 it fell to: a terminal still
+    gets a permit from the reserve (2 of 8), the ordinary lane none until it is back under."""
+    adm = admission(16)
+    ordinary = take_all(adm, ORDINARY)
+    assert len(ordinary) == 12
+    adm.release(ordinary.pop(), Sample(0.040, Signal.OVERLOADED), NOW + 0.040)
+    assert adm.limit.allowed == 8 and adm.reserve == 2
+    assert len(take_all(adm, CRITICAL)) == 2  # 11 + 2 in flight: over 8 by the reserve
+    assert adm.try_acquire(ORDINARY, NOW + 0.041) is None
+    for permit in ordinary[:6]:
+        adm.release(permit, None, NOW + 0.05)
+    assert adm.try_acquire(ORDINARY, NOW + 0.05) is not None  # 5 + 2 in flight, 6 ordinary
+
+
 def test_permits_count_what_was_in_flight_when_they_were_granted() -> None:
     adm = admission(4)
     assert [p.inflight for p in take_all(adm, ORDINARY)] == [1, 2, 3]
