@@ -1,0 +1,89 @@
+"""The retry budget: retries of POSTs, quick and scheduled, stay a bounded share of the
+ingress's load, so an ingress failing half its requests does not see its load double (issue 42).
+
+Tokens, in the manner of Finagle's RetryBudget and gRPC's retry throttling, over a window of
+SPAN seconds (relay/windows.py):
+
+- every POST the ingress served (an answer other than a transient failure) deposits `ratio`;
+- a retry takes one token while it is in flight; a retry that fails keeps it, one that is
+  served gives it back;
+- a standing reserve of `per_second * span` tokens lets a quiet relay retry at all.
+
+So failed retries in any window stay at most `ratio` times the POSTs served in it, plus the
+reserve. Against an ingress failing half of everything that is about 1.11 POSTs per first
+attempt; against one that serves nothing, first attempts plus the reserve; against a healthy
+one, retries cost nothing, and runs that waited in the outbox through an outage drain at the
+pace the limit allows, not at `ratio` times the new traffic (Finagle's budget, which charges
+every retry, would trickle them out). A retry refused here waits in the outbox (the caller
+hands its claim back with a delay): no event is ever dropped for want of a token.
+
+Pure: no I/O; `now` is the monotonic clock, passed in.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from relay.windows import WindowedSum
+
+RATIO = 0.1  # tokens per POST served (gRPC's example token_ratio)
+PER_SECOND = 1.0  # the reserve, in retries per second (Finagle's minRetriesPerSec, scaled down)
+SPAN = 10.0  # seconds a deposit or a failed retry counts (Finagle's ttl)
+
+
+class Result(enum.Enum):
+    """What one POST's answer means to the budget."""
+
+    SERVED = "served"  # the ingress answered and it is not a transient failure (2xx, 409, 4xx)
+    FAILED = "failed"  # a transient failure (DESIGN §5: 429, 5xx, timeout, connection error)
+    UNSENT = "unsent"  # it never went out (lease lost, cancelled): nothing to count
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetView:
+    """What observers read."""
+
+    balance: float  # tokens a retry may take now (it needs one)
+    retrying: int  # retries in flight, each holding a token
+
+
+class RetryBudget:
+    """One per replica: `try_retry()` before each retry, `record()` after each POST."""
+
+    def __init__(
+        self, *, ratio: float = RATIO, per_second: float = PER_SECOND, span: float = SPAN
+    ) -> None:
+        if ratio < 0 or per_second < 0:
+            raise ValueError("a retry budget's ratio and reserve are not negative")
+        self.ratio = ratio
+        self.reserve = per_second * span
+        self._served = WindowedSum(span)
+        self._failed_retries = WindowedSum(span)
+        self._retrying = 0
+
+    def balance(self, now: float) -> float:
+        """Tokens left: deposits and the reserve, less failed retries and retries in flight."""
+        deposits = self.ratio * self._served.total(now) + self.reserve
+        return deposits - self._failed_retries.total(now) - self._retrying
+
+    def view(self, now: float) -> BudgetView:
+        return BudgetView(self.balance(now), self._retrying)
+
+    def try_retry(self, now: float) -> bool:
+        """May a retry go out now? If so it holds a token until `record(retry=True, ...)`."""
+        if self.balance(now) < 1.0:
+            return False
+        self._retrying += 1
+        return True
+
+    def record(self, result: Result, *, retry: bool, now: float) -> None:
+        """A POST is done (`retry`: one that `try_retry` let go; each is recorded once)."""
+        if retry:
+            if self._retrying == 0:
+                raise RuntimeError("a retry recorded that the budget did not let go")
+            self._retrying -= 1
+        if result is Result.SERVED:
+            self._served.add(1.0, now)
+        elif result is Result.FAILED and retry:
+            self._failed_retries.add(1.0, now)
