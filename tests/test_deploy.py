@@ -126,6 +126,7 @@ DOCUMENTED_CREDENTIALS = {
     "signing_secret",
     "listen_database_url",
     "ui_token",
+    "ingress_proxy",
 }
 
 
