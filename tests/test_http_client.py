@@ -341,3 +341,19 @@ async def test_the_ingress_cannot_set_cookies_on_the_client() -> None:
         await server.wait_closed()
     assert len(heads) == 3
     assert not [h for h in heads if b"\r\ncookie:" in h], heads
+
+
+async def test_a_retired_transport_starts_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A rolling upgrade from a3be705 never fails on `http_transport=httptools`: both lanes'
+    clients start, and one warning names what replaces it."""
+    caplog.set_level("WARNING", logger="relay")
+    cfg = client_settings(http_transport="httptools")
+    async with open_sender(cfg, 2), open_sender(cfg, 1):
+        pass
+    told = [r for r in caplog.records if r.getMessage() == "http_transport_chosen"]
+    assert len(told) == 1, told
+    fields = told[0].fields  # type: ignore[attr-defined]
+    assert (fields["configured"], fields["using"]) == ("httptools", "aiohttp")
+    assert "replaces" in fields["why"]

@@ -373,6 +373,35 @@ async def test_runs_as_a_library_with_an_app_owned_transport(
     assert app.state.first_order == {"r0": [1, 2], "r1": [1, 2]}
 
 
+async def test_runs_as_a_library_with_an_app_owned_httpx_client(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Issue 40: the application hands the relay its own `httpx.AsyncClient` (its headers, its
+    event hooks); both lanes POST through it, and it is still open, the application's, after the
+    relay stopped."""
+    import httpx
+
+    app = Sink()
+    hooked: list[str] = []
+
+    async def on_request(request: httpx.Request) -> None:
+        hooked.append(request.url.path)
+
+    enqueue_runs(conn, schema, 2, 2)
+    cfg = settings(pg_url, schema, "http://ingress.internal")
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), event_hooks={"request": [on_request]}
+    ) as client:
+        async with anyio.create_task_group() as tg:
+            r = Relay(cfg, client=client)
+            await tg.start(r.run)
+            await wait_for(lambda: len(app.state.deliveries) == 4, what="delivery via the client")
+            r.stop()
+        assert not client.is_closed
+    assert app.state.first_order == {"r0": [1, 2], "r1": [1, 2]}
+    assert len(hooked) >= 2 and all(p.startswith("/runs/") for p in hooked)
+
+
 @asynccontextmanager
 async def posting_slowly(rig: Rig) -> AsyncIterator[Lane]:
     """A relay leasing for 3 s, whose one event (of run r0) takes 2 s to POST: its ordinary
