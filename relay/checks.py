@@ -219,6 +219,15 @@ async def check_ingress(
     if outcome is Outcome.MISCONFIGURED:
         why = _misconfigured(status, reply.location, setting, s)
         return Result(name, False, f"{where} answered {status}: {why}")
+    if outcome is Outcome.ACCEPTED and reply.unframed and not reply.body.strip():
+        # relay/policy.py: such an answer cannot be told from a reset, so relay run would
+        # retry every batch and deliver none.
+        return Result(
+            name,
+            False,
+            f"{where} answered {status} with an empty body and no Content-Length or chunked "
+            "framing, which relay run cannot tell from a connection reset: frame the answers",
+        )
     note = {
         Outcome.ACCEPTED: "",
         Outcome.POISON: " (to an empty batch: the endpoint takes POSTs)",

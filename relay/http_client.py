@@ -11,7 +11,7 @@ choosing (`http_transport`):
 - `aiohttp` (the default): `httpx_aiohttp.HttpxAiohttpClient`, httpx's client over aiohttp's
   connection pool and its C parser. It reads each answer on its own connection's terms: an
   ingress that writes one answer twice has its connection dropped rather than reused, so the
-  stale answer is never handed to the next POST (tests/test_security.py). A third of httpx's own
+  stale answer is never handed to the next POST (tests/test_http_client.py). A third of httpx's own
   transport's CPU per POST (docs/performance.md).
 - `httpx`: httpx's own transport (httpcore). The only one that speaks HTTP/2, so `http2=true`
   uses it, and so does a SOCKS proxy (aiohttp takes HTTP proxies only). Over HTTP/1.1 it reuses
@@ -42,7 +42,7 @@ from urllib.parse import unquote_to_bytes
 
 import aiohttp  # its errors: httpx_aiohttp passes some through unmapped (a bad status line)
 import httpx
-from httpx_aiohttp import HttpxAiohttpClient
+from httpx_aiohttp import AiohttpTransport, HttpxAiohttpClient
 
 from relay import logs
 from relay.logs import redact_text
@@ -55,6 +55,7 @@ TRANSPORTS = ("aiohttp", "httpx")
 # `http_transport` values of earlier releases, and what now does their job. They still start (a
 # rolling upgrade never fails on a setting it used to accept), with one warning.
 RETIRED_TRANSPORTS = {"httptools": "aiohttp", "httpcore": "httpx"}
+PROXY_VARIABLES = frozenset({"http_proxy", "https_proxy", "all_proxy"})
 # Statuses whose answer has no body whatever its headers say (RFC 9110 §6.4.1).
 NO_BODY_STATUSES = frozenset({204, 304})
 # What httpx and aiohttp raise about one request.
@@ -98,17 +99,18 @@ def transport_for(settings: Settings, environ: Mapping[str, str]) -> tuple[str, 
     return name, None
 
 
-def _socks_proxy(settings: Settings, environ: Mapping[str, str]) -> bool:
-    """Whether any proxy the client may use is a SOCKS one. Which URL a proxy applies to is
-    httpx's to decide (`trust_env`); here only its scheme matters, as for httpx's own check."""
-    proxies = [value for name, value in environ.items() if _is_proxy_variable(name.lower())]
+def configured_proxies(settings: Settings, environ: Mapping[str, str]) -> list[str]:
+    """The proxies the client may use: `ingress_proxy` alone when it is set (httpx then reads no
+    variable), else the variables httpx's `trust_env` reads (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY,
+    either case). Which URL one applies to is httpx's to decide; here only whether there are
+    any, and their schemes, matter."""
     if settings.ingress_proxy is not None:
-        proxies.append(settings.ingress_proxy.reveal())
-    return any(p.strip().lower().startswith("socks") for p in proxies)
+        return [settings.ingress_proxy.reveal()]
+    return [value for name, value in environ.items() if name.lower() in PROXY_VARIABLES and value]
 
 
-def _is_proxy_variable(name: str) -> bool:
-    return name.endswith("_proxy") and name != "no_proxy"
+def _socks_proxy(settings: Settings, environ: Mapping[str, str]) -> bool:
+    return any(p.strip().lower().startswith("socks") for p in configured_proxies(settings, environ))
 
 
 def require_extras(settings: Settings, environ: Mapping[str, str]) -> None:
@@ -140,14 +142,22 @@ def build_client(
         keepalive_expiry=KEEPALIVE_EXPIRY,
     )
     proxy = settings.ingress_proxy.reveal() if settings.ingress_proxy is not None else None
+    # TLS is verified always: against `ingress_ca_file` when given, else the operating system's
+    # store (OpenSSL's default paths; SSL_CERT_FILE / SSL_CERT_DIR honoured). `verify=True` would
+    # load certifi's bundle instead and refuse an ingress whose CA the OS trusts (issue 30).
+    verify = ssl.create_default_context(cafile=settings.ingress_ca_file)
     kind = HttpxAiohttpClient if name == "aiohttp" else httpx.AsyncClient
+    direct = None
+    if name == "aiohttp" and not configured_proxies(settings, env):
+        # No proxy anywhere: the aiohttp session is built here, with aiohttp's jar that keeps
+        # no cookie (httpx's jar below does not reach aiohttp's own). Given a transport, httpx
+        # reads no proxy variable, and there is none to read.
+        direct = AiohttpTransport(
+            verify=verify, limits=limits, client=lambda: aiohttp_session(verify, connections)
+        )
     try:
         return kind(
-            # TLS is verified always: against `ingress_ca_file` when given, else the operating
-            # system's store (OpenSSL's default paths; SSL_CERT_FILE / SSL_CERT_DIR honoured).
-            # `verify=True` would load certifi's bundle instead and refuse an ingress whose CA
-            # the OS trusts (issue 30).
-            verify=ssl.create_default_context(cafile=settings.ingress_ca_file),
+            verify=verify,
             http2=settings.http2,
             limits=limits,
             timeout=httpx.Timeout(settings.http_timeout),
@@ -155,9 +165,19 @@ def build_client(
             trust_env=True,
             follow_redirects=False,
             cookies=no_cookies(),
+            transport=direct,
         )
     except ValueError as exc:  # httpx.Proxy: an unknown scheme
         raise ConfigError(f"proxy: {redact_url(str(exc))}") from None
+
+
+def aiohttp_session(verify: ssl.SSLContext, connections: int) -> aiohttp.ClientSession:
+    """aiohttp's session under the default transport, as httpx-aiohttp would build it (its
+    connection limit, keep-alive and TLS context), but with a jar that keeps no cookie."""
+    connector = aiohttp.TCPConnector(
+        limit=connections, keepalive_timeout=KEEPALIVE_EXPIRY, ssl=verify
+    )
+    return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
 
 
 def no_cookies() -> CookieJar:

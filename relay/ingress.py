@@ -27,12 +27,13 @@ import httpx
 import orjson
 
 from relay import __version__
-from relay.http_client import MAX_BODY, HttpxSender, Reply, Sender, TransportFailure
+from relay.http_client import MAX_BODY, HttpxSender, Reply, Sender, TransportFailure, no_cookies
 from relay.settings import Secret, Settings
 
 __all__ = ["MAX_BODY", "Answer", "Batch", "IngressClient", "TransportFailure"]
 
 USER_AGENT = f"ledger-relay/{__version__}"
+DOT_SEGMENTS = frozenset({".", ".."})
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +185,10 @@ class IngressClient:
     ) -> None:
         self.settings = settings
         if isinstance(sender, httpx.AsyncBaseTransport):  # e.g. an in-process app, in tests
-            sender = HttpxSender(httpx.AsyncClient(transport=sender, follow_redirects=False))
+            client = httpx.AsyncClient(
+                transport=sender, follow_redirects=False, cookies=no_cookies()
+            )
+            sender = HttpxSender(client)
         self.sender = sender
         self.on_request = on_request  # metrics (relay/metrics.py): status class and duration
         self.deadlines = Deadlines()
@@ -230,6 +234,14 @@ class IngressClient:
         return h
 
     def url(self, batch: Batch) -> str:
+        if batch.run_id in DOT_SEGMENTS:
+            # Enqueue refuses these since issue 40; one written before cannot be carried by
+            # any path (normalisation removes the segment, and `..` the one before it): its
+            # POST fails, visibly, until an operator skips its events.
+            raise TransportFailure(
+                f"run id {batch.run_id!r} is a URL dot segment: no ingress path can carry it; "
+                "skip its events (relay skip)"
+            )
         return render_url(self.settings.ingress_url, batch.run_id)
 
     def group_url(self) -> str:

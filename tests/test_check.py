@@ -288,3 +288,25 @@ async def test_the_check_sends_the_configured_token_not_the_urls_userinfo(
     assert request.url.userinfo == b""
     basic = "Basic " + base64.b64encode(b"us@er:p:ss").decode()
     assert request.headers["authorization"] == (f"Bearer {token}" if token else basic)
+
+
+async def test_an_ingress_whose_answers_relay_run_cannot_trust_fails_the_check() -> None:
+    """Issue 40: an empty 200 ended only by the connection's close cannot be told from a reset
+    (relay/policy.py), so `relay run` would retry every batch and deliver none; `relay check`
+    says so rather than `ok`."""
+    import asyncio
+
+    from tests.test_security import RawIngress
+
+    async def unframed(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async with RawIngress(unframed).serving() as url:
+        s = load(
+            {"database_url": UNREACHABLE_DB, "ingress_url": url + "/runs/{run_id}/e"}, environ={}
+        )
+        got = await check_ingress(s, 5.0)
+    assert got.ok is False, got.line()
+    assert "frame the answers" in got.detail

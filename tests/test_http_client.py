@@ -234,6 +234,11 @@ def test_the_transport_follows_what_the_settings_need() -> None:
     assert transport_for(client_settings(http2="true"), {})[0] == "httpx"
     assert transport_for(client_settings(), {"all_proxy": "socks5://p:1"})[0] == "httpx"
     assert transport_for(client_settings(), {"HTTP_PROXY": "http://p:1"}) == ("aiohttp", None)
+    # A set ingress_proxy is the only one httpx uses: a SOCKS ALL_PROXY beside it is not read,
+    # and a variable httpx never reads (FTP_PROXY) is no proxy of the relay's.
+    beside = client_settings(ingress_proxy="http://p:1")
+    assert transport_for(beside, {"ALL_PROXY": "socks5://p:1"}) == ("aiohttp", None)
+    assert transport_for(client_settings(), {"FTP_PROXY": "socks5://p:1"}) == ("aiohttp", None)
     name, why = transport_for(client_settings(http_transport="httptools"), {})
     assert name == "aiohttp" and why is not None and "httptools" in why
     assert transport_for(client_settings(http_transport="httpcore"), {})[0] == "httpx"
@@ -311,9 +316,12 @@ async def test_http2_to_a_real_h2_server(
 # --- no state kept from the ingress's answers ---------------------------------------------------
 
 
-async def test_the_ingress_cannot_set_cookies_on_the_client() -> None:
-    """httpx's client keeps a cookie jar: an ingress setting a new cookie on every answer would
-    grow it without bound and have the relay send them all back. The relay's client takes none."""
+@pytest.mark.parametrize("http_transport", HTTP_TRANSPORTS)
+async def test_the_ingress_cannot_set_cookies_on_the_client(http_transport: str) -> None:
+    """httpx's client keeps a cookie jar, and so does aiohttp's session under it: an ingress
+    setting a new cookie on every answer would grow them without bound and have the relay send
+    them all back. The relay's client takes none. Spoken to by host name: aiohttp's jar takes
+    no cookie from an IP address, which would hide its own."""
     heads: list[bytes] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -331,9 +339,9 @@ async def test_the_ingress_cannot_set_cookies_on_the_client() -> None:
         writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    url = f"http://localhost:{server.sockets[0].getsockname()[1]}"
     try:
-        async with open_sender(client_settings(), 1) as sender:
+        async with open_sender(client_settings(http_transport=http_transport), 1) as sender:
             for _ in range(3):
                 assert (await sender.send(url + "/runs/c", b"{}", {})).status == 200
     finally:

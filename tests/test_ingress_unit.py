@@ -657,3 +657,21 @@ def test_a_client_used_again_under_a_new_event_loop_still_cuts_its_requests() ->
 
     anyio.run(answered)
     assert anyio.run(stalled) == "timed out after 0.3s"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("run_id", [".", ".."])
+async def test_a_dot_segment_run_id_is_never_posted(run_id: str) -> None:
+    """Enqueue refuses them (issue 40); one written before fails its POST, naming why and what
+    to do, instead of going to another path (`..` removes the segment before it)."""
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200)
+
+    async with mock(handler) as http:
+        client = IngressClient(settings(), http)
+        with pytest.raises(TransportFailure, match=r"dot segment.*relay skip"):
+            await client.post(batch(run_id, [event(1)]))
+    assert seen == []
