@@ -97,6 +97,10 @@ class TextFormatter(logging.Formatter):
 
 
 LIBRARY_LEVEL = logging.WARNING  # psycopg_pool's INFO lines are noise next to the relay's
+# The HTTP client's loggers speak per request (httpx: an INFO line per POST; httpcore: a DEBUG
+# line per step): the relay's own `delivered` / `post_failed` lines say it once, with the run.
+# Their warnings and errors still come through, at debug level too.
+PER_REQUEST_LOGGERS = ("httpx", "httpcore", "hpack")
 
 
 def configure(
@@ -111,6 +115,8 @@ def configure(
     root.handlers[:] = [h for h in root.handlers if not isinstance(h, _Handler)] + [handler]
     relay_level = logging.getLevelName(level.upper())
     root.setLevel(relay_level if relay_level <= logging.DEBUG else max(relay_level, LIBRARY_LEVEL))
+    for name in PER_REQUEST_LOGGERS:
+        logging.getLogger(name).setLevel(LIBRARY_LEVEL)
     _logger.handlers[:] = []
     _logger.setLevel(relay_level)
     _logger.propagate = True
