@@ -36,6 +36,18 @@ HARDENING = {
 }
 
 
+# What a stop may take before the manager's SIGKILL: the drain (shutdown_timeout), the spans'
+# bounded flush after it (relay/tracing.py flush_timeout), and a few seconds for handing the
+# leases back and closing the pools.
+HAND_BACK = 5.0
+
+
+def stop_budget(drain: float) -> float:
+    from relay.tracing import flush_timeout
+
+    return drain + flush_timeout(drain) + HAND_BACK
+
+
 def unit_sections(path: Path) -> dict[str, list[tuple[str, str]]]:
     """systemd's format: sections of key=value lines; keys may repeat."""
     sections: dict[str, list[tuple[str, str]]] = {}
@@ -88,7 +100,7 @@ def test_systemd_template_unit_relations() -> None:
     assert systemd_seconds(values(svc, "WatchdogSec")[0]) > 0
     env = env_assignments(svc)
     drain = parse_duration(env["RELAY_SHUTDOWN_TIMEOUT"])
-    assert systemd_seconds(values(svc, "TimeoutStopSec")[0]) > drain
+    assert systemd_seconds(values(svc, "TimeoutStopSec")[0]) > stop_budget(drain)
     assert "%i" in env["RELAY_REPLICA_ID"]  # each instance its own lease owner name
     files = values(svc, "EnvironmentFile")
     assert any("%i" in f for f in files) and any("%i" not in f for f in files)
@@ -499,7 +511,7 @@ def test_compose() -> None:
     env = relay["environment"]
     assert "RELAY_DATABASE_URL" not in env and "RELAY_DATABASE_URL_FILE" in env
     drain = parse_duration(env["RELAY_SHUTDOWN_TIMEOUT"])
-    assert parse_duration(relay["stop_grace_period"]) > drain
+    assert parse_duration(relay["stop_grace_period"]) > stop_budget(drain)
     assert relay["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert relay["ulimits"]["nofile"]["soft"] >= 16 * MAX_CONNECTIONS
     assert services["migrate"]["command"] == ["migrate"]
@@ -549,7 +561,7 @@ def test_kubernetes_manifests() -> None:
     (relay,) = [c for c in pod["containers"] if c["name"] == "relay"]
     env = {e["name"]: e for e in relay["env"]}
     drain = parse_duration(env["RELAY_SHUTDOWN_TIMEOUT"]["value"])
-    assert pod["terminationGracePeriodSeconds"] > drain
+    assert pod["terminationGracePeriodSeconds"] > stop_budget(drain)
     # Probes on the relay's own endpoints, on the port metrics_addr listens on.
     assert relay["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert relay["readinessProbe"]["httpGet"]["path"] == "/readyz"
