@@ -13,14 +13,16 @@ database drops the moment the process dies, so other replicas may claim its runs
 frozen process keeps its connection and so the lock. While this connection is down the replica
 looks dead and may lose its leases before they expire: duplicates at most, the fence holds.
 A lock another session still holds (our previous session, not yet dropped by the server) is
-tried again at every check.
+tried again at every check. A clean stop (`stop()`, once the lanes finished or released their
+work) is said on that session before it closes (`replica_stopped`), which gives the lock up:
+the replica is then not listed as dead (issue 41), and no later session takes the lock again.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import anyio
 import orjson
@@ -78,6 +80,13 @@ class Listener:
                 liveness[1],
             )
         )
+        self._stopped = (
+            None
+            if liveness is None
+            else sql.SQL("select {}.replica_stopped(%s)").format(sql.Identifier(liveness[0]))
+        )
+        self._stop = anyio.Event()
+        self._ended = anyio.Event()
         self.incarnation = secrets.token_hex(8)
         self.liveness_held = False
         self._liveness_conn: psycopg.AsyncConnection[Any] | None = None  # the session holding it
@@ -85,8 +94,22 @@ class Listener:
         # lets the lanes claim only then, so no replica takes a fresh one for dead.
         self.first_session = anyio.Event()
 
-    async def run(self) -> NoReturn:
-        await self.listening.run(self)
+    async def run(self) -> None:
+        """Until stop(); the session holding the liveness lock then gives it up cleanly."""
+        try:
+            await self.listening.run_until(self, self._stop)
+        finally:
+            self._ended.set()
+
+    async def stop(self) -> None:
+        """A clean stop: call it once the lanes finished or released their work (DESIGN §4.2).
+        While a session holds the liveness lock, waits until it said so and gave the lock up
+        (bounded: one step of the session, then the statement); else returns at once, with
+        nothing to say."""
+        self._stop.set()
+        if self.liveness_held:
+            with anyio.move_on_after(2 * self.listening.check_timeout + 1):
+                await self._ended.wait()
 
     # -- the hooks of relay/listening.py -------------------------------------------------------
 
@@ -114,6 +137,28 @@ class Listener:
         else:
             await ping(conn)
 
+    async def stopping(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """The replica stops cleanly: forgotten, its lock given up (`replica_stopped`). An owner
+        that still holds a lease (a release that failed) is kept, so the others take its runs
+        at once, as a dead one's. Never taken again: the lock stays given up."""
+        hold, self._hold = self._hold, None
+        if hold is None or self._stopped is None or not self.liveness_held:
+            return
+        owner = hold[1]
+        try:
+            cur = await conn.execute(self._stopped, (owner,))
+        except (psycopg.errors.InsufficientPrivilege, psycopg.errors.UndefinedFunction) as exc:
+            # A schema whose functions predate it: the lock goes with the session, as before.
+            logs.warning("replica_stop_unrecorded", owner=owner, error=logs.error_text(exc))
+            return
+        row = await cur.fetchone()
+        self.liveness_held = False
+        self._liveness_conn = None
+        if row and row[0]:
+            logs.info("replica_stopped", owner=owner)
+        else:
+            logs.warning("replica_stopped_holding_leases", owner=owner)
+
     def lost(self, was_up: bool, exc: BaseException, retry_in: float) -> None:
         self.up = False
         self.liveness_held = False
@@ -126,7 +171,7 @@ class Listener:
         )
 
     async def _hold_liveness(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        if self._hold is None:
+        if self._hold is None or self._stop.is_set():
             return
         query, owner = self._hold
         try:

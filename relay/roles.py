@@ -4,9 +4,9 @@
 - The **producer** role may call `enqueue` and `enqueue_many` and nothing else: no privilege on
   any table, so it can neither read nor change delivery state.
 - The **relay** role may call what `relay run` calls (claim, renew, release, fail_event, ack,
-  prune, backlog, and hold_liveness on its LISTEN connection) and read the few columns it
-  reads directly (`events.run_id/seq/state` for an ack whose commit outcome was lost,
-  `schema_migrations` for the version check). It cannot insert events, call enqueue, or
+  prune, backlog, and hold_liveness and replica_stopped on its LISTEN connection) and read the
+  few columns it reads directly (`events.run_id/seq/state` for an ack whose commit outcome was
+  lost, `schema_migrations` for the version check). It cannot insert events, call enqueue, or
   change a table other than through those fenced functions.
 
 Those functions are `security definer` (schema/functions.sql), so neither role needs table
@@ -42,6 +42,7 @@ RELAY_FUNCTIONS = (
     "backlog",
     "outbox_part_age",
     "hold_liveness",
+    "replica_stopped",  # on the same connection, at a clean stop (issue 41)
     # the status page (issue 17): its replica report and its two read-only queries
     "report_replica",
     "ui_status",

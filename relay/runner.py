@@ -272,7 +272,9 @@ class Relay:
                 self.health.ready = False
                 for lane in self.lanes.values():
                     lane.stop()
-            # Lanes are done (in-flight work finished or released): stop the rest.
+            # Lanes are done (in-flight work finished or released): the replica stopped cleanly,
+            # which the LISTEN session says before it closes (issue 41); then the rest stops.
+            await self.listener.stop()
             background.cancel_scope.cancel()
 
     def _lane(

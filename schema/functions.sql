@@ -25,6 +25,21 @@ language sql immutable parallel safe
 set search_path from current
 as $$ select hashtextextended('ledger-relay:live:' || current_schema() || ':' || p_owner, 0) $$;
 
+-- Whether the calling session holds p_owner's liveness lock: the exclusive advisory lock
+-- hold_liveness takes on the replica's LISTEN connection. pg_locks shows a bigint advisory key
+-- as classid (its high 32 bits) and objid (its low 32 bits) with objsubid 1.
+create or replace function session_holds_liveness(p_owner text) returns boolean
+language sql stable
+set search_path from current
+as $$
+    select exists (
+        select 1 from pg_locks l
+        where l.locktype = 'advisory' and l.objsubid = 1 and l.mode = 'ExclusiveLock'
+          and l.granted and l.pid = pg_backend_pid()
+          and l.database = (select d.oid from pg_database d where d.datname = current_database())
+          and ((l.classid::int8 << 32) | l.objid::int8) = liveness_key(p_owner))
+$$;
+
 create or replace function terminal_channel() returns text
 language sql stable parallel safe
 set search_path from current
@@ -499,6 +514,46 @@ begin
                       where w.lease_owner = d.owner and w.lease_expires_at > clock_timestamp())
       and pg_try_advisory_xact_lock(liveness_key(d.owner));
     return true;
+end
+$$;
+
+-- A replica's clean stop (issue 41, DESIGN §4.2), the end of what hold_liveness began: called
+-- on the session that holds p_owner's liveness lock (its LISTEN connection) once its lanes
+-- finished or released their work. No other session may, so one replica cannot make another
+-- look stopped. An owner that holds no unexpired lease is forgotten, as prune forgets a dead
+-- one, but at once: `relay status` lists a `replicas` row whose lock is free as dead, and this
+-- one is not. One that still holds a lease (a release that failed) keeps its row, so once its
+-- lock is free the others take those runs at once, as a dead owner's. Then the lock is given
+-- up, every hold of it (it is re-entrant). Returns whether the owner was forgotten.
+-- The lock goes before the delete commits (a session lock is released at once): a claim in
+-- that moment may see the row with its lock free, and then judges dead an owner that holds no
+-- unexpired lease, which takes nothing from it.
+create or replace function replica_stopped(p_owner text) returns boolean
+language plpgsql volatile
+set search_path from current
+security definer
+as $$
+declare
+    v_forgotten boolean;
+begin
+    if p_owner is null or p_owner = '' then
+        raise exception 'relay.replica_stopped: owner must be a non-empty string'
+            using errcode = '22023';
+    end if;
+    if not session_holds_liveness(p_owner) then
+        raise exception 'relay.replica_stopped: this session does not hold the liveness lock of '
+                        'that owner (a replica stops on the connection that holds it)'
+            using errcode = '55000';
+    end if;
+    delete from replicas rp
+    where rp.owner = p_owner
+      and not exists (select 1 from runs w
+                      where w.lease_owner = rp.owner and w.lease_expires_at > clock_timestamp());
+    v_forgotten := found;
+    while session_holds_liveness(p_owner) loop
+        perform pg_advisory_unlock(liveness_key(p_owner));
+    end loop;
+    return v_forgotten;
 end
 $$;
 

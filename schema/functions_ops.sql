@@ -564,7 +564,8 @@ $$;
 --   blocked_runs     up to p_blocked_limit of them, oldest failure first: the failed event, its
 --                    status and error, and how many events it holds back (blocked_runs)
 --   leases           live leases per owner (expired ones are claimable and counted apart)
---   replicas         the replicas that record their liveness, alive or dead (lock held or not)
+--   replicas         the replicas that record their liveness, alive or dead (lock held or not);
+--                    one that stopped cleanly is forgotten (replica_stopped), so is not listed
 --   runs_delivered_last_minute
 --                    runs whose cursor moved in the last minute (runs_delivered_since): each
 --                    delivered at least one event in it, however many. Since schema version 7

@@ -130,6 +130,25 @@ MUTANTS: tuple[Mutant, ...] = (
         "        server_started_at = rp.server_started_at;\n",
         (f"{LIVE}::test_an_owner_recorded_before_a_restart_is_not_judged_dead_by_its_free_lock",),
     ),
+    Mutant(
+        "liveness-stopped-by-anyone",
+        "§4.2 liveness: only the session holding an owner's lock may say it stopped (issue 41)",
+        SQL,
+        "    if not session_holds_liveness(p_owner) then\n"
+        "        raise exception 'relay.replica_stopped:",
+        "    if false then\n        raise exception 'relay.replica_stopped:",
+        (f"{LIVE}::test_a_clean_stop_forgets_the_owner_and_gives_its_lock_up",),
+    ),
+    Mutant(
+        "liveness-stopped-hides-leases",
+        "§4.2 liveness: an owner that stops holding a lease stays, so its runs are taken at once",
+        SQL,
+        "      and not exists (select 1 from runs w\n"
+        "                      where w.lease_owner = rp.owner and w.lease_expires_at >"
+        " clock_timestamp());\n    v_forgotten := found;",
+        ";\n    v_forgotten := found;",
+        (f"{LIVE}::test_a_clean_stop_that_still_holds_a_lease_leaves_it_to_be_reclaimed",),
+    ),
     # -- the lease clock (DESIGN §4.2): statement time, never transaction time ------------------
     Mutant(
         "clock-claim-expiry",

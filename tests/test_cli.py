@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -160,6 +161,34 @@ async def test_sigterm_exits_zero_and_hands_back_leases(rig: Rig, tmp_path: Path
     assert _leased(conn, schema) == 0
     text = (tmp_path / "replica0.log").read_text()
     assert '"event":"shutdown_requested"' in text and '"event":"shutdown"' in text
+    # Its leases handed back, it said it stopped (issue 41): no row is left to look dead.
+    assert '"event":"replica_stopped"' in text
+    assert conn.execute(q(schema, "select owner from {s}.replicas")).fetchall() == []
+
+
+async def test_status_tells_a_replica_stopped_cleanly_from_a_killed_one(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """Two replicas: one SIGTERMed while the other runs, then the other SIGKILLed. `relay
+    status` lists the killed one as dead and the one that stopped cleanly not at all (retention
+    off: no prune forgets either row meanwhile)."""
+    env = relay_env(rig.pg_url, rig.schema, rig.url, RELAY_RETENTION="0")
+
+    def listed() -> dict[str, bool]:
+        got = run_cli("status", "--json", env=env)
+        assert got.returncode == 0, got.stderr
+        return {r["owner"]: r["alive"] for r in json.loads(got.stdout)["replicas"]}
+
+    async with replicas(2, env, tmp_path) as procs:
+        up = {"replica-0": True, "replica-1": True}
+        await wait_for(lambda: listed() == up, timeout=60, what="both replicas listening")
+        assert await stop_all(procs[:1]) == [0]
+        assert listed() == {"replica-1": True}
+        procs[1].kill()  # SIGKILL: its LISTEN session ends with the process
+        await procs[1].wait()
+        await wait_for(lambda: listed() == {"replica-1": False}, timeout=30, what="one dead")
+    text = run_cli("status", env=env).stdout
+    assert "replica-1" in text and "dead" in text and "replica-0" not in text, text
 
 
 def _leased(conn: psycopg.Connection[Any], schema: str) -> int:

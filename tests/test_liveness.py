@@ -390,3 +390,81 @@ async def test_an_owner_recorded_before_a_restart_is_not_judged_dead_by_its_free
     got = claim(conn, schema, owner="other")
     assert list(got) == ["r1"]
     assert got["r1"][0]["reclaimed_from"] == "survivor"
+
+
+# -- a clean stop (issue 41): told apart from a death ---------------------------------------------
+
+
+def stopped(c: psycopg.Connection[Any], schema: str, owner: str) -> bool:
+    row = c.execute(sql.SQL("select {}(%s)").format(fn(schema, "replica_stopped")), (owner,))
+    got = row.fetchone()
+    assert got is not None
+    return bool(got[0])
+
+
+def lock_free(conn: psycopg.Connection[Any], schema: str, owner: str) -> bool:
+    """Whether no session holds the owner's liveness lock (tried, and given back, from `conn`)."""
+    key = conn.execute(sql.SQL("select {}(%s)").format(fn(schema, "liveness_key")), (owner,))
+    row = key.fetchone()
+    assert row is not None
+    taken = conn.execute("select pg_try_advisory_lock(%s)", (row[0],)).fetchone()
+    if taken == (True,):
+        conn.execute("select pg_advisory_unlock(%s)", (row[0],))
+        return True
+    return False
+
+
+async def test_a_clean_stop_forgets_the_owner_and_gives_its_lock_up(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    """Only the session that holds the owner's lock may say it stopped: not another replica's,
+    nor one holding nothing. Then the owner is not listed at all (a row whose lock is free is
+    what `relay status` shows as dead), every hold of its lock is given up, and the session
+    lives on."""
+    h = hold(pg_url, schema, "stopping", holders)
+    assert h.conn.execute(
+        sql.SQL("select {}(%s)").format(fn(schema, "hold_liveness")), ("stopping",)
+    ).fetchone() == (True,)  # held twice: the lock is re-entrant
+    other = hold(pg_url, schema, "other", holders)
+    for c in (other.conn, conn):
+        with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match="liveness lock"):
+            stopped(c, schema, "stopping")
+    assert alive(conn, schema) == {"other": True, "stopping": True}
+
+    assert stopped(h.conn, schema, "stopping") is True
+    assert alive(conn, schema) == {"other": True}
+    assert lock_free(conn, schema, "stopping")
+    assert h.conn.execute("select 1").fetchone() == (1,)
+
+
+async def test_a_clean_stop_that_still_holds_a_lease_leaves_it_to_be_reclaimed(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], holders: list[Holder]
+) -> None:
+    """A replica that could not release a lease (its release failed) stops as a dead one would:
+    its row stays, its lock is free, and the others take the run at once, fenced as ever."""
+    enq(conn, schema, "r1", "e1")
+    h = hold(pg_url, schema, "leaving", holders)
+    old = claim(conn, schema, owner="leaving", ttl="1 hour")
+    assert stopped(h.conn, schema, "leaving") is False
+    assert alive(conn, schema) == {"leaving": False}
+    got = claim(conn, schema, owner="other", ttl="1 hour")
+    assert got["r1"][0]["reclaimed_from"] == "leaving"
+    assert [r["status"] for r in ack(conn, schema, ("r1", token(old, "r1"), 1))] == ["stale"]
+
+
+async def test_a_relay_stopped_cleanly_is_not_listed_and_takes_its_lock_no_more(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Relay.stop(): once the lanes are done the LISTEN session says so before it closes, so
+    the replica is gone from `replicas` the moment the run returns, not left as a dead row."""
+    enq(conn, schema, "r1", "e1", terminal=True)
+    sink = Sink()
+    async with serve_sink(sink) as url:
+        s = settings(pg_url, schema, url, replica_id="clean-one")
+        async with Relay(s).running() as r:
+            assert r.listener is not None and r.listener.liveness_held
+            assert alive(conn, schema) == {"clean-one": True}
+            await wait_for(lambda: sink.state.first_order.get("r1") == [1], what="r1")
+        assert not r.listener.liveness_held
+    assert alive(conn, schema) == {}
+    assert lock_free(conn, schema, "clean-one")

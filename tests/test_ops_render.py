@@ -227,4 +227,5 @@ def test_status_shows_replicas_by_liveness() -> None:
     lines = got.splitlines()
     assert any("host-a:1" in line and "alive" in line for line in lines), got
     assert any("host-b:7" in line and "dead" in line for line in lines), got
+    assert "ended without a clean stop" in got
     assert "Replicas: none" in render_status(status_data(replicas=[]), 100)

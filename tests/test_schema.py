@@ -206,6 +206,7 @@ EXPECTED_INDEXES = {
 EXPECTED_FUNCTIONS = {
     "liveness_key": "p_owner text",
     "hold_liveness": "p_owner text, p_incarnation text",
+    "replica_stopped": "p_owner text",
     "terminal_channel": "",
     "setting": "p_key text",
     "enqueue": "p_run_id text, p_event_id text, p_event_type text, p_payload jsonb,"

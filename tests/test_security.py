@@ -906,6 +906,7 @@ def test_the_producer_can_enqueue_and_nothing_else(
         assert denied(p, q(schema, "select {s}.release('pr1', gen_random_uuid())"))
         assert denied(p, q(schema, "select {s}.fail_event('pr1', null, 1, 422, 'x')"))
         assert denied(p, q(schema, "select {s}.prune('0', 10)"))
+        assert denied(p, q(schema, "select {s}.replica_stopped('me')"))
         assert denied(p, q(schema, "select * from {s}.backlog()"))
         assert denied(p, q(schema, "select {s}.settle_run('pr1')"))
         assert denied(p, q(schema, "select {s}.setting('max_payload_bytes')"))
@@ -958,6 +959,8 @@ async def test_the_relay_role_delivers_end_to_end_and_cannot_write_events(
         sql.SQL("select event_name from absurd.{} order by 1").format(sql.Identifier(f"e_{queue}"))
     ).fetchall()
     assert [w[0] for w in wakes] == ["w:lp0", "w:lp1", "w:lp2"]
+    # Its clean stop, said under the relay role (replica_stopped, issue 41): not left as dead.
+    assert conn.execute(q(schema, "select owner from {s}.replicas")).fetchall() == []
     with psycopg.connect(relay_url, autocommit=True) as rc:
         assert denied(
             rc,

@@ -170,6 +170,9 @@ def render_status(data: Mapping[str, Any], width: int) -> str:
     ]
     heads = ("owner", "liveness", "lock taken")
     parts.append(table("Replicas", heads, replicas, width) if replicas else "Replicas: none")
+    if any(x[1] == "dead" for x in replicas):
+        # issue 41: a replica that stopped cleanly is not listed, so dead means what it says
+        parts[-1] += "\ndead: ended without a clean stop (killed, crashed, or LISTEN lost)"
 
     sizes = ", ".join(f"{name} {fmt_bytes(data['tables'][name])}" for name in TABLES)
     lines = [
