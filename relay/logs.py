@@ -10,7 +10,6 @@ import logging
 import re
 import sys
 import threading
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -81,15 +80,22 @@ _BIDI_ESCAPES = {c: f"\\u{c:04x}" for c in [0x2028, 0x2029, *range(0x202A, 0x202
 
 
 class TextFormatter(logging.Formatter):
+    """`--log-format text`, for humans: the local date and time to the millisecond with its
+    offset (a line must say which day, and which of two lines in one second came first), the
+    level, the event, then its fields as key=value; a field without a value is left out
+    (`trace_id=None` said nothing)."""
+
     def format(self, record: logging.LogRecord) -> str:
-        stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
+        when = datetime.fromtimestamp(record.created).astimezone()
+        stamp = when.isoformat(timespec="milliseconds")
         fields = getattr(record, "fields", None)
         message = record.getMessage() if fields is not None else redact_text(record.getMessage())
         parts = [f"{stamp} {record.levelname.lower():7} {text_value(message)}"]
         if fields is None and record.name != "relay":
             parts.append(f"logger={text_value(record.name)}")
         for key, value in (fields or {}).items():
-            parts.append(f"{key}={text_value(value)}")
+            if value is not None:
+                parts.append(f"{key}={text_value(value)}")
         if record.exc_info and record.exc_info[1] is not None:
             exc = record.exc_info[1]
             parts.append(f"error={text_value(redact_text(f'{type(exc).__name__}: {exc}'))}")

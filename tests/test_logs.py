@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import signal
 import socket
 import subprocess
@@ -202,3 +203,19 @@ async def test_a_dead_owners_reclaim_is_one_summary_line_not_one_per_run(
     ]
     assert summaries[0]["level"] == "info" and summaries[0]["lease_owner"] == "live-one"
     assert not [x for x in lines if x.get("event") == "lease_reclaimed"]  # debug: not shown
+
+
+def test_text_lines_say_the_day_and_the_millisecond_and_leave_out_empty_fields() -> None:
+    """Issue 41: the text format had no date or milliseconds (two lines of one second could not
+    be ordered, nor a line placed on its day) and printed `trace_id=None`."""
+    stream = io.StringIO()
+    logs.configure("text", "info", stream)
+    try:
+        logs.info("delivered", run_id="r1", trace_id=None, status=200)
+    finally:
+        logs.configure("json", "warning")
+    (line,) = stream.getvalue().splitlines()
+    stamp = line.split(" ", 1)[0]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}[+-]\d\d:\d\d", stamp), line
+    assert "run_id=r1" in line and "status=200" in line
+    assert "trace_id" not in line, line
