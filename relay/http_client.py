@@ -210,17 +210,11 @@ class HttpxSender:
         try:
             response = await self.client.send(request, stream=True)
             try:
-                read = await _read_some(response)
+                read, framed = await _read_some(response)
             finally:
                 await response.aclose()
         except REQUEST_ERRORS as exc:
             raise TransportFailure(_describe(exc)) from exc
-        framed = (
-            "content-length" in response.headers
-            or "chunked" in response.headers.get("transfer-encoding", "").lower()
-            or response.status_code in NO_BODY_STATUSES
-            or response.http_version == "HTTP/2"
-        )
         return Reply(
             response.status_code,
             read,
@@ -245,11 +239,11 @@ def without_userinfo(url: str, headers: dict[str, str]) -> tuple[str, dict[str, 
     return str(parsed.copy_with(userinfo=b"")), headers
 
 
-async def _read_some(response: httpx.Response) -> bytes:
-    """At most READ_LIMIT bytes of the answer, as sent (no decoding); the rest is never read:
-    closing the response then drops its connection."""
+async def _read_some(response: httpx.Response) -> tuple[bytes, bool]:
+    """At most READ_LIMIT bytes of the answer, as sent (no decoding), and whether its length is
+    known for sure. The rest is never read: closing the response then drops its connection."""
     if response.is_stream_consumed:  # built already read (an app's transport, httpx's mock)
-        return response.content[:READ_LIMIT]
+        return response.content[:READ_LIMIT], True
     chunks: list[bytes] = []
     size = 0
     async for chunk in response.aiter_raw():
@@ -257,7 +251,18 @@ async def _read_some(response: httpx.Response) -> bytes:
         size += len(chunk)
         if size >= READ_LIMIT:
             break
-    return b"".join(chunks)[:READ_LIMIT]
+    return b"".join(chunks)[:READ_LIMIT], _framed(response)
+
+
+def _framed(response: httpx.Response) -> bool:
+    """Whether the wire said where the body ends (a length, chunks, a status without a body,
+    HTTP/2's frames) rather than only the connection's close, which a reset mimics."""
+    return (
+        "content-length" in response.headers
+        or "chunked" in response.headers.get("transfer-encoding", "").lower()
+        or response.status_code in NO_BODY_STATUSES
+        or response.http_version == "HTTP/2"
+    )
 
 
 def _describe(exc: BaseException) -> str:

@@ -396,14 +396,14 @@ async def test_post_sends_the_rendered_url_body_and_headers() -> None:
     async with mock(handler) as http:
         client = IngressClient(settings(RELAY_INGRESS_TOKEN="tok-123"), http)
         events = [event(1), event(2)]
-        c = batch("..", events)
+        c = batch("../a b", events)
         answer = await client.post(c)
     assert answer.status == 200
     assert orjson.loads(answer.body) == {"accepted": 1}
     assert answer.retry_after == "5"
     (request,) = seen
     assert request.method == "POST"
-    assert request.url.raw_path == b"/runs/%2E%2E/events"
+    assert request.url.raw_path == b"/runs/..%2Fa%20b/events"
     assert request.content == encode_body(c)
     assert request.headers["authorization"] == "Bearer tok-123"
     assert request.headers["relay-lease-epoch"] == "3"
