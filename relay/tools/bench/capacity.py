@@ -342,7 +342,7 @@ async def capacity(env: Env, a: argparse.Namespace) -> Result:
                     metrics |= _metrics(f, o)
                 continue
             if o.drop is None:
-                raise BenchFailed("capacity drop: the backlog drained before the drop")
+                raise BenchFailed("capacity drop: the backlog drained before the drop was over")
             phases, follow = _drop_rows(label, o)
             rows += phases
             data[f"{mode}.{variant}"]["follow"] = follow
