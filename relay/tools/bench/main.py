@@ -48,6 +48,7 @@ from relay.producer import enqueue_async
 from relay.runner import Relay
 from relay.settings import redact_url
 from relay.tools.absurd import install_absurd
+from relay.tools.bench import capacity as bench_capacity
 from relay.tools.bench import cpu as bench_cpu
 from relay.tools.bench import enqueue_scaling as bench_enqueue_scaling
 from relay.tools.bench import latency as bench_latency
@@ -291,6 +292,7 @@ SCENARIOS: dict[str, Scenario] = {
         *bench_wal.SCENARIOS,
         *bench_enqueue_scaling.SCENARIOS,
         *bench_tracing.SCENARIOS,
+        *bench_capacity.SCENARIOS,
         Scenario(
             "wake",
             "ack-to-task-resumed latency: stock Absurd polling vs the wake listener",
@@ -330,10 +332,20 @@ class _Judged:
 
 
 def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """Each target (issues 6, 16 and 31) that this run's metrics can judge: its measured ratio and
-    verdict. `settings`: how a figure was run (the peers'), printed beside its target."""
+    """Each target (issues 6, 16, 31 and 42) that this run's metrics can judge: its measured ratio
+    and verdict. `settings`: how a figure was run (the peers'), printed beside its target."""
     judged = _Judged(m, settings or {})
-    for family in (_throughput, _order, _one_event_runs, _latency, _costs, _enqueue, _tracing):
+    families = (
+        _throughput,
+        _order,
+        _one_event_runs,
+        _latency,
+        _costs,
+        _enqueue,
+        _tracing,
+        _capacity,
+    )
+    for family in families:
         family(judged)
     return judged.out
 
@@ -469,6 +481,27 @@ def _tracing(j: _Judged) -> None:
             need,
             r >= need,
         )
+
+
+def _capacity(j: _Judged) -> None:
+    """Issue 42: at an ingress that serves a few POSTs at a time and queues the rest (the
+    capacity scenario), the relay is not the cause of its queue: in flight at it p90 ≤ 3× what
+    it serves at once, its queueing p99 ≤ 5× its service time, goodput ≥ 0.85 of its capacity,
+    terminal events p99 ≤ 10× its service time, nothing lost and order kept."""
+    m, add, has = j.m, j.add, j.has
+    how = j.settings.get("capacity_in_flight_ratio", "the capacity scenario")
+    for key, rule, need, below in (
+        ("capacity_in_flight_ratio", "in flight at the ingress p90 ≤ 3 × its workers", 3, True),
+        ("capacity_queueing_ratio", "queueing at the ingress p99 ≤ 5 × its service time", 5, True),
+        ("capacity_goodput", "goodput ≥ 0.85 × the ingress's capacity", 0.85, False),
+        ("capacity_terminal_ratio", "terminal p99 ≤ 10 × the ingress's service time", 10, True),
+    ):
+        if has(key):
+            have = m[key]
+            add(f"capacity: {rule} ({how})", have, need, have <= need if below else have >= need)
+    if "capacity_lost" in m and "capacity_order_violations" in m:
+        wrong = m["capacity_lost"] + m["capacity_order_violations"]
+        add(f"capacity: nothing lost, order kept ({how})", wrong, 0, wrong == 0)
 
 
 # -- the shell ---------------------------------------------------------------------------------

@@ -1,0 +1,408 @@
+"""The capacity-limited ingress scenario of `relay bench` (issue 42, item 6).
+
+The ingress (`capacity_ingress.CapacitySink`, in the bench's process) serves
+`--capacity-workers` POSTs at a time for `--capacity-service-ms` each and queues the rest first
+come first served, as a runtime behind a small worker pool does. Two `relay run` replicas at
+their defaults deliver a backlog committed up front (`--capacity-events` over `--capacity-runs`)
+while a terminal event, its run otherwise empty, is committed every `--capacity-terminal-every`
+seconds until the backlog has drained.
+
+Two variants:
+- `steady`: the capacity fixed throughout; its figures are judged against issue 42's targets
+  (main.py's `_capacity`);
+- `drop`: the service time multiplied by `--capacity-drop-factor` (10) from
+  `--capacity-drop-at` seconds after the backlog's commit for `--capacity-drop-for` seconds,
+  then back. The workers stay (a slower dependency behind the same pool): at the default 4
+  workers a tenth of them is not a pool at all. Figures per phase, and the in-flight series
+  in the JSON (`samples_s.drop.in_flight`) for a chart.
+
+The figures: POSTs in flight at the ingress (arrived, not answered: queued or in service),
+sampled every 10 ms, p90 and its multiple of the workers; queueing inside the ingress p99 and
+its multiple of the service time; goodput = POSTs answered 2xx / what the capacity could serve
+over the window (the backlog's commit to its last POST's answer); terminal events' delay from
+their commit to the end of their POST's service, p99 and its multiple of the service time;
+events lost and per-run order violations (the sink's own checks).
+
+`MODES` are the relay settings measured side by side: today only the defaults (a fixed
+limit of `concurrency` + `critical_concurrency` POSTs per replica). The adaptive limit's wiring
+adds its mode there, and its rows print beside these in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import psycopg
+
+from relay.producer import enqueue_async
+from relay.tools.bench.capacity_ingress import (
+    STEP,
+    CapacitySink,
+    Figures,
+    at,
+    figures,
+    follows,
+    in_flight,
+)
+from relay.tools.bench.kit import (
+    BenchFailed,
+    Env,
+    Result,
+    Scenario,
+    backlog,
+    positive,
+    relay_processes,
+    reset,
+)
+from relay.tools.sink import serve_sink
+
+# mode -> (its label, the relay settings it runs with)
+MODES: dict[str, tuple[str, dict[str, str]]] = {
+    "fixed": ("fixed limit (the defaults)", {}),
+}
+JUDGED = "fixed"  # the mode whose steady figures fill the judged keys
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("capacity (issue 42)")
+    g.add_argument("--capacity-events", type=positive(int), default=20_000, help="(20k)")
+    g.add_argument("--capacity-runs", type=positive(int), default=2_000, help="(2,000)")
+    g.add_argument("--capacity-workers", type=positive(int), default=4, help="at once (4)")
+    g.add_argument("--capacity-service-ms", type=positive(float), default=40.0, help="(40)")
+    g.add_argument("--capacity-replicas", type=positive(int), default=2, help="relay run (2)")
+    g.add_argument(
+        "--capacity-terminal-every", type=positive(float), default=1.0, help="terminals (1 s)"
+    )
+    g.add_argument("--capacity-variants", default="steady,drop", help="of: steady, drop (both)")
+    g.add_argument("--capacity-drop-at", type=positive(float), default=5.0, help="(5 s)")
+    g.add_argument("--capacity-drop-for", type=positive(float), default=5.0, help="(5 s)")
+    g.add_argument(
+        "--capacity-drop-factor", type=positive(float), default=10.0, help="service × (10)"
+    )
+
+
+SMOKE = {
+    "capacity_events": 200,
+    "capacity_runs": 40,
+    "capacity_workers": 2,
+    "capacity_service_ms": 20.0,
+    "capacity_terminal_every": 0.1,
+    "capacity_drop_at": 0.2,
+    "capacity_drop_for": 0.3,
+}
+
+
+@dataclass
+class Outcome:
+    """One variant's run: the ingress's records and what the bench committed."""
+
+    sink: CapacitySink
+    committed_at: float  # the backlog's commit (monotonic)
+    drained_at: float  # the end of the POST that completed the backlog
+    terminals: dict[str, float]  # event id -> its commit (monotonic)
+    backlog: tuple[str, int, int]  # its run id prefix, runs, events per run (kit.backlog's ids)
+    drop: tuple[float, float] | None  # when the capacity fell and came back
+
+    @property
+    def lost(self) -> int:
+        """Events committed (the backlog's and the terminals) the ingress never answered 2xx."""
+        prefix, runs, per_run = self.backlog
+        seen = self.sink.state.deliveries
+        missing = sum(
+            f"{prefix}{r}-{i}" not in seen
+            for r in range(1, runs + 1)
+            for i in range(1, per_run + 1)
+        )
+        return missing + sum(e not in seen for e in self.terminals)
+
+
+async def _terminals(
+    env: Env, every: float, tag: str, committed: dict[str, float], drained: anyio.Event
+) -> None:
+    """A terminal event in a run of its own every `every` s until the backlog has drained (at
+    least one, so a tiny backlog still has a terminal figure)."""
+    async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
+        k = 0
+        while True:
+            with anyio.move_on_after(every):
+                await drained.wait()
+            if drained.is_set() and committed:
+                return
+            run = f"{tag}{k}"
+            await enqueue_async(
+                conn, run, f"{run}-e", "run_finished", {"k": k}, terminal=True, schema=env.schema
+            )
+            committed[f"{run}-e"] = time.monotonic()
+            k += 1
+
+
+async def _drop(sink: CapacitySink, a: argparse.Namespace, start: float) -> tuple[float, float]:
+    base = sink.pool.now
+    await anyio.sleep(max(0.0, start + a.capacity_drop_at - time.monotonic()))
+    sink.pool.set(base.workers, base.service * a.capacity_drop_factor)
+    fell = sink.pool.now.at
+    await anyio.sleep(a.capacity_drop_for)
+    sink.pool.set(base.workers, base.service)
+    return fell, sink.pool.now.at
+
+
+def _environ(mode: str) -> dict[str, str]:
+    return {f"RELAY_{k.upper()}": v for k, v in MODES[mode][1].items()}
+
+
+async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> Outcome:
+    await reset(env)
+    runs = a.capacity_runs
+    per_run = max(1, a.capacity_events // runs)
+    sink = CapacitySink(a.capacity_workers, a.capacity_service_ms / 1000)
+    committed: dict[str, float] = {}
+    drop: list[tuple[float, float]] = []
+    drained = anyio.Event()
+    prefix = f"cap{variant[0]}"  # the backlog's runs: cap<the variant's initial><n>
+    tag = f"{prefix}t"  # the terminals' runs
+    async with (
+        serve_sink(sink) as base,
+        relay_processes(env, a.capacity_replicas, base, environ=_environ(mode)),
+        anyio.create_task_group() as tg,
+    ):
+        start = await backlog(env, runs, per_run, prefix)
+        if variant == "drop":
+
+            async def dropping() -> None:
+                drop.append(await _drop(sink, a, start))
+
+            tg.start_soon(dropping)
+        total = runs * per_run
+        timeout = max(120.0, 5 * total / per_run / sink.pool.now.per_second)
+        async with anyio.create_task_group() as producer:
+            producer.start_soon(_terminals, env, a.capacity_terminal_every, tag, committed, drained)
+            drained_at = await _until_drained(env, sink, total, committed, timeout, variant)
+            drained.set()
+        # the producer has returned: every terminal it committed is in `committed`
+        await _until_terminals(sink, committed, variant)
+        tg.cancel_scope.cancel()  # the drop's schedule, if the backlog drained first
+    return Outcome(
+        sink, start, drained_at, committed, (prefix, runs, per_run), drop[0] if drop else None
+    )
+
+
+async def _until_drained(
+    env: Env,
+    sink: CapacitySink,
+    total: int,
+    terminals: dict[str, float],
+    timeout: float,  # noqa: ASYNC109 - a deadline for waiting, not an I/O timeout
+    what: str,
+) -> float:
+    """Wait until the backlog's `total` events are in; the end of the POST that completed it."""
+    deadline = time.monotonic() + timeout
+    seen = sink.state.deliveries
+    with env.console.status(f"capacity {what}: 0/{total}") as status:
+        while True:
+            got = len(seen) - sum(1 for e in terminals if e in seen)
+            if got >= total:
+                return max(p.end for p in sink.posts)
+            if time.monotonic() > deadline:
+                raise BenchFailed(f"capacity {what}: {got}/{total} delivered after {timeout:g}s")
+            status.update(f"capacity {what}: {got:,}/{total:,} events, {sink.pool.busy} busy")
+            await anyio.sleep(0.01)
+
+
+async def _until_terminals(sink: CapacitySink, committed: dict[str, float], what: str) -> None:
+    seen = sink.state.deliveries
+    with anyio.move_on_after(60):
+        while any(e not in seen for e in committed):  # noqa: ASYNC110 - the sink's own dict
+            await anyio.sleep(0.01)
+    missing = sum(1 for e in committed if e not in seen)
+    if missing:
+        raise BenchFailed(f"capacity {what}: {missing} terminal events never arrived")
+
+
+def _row(case: str, f: Figures, o: Outcome | None = None) -> dict[str, Any]:
+    ms = f.service * 1000
+    row = {
+        "case": case,
+        "capacity": f"{f.workers} × {ms:g} ms",
+        "posts": f.posts,
+        "in_flight_p90": f"{f.in_flight_p90} ({f.in_flight_x:.1f}×)",
+        "in_flight_max": f.in_flight_max,
+        "queueing_p99_ms": f"{f.queueing_p99 * 1000:,.0f} ({f.queueing_x:.1f}×)",
+        "goodput": round(f.goodput, 3),
+        "terminal_p99_ms": None
+        if f.terminal_p99 is None
+        else f"{f.terminal_p99 * 1000:,.0f} ({f.terminal_x:.1f}×) of {f.terminals}",
+    }
+    if o is not None:
+        state = o.sink.state
+        row |= {
+            "lost": o.lost,
+            "duplicates": state.duplicates,
+            "order_violations": state.order_violations,
+        }
+    return row
+
+
+COLUMNS = [
+    "case",
+    "capacity",
+    "posts",
+    "in_flight_p90",
+    "in_flight_max",
+    "queueing_p99_ms",
+    "goodput",
+    "terminal_p99_ms",
+    "lost",
+    "duplicates",
+    "order_violations",
+]
+
+
+def _metrics(f: Figures, o: Outcome) -> dict[str, Any]:
+    """The judged keys (main.py's `_capacity`), from the steady variant."""
+    m: dict[str, Any] = {
+        "capacity_in_flight_p90": f.in_flight_p90,
+        "capacity_in_flight_ratio": round(f.in_flight_x, 3),
+        "capacity_queueing_p99_ms": round(f.queueing_p99 * 1000, 2),
+        "capacity_queueing_ratio": round(f.queueing_x, 3),
+        "capacity_goodput": round(f.goodput, 3),
+        "capacity_lost": o.lost,
+        "capacity_order_violations": o.sink.state.order_violations,
+    }
+    if f.terminal_p99 is not None and f.terminal_x is not None:
+        m["capacity_terminal_p99_ms"] = round(f.terminal_p99 * 1000, 2)
+        m["capacity_terminal_ratio"] = round(f.terminal_x, 3)
+    return m
+
+
+def _series(o: Outcome) -> dict[str, Any]:
+    """In flight at the ingress every 100 ms from the backlog's commit, and the capacity's
+    changes, both in seconds since that commit (the chart's data)."""
+    t0 = o.committed_at
+    every = 0.1
+    samples = in_flight(o.sink.posts, t0, o.drained_at, every)
+    return {
+        "every_s": every,
+        "in_flight": samples,
+        "capacity": [
+            {"at_s": round(max(0.0, c.at - t0), 3), "workers": c.workers, "service_s": c.service}
+            for c in o.sink.pool.changes
+        ],
+    }
+
+
+def _drop_rows(label: str, o: Outcome) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Figures per phase (before, during, after the drop) and how soon in flight followed."""
+    assert o.drop is not None
+    fell, back = o.drop
+    posts, changes = o.sink.posts, o.sink.pool.changes
+    rows = [
+        _row(f"{label}, drop: before", figures(posts, changes, o.committed_at, fell, o.terminals)),
+        _row(f"{label}, drop: dropped", figures(posts, changes, fell, back, o.terminals)),
+        _row(
+            f"{label}, drop: recovered",
+            figures(posts, changes, back, o.drained_at, o.terminals),
+            o,
+        ),
+    ]
+    samples = in_flight(posts, o.committed_at, o.drained_at, STEP)
+    low = at(changes, fell).workers
+    follow = {
+        # in flight fits 3× what the slower ingress serves at once, to the recovery
+        "down_s": follows(samples, o.committed_at, STEP, fell, back, lambda n: n <= 3 * low),
+        # every worker busy again (in flight ≥ workers) for the next second
+        "up_s": follows(
+            samples, o.committed_at, STEP, back, min(back + 1, o.drained_at), lambda n: n >= low
+        ),
+    }
+    return rows, follow
+
+
+async def capacity(env: Env, a: argparse.Namespace) -> Result:
+    variants = [v.strip() for v in a.capacity_variants.split(",") if v.strip()]
+    if unknown := set(variants) - {"steady", "drop"}:
+        raise BenchFailed(f"--capacity-variants: unknown {sorted(unknown)}")
+    rows: list[dict[str, Any]] = []
+    metrics: dict[str, Any] = {}
+    data: dict[str, Any] = {}
+    notes = []
+    for mode, (label, _) in MODES.items():
+        for variant in variants:
+            o = await _variant(env, a, mode, variant)
+            data[f"{mode}.{variant}"] = _series(o)
+            if variant == "steady":
+                f = figures(
+                    o.sink.posts, o.sink.pool.changes, o.committed_at, o.drained_at, o.terminals
+                )
+                rows.append(_row(f"{label}, steady", f, o))
+                if mode == JUDGED:
+                    metrics |= _metrics(f, o)
+                continue
+            if o.drop is None:
+                raise BenchFailed("capacity drop: the backlog drained before the drop was over")
+            phases, follow = _drop_rows(label, o)
+            rows += phases
+            data[f"{mode}.{variant}"]["follow"] = follow
+            down, up = (
+                "never" if s is None else f"{s:g} s after"
+                for s in (follow["down_s"], follow["up_s"])
+            )
+            notes.append(
+                f"{label}, drop: in flight ≤ 3× the workers for the rest of the drop: {down} the "
+                f"fall; every worker busy for the next second: {up} the recovery"
+            )
+    per_run = max(1, a.capacity_events // a.capacity_runs)
+    service = a.capacity_service_ms
+    return Result(
+        COLUMNS,
+        rows,
+        [
+            f"ingress: {a.capacity_workers} POSTs at a time, {service:g} ms each "
+            f"({a.capacity_workers / service * 1000:g} POSTs/s), the rest queued first come first "
+            f"served; {a.capacity_replicas} `relay run` replicas; backlog "
+            f"{a.capacity_runs * per_run:,} events over {a.capacity_runs:,} runs committed up "
+            f"front, a terminal event (its own run) every {a.capacity_terminal_every:g} s until "
+            "it drained",
+            "in flight: at the ingress (queued + in service) every 10 ms, p90 (× the workers); "
+            "queueing p99 (× the service time); goodput: POSTs answered / what the capacity "
+            "could serve, from the backlog's commit to its last answer; terminal: commit -> "
+            "the end of its POST's service, p99 (× the service time) of the count shown",
+            f"drop: service × {a.capacity_drop_factor:g} (same workers) from "
+            f"{a.capacity_drop_at:g} s after the commit for {a.capacity_drop_for:g} s; "
+            "each phase's multiples are of the capacity in force at its start; its queueing and "
+            "terminals are of the POSTs that arrived (terminals committed) in it, served in it "
+            "or later",
+            *notes,
+        ],
+        data=data,
+        metrics=metrics,
+        settings={
+            "capacity_in_flight_ratio": f"{a.capacity_replicas} replicas, {MODES[JUDGED][0]}"
+        },
+    )
+
+
+SCENARIOS = [
+    Scenario(
+        "capacity",
+        "an ingress that serves 4 POSTs at a time (40 ms each) and queues the rest: in flight "
+        "at it, its queueing, goodput, terminal delay; and its capacity dropping 10× midway",
+        capacity,
+        _arguments,
+        SMOKE,
+        (
+            "capacity_in_flight_p90",
+            "capacity_in_flight_ratio",
+            "capacity_queueing_p99_ms",
+            "capacity_queueing_ratio",
+            "capacity_goodput",
+            "capacity_terminal_p99_ms",
+            "capacity_terminal_ratio",
+            "capacity_lost",
+            "capacity_order_violations",
+        ),
+    ),
+]
