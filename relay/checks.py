@@ -38,7 +38,7 @@ from relay.http_client import TransportFailure, open_sender
 from relay.ingress import USER_AGENT, render_url, sign
 from relay.migrate import code_version, read_version, version_problem
 from relay.policy import Outcome, classify
-from relay.settings import ConfigError, Settings, passwords_in, redact_url, scrub
+from relay.settings import ConfigError, Settings, Subcommands, passwords_in, redact_url, scrub
 from relay.store import CONNECT_KWARGS
 
 OK = 0
@@ -285,7 +285,7 @@ async def run_checks(s: Settings, within: float = 5.0) -> list[Result]:
 
 
 def add_command(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    sub: Subcommands,
     add_settings: Callable[[argparse.ArgumentParser], None],
     load_settings: Callable[[argparse.Namespace], Settings],
 ) -> None:

@@ -7,6 +7,7 @@ naming the option. Secrets are wrapped in `Secret` so they never print.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import os
 import re
@@ -15,7 +16,7 @@ import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from relay.names import validate_schema_name
@@ -462,6 +463,13 @@ PARSERS: dict[str, Callable[[str], Any]] = {
 }
 
 REQUIRED = ("database_url", "ingress_url")
+
+
+class Subcommands(Protocol):
+    """What argparse's `add_subparsers()` returns, as far as registering a command needs it (its
+    class is a private name of argparse's): relay/checks.py and relay/ops/commands.py."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
 
 
 def env_name(option: str) -> str:

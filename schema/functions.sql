@@ -40,6 +40,25 @@ as $$
           and ((l.classid::int8 << 32) | l.objid::int8) = liveness_key(p_owner))
 $$;
 
+-- A replica's own acts (its report, its clean stop) come from the session that holds its
+-- liveness lock: no other session can speak for it. Raises naming the caller otherwise.
+create or replace function require_liveness_holder(p_owner text, p_caller text) returns void
+language plpgsql stable
+set search_path from current
+as $$
+begin
+    if p_owner is null or p_owner = '' then
+        raise exception 'relay.%: owner must be a non-empty string', p_caller
+            using errcode = '22023';
+    end if;
+    if not session_holds_liveness(p_owner) then
+        raise exception 'relay.%: this session does not hold the liveness lock of that owner '
+                        '(a replica acts on the connection that holds it)', p_caller
+            using errcode = '55000';
+    end if;
+end
+$$;
+
 create or replace function terminal_channel() returns text
 language sql stable parallel safe
 set search_path from current
@@ -536,15 +555,7 @@ as $$
 declare
     v_forgotten boolean;
 begin
-    if p_owner is null or p_owner = '' then
-        raise exception 'relay.replica_stopped: owner must be a non-empty string'
-            using errcode = '22023';
-    end if;
-    if not session_holds_liveness(p_owner) then
-        raise exception 'relay.replica_stopped: this session does not hold the liveness lock of '
-                        'that owner (a replica stops on the connection that holds it)'
-            using errcode = '55000';
-    end if;
+    perform require_liveness_holder(p_owner, 'replica_stopped');
     delete from replicas rp
     where rp.owner = p_owner
       and not exists (select 1 from runs w

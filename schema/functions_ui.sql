@@ -103,15 +103,7 @@ declare
     v_now timestamptz := clock_timestamp();
     v_problem text := report_problem(p_report);
 begin
-    if p_owner is null or p_owner = '' then
-        raise exception 'relay.report_replica: owner must be a non-empty string'
-            using errcode = '22023';
-    end if;
-    if not session_holds_liveness(p_owner) then
-        raise exception 'relay.report_replica: this session does not hold the liveness lock of '
-                        'that owner (a replica reports on the connection that holds it)'
-            using errcode = '55000';
-    end if;
+    perform require_liveness_holder(p_owner, 'report_replica');
     if v_problem is not null then
         raise exception 'relay.report_replica: %', v_problem using errcode = '22023';
     end if;

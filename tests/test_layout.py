@@ -369,9 +369,7 @@ def private_names_of_dependencies(sources: dict[str, str]) -> list[str]:
             if attr is None or attr in DOCUMENTED:
                 continue
             named = owner.id if isinstance(owner, ast.Name) else None
-            if named in stdlib:  # the standard library's (argparse._SubParsersAction in types)
-                continue
-            if named in foreign or attr not in defined:
+            if named in foreign or named in stdlib or attr not in defined:
                 found.append(f"{name}:{node.lineno} {attr}")
     return found
 
@@ -394,6 +392,7 @@ def test_the_production_wing_uses_no_private_name_of_a_dependency() -> None:
         "def f(client):\n    return getattr(client, '_queue_name', None)\n",
         "def f(exporter):\n    return exporter._client\n",
         "from h11 import _util\nx = _util.thing\ny = _util._private\n",
+        "import argparse\ndef f(sub: argparse._SubParsersAction) -> None: ...\n",
     ],
 )
 def test_a_private_name_of_a_dependency_is_found(planted: str) -> None:

@@ -35,6 +35,7 @@ from relay.ops.render import (
     render_status,
     write,
 )
+from relay.settings import Subcommands
 
 Resolve = Callable[[argparse.Namespace], str]
 
@@ -167,7 +168,7 @@ def non_negative(text: str) -> int:
 
 
 def add_commands(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    sub: Subcommands,
     add_settings: Callable[[argparse.ArgumentParser, list[str]], None],
     database_url: Resolve,
     schema_of: Resolve,
