@@ -132,11 +132,12 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "liveness-stopped-by-anyone",
-        "§4.2 liveness: only the session holding an owner's lock may say it stopped (issue 41)",
+        "§4.2 liveness: only the session holding an owner's lock may say it stopped or report for "
+        "it (issue 41; require_liveness_holder)",
         SQL,
         "    if not session_holds_liveness(p_owner) then\n"
-        "        raise exception 'relay.replica_stopped:",
-        "    if false then\n        raise exception 'relay.replica_stopped:",
+        "        raise exception 'relay.%: this session",
+        "    if false then\n        raise exception 'relay.%: this session",
         (f"{LIVE}::test_a_clean_stop_forgets_the_owner_and_gives_its_lock_up",),
     ),
     Mutant(
