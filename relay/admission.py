@@ -15,7 +15,7 @@ Pure: waiting is modelled as decisions, not as awaiting. A caller asks `try_acqu
 gets nothing it queues with `wait()` and holds the `Ticket`; after each `release()` (which feeds
 the POST's answer to the limit) the shell asks `grants()` which waiters go now and wakes them
 with their permits, as relay/slots.py hands a freed slot straight to the next waiter. The anyio
-shell, the metrics and the wiring into the POST path come later (docs/admission.md).
+shell around it is relay/post_turn.py's `Permits` (docs/admission.md).
 """
 
 from __future__ import annotations
@@ -139,6 +139,14 @@ class Admission:
             while queue and self._room(priority):
                 granted.append((queue.popleft(), self._grant(priority, now)))
         return granted
+
+    def answered(self, permit: Permit, sample: Sample, now: float) -> LimitEvent | None:
+        """One answer to a POST sent under `permit`, which it still holds (a permit may see a
+        few: quick retries go under the same one): the limit judges it. Returns the limit's
+        event, if it fell sharply or recovered."""
+        if permit.number not in self._held:
+            raise RuntimeError("an answer for a POST permit not held")
+        return self.limit.observe(sample, inflight=permit.inflight, now=now)
 
     def release(self, permit: Permit, sample: Sample | None, now: float) -> LimitEvent | None:
         """The POST is done: free its permit and let the limit judge its answer (None: it was

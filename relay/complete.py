@@ -26,7 +26,7 @@ import anyio
 
 from relay import logs
 from relay.ack import AckGroup
-from relay.execute import LeaseLost, Outcome
+from relay.execute import Deferred, LeaseLost, Outcome
 from relay.ingress import Answer
 from relay.narrowing import Narrowing, Resend
 from relay.pause import Gate, PauseGate
@@ -123,6 +123,8 @@ class Completer:
         match decision:
             case LeaseLost():
                 settled = self._lost(outcome)
+            case Deferred():
+                settled = await self._defer(claim, decision)
             case Ack(k=k):
                 acked = outcome.events[:k]
                 ack = await self.acks.ack(claim, acked[-1].seq)
@@ -198,6 +200,21 @@ class Completer:
         if not released:
             # The token had moved on (e.g. a process frozen past its lease, whose request then
             # timed out): nothing was changed, and the new owner redelivers.
+            self.lease_lost(claim, "release_fenced")
+        return True
+
+    async def _defer(self, claim: Claim, deferred: Deferred) -> bool:
+        """A retry the budget held back: nothing was sent, the lease goes back and the run
+        waits in the outbox. Not an attempt: its backoff does not grow for it."""
+        released = await self.store.release(claim, deferred.delay)
+        logs.info(
+            "retry_deferred",
+            **{**self.who(claim), "attempt": claim.attempts + 1},
+            retry_in=round(deferred.delay, 3),
+            reason="retry_budget",
+            fenced=not released,
+        )
+        if not released:
             self.lease_lost(claim, "release_fenced")
         return True
 

@@ -12,7 +12,7 @@ lane's completer (relay/complete.py), the only writer of results.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
@@ -20,15 +20,22 @@ import anyio
 
 from relay import logs
 from relay.ingress import Answer, Batch, IngressClient, TransportFailure, split_results
-from relay.policy import Ack, Decision, Retry, decide
+from relay.limit import Sample
+from relay.policy import BACKOFF_BASE, Ack, Decision, Retry, backoff, decide
 from relay.renewal import Renewer
 from relay.retries import QuickRetries
+from relay.retry_budget import Result, RetryBudget
 from relay.settings import Settings
 from relay.stats import ExecuteStats
 from relay.store import Claim, ClaimedEvent, Held, Store
 from relay.tracing import NO_SPAN, NO_TRACING, Delivery, DeliverySpan, Tracer
 
 Send = tuple[Held, Sequence[ClaimedEvent]]  # a run's holder and the events to POST (a prefix)
+Answered = Callable[[Sample], None]  # told of each answer to a POST (its turn's limit)
+
+
+def _unheard(sample: Sample) -> None:
+    """No limit to tell (a resend within a turn already told, or no adaptive limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +43,14 @@ class LeaseLost:
     """The lease was lost before an answer could count: the batch is abandoned, no ack."""
 
     where: str  # renew_before_post, renewal_failed
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """A retry the retry budget did not let go (relay/retry_budget.py): nothing was POSTed; the
+    lease goes back and the run waits `delay` seconds in the outbox. Not an attempt."""
+
+    delay: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +62,7 @@ class Outcome:
 
     held: Held
     events: Sequence[ClaimedEvent]
-    decision: Decision | LeaseLost
+    decision: Decision | LeaseLost | Deferred
     answer: Answer | TransportFailure | None = None
     whole: bool = True
     span: DeliverySpan = NO_SPAN  # its trace (relay/tracing.py), ended by the tracer's observer
@@ -83,8 +98,10 @@ class Executor:
         *,
         lane: str = "",
         tracer: Tracer = NO_TRACING,
+        budget: RetryBudget | None = None,
     ) -> None:
         self.lane = lane
+        self.budget = budget  # the replica's retry budget, shared with the other lane
         self.tracer = tracer
         self.settings = settings
         self.store = store  # read only: the widening of a claim and the renewal of leases
@@ -100,10 +117,13 @@ class Executor:
         """The executor's counters, a copy (for the lane's view)."""
         return replace(self.stats, renewals=self.renewer.renewed)
 
-    async def execute(self, holds: Sequence[Held]) -> list[Outcome]:
+    async def execute(self, holds: Sequence[Held], answered: Answered = _unheard) -> list[Outcome]:
         """POST these claims (one, or a group of small runs in one request) and return one
         outcome per run. Each holder keeps its claim's current value: a widening before the POST
-        and each renewal are kept there."""
+        and each renewal are kept there. `answered` is told of each answer (the turn's limit).
+        A retry (a claim with earlier attempts) goes only if the retry budget lets it."""
+        if not self._may_retry(holds):
+            return [Outcome(h, h.claim.events, self._deferred(h.claim)) for h in holds]
         group = len(holds) > 1
         if not group and holds[0].claim.widen:
             held = holds[0]
@@ -117,13 +137,31 @@ class Executor:
                 lost, live = await self._renew_waited(holds, now)
                 if not live:
                     return lost
-                return lost + await self._post([(h, h.claim.events) for h in live], group=group)
-        return await self._post([(h, h.claim.events) for h in holds], group=group)
+                sends: list[Send] = [(h, h.claim.events) for h in live]
+                return lost + await self._post(sends, group=group, answered=answered)
+        every: list[Send] = [(h, h.claim.events) for h in holds]
+        return await self._post(every, group=group, answered=answered)
 
     async def resend(self, held: Held, events: Sequence[ClaimedEvent]) -> Outcome:
-        """POST a part of a claim on its own (poison narrowing: a prefix, or one event)."""
-        (outcome,) = await self._post([(held, events)], group=False)
+        """POST a part of a claim on its own (poison narrowing: a prefix, or one event), within
+        the turn its claim holds. Not a retry: the budget does not charge it."""
+        (outcome,) = await self._post([(held, events)], group=False, answered=_unheard)
         return outcome
+
+    def _may_retry(self, holds: Sequence[Held]) -> bool:
+        """A first attempt always goes; a retry (a run with earlier attempts: a multi-run POST
+        is one if any of its runs is) only when the budget has a token for it."""
+        if self.budget is None or all(h.claim.attempts == 0 for h in holds):
+            return True
+        return self.budget.try_retry(anyio.current_time())
+
+    def _deferred(self, claim: Claim) -> Deferred:
+        """How long a retry the budget refused waits: the run's own backoff, as if it had failed
+        again, so a long outage spaces its retries out as failures would."""
+        cap = self.settings.max_backoff
+        delay = backoff(claim.attempts, base=BACKOFF_BASE, cap=cap, rand=random.random())
+        self.stats.deferred += 1
+        return Deferred(delay)
 
     async def _renew_waited(
         self, holds: Sequence[Held], now: float
@@ -143,19 +181,32 @@ class Executor:
         gone = {o.run_id for o in lost}
         return lost, [h for h in holds if h.claim.run_id not in gone]
 
-    async def _post(self, sends: list[Send], *, group: bool) -> list[Outcome]:
+    async def _post(self, sends: list[Send], *, group: bool, answered: Answered) -> list[Outcome]:
         """POST with quick retries while the lane's renewer keeps the leases (each attempt reads
         the claims' current trust windows from their holders). A run whose renewal fails stays
         in the request (it cannot be unsent) and its outcome is the lease lost; only when every
-        lease is gone is the request cancelled."""
+        lease is gone is the request cancelled. The first try is a retry when a run has earlier
+        attempts (its token was taken in `execute`); each quick try is one, let go by the
+        budget (relay/retries.py)."""
         holds = [h for h, _ in sends]
         spans = self._spans(sends)
         replies: _Replies | None = None
+        tries = 0
+
+        async def post_once() -> _Replies:
+            nonlocal tries
+            tries += 1
+            retry = self.budget is not None and (tries > 1 or _retried(holds))
+            return await self._post_once(
+                sends, group=group, spans=spans, retry=retry, answered=answered
+            )
+
         with self.renewer.renewing(holds) as renewal:
             replies = await self._quick(
-                lambda: self._post_once(sends, group=group, spans=spans),
+                post_once,
                 lambda: min((h.claim.trust for h in holds), key=lambda t: t.until),
                 lambda tried, n, retry_in: self._log_failed(sends, tried, n, retry_in),
+                self._quick_retry_allowed,
             )
         outcomes: list[Outcome] = []
         for (held, events), span in zip(sends, spans, strict=True):
@@ -215,10 +266,39 @@ class Executor:
             for held, events in sends
         ]
 
+    def _quick_retry_allowed(self) -> bool:
+        """The budget lets one more quick try go (it holds a token until its answer)."""
+        return self.budget is None or self.budget.try_retry(anyio.current_time())
+
     async def _post_once(
-        self, sends: list[Send], *, group: bool, spans: list[DeliverySpan]
+        self,
+        sends: list[Send],
+        *,
+        group: bool,
+        spans: list[DeliverySpan],
+        retry: bool,
+        answered: Answered,
     ) -> _Replies:
+        """One try: the POST, what its answer means per run, and what it tells the limit and
+        the retry budget (`retry`: the budget let it go as a retry, holding a token)."""
         self.stats.posts += 1
+        started = anyio.current_time()
+        try:
+            replies = await self._try(sends, group=group, spans=spans)
+        except BaseException:  # cancelled (every lease lost) or broken: never answered
+            if self.budget is not None:
+                self.budget.record(Result.UNSENT, retry=retry, now=anyio.current_time())
+            raise
+        first, decision = next(iter(replies.per_run.values()))
+        failed = replies.whole and isinstance(decision, Retry)
+        now = anyio.current_time()
+        if self.budget is not None:
+            self.budget.record(Result.FAILED if failed else Result.SERVED, retry=retry, now=now)
+        rtt = now - started
+        answered(_sample(first, decision, rtt) if replies.whole else _served(rtt))
+        return replies
+
+    async def _try(self, sends: list[Send], *, group: bool, spans: list[DeliverySpan]) -> _Replies:
         answer: Answer | TransportFailure
         per_run: dict[str, Answer | TransportFailure]
         batches = [_batch(h.claim, e) for h, e in sends]
@@ -290,6 +370,27 @@ def _outbox_wait(claim: Claim, first: ClaimedEvent) -> float | None:
     if claimed.tzinfo is not None:
         claimed = claimed.astimezone(UTC).replace(tzinfo=None)
     return max(0.0, (claimed - first.created_at).total_seconds())
+
+
+def _retried(holds: Sequence[Held]) -> bool:
+    for h in holds:  # a loop, not any(): once per POST
+        if h.claim.attempts > 0:
+            return True
+    return False
+
+
+def _sample(answer: Answer | TransportFailure, decision: Decision, rtt: float) -> Sample:
+    """What one answer to the whole request tells the limit (relay/limit.py): its status (or
+    none, and whether it timed out), its round trip, and a Retry-After the policy parsed."""
+    retry_after = decision.retry_after if isinstance(decision, Retry) else None
+    if isinstance(answer, TransportFailure):
+        return Sample.of(None, rtt, timed_out=answer.timed_out, retry_after=retry_after)
+    return Sample.of(answer.status, rtt, retry_after=retry_after)
+
+
+def _served(rtt: float) -> Sample:
+    """A 2xx multi-run reply with per-run results: the ingress answered in `rtt`."""
+    return Sample.of(200, rtt)
 
 
 def _quick(replies: _Replies) -> bool:

@@ -63,7 +63,13 @@ REQUEST_ERRORS = (httpx.HTTPError, httpx.InvalidURL, aiohttp.ClientError, ssl.SS
 
 
 class TransportFailure(Exception):
-    """No HTTP answer: connection refused/reset, timeout, reply lost, a malformed answer."""
+    """No HTTP answer: connection refused/reset, timeout, reply lost, a malformed answer.
+    `timed_out`: the request ran out of time, which the adaptive POST limit reads as an
+    overloaded ingress (relay/limit.py); the other failures say nothing about its load."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +220,8 @@ class HttpxSender:
             finally:
                 await response.aclose()
         except REQUEST_ERRORS as exc:
-            raise TransportFailure(_describe(exc)) from exc
+            timed_out = isinstance(exc, httpx.TimeoutException | TimeoutError)
+            raise TransportFailure(_describe(exc), timed_out=timed_out) from exc
         return Reply(
             response.status_code,
             read,

@@ -268,7 +268,9 @@ class IngressClient:
             with scope:
                 reply = await self.sender.send(url, body, headers)
             if scope.cancelled_caught:
-                raise TransportFailure(f"timed out after {self.settings.http_timeout:g}s")
+                raise TransportFailure(
+                    f"timed out after {self.settings.http_timeout:g}s", timed_out=True
+                )
         except TransportFailure:
             self._observe(None, anyio.current_time() - started)
             raise

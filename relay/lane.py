@@ -18,7 +18,6 @@ critical lane instead: a terminal event never queues behind ordinary work.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import random
@@ -36,8 +35,9 @@ from relay.execute import Executor, LeaseLost, Outcome
 from relay.holdings import Holdings
 from relay.ingress import IngressClient
 from relay.policy import Poison, backoff, plan_groups
+from relay.post_turn import NO_TURN, Permits, PostTurn, Slot, Turn
+from relay.retry_budget import RetryBudget
 from relay.settings import Settings
-from relay.slots import Slots
 from relay.stats import CompleteStats, ExecuteStats, FetchStats, LaneStats
 from relay.store import AckResult, Claim, Held, Store
 from relay.tracing import NO_TRACING, Tracer
@@ -46,15 +46,6 @@ from relay.wake import Wake
 MIN_EMPTY_PASS_SPACING = 0.01  # coalesces bursts of wakes into a handful of passes
 Work = Callable[[Any], Awaitable[None]]
 Job = tuple[Work, Any]  # what a delivery task runs next
-
-
-class Slot(enum.Enum):
-    """Where a claim (or a group sharing one POST) stands with the lane's POST slots."""
-
-    WAITING = "waiting"  # queued for one
-    POSTING = "posting"  # has one: its delivery runs
-    STOPPING = "stopping"  # the lane stopped before it got one
-    HANDED_OFF = "handed_off"  # given to the critical lane instead, which owns it now
 
 
 @dataclass(frozen=True)
@@ -85,13 +76,17 @@ class Lane:
         on_ready_change: Callable[[bool], None] = lambda ok: None,
         observe_ack: Callable[[AckResult], None] = lambda result: None,
         tracer: Tracer = NO_TRACING,
+        permits: Permits | None = None,
+        budget: RetryBudget | None = None,
     ) -> None:
         self.name = name
         self.settings = settings
         self.store = store
         self.concurrency = concurrency
         self.fetched = FetchStats()
-        self.execute = Executor(settings, store, ingress, ExecuteStats(), lane=name, tracer=tracer)
+        self.execute = Executor(
+            settings, store, ingress, ExecuteStats(), lane=name, tracer=tracer, budget=budget
+        )
         self.complete = Completer(
             name,
             settings,
@@ -107,16 +102,13 @@ class Lane:
         self.targets: list[str] = []  # runs to drain now (critical lane)
         self.wanted: set[str] = set()  # terminal runs we could not claim yet
         self.holdings = Holdings(settings, concurrency)  # the claims held, their bytes
-        # One queue for single claims and groups alike, critical ones first (relay/slots.py).
-        self.posting = Slots(concurrency)
-        self.posting_runs: set[str] = set()  # claims past their slot wait (POST started)
+        # Each claim's or group's turn to POST: the lane's slots and the replica's permits,
+        # critical ones first (relay/post_turn.py).
+        self.post_turn = PostTurn(name, concurrency, settings.poll_interval, permits)
         self.stopping = False
         self._last_empty_pass = -1.0
         self._deliveries: TaskGroup | None = None
         self._idle_runners = 0  # delivery tasks waiting for their next claim (see _launch)
-        # The ordinary lane hands a critical run it cannot POST at once to the critical lane
-        # (set by the runner): a terminal event never waits in the ordinary queue.
-        self.handoff: Callable[[Claim], bool] = lambda claim: False
         # Liveness, for /healthz and the systemd watchdog (read through view()).
         self.turns = 0
         self.turned_at = 0.0
@@ -303,7 +295,7 @@ class Lane:
         self.stopping = True
         self.wake.set()
         self.slot_freed.set()
-        self.posting.wake_all()
+        self.post_turn.stop()
 
     # -- claims between lanes ----------------------------------------------------------------
 
@@ -311,12 +303,12 @@ class Lane:
         """A terminal event was committed for a run this lane holds but has not started: mark it
         critical and widen it before its POST; a queued one is handed to the critical lane."""
         held = self.inflight.get(run_id)
-        if held is not None and run_id not in self.posting_runs:
+        if held is not None and run_id not in self.post_turn.posting_runs:
             held.claim = held.claim.promoted()
             self.slot_freed.set()
             # Its waiter queues again, as critical: a single claim hands itself over to the
             # critical lane, a group goes before the ordinary waiters.
-            self.posting.wake(run_id)
+            self.post_turn.promote(run_id)
 
     def adopt(self, claim: Claim) -> bool:
         """Take over a claim another lane holds but cannot start yet, if there is room."""
@@ -327,53 +319,17 @@ class Lane:
         self._launch(self._deliver_job, [held])
         return True
 
-    # -- POST slots: one queue, critical first, for single claims and groups alike -----------
-
-    async def _take_slot(self, holds: list[Held]) -> Slot:
-        """Wait for a POST slot for these claims (one, or a group that shares one POST):
-        POSTING once they have one, STOPPING on shutdown, HANDED_OFF when a single critical
-        claim that would wait went to the critical lane instead. Each turn reads the claims anew
-        from their holders: a promotion while they wait makes them critical."""
-        while not self.stopping:
-            if self.posting.take_nowait():
-                return self._posting(holds)
-            single = holds[0].claim if len(holds) == 1 else None
-            if single is not None and single.critical and self.handoff(single):
-                return Slot.HANDED_OFF
-            # Queued: handed a freed slot when these claims are next (critical ones first), or
-            # woken without one when promoted (they may turn critical) or on shutdown.
-            critical = any(h.claim.critical for h in holds)
-            run_ids = [h.claim.run_id for h in holds]
-            got = False
-            if single is not None and single.critical:  # tries the handoff again each poll
-                with anyio.move_on_after(self.settings.poll_interval):
-                    got = await self.posting.take(critical, run_ids)
-            else:  # no timer: one per queued claim was measurable (docs/performance.md)
-                got = await self.posting.take(critical, run_ids)
-            if got:
-                if self.stopping:  # the lane stopped meanwhile: the claims are handed back
-                    self.posting.release()
-                    break
-                return self._posting(holds)
-        return Slot.STOPPING
-
-    def _posting(self, holds: list[Held]) -> Slot:
-        for h in holds:
-            self.posting_runs.add(h.claim.run_id)
-        return Slot.POSTING
+    # -- deliveries: a turn to POST (relay/post_turn.py), the POST, the results -------------
 
     async def _deliver_job(self, holds: list[Held]) -> None:
-        """One delivery task's job: a POST slot for these claims, their delivery, and whatever
+        """One delivery task's job: a turn to POST these claims, their delivery, and whatever
         is left unsettled handed back."""
-        slot = Slot.WAITING
+        turn = NO_TURN
         settled: dict[str, bool] = {}
-        free_slot: Callable[[], None] | None = None
         try:
-            slot = await self._take_slot(holds)
-            if slot is Slot.POSTING:
-                # Freed once: early when only the acks are left, else at the end.
-                free_slot = self.posting.release_once()
-                settled = await self._deliver(holds, free_slot)
+            turn = await self.post_turn.take(holds)
+            if turn.slot is Slot.POSTING:
+                settled = await self._deliver(holds, turn)
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:
@@ -381,25 +337,18 @@ class Lane:
         finally:
             for h in holds:
                 self.holdings.drop(h)
-            if slot is not Slot.HANDED_OFF:  # else the critical lane owns the claim now
-                await self._let_go(holds, settled, free_slot)
+            if turn.slot is not Slot.HANDED_OFF:  # else the critical lane owns the claim now
+                await self._let_go(holds, settled, turn)
             self._settled()
 
-    async def _let_go(
-        self,
-        holds: list[Held],
-        settled: dict[str, bool],
-        free_slot: Callable[[], None] | None,
-    ) -> None:
-        """After a delivery job: hand back the leases it left unsettled, free its POST slot if
-        it took one (`free_slot`) and still holds it, and wake discovery after critical work."""
+    async def _let_go(self, holds: list[Held], settled: dict[str, bool], turn: Turn) -> None:
+        """After a delivery job: hand back the leases it left unsettled, free its turn if it
+        took one and still holds it, and wake discovery after critical work."""
         for h in holds:
             if not settled.get(h.claim.run_id):
                 await self.complete.hand_back(h.claim)  # as widened, if it was
-        if free_slot is not None:
-            for h in holds:
-                self.posting_runs.discard(h.claim.run_id)
-            free_slot()
+        self.post_turn.done(holds)
+        turn.free()
         if self.name == "critical" or _any_critical(holds):
             self.wake.set()
 
@@ -412,22 +361,26 @@ class Lane:
                 "delivery_error", lane=self.name, runs=len(holds), error=logs.error_text(exc)
             )
 
-    async def _deliver(self, holds: list[Held], free_slot: Callable[[], None]) -> dict[str, bool]:
+    async def _deliver(
+        self, holds: list[Held], turn: Turn, *, free_early: bool = True
+    ) -> dict[str, bool]:
         """Execute, then complete: the executor POSTs the claims (one, or a group in one
         request) and the completer writes what each run's outcome means. Returns, per run,
-        whether its lease was settled. `free_slot` hands the POST slot back early, once only the
-        acks are left."""
-        outcomes = await self.execute.execute(holds)
+        whether its lease was settled. The turn is given back early, once only the acks are
+        left (`free_early`), and told of every answer."""
+        outcomes = await self.execute.execute(holds, turn.answered)
         if len(holds) > 1 and _refused_whole(posted := _posted(outcomes)):
-            return await self._send_alone(outcomes, posted)
-        if _only_acks_left(outcomes):
+            return await self._send_alone(outcomes, posted, turn)
+        if free_early and _only_acks_left(outcomes):
             # Pipelining: the ingress has answered and nothing but the (grouped) acks is left,
             # so the next claim's POST need not wait for their commit. The runs stay claimed
             # (and their leases fenced) until the acks settle them.
-            free_slot()
+            turn.free()
         return await self.complete.carry(outcomes)
 
-    async def _send_alone(self, outcomes: list[Outcome], posted: list[Outcome]) -> dict[str, bool]:
+    async def _send_alone(
+        self, outcomes: list[Outcome], posted: list[Outcome], turn: Turn
+    ) -> dict[str, bool]:
         """One refusal of a whole multi-run request does not say which run (if any) is poison:
         each run is sent alone to `ingress_url`, in this slot, and only its own answer decides."""
         lost = [o for o in outcomes if isinstance(o.decision, LeaseLost)]
@@ -439,7 +392,7 @@ class Lane:
             error=refusal.excerpt[:300],
         )  # fmt: skip
         for outcome in posted:
-            settled |= await self._deliver([outcome.held], lambda: None)
+            settled |= await self._deliver([outcome.held], turn, free_early=False)
         return settled
 
 

@@ -20,7 +20,9 @@ from relay.settings import Settings
 if TYPE_CHECKING:
     from psycopg import sql
 
+    from relay.admission import AdmissionView
     from relay.lane import LaneView
+    from relay.retry_budget import BudgetView
 
 SessionQuery = Callable[["sql.Composed", Sequence[Any]], Awaitable[list[tuple[Any, ...]]]]
 
@@ -45,6 +47,10 @@ class RelayView:
     # One statement on the LISTEN session that holds the liveness lock: the replica report,
     # which the database takes only from that session (relay/listener.py). None: no listener.
     on_liveness_session: SessionQuery | None = None
+    # The POST turn's adaptive limit, its permits in flight and waiting per lane (None: the
+    # fixed limit), and the retry budget (relay/post_turn.py, relay/retry_budget.py).
+    admission: Callable[[], AdmissionView | None] = lambda: None
+    retry_budget: Callable[[], BudgetView | None] = lambda: None
 
 
 def stall_limit(s: Settings) -> float:

@@ -1,5 +1,6 @@
 """Quick retries within one attempt (DESIGN §5): tenacity, bounded and short, with full jitter,
-for blips only, and only while the lease is trusted for a whole request. Longer outages are
+for blips only, only while the lease is trusted for a whole request, and only while the retry
+budget lets them (issue 42). Longer outages are
 rescheduled through the database instead (relay/complete.py), so a restart loses nothing.
 """
 
@@ -47,6 +48,7 @@ class QuickRetries(Generic[T]):
         post: Callable[[], Awaitable[T]],
         trust: Callable[[], Trust],
         tried: Tried[T] | None = None,
+        may_retry: Callable[[], bool] = lambda: True,
     ) -> T:
         first = await post()
         if not self.retryable(first):
@@ -64,8 +66,10 @@ class QuickRetries(Generic[T]):
             if tried is not None and state.outcome is not None and state.next_action is not None:
                 tried(state.outcome.result(), state.attempt_number, state.next_action.sleep)
 
+        # The retry budget is asked last, only when nothing else stops: a yes holds a token.
+        stop = stop_any(_STOP_AFTER, _TrustLow(trust, self.http_timeout), _BudgetSpent(may_retry))
         retrying = AsyncRetrying(
-            stop=stop_any(_STOP_AFTER, _TrustLow(trust, self.http_timeout)),
+            stop=stop,
             wait=_QUICK_WAIT,
             retry=self._retry,
             retry_error_callback=_last_outcome,
@@ -87,6 +91,16 @@ class _TrustLow(stop_base):
 
     def __call__(self, retry_state: RetryCallState) -> bool:
         return not self.trust().allows_post(anyio.current_time(), self.timeout)
+
+
+class _BudgetSpent(stop_base):
+    """Stop quick retries when the retry budget lets no more go (relay/retry_budget.py)."""
+
+    def __init__(self, may_retry: Callable[[], bool]) -> None:
+        self.may_retry = may_retry
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return not self.may_retry()
 
 
 def _last_outcome(state: RetryCallState) -> object:

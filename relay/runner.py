@@ -22,13 +22,17 @@ from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 
 from relay import health, logs, sdnotify
+from relay.admission import Admission, AdmissionView
 from relay.http_client import Sender, open_sender, require_extras
 from relay.ingress import IngressClient
 from relay.lane import Lane, LaneView
+from relay.limit import Limit
 from relay.listener import Listener
 from relay.metrics import Metrics
 from relay.migrate import SchemaError, version_problem
+from relay.post_turn import Permits
 from relay.progress import ListenerView, RelayView
+from relay.retry_budget import BudgetView, RetryBudget
 from relay.settings import Settings, redact_url
 from relay.store import CONNECT_KWARGS, AckResult, IdleCheck, Pool, Store
 from relay.tracing import NO_TRACING, Tracer, flush_timeout
@@ -59,6 +63,18 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def post_permits(settings: Settings) -> Permits | None:
+    """The replica's permits for POSTs under the adaptive limit (docs/admission.md), shared by
+    both lanes; None with `post_limit = fixed`, where each lane's slots alone bound its POSTs.
+    The ceiling is both lanes' concurrency and the critical reserve at most the critical lane's,
+    so at an ingress that keeps up each lane keeps all of its own, as with the fixed limit."""
+    if settings.post_limit == "fixed":
+        return None
+    ceiling = settings.concurrency + settings.critical_concurrency
+    limit = Limit(ceiling)
+    return Permits(Admission(limit, max_reserve=settings.critical_concurrency))
+
+
 @dataclass
 class Health:
     ready: bool = False
@@ -83,6 +99,10 @@ class Relay:
         if self.app_http is None:  # an extra the relay's own client needs: said now, not later
             require_extras(settings, os.environ)
         self.prune_interval = prune_interval
+        # What each POST may go under: the adaptive limit's permits and the retry budget, one
+        # of each per replica, shared by both lanes (relay/post_turn.py, relay/retry_budget.py).
+        self.permits = post_permits(settings)
+        self.budget = RetryBudget()
         self.health = Health()
         self.lanes: dict[str, Lane] = {}
         self.listener: Listener | None = None
@@ -98,6 +118,8 @@ class Relay:
             listener=self._listener_view,
             ingress_ok=lambda: self.health.ingress_ok,
             on_liveness_session=self._on_liveness_session,
+            admission=self._admission_view,
+            retry_budget=self._budget_view,
         )
 
     # -- public ------------------------------------------------------------------------------
@@ -175,7 +197,7 @@ class Relay:
                 ordinary = self._lane(
                     "ordinary", ordinary_store, ordinary_http, s.concurrency, metrics
                 )
-                ordinary.handoff = critical.adopt
+                ordinary.post_turn.handoff = critical.adopt
                 self.lanes = {"critical": critical, "ordinary": ordinary}
                 listen_url = s.listen_database_url or s.database_url
                 self.listener = Listener(
@@ -264,6 +286,7 @@ class Relay:
                     ingress=redact_url(self.settings.ingress_url),
                     concurrency=self.settings.concurrency,
                     critical_concurrency=self.settings.critical_concurrency,
+                    post_limit=self.settings.post_limit,
                     batch_size=self.settings.batch_size,
                 )
                 self._started.set()
@@ -292,7 +315,15 @@ class Relay:
             on_ready_change=self._ingress_ready,
             observe_ack=metrics.ack_observer(name) if metrics else _ignore_ack,
             tracer=self.tracer,
+            permits=self.permits,
+            budget=self.budget,
         )
+
+    def _admission_view(self) -> AdmissionView | None:
+        return self.permits.view() if self.permits is not None else None
+
+    def _budget_view(self) -> BudgetView:
+        return self.budget.view(anyio.current_time())
 
     def _pool(self, url: str, name: str, size: int) -> Pool:
         return AsyncConnectionPool(

@@ -172,6 +172,10 @@ class Settings:
     lease_ttl: float = 30.0
     concurrency: int = 32
     critical_concurrency: int = 4
+    # POSTs in flight per replica: "adaptive" follows what the ingress takes, up to concurrency +
+    # critical_concurrency (relay/post_turn.py, docs/admission.md); "fixed" is each lane's own
+    # concurrency, whatever the ingress does (the relay before issue 42)
+    post_limit: str = "adaptive"
     claim_runs: int = 64
     # Memory bounds (issue 13): payload bytes per POST (a claim's prefix stops early at it; a
     # single larger event still goes alone), and payload bytes one lane holds claimed but not yet
@@ -445,6 +449,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "lease_ttl": _duration_in(1.0, 3600.0),
     "concurrency": _int_in(1, 1024),
     "critical_concurrency": _int_in(1, 256),
+    "post_limit": _choice("adaptive", "fixed"),
     "claim_runs": _int_in(1, 1000),
     "max_batch_bytes": _bytes_in(1024, 1024**3),
     "max_lane_bytes": _bytes_in(1024, 64 * 1024**3),

@@ -26,6 +26,7 @@ class ExecuteStats:
     renewed_before_post: int = 0
     widened: int = 0  # events added to a claim before its first POST
     renewals: int = 0  # leases renewed (the renewer's count, filled in by the executor's view)
+    deferred: int = 0  # retries the retry budget held back in the outbox (relay/retry_budget.py)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class LaneStats:
     reclaimed: int = 0  # runs claimed from a dead owner before their lease expired (issue 18)
     by_type: dict[str, int] = field(default_factory=dict)
     renewals: int = 0  # leases renewed while their POST was on the wire
+    deferred: int = 0  # retries the retry budget held back in the outbox
 
     @classmethod
     def of(cls, fetch: FetchStats, execute: ExecuteStats, complete: CompleteStats) -> LaneStats:
@@ -83,4 +85,5 @@ class LaneStats:
             reclaimed=fetch.reclaimed,
             by_type=complete.by_type,
             renewals=execute.renewals,
+            deferred=execute.deferred,
         )

@@ -436,7 +436,7 @@ async def test_a_fenced_reschedule_is_a_lost_lease(
     cfg = settings(pg_url, schema, url, lease_ttl="30s", http_timeout="0.3s")
     async with Relay(cfg).running() as r:
         lane = r.lanes["ordinary"]
-        await wait_for(lambda: bool(lane.posting_runs), what="the first POST")
+        await wait_for(lambda: bool(lane.post_turn.posting_runs), what="the first POST")
         conn.execute(q(schema, "update {s}.runs set lease_token = gen_random_uuid()"))
         await wait_for(lambda: lane.stats.lease_lost == 1, what="the fenced reschedule")
     lost = [x for x in log_lines() if x["event"] == "lease_lost"]

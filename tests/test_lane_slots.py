@@ -14,7 +14,8 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
-from relay.lane import Lane, Slot
+from relay.lane import Lane
+from relay.post_turn import Slot
 from relay.policy import Trust
 from relay.settings import load
 from relay.store import Claim, ClaimedEvent, Held
@@ -59,7 +60,7 @@ async def until(check: Any) -> None:
 
 def queue(ln: Lane) -> list[tuple[tuple[Hashable, ...], bool]]:
     """The lane's slot queue as (run ids, critical) per waiter, in the order they queued."""
-    return [(w.keys, w.critical) for w in ln.posting.queued]
+    return [(w.keys, w.critical) for w in ln.post_turn.slots.queued]
 
 
 class Takers:
@@ -71,12 +72,12 @@ class Takers:
 
     async def queue(self, name: str, holds: list[Held]) -> None:
         """Start a taker and return once it waits in the slot queue."""
-        waiting = len(self.ln.posting.queued)
+        waiting = len(self.ln.post_turn.slots.queued)
         self.tasks.start_soon(self._take, name, holds)
-        await until(lambda: len(self.ln.posting.queued) == waiting + 1)
+        await until(lambda: len(self.ln.post_turn.slots.queued) == waiting + 1)
 
     async def _take(self, name: str, holds: list[Held]) -> None:
-        assert await self.ln._take_slot(holds) is Slot.POSTING
+        assert (await self.ln.post_turn.take(holds)).slot is Slot.POSTING
         self.took.append(name)
 
     async def release(self, times: int) -> None:
@@ -84,7 +85,7 @@ class Takers:
         until the next waiter has it."""
         for _ in range(times):
             had = len(self.took)
-            self.ln.posting.release()
+            self.ln.post_turn.slots.release()
             await until(lambda n=had + 1: len(self.took) == n)
 
 
@@ -93,7 +94,7 @@ async def slot_taken() -> AsyncIterator[tuple[Lane, Takers]]:
     """A lane whose one POST slot run "first" holds, and takers that queue for it."""
     ln = lane()
     try:
-        assert await ln._take_slot([held("first")]) is Slot.POSTING
+        assert (await ln.post_turn.take([held("first")])).slot is Slot.POSTING
         async with anyio.create_task_group() as tasks:
             yield ln, Takers(ln, tasks)
     finally:
@@ -109,7 +110,7 @@ async def test_a_freed_slot_goes_to_the_critical_claim_before_an_earlier_group()
         assert queue(ln) == [(("g1", "g2"), False), (("c",), True)]  # the group queued first
         await takers.release(2)
         assert takers.took == ["critical", "group"]
-        assert {"first", "g1", "g2", "c"} <= ln.posting_runs
+        assert {"first", "g1", "g2", "c"} <= ln.post_turn.posting_runs
 
 
 async def test_a_promoted_run_makes_its_queued_group_critical() -> None:
@@ -123,7 +124,7 @@ async def test_a_promoted_run_makes_its_queued_group_critical() -> None:
         ln.inflight.update({h.claim.run_id: h for h in group})
         ln.promote("g2")  # wakes the group's waiter: it queues again, as critical
         assert group[1].claim.critical
-        await until(lambda: len(ln.posting.queued) == 2)
+        await until(lambda: len(ln.post_turn.slots.queued) == 2)
         assert queue(ln) == [(("s",), False), (("g1", "g2"), True)]
         await takers.release(2)
         assert takers.took == ["group", "single"]

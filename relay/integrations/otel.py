@@ -54,7 +54,7 @@ from opentelemetry.trace import (
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from relay import __version__
-from relay.execute import LeaseLost, Outcome
+from relay.execute import Deferred, LeaseLost, Outcome
 from relay.ingress import Answer
 from relay.policy import Ack, Pause, Poison, Retry
 from relay.settings import ConfigError, redact_url
@@ -125,6 +125,8 @@ def said(outcome: Outcome) -> tuple[dict[str, Any], str | None]:
     decision = outcome.decision
     if isinstance(decision, LeaseLost):
         return {"relay.outcome": "lease_lost", "relay.where": decision.where}, "lease_lost"
+    if isinstance(decision, Deferred):  # the retry budget held it back: nothing was sent
+        return {"relay.outcome": "deferred", "relay.retry_in": decision.delay}, "deferred"
     name = OUTCOME_NAMES[type(decision)]
     attributes: dict[str, Any] = {"relay.outcome": name}
     if isinstance(outcome.answer, Answer):

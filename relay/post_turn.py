@@ -1,0 +1,280 @@
+"""The POST turn, a part of its own beside each lane (issue 42 item 5): a claim's (or a multi-run
+group's) turn to POST, under the lane's slots and the replica's adaptive limit, critical first.
+
+The lane (relay/lane.py) keeps discovery and claims; for each single claim or group it asks
+`PostTurn.take()` for a turn, and the executor (relay/execute.py) POSTs only once it has one.
+A turn is two things, taken in this order and given back together:
+
+1. **a slot of the lane's own** (relay/slots.py: `concurrency` of them, critical waiters first).
+   A single critical claim of the ordinary lane that would have to wait for one is handed to the
+   critical lane instead (`handoff`), so a terminal event never queues behind ordinary work in
+   the relay;
+2. **a permit of the replica's** (`Permits`, one per replica, shared by both lanes): the
+   adaptive limit on POSTs in flight to the ingress, with a reserve the ordinary lane cannot
+   take (relay/admission.py, relay/limit.py), so a terminal event never queues behind more
+   than a few ordinary POSTs at the ingress either. Without `Permits` (`post_limit = fixed`)
+   the slots alone bound the POSTs, as before issue 42.
+
+A promotion (a terminal event committed for a run whose claim waits for its turn) wakes the
+waiter, which queues again as critical: for a slot, or for a permit if it holds its slot.
+The turn is freed once (`Turn.free`): early when only the acks are left, else at the end. Each
+answer to a POST under the turn goes to the limit (`Turn.answered`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+from relay import logs
+from relay.admission import Admission, AdmissionView, Permit, Priority, Ticket
+from relay.limit import Change, LimitEvent, Sample
+from relay.slots import Slots
+from relay.store import Claim, Held
+
+
+class Slot(enum.Enum):
+    """Where a claim (or a group sharing one POST) stands with its turn."""
+
+    WAITING = "waiting"  # queued for one
+    POSTING = "posting"  # has one: its delivery runs
+    STOPPING = "stopping"  # the lane stopped before it got one
+    HANDED_OFF = "handed_off"  # given to the critical lane instead, which owns it now
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    """One caller queued for a permit: woken with one, or without (`Permits.wake`)."""
+
+    ticket: Ticket
+    keys: tuple[Hashable, ...]
+    permit: Permit | None = None
+    woken: anyio.Event = field(default_factory=anyio.Event)
+
+
+class Permits:
+    """The replica's permits for POSTs to the ingress: relay/admission.py's decisions, awaited
+    (relay/slots.py's shape: a freed permit is handed straight to the waiter that goes next,
+    and one handed to a waiter cancelled meanwhile is passed on, never leaked)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self._waiters: dict[Ticket, _Waiter] = {}
+        self._by_key: dict[Hashable, _Waiter] = {}
+
+    def view(self) -> AdmissionView:
+        return self.admission.view(anyio.current_time())
+
+    async def take(self, priority: Priority, keys: Sequence[Hashable] = ()) -> Permit | None:
+        """A permit for a POST of `priority`, queued for one if none may go now: None when woken
+        without one (`wake`: the caller's priority may have changed; it may ask again)."""
+        permit = self.admission.try_acquire(priority, anyio.current_time())
+        if permit is not None:
+            return permit
+        waiter = _Waiter(self.admission.wait(priority), tuple(keys))
+        self._waiters[waiter.ticket] = waiter
+        for key in waiter.keys:
+            self._by_key[key] = waiter
+        try:
+            await waiter.woken.wait()
+        except BaseException:
+            if waiter.permit is not None:  # granted, then cancelled before it ran: pass it on
+                self.release(waiter.permit)
+            raise
+        finally:
+            self._leave(waiter)
+        return waiter.permit
+
+    def wake(self, key: Hashable) -> None:
+        """Wake the waiter queued under `key` without a permit (it may queue again)."""
+        waiter = self._by_key.get(key)
+        if waiter is not None and waiter.permit is None:
+            self._leave(waiter)
+            waiter.woken.set()
+
+    def answered(self, permit: Permit, sample: Sample) -> None:
+        """An answer to a POST under `permit`: the limit judges it, and may let waiters go."""
+        now = anyio.current_time()
+        event = self.admission.answered(permit, sample, now)
+        if event is not None:
+            _log(event, self.admission.inflight)
+        self._grant(now)
+
+    def release(self, permit: Permit) -> None:
+        """The POST is done (its answers were given to `answered`): the permit goes to the next
+        waiter, if one may go."""
+        now = anyio.current_time()
+        self.admission.release(permit, None, now)
+        self._grant(now)
+
+    def _grant(self, now: float) -> None:
+        for ticket, permit in self.admission.grants(now):
+            waiter = self._waiters[ticket]
+            waiter.permit = permit
+            self._leave(waiter)
+            waiter.woken.set()
+
+    def _leave(self, waiter: _Waiter) -> None:
+        if self._waiters.pop(waiter.ticket, None) is not None and waiter.permit is None:
+            self.admission.cancel(waiter.ticket)
+        for key in waiter.keys:
+            if self._by_key.get(key) is waiter:
+                del self._by_key[key]
+
+
+def _log(event: LimitEvent, inflight: int) -> None:
+    """`limit_fell` when the limit fell sharply, `limit_recovered` once it is back."""
+    if event.change is Change.FELL:
+        logs.warning(
+            "limit_fell", limit=event.limit, level=event.level, reason=event.reason,
+            inflight=inflight,
+        )  # fmt: skip
+    else:
+        logs.info("limit_recovered", limit=event.limit, level=event.level, inflight=inflight)
+
+
+@dataclass(eq=False)
+class Turn:
+    """A claim's (or group's) turn to POST: `slot` says whether it got one. `free()` gives the
+    slot and the permit back, the first time only; `answered()` tells the limit of an answer."""
+
+    slot: Slot
+    permits: Permits | None = None
+    permit: Permit | None = None
+    release_slot: Callable[[], None] | None = None
+
+    def answered(self, sample: Sample) -> None:
+        if self.permits is not None and self.permit is not None:
+            self.permits.answered(self.permit, sample)
+
+    def free(self) -> None:
+        if self.release_slot is not None:
+            release, self.release_slot = self.release_slot, None
+            release()
+        if self.permits is not None and self.permit is not None:
+            permit, self.permit = self.permit, None
+            self.permits.release(permit)
+
+    @property
+    def taken(self) -> bool:
+        """It holds a slot (and a permit, under the adaptive limit) not freed yet."""
+        return self.release_slot is not None
+
+
+NO_TURN = Turn(Slot.WAITING)
+
+
+class PostTurn:
+    """One lane's turns at a POST: `take()` one per single claim or group, `promote()` a run
+    whose claim waits, `stop()` with the lane."""
+
+    def __init__(
+        self, lane: str, concurrency: int, poll_interval: float, permits: Permits | None
+    ) -> None:
+        self.lane = lane
+        self.poll_interval = poll_interval
+        self.slots = Slots(concurrency)  # one queue, critical ones first (relay/slots.py)
+        self.permits = permits  # the replica's, shared with the other lane; None: fixed limit
+        self.posting_runs: set[str] = set()  # claims past their wait (POST started)
+        self._waiting_for_permits: set[str] = set()  # claims with a slot, waiting for a permit
+        self.stopping = False
+        # The ordinary lane hands a critical run it cannot POST at once to the critical lane
+        # (set by the runner): a terminal event never waits in the ordinary queue.
+        self.handoff: Callable[[Claim], bool] = lambda claim: False
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.slots.wake_all()
+        if self.permits is not None:
+            for run_id in self._waiting_for_permits:
+                self.permits.wake(run_id)
+
+    def promote(self, run_id: str) -> None:
+        """The run's claim turned critical while it waits: its waiter queues again, as critical
+        (a single claim without a slot hands itself over to the critical lane)."""
+        self.slots.wake(run_id)
+        if self.permits is not None:
+            self.permits.wake(run_id)
+
+    def done(self, holds: Sequence[Held]) -> None:
+        """The delivery of these claims is over (their turn freed or never had)."""
+        for h in holds:
+            self.posting_runs.discard(h.claim.run_id)
+
+    async def take(self, holds: Sequence[Held]) -> Turn:
+        """A turn for these claims (one, or a group that shares one POST): a slot of the lane's,
+        then a permit of the replica's. Each wait reads the claims anew from their holders: a
+        promotion while they wait makes them critical."""
+        slot = await self._take_slot(holds)
+        if slot is not Slot.POSTING:
+            return Turn(slot)
+        release_slot = self.slots.release_once()
+        permit = None
+        if self.permits is not None:
+            try:
+                permit = await self._take_permit(holds)
+            finally:
+                if permit is None:  # stopped or cancelled meanwhile: the slot goes back
+                    release_slot()
+            if permit is None:  # the lane stopped: the claims are handed back
+                return Turn(Slot.STOPPING)
+        for h in holds:
+            self.posting_runs.add(h.claim.run_id)
+        return Turn(Slot.POSTING, self.permits, permit, release_slot)
+
+    async def _take_permit(self, holds: Sequence[Held]) -> Permit | None:
+        assert self.permits is not None
+        run_ids = [h.claim.run_id for h in holds]
+        self._waiting_for_permits.update(run_ids)
+        try:
+            while not self.stopping:
+                priority = Priority.CRITICAL if _critical(self.lane, holds) else Priority.ORDINARY
+                permit = await self.permits.take(priority, run_ids)
+                if permit is None:
+                    continue  # woken without one: promoted (asks again, as critical) or stopping
+                if self.stopping:
+                    self.permits.release(permit)
+                    break
+                return permit
+            return None
+        finally:
+            self._waiting_for_permits.difference_update(run_ids)
+
+    async def _take_slot(self, holds: Sequence[Held]) -> Slot:
+        """Wait for a slot of the lane's: POSTING once they have one, STOPPING on shutdown,
+        HANDED_OFF when a single critical claim that would wait went to the critical lane."""
+        while not self.stopping:
+            if self.slots.take_nowait():
+                return Slot.POSTING
+            single = holds[0].claim if len(holds) == 1 else None
+            if single is not None and single.critical and self.handoff(single):
+                return Slot.HANDED_OFF
+            # Queued: handed a freed slot when these claims are next (critical ones first), or
+            # woken without one when promoted (they may turn critical) or on shutdown.
+            critical = any(h.claim.critical for h in holds)
+            run_ids = [h.claim.run_id for h in holds]
+            got = False
+            if single is not None and single.critical:  # tries the handoff again each poll
+                with anyio.move_on_after(self.poll_interval):
+                    got = await self.slots.take(critical, run_ids)
+            else:  # no timer: one per queued claim was measurable (docs/performance.md)
+                got = await self.slots.take(critical, run_ids)
+            if got:
+                if self.stopping:  # the lane stopped meanwhile: the claims are handed back
+                    self.slots.release()
+                    break
+                return Slot.POSTING
+        return Slot.STOPPING
+
+
+def _critical(lane: str, holds: Sequence[Held]) -> bool:
+    """The critical lane's POSTs, and the ordinary lane's that carry a terminal event, go first."""
+    if lane == "critical":
+        return True
+    for h in holds:  # a loop, not any(): once per POST
+        if h.claim.critical:
+            return True
+    return False
