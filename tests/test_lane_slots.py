@@ -15,8 +15,8 @@ import pytest
 from anyio.abc import TaskGroup
 
 from relay.lane import Lane
-from relay.post_turn import Slot
 from relay.policy import Trust
+from relay.post_turn import Slot
 from relay.settings import load
 from relay.store import Claim, ClaimedEvent, Held
 from tests.support import wait_for

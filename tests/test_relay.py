@@ -482,7 +482,8 @@ async def test_small_runs_fill_every_post_slot_through_the_batch_endpoint(
         lane = r.lanes["ordinary"]
         # 12 runs held, in 3 multi-run POSTs at once (every slot taken).
         await wait_for(
-            lambda: len(lane.inflight) == 12 and lane.post_turn.slots.value == 0, what="3 POSTs at once"
+            lambda: len(lane.inflight) == 12 and lane.post_turn.slots.value == 0,
+            what="3 POSTs at once",
         )
         await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 12, what="delivery")
     assert lane.stats.posts == 3 and s.state.duplicates == 0
@@ -535,7 +536,8 @@ async def test_a_multi_run_post_outlives_one_lost_lease_but_not_all(
     async with Relay(cfg).running() as r:
         lane = r.lanes["ordinary"]
         await wait_for(  # a group's runs are posting like single claims (one slot queue)
-            lambda: len(lane.post_turn.posting_runs) == 2 and len(lane.inflight) == 2, what="the POST"
+            lambda: len(lane.post_turn.posting_runs) == 2 and len(lane.inflight) == 2,
+            what="the POST",
         )
         conn.execute(
             q(schema, "update {s}.runs set lease_token = gen_random_uuid() where run_id = 'r0'")
