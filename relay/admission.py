@@ -99,6 +99,12 @@ class Admission:
             share = min(share, max(1, self.max_reserve))
         return min(allowed - 1, share)
 
+    def share(self, priority: Priority) -> int:
+        """POSTs of `priority` the limit lets be in flight at once now: all of it for critical
+        ones, all but the reserve for ordinary ones."""
+        allowed = self.limit.allowed
+        return allowed if priority is Priority.CRITICAL else allowed - self.reserve
+
     @property
     def inflight(self) -> int:
         return sum(self._inflight.values())

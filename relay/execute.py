@@ -24,7 +24,7 @@ from relay.limit import Sample
 from relay.policy import BACKOFF_BASE, Ack, Decision, Retry, backoff, decide
 from relay.renewal import Renewer
 from relay.retries import QuickRetries
-from relay.retry_budget import Result, RetryBudget
+from relay.retry_budget import DEFER_AT_LEAST, Result, RetryBudget
 from relay.settings import Settings
 from relay.stats import ExecuteStats
 from relay.store import Claim, ClaimedEvent, Held, Store
@@ -157,9 +157,13 @@ class Executor:
 
     def _deferred(self, claim: Claim) -> Deferred:
         """How long a retry the budget refused waits: the run's own backoff, as if it had failed
-        again, so a long outage spaces its retries out as failures would."""
+        again (so a long outage spaces its retries out as failures would), in the upper half of
+        its range and never less than DEFER_AT_LEAST."""
         cap = self.settings.max_backoff
-        delay = backoff(claim.attempts, base=BACKOFF_BASE, cap=cap, rand=random.random())
+        ceiling = backoff(
+            claim.attempts, base=BACKOFF_BASE, cap=cap, rand=random.random(), jitter=0.5
+        )
+        delay = max(DEFER_AT_LEAST, ceiling)
         self.stats.deferred += 1
         return Deferred(delay)
 

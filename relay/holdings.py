@@ -5,6 +5,8 @@ and for how many runs; it changes only when the lane holds a claim or drops a se
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from relay.settings import Settings
 from relay.store import Claim, Held, payload_bytes
 
@@ -12,9 +14,14 @@ from relay.store import Claim, Held, payload_bytes
 class Holdings:
     """A lane's claims by run, the superseded ones still settling, and the byte budget."""
 
-    def __init__(self, settings: Settings, concurrency: int) -> None:
+    def __init__(
+        self, settings: Settings, concurrency: int, posts: Callable[[], int] | None = None
+    ) -> None:
         self.settings = settings
         self.concurrency = concurrency
+        # Under the adaptive limit (relay/post_turn.py), the POSTs the lane may have in flight
+        # now; None: its concurrency, always (post_limit = fixed).
+        self.posts = posts
         # Claims this lane holds: POSTing, or queued for a POST slot. Holding claim_runs more
         # than the concurrency keeps the slots busy with no claim round trip between runs.
         self.inflight: dict[str, Held] = {}
@@ -28,11 +35,24 @@ class Holdings:
         # With `ingress_batch_url`, one POST slot carries up to a claim's worth of small runs:
         # the lane then holds enough runs to fill every slot, plus one claim ahead (counted in
         # runs, a claim of small runs would otherwise fill the lane with one POST in flight).
-        self.capacity = (
+        self.fixed_capacity = (
             (concurrency + 1) * settings.claim_runs
             if settings.ingress_batch_url
             else concurrency + settings.claim_runs
         )
+
+    @property
+    def capacity(self) -> int:
+        """Runs the lane may hold. Under the adaptive limit, what its share can POST now and
+        one more round of it (at most a claim): a claim waiting for a permit holds its lease
+        and its run, which another replica with room could carry, and a claim first POSTed
+        after the database went away cannot be acked (tests/test_failover.py)."""
+        if self.posts is None:
+            return self.fixed_capacity
+        posts = self.posts()
+        if self.settings.ingress_batch_url:
+            return (posts + 1) * self.settings.claim_runs
+        return posts + min(self.settings.claim_runs, posts)
 
     def hold(self, claim: Claim) -> Held:
         held = Held(claim)
@@ -75,4 +95,5 @@ class Holdings:
         held = len(self.inflight)
         if held and self.fits() < 1:
             return False
-        return self.room() >= max(1, self.settings.claim_runs // 2) or held < self.concurrency
+        posts = self.concurrency if self.posts is None else self.posts()
+        return self.room() >= max(1, self.settings.claim_runs // 2) or held < posts

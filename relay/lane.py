@@ -101,10 +101,12 @@ class Lane:
         self.slot_freed = Wake()
         self.targets: list[str] = []  # runs to drain now (critical lane)
         self.wanted: set[str] = set()  # terminal runs we could not claim yet
-        self.holdings = Holdings(settings, concurrency)  # the claims held, their bytes
         # Each claim's or group's turn to POST: the lane's slots and the replica's permits,
         # critical ones first (relay/post_turn.py).
         self.post_turn = PostTurn(name, concurrency, settings.poll_interval, permits)
+        # The claims held, their bytes; as many as the POST turn can carry soon.
+        posts = self.post_turn.posts if permits is not None else None
+        self.holdings = Holdings(settings, concurrency, posts)
         self.stopping = False
         self._last_empty_pass = -1.0
         self._deliveries: TaskGroup | None = None

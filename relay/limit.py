@@ -12,7 +12,9 @@ concurrency does:
   min_rtt / median, at least 0.5 (Gradient2's gradient; at a saturated ingress that brings the
   limit to the concurrency at which nothing queues, by Little's law);
 - **increase** by one otherwise, if the window's POSTs used at least half the limit (a limit
-  that is not used proves nothing) and no `Retry-After` is running;
+  that is not used proves nothing) and no `Retry-After` is running; until the first decrease,
+  double instead (TCP's slow start), so a relay that starts at an ingress that keeps up reaches
+  its ceiling in a few round trips, not one round trip per POST of it;
 - answers to POSTs sent before the last decrease are not judged again: they queued under the
   old limit, and what they say was acted on already. One burst of 503s is one decrease.
 
@@ -132,7 +134,12 @@ class Limit:
     """One replica's limit on POSTs in flight: `observe()` each answer, read `allowed`."""
 
     def __init__(
-        self, ceiling: int, *, min_limit: int = MIN_LIMIT, initial: int = INITIAL_LIMIT
+        self,
+        ceiling: int,
+        *,
+        min_limit: int = MIN_LIMIT,
+        initial: int = INITIAL_LIMIT,
+        slow_start: bool = True,
     ) -> None:
         if not 1 <= min_limit <= ceiling:
             raise ValueError(f"limits [{min_limit}, {ceiling}] are not a range")
@@ -144,6 +151,7 @@ class Limit:
         self._median: float | None = None  # the last judged window's median round trip
         self._decreased_at = -math.inf  # answers to POSTs sent before this are not judged
         self._paused_until = -math.inf  # no growth before this (Retry-After)
+        self._slow_start = slow_start  # doubles per window until the first decrease
         self._level = Level.STEADY
         self._high = self.allowed  # the highest limit since it was last steady or reported
 
@@ -194,10 +202,12 @@ class Limit:
             factor, reason = decrease
             self._value = max(float(self.min_limit), self._value * factor)
             self._decreased_at = now
+            self._slow_start = False
             return self._report(reason)
         used = window.busiest * 2 >= self.allowed
         if window.rtts and used and now >= self._paused_until:
-            self._value = min(float(self.ceiling), self._value + 1.0)
+            step = self._value if self._slow_start else 1.0
+            self._value = min(float(self.ceiling), self._value + step)
             return self._report("growth")
         return None
 

@@ -68,6 +68,9 @@ class Permits:
     def view(self) -> AdmissionView:
         return self.admission.view(anyio.current_time())
 
+    def share(self, priority: Priority) -> int:
+        return self.admission.share(priority)
+
     async def take(self, priority: Priority, keys: Sequence[Hashable] = ()) -> Permit | None:
         """A permit for a POST of `priority`, queued for one if none may go now: None when woken
         without one (`wake`: the caller's priority may have changed; it may ask again)."""
@@ -126,14 +129,15 @@ class Permits:
 
 
 def _log(event: LimitEvent, inflight: int) -> None:
-    """`limit_fell` when the limit fell sharply, `limit_recovered` once it is back."""
+    """`limit_fell` when the limit fell sharply, `limit_recovered` once it is back; `was` is the
+    level it fell from (`level` is every line's own field)."""
     if event.change is Change.FELL:
         logs.warning(
-            "limit_fell", limit=event.limit, level=event.level, reason=event.reason,
+            "limit_fell", limit=event.limit, was=event.level, reason=event.reason,
             inflight=inflight,
         )  # fmt: skip
     else:
-        logs.info("limit_recovered", limit=event.limit, level=event.level, inflight=inflight)
+        logs.info("limit_recovered", limit=event.limit, was=event.level, inflight=inflight)
 
 
 @dataclass(eq=False)
@@ -184,6 +188,14 @@ class PostTurn:
         # The ordinary lane hands a critical run it cannot POST at once to the critical lane
         # (set by the runner): a terminal event never waits in the ordinary queue.
         self.handoff: Callable[[Claim], bool] = lambda claim: False
+
+    def posts(self) -> int:
+        """POSTs this lane may have in flight now: its slots, and under the adaptive limit no
+        more than its share of the limit (what the lane claims ahead is sized by it)."""
+        if self.permits is None:
+            return self.slots.total
+        priority = Priority.CRITICAL if self.lane == "critical" else Priority.ORDINARY
+        return min(self.slots.total, self.permits.share(priority))
 
     def stop(self) -> None:
         self.stopping = True

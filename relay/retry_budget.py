@@ -30,6 +30,10 @@ from relay.windows import WindowedSum
 RATIO = 0.1  # tokens per POST served (gRPC's example token_ratio)
 PER_SECOND = 1.0  # the reserve, in retries per second (Finagle's minRetriesPerSec, scaled down)
 SPAN = 10.0  # seconds a deposit or a failed retry counts (Finagle's ttl)
+# A retry held back waits at least this long in the outbox: a slice of the window
+# (relay/windows.py), the soonest a failed retry's token can age out. Sooner, a spent budget
+# would only see the same runs claimed and handed back again.
+DEFER_AT_LEAST = 1.0
 
 
 class Result(enum.Enum):

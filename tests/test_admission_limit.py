@@ -53,7 +53,7 @@ class Ingress:
 
 def steady(ceiling: int = 64, initial: int = 20) -> Ingress:
     """A limit that has learnt the ingress's round trip (RTT) and sits at `initial`."""
-    ingress = Ingress(Limit(ceiling, initial=initial - 1))
+    ingress = Ingress(Limit(ceiling, initial=initial - 1, slow_start=False))
     ingress.round()  # learns the minimum, and grows by one
     assert ingress.limit.allowed == initial
     return ingress
@@ -63,9 +63,22 @@ def steady(ceiling: int = 64, initial: int = 20) -> Ingress:
 
 
 def test_rises_by_one_per_round_trip_while_the_ingress_keeps_up() -> None:
-    ingress = Ingress(Limit(64))
+    ingress = Ingress(Limit(64, slow_start=False))
     assert ingress.limit.allowed == 4
     assert ingress.rounds(10) == 14
+
+
+def test_doubles_per_round_trip_until_the_first_decrease() -> None:
+    """Slow start: 4, 8, 16, 32 at an ingress that keeps up; after a fall, one at a time."""
+    ingress = Ingress(Limit(64))
+    assert [ingress.round() for _ in range(3)] == [8, 16, 32]
+    assert ingress.round(signal=Signal.OVERLOADED) == 16
+    assert ingress.rounds(3) == 19
+
+
+def test_slow_start_stops_at_the_ceiling() -> None:
+    ingress = Ingress(Limit(36))
+    assert ingress.rounds(5) == 36
 
 
 def test_does_not_grow_while_the_limit_is_not_used() -> None:

@@ -634,13 +634,16 @@ async def test_a_terminal_committed_for_a_queued_run_is_handed_to_the_critical_l
 ) -> None:
     """The ordinary lane holds a run (claimed before its terminal event existed) queued behind
     slow requests. When the terminal event commits, the claim is widened with it and handed
-    to the critical lane: it does not wait out the ordinary queue (invariant 6)."""
+    to the critical lane: it does not wait out the ordinary queue (invariant 6). Under the
+    fixed limit, where a lane holds a claim's worth of runs beyond its slots; the adaptive
+    limit holds one round of POSTs ahead (relay/holdings.py), tests/test_post_turn.py has its
+    promotions."""
     s, url = sink
     for i in range(10):
         s.faults.delay(0.5, run_id=f"b{i}")
     enqueue_runs(conn, schema, 10, 1, prefix="b", terminal=False)
     enqueue_runs(conn, schema, 1, 1, prefix="t", terminal=False)  # t0: one step, no terminal yet
-    cfg = settings(pg_url, schema, url, concurrency=1)
+    cfg = settings(pg_url, schema, url, concurrency=1, post_limit="fixed")
     async with Relay(cfg).running() as r:
         ordinary, critical = r.lanes["ordinary"], r.lanes["critical"]
         await wait_for(lambda: len(ordinary.inflight) == 11, what="all runs held by ordinary")
