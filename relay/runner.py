@@ -183,7 +183,7 @@ class Relay:
                     ingress_ok=lambda: self.health.ingress_ok,
                     admission=self._admission_view,
                     retry_budget=self._budget_view,
-                    fixed_limit=s.concurrency + s.critical_concurrency,
+                    fixed_limit=s.post_ceiling,
                     retention=s.retention,
                 )
             async with (
