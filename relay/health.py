@@ -134,6 +134,9 @@ class Endpoints:
             token=settings.ui_token,
             refresh_seconds=min(5.0, max(1.0, refresh_interval(settings) / 2)),
             backlog=lambda: self.backlog,
+            admission=view.admission,
+            retry_budget=view.retry_budget,
+            fixed_limit=settings.post_ceiling,
             open_without_token=serves_without_token(split_addr(settings.metrics_addr or ":0")[0]),
         )
 

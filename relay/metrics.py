@@ -9,7 +9,10 @@ Three sources, none of which puts an id in a label:
   ack's own result, database clock) and each ingress request's status class and duration
   (`request_observer`, called by the lane's IngressClient wherever a POST is sent);
 - gauges of the database's backlog, refreshed by a background task (`health.probe_loop`) from
-  the `backlog()` SQL function, never inside a scrape.
+  the `backlog()` SQL function, never inside a scrape;
+- the POST turn's adaptive limit, its permits per lane and the retry budget (issue 42), read at
+  scrape time from the `AdmissionView` and `BudgetView` that callables given at construction
+  return, as the lanes' counters are.
 
 Each Relay has its own registry, so several relays in one process (tests, embedding apps)
 never collide in the global one.
@@ -43,7 +46,9 @@ from relay.store import AckResult
 from relay.ui.series import LagWindow
 
 if TYPE_CHECKING:
+    from relay.admission import AdmissionView
     from relay.lane import LaneView
+    from relay.retry_budget import BudgetView
 
 LaneViews = Callable[[], Iterable["LaneView"]]
 InstrumentT = TypeVar("InstrumentT", Counter, Gauge, Histogram)
@@ -227,6 +232,12 @@ PER_LANE: tuple[Scraped[LaneView], ...] = (
     ),
     Scraped(
         CounterMetricFamily,
+        "retries_deferred",
+        "Retries the retry budget held back: each waits in the outbox for a later claim.",
+        lambda lane: lane.stats.deferred,
+    ),
+    Scraped(
+        CounterMetricFamily,
         "claimed_runs",
         "Run prefixes claimed under a lease.",
         lambda lane: lane.stats.claimed_runs,
@@ -286,6 +297,47 @@ MISCONFIGURED = Family(
     "1 while the ingress answers 'misconfigured' (401/403/404/410/3xx) and lanes pause.",
 )
 
+# The POST turn (issue 42, docs/admission.md). Under `post_limit = fixed` there is no limit to
+# read, but dashboards and the benchmark plot `post_limit` whatever the setting, so the fixed
+# figure (both lanes' slots) is exported as the limit and its ceiling. The permits' gauges are
+# absent then: a lane's own in-flight count (`inflight_runs`) is claims, not POSTs, and passing
+# it off as POSTs would make the two settings' figures look comparable when they are not.
+POST_LIMIT = Family(
+    GaugeMetricFamily,
+    "post_limit",
+    "POSTs in flight to the ingress the adaptive limit allows now, both lanes together "
+    "(post_limit = fixed: concurrency + critical_concurrency).",
+)
+POST_LIMIT_CEILING = Family(
+    GaugeMetricFamily,
+    "post_limit_ceiling",
+    "The most the adaptive limit may allow: concurrency + critical_concurrency.",
+)
+POSTS_IN_FLIGHT = Family(
+    GaugeMetricFamily,
+    "posts_in_flight",
+    "POSTs holding a permit of the adaptive limit, by lane class (absent with post_limit = fixed).",
+)
+POSTS_WAITING = Family(
+    GaugeMetricFamily,
+    "posts_waiting",
+    "POSTs queued for a permit of the adaptive limit, by lane class (absent with post_limit = "
+    "fixed).",
+)
+# Absent rather than NaN before the first answer: NaN poisons sums and comparisons, while an
+# absent series is what `absent()` and `or` are for.
+POST_MIN_RTT = Family(
+    GaugeMetricFamily,
+    "post_min_rtt_seconds",
+    "The recent minimum round trip of a POST, against which the limit judges queueing (absent "
+    "before the first answer and with post_limit = fixed).",
+)
+RETRY_BUDGET_TOKENS = Family(
+    GaugeMetricFamily,
+    "retry_budget_tokens",
+    "Retry tokens left (a retry takes one); retries past them wait in the outbox.",
+)
+
 
 class _StatsCollector(Collector):
     """Counters the relay keeps anyway, read at scrape time."""
@@ -315,6 +367,37 @@ class _StatsCollector(Collector):
         yield misconfigured
 
 
+class _PostTurnCollector(Collector):
+    """The POST turn's limit, permits and retry budget, read at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        admission = self.metrics.admission()
+        limit, ceiling = POST_LIMIT.make(), POST_LIMIT_CEILING.make()
+        inflight, waiting = POSTS_IN_FLIGHT.make(["class"]), POSTS_WAITING.make(["class"])
+        min_rtt = POST_MIN_RTT.make()
+        if admission is not None:
+            limit.add_metric([], admission.limit.allowed)
+            ceiling.add_metric([], admission.limit.ceiling)
+            for priority, n in admission.inflight.items():
+                inflight.add_metric([priority.value], n)
+            for priority, n in admission.waiting.items():
+                waiting.add_metric([priority.value], n)
+            if admission.limit.min_rtt is not None:
+                min_rtt.add_metric([], admission.limit.min_rtt)
+        elif self.metrics.fixed_limit is not None:
+            limit.add_metric([], self.metrics.fixed_limit)
+            ceiling.add_metric([], self.metrics.fixed_limit)
+        yield from (limit, ceiling, inflight, waiting, min_rtt)
+        tokens = RETRY_BUDGET_TOKENS.make()
+        budget = self.metrics.retry_budget()
+        if budget is not None:
+            tokens.add_metric([], budget.balance)
+        yield tokens
+
+
 class Metrics:
     def __init__(
         self,
@@ -322,14 +405,23 @@ class Metrics:
         views: LaneViews = lambda: (),
         listener_view: Callable[[], ListenerView | None] = lambda: None,
         ingress_ok: Callable[[], bool] = lambda: True,
+        admission: Callable[[], AdmissionView | None] = lambda: None,
+        retry_budget: Callable[[], BudgetView | None] = lambda: None,
+        fixed_limit: int | None = None,
         retention: float | None = None,
     ) -> None:
         """`views` and `listener_view` return snapshots of the lanes and of the LISTEN
-        connection, read at each scrape; `retention` (seconds) is exported as configured."""
+        connection, `admission` and `retry_budget` of the POST turn (None: the fixed limit, or
+        no budget), read at each scrape; `fixed_limit` is the POSTs in flight the fixed limit
+        allows, exported when `admission` gives None; `retention` (seconds) is exported as
+        configured."""
         self.registry = CollectorRegistry()
         self.views = views
         self.listener_view = listener_view
         self.ingress_ok = ingress_ok
+        self.admission = admission
+        self.retry_budget = retry_budget
+        self.fixed_limit = fixed_limit
         r = self.registry
         self.lag = LAG.make(r)
         self.requests = REQUESTS.make(r)
@@ -356,6 +448,7 @@ class Metrics:
             self.lag.labels(lane)
             self.request_seconds.labels(lane)
         r.register(_StatsCollector(self))
+        r.register(_PostTurnCollector(self))
         # The last 15 minutes of lags per lane, for the status page's p50/p99 (relay/ui/).
         self.recent_lag = {lane: LagWindow() for lane in LANES}
 

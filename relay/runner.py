@@ -181,6 +181,9 @@ class Relay:
                     views=self._lane_views,
                     listener_view=self._listener_view,
                     ingress_ok=lambda: self.health.ingress_ok,
+                    admission=self._admission_view,
+                    retry_budget=self._budget_view,
+                    fixed_limit=s.post_ceiling,
                     retention=s.retention,
                 )
             async with (

@@ -198,6 +198,12 @@ class Settings:
     replica_id: str = field(default_factory=_default_replica_id)
 
     @property
+    def post_ceiling(self) -> int:
+        """POSTs in flight both lanes may have at once: the adaptive limit's ceiling, and what
+        the fixed limit always allows."""
+        return self.concurrency + self.critical_concurrency
+
+    @property
     def terminal_channel(self) -> str:
         return f"{self.schema}_terminal"
 

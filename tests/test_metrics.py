@@ -15,10 +15,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 from relay import metrics
+from relay.admission import Admission, AdmissionView, Priority
 from relay.health import refresh_interval
 from relay.lane import LaneStats, LaneView
+from relay.limit import Limit, Sample, Signal
 from relay.metrics import Metrics, status_class, type_labels
 from relay.progress import ListenerView
+from relay.retry_budget import BudgetView
 from relay.runner import Relay
 from relay.store import AckResult
 from relay.tools.sink import Sink
@@ -122,8 +125,15 @@ def test_every_metric_of_the_table_is_exported_with_its_type_help_and_labels() -
     table |= {metrics.DELIVERED: ("lane", "type"), metrics.MISCONFIGURED: ()}
     table |= {v: ("lane",) for v in metrics.PER_LANE}
     table |= {v: () for v in metrics.OF_LISTENER}
+    table |= {metrics.POST_LIMIT: (), metrics.POST_LIMIT_CEILING: (), metrics.POST_MIN_RTT: ()}
+    table |= {metrics.POSTS_IN_FLIGHT: ("class",), metrics.POSTS_WAITING: ("class",)}
+    table |= {metrics.RETRY_BUDGET_TOKENS: ()}
     lanes = [LaneView("ordinary", LaneStats(by_type={"step": 1}), 0, 0, 0.0, False)]
-    m = Metrics(views=lambda: lanes)
+    m = Metrics(
+        views=lambda: lanes,
+        admission=lambda: admission_view(min_rtt=0.04),
+        retry_budget=lambda: BudgetView(balance=10.0, retrying=0),
+    )
     m.requests.labels("ordinary", "2xx").inc()
     for gauge in (m.backlog_events, m.backlog_runs, m.oldest_pending):
         gauge.labels("ordinary").set(1)
@@ -181,6 +191,54 @@ def test_the_collector_reads_the_views_it_was_given_and_the_observers_count() ->
     lanes.clear()  # read at each scrape, never kept
     samples = parse(m.exposition()[0].decode())
     assert ("ledger_relay_leases_lost_total", (("lane", "ordinary"),)) not in samples
+
+
+def admission_view(*, min_rtt: float | None) -> AdmissionView:
+    """A real admission's view at ceiling 36 and its initial limit, 4: 1 critical and 3
+    ordinary POSTs in flight, 1 ordinary waiting; with `min_rtt`, one answer seen."""
+    admission = Admission(Limit(36), max_reserve=4)
+    critical = admission.try_acquire(Priority.CRITICAL, 0.0)
+    for _ in range(3):
+        assert admission.try_acquire(Priority.ORDINARY, 0.0) is not None
+    assert critical is not None and admission.try_acquire(Priority.ORDINARY, 0.0) is None
+    admission.wait(Priority.ORDINARY)
+    if min_rtt is not None:
+        admission.answered(critical, Sample(min_rtt, Signal.ANSWERED), min_rtt)
+    return admission.view(1.0)
+
+
+def test_the_post_turn_is_read_from_the_admission_and_budget_views() -> None:
+    lanes = [LaneView("critical", LaneStats(deferred=3), 0, 0, 0.0, False)]
+    view = admission_view(min_rtt=0.04)
+    m = Metrics(
+        views=lambda: lanes,
+        admission=lambda: view,
+        retry_budget=lambda: BudgetView(balance=9.5, retrying=1),
+        fixed_limit=99,  # not read: the adaptive limit is there
+    )
+    samples = parse(m.exposition()[0].decode())
+    assert total(samples, "ledger_relay_post_limit") == 4
+    assert total(samples, "ledger_relay_post_limit_ceiling") == 36
+    assert total(samples, "ledger_relay_posts_in_flight", **{"class": "critical"}) == 1
+    assert total(samples, "ledger_relay_posts_in_flight", **{"class": "ordinary"}) == 3
+    assert total(samples, "ledger_relay_posts_waiting", **{"class": "critical"}) == 0
+    assert total(samples, "ledger_relay_posts_waiting", **{"class": "ordinary"}) == 1
+    assert total(samples, "ledger_relay_post_min_rtt_seconds") == pytest.approx(0.04)
+    assert total(samples, "ledger_relay_retry_budget_tokens") == 9.5
+    assert total(samples, "ledger_relay_retries_deferred_total", lane="critical") == 3
+    # Before any answer the minimum round trip is absent, not 0 or NaN.
+    view = admission_view(min_rtt=None)
+    samples = parse(m.exposition()[0].decode())
+    assert not [k for k in samples if k[0] == "ledger_relay_post_min_rtt_seconds"]
+
+
+def test_under_the_fixed_limit_the_fixed_figure_is_the_limit_and_no_permits_are_exported() -> None:
+    m = Metrics(admission=lambda: None, fixed_limit=36)
+    samples = parse(m.exposition()[0].decode())
+    assert total(samples, "ledger_relay_post_limit") == 36
+    assert total(samples, "ledger_relay_post_limit_ceiling") == 36
+    absent = ("posts_in_flight", "posts_waiting", "post_min_rtt_seconds", "retry_budget_tokens")
+    assert not [k for k in samples if k[0] in {metrics.PREFIX + name for name in absent}]
 
 
 # -- the backlog function ---------------------------------------------------------------------
@@ -285,8 +343,46 @@ async def test_scrape_of_a_running_relay(
         "lane",
         "type",
         "status_class",
+        "class",
         "le",
     }
+
+
+@pytestmark_anyio
+@pytest.mark.parametrize("post_limit", ["adaptive", "fixed"])
+async def test_a_running_relay_exports_its_post_limit(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str],
+    post_limit: str,
+) -> None:
+    """The benchmark and the dashboards scrape `post_limit` whatever the setting."""
+    _, url = sink
+    enqueue_runs(conn, schema, 5, 3, prefix="p")
+    cfg = settings(
+        pg_url, schema, url, metrics_addr="127.0.0.1:0", post_limit=post_limit,
+        concurrency=8, critical_concurrency=3,
+    )  # fmt: skip
+    async with Relay(cfg).running() as r:
+        await wait_for(lambda: count(conn, schema, "state <> 'delivered'") == 0, what="acks")
+        samples = await scrape(relay_port(r))
+    ceiling = 8 + 3
+    assert total(samples, "ledger_relay_post_limit_ceiling") == ceiling
+    assert total(samples, "ledger_relay_retries_deferred_total") == 0
+    for lane in ("critical", "ordinary"):
+        assert ("ledger_relay_retries_deferred_total", (("lane", lane),)) in samples
+    if post_limit == "fixed":
+        assert total(samples, "ledger_relay_post_limit") == ceiling
+        assert not [k for k in samples if k[0] == "ledger_relay_posts_in_flight"]
+        assert total(samples, "ledger_relay_retry_budget_tokens") > 0
+        return
+    assert 2 <= total(samples, "ledger_relay_post_limit") <= ceiling
+    for cls in ("critical", "ordinary"):  # every POST answered: no permit held or awaited
+        assert samples[("ledger_relay_posts_in_flight", (("class", cls),))] == 0
+        assert samples[("ledger_relay_posts_waiting", (("class", cls),))] == 0
+    assert 0 < total(samples, "ledger_relay_post_min_rtt_seconds") < 60
+    assert total(samples, "ledger_relay_retry_budget_tokens") > 0
 
 
 @pytestmark_anyio

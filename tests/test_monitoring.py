@@ -49,6 +49,7 @@ EXPECTED_ALERTS = {
     "LedgerRelayAckLag",
     "LedgerRelayDatabaseProbeFailing",
     "LedgerRelayRetentionBehind",
+    "LedgerRelayPostLimitAtFloor",
 }
 
 

@@ -18,11 +18,14 @@ import httpx
 import psycopg
 import pytest
 
+from relay.admission import AdmissionView, Priority
 from relay.lane import LaneStats, LaneView
+from relay.limit import LimitView
+from relay.retry_budget import BudgetView
 from relay.runner import Relay
 from relay.settings import Secret
 from relay.tools.sink import Sink
-from relay.ui.data import build_report, ingress_state, shape_status
+from relay.ui.data import build_report, ingress_state, limit_figures, shape_status
 from relay.ui.page import run_page, status_page
 from relay.ui.series import LagWindow, RateSeries, percentile
 from relay.ui.view import commands, run_href, sh, status_view
@@ -195,6 +198,36 @@ def enqueue(conn: psycopg.Connection[Any], schema: str, run_id: str, n: int, tag
                 q(schema, "select {s}.enqueue(%s, %s, %s, %s::jsonb)"),
                 (run_id, f"{run_id}-{tag}{i}", "step", json.dumps({"i": i})),
             )
+
+
+def admission_view(*, fallen: bool) -> AdmissionView:
+    limit = LimitView(7.4, 7, 36, 0.041, 0.09, 0.0, fallen=fallen)
+    inflight = {Priority.CRITICAL: 1, Priority.ORDINARY: 5}
+    return AdmissionView(limit, 2, inflight, {Priority.CRITICAL: 0, Priority.ORDINARY: 12})
+
+
+def limit_card(admission: AdmissionView | None) -> tuple[tuple[str, ...], str]:
+    """The ingress limit card's figures, and the page's HTML, for this replica's POST turn."""
+    data = hostile_status("r") | {"ingress_limit": limit_figures(admission, BudgetView(9.5, 0), 36)}
+    view = status_view(data)
+    keys = ("limit", "state", "inflight", "waiting", "min_rtt", "tokens")
+    shown = tuple(view["figures"]["limit." + k] for k in keys)
+    return shown, status_page(view, 3.0, 50).decode()
+
+
+def test_the_ingress_limit_card_shows_the_post_turn_and_turns_red_when_the_limit_fell() -> None:
+    shown, html = limit_card(admission_view(fallen=True))
+    assert shown == ("7 / 36", "fallen", "6 (critical 1)", "12 (critical 0)", "41 ms", "9.5")
+    assert 'class="card bad" data-alarm="limit.state"' in html
+    shown, html = limit_card(admission_view(fallen=False))
+    assert shown[1] == "steady"
+    assert 'class="card" data-alarm="limit.state"' in html
+    shown, html = limit_card(None)  # post_limit = fixed: the fixed figure, no permits
+    assert shown == ("36 (fixed)", "fixed", "-", "-", "-", "9.5")
+    assert 'class="card" data-alarm="limit.state"' in html
+    # No figures at all (a document without the card's part): dashes, and no alarm.
+    figures = status_view(hostile_status("r"))["figures"]
+    assert figures["limit.state"] == "-" and figures["limit.limit"] == "-"
 
 
 def status_cli(pg_url: str, schema: str) -> Any:
@@ -452,3 +485,40 @@ async def test_each_replica_reports_its_ingress_health(
         s.faults.set_default(None)
         await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="recovered")
         assert await ingress() == "recovering"
+
+
+@pytest.mark.parametrize("post_limit", ["adaptive", "fixed"])
+async def test_the_ingress_limit_card_of_a_running_relay(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str],
+    post_limit: str,
+) -> None:
+    _, url = sink
+    for i in range(3):
+        enqueue(conn, schema, f"l{i}", 2, "a")
+    cfg = settings(
+        pg_url, schema, url, metrics_addr="127.0.0.1:0", post_limit=post_limit,
+        concurrency=8, critical_concurrency=3,
+    )  # fmt: skip
+    async with Relay(cfg).running() as r:
+        assert r.endpoints is not None
+        await wait_for(lambda: count(conn, schema, "state = 'pending'") == 0, what="delivered")
+        base = f"http://127.0.0.1:{r.endpoints.port}"
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            data = (await client.get("/api/status")).json()
+            html = (await client.get("/")).text
+    card, f = data["ingress_limit"], data["view"]["figures"]
+    assert card["ceiling"] == 8 + 3 and card["fallen"] is False
+    assert "Ingress limit (this replica)" in html and 'data-k="limit.state"' in html
+    assert card["retry_tokens"] > 0
+    if post_limit == "fixed":
+        assert (card["mode"], card["limit"], f["limit.state"]) == ("fixed", 11, "fixed")
+        assert card["inflight"] is None
+        return
+    assert card["mode"] == "adaptive" and 2 <= card["limit"] <= 11
+    assert f["limit.state"] == "steady" and f["limit.limit"] == f"{card['limit']} / 11"
+    assert card["inflight"] == {"critical": 0, "ordinary": 0}  # every POST answered
+    assert card["waiting"] == {"critical": 0, "ordinary": 0}
+    assert card["min_rtt_seconds"] > 0

@@ -63,7 +63,8 @@ SCRIPT = """
       });
     });
     document.querySelectorAll("[data-alarm]").forEach(function (el) {
-      el.classList.toggle("bad", f[el.getAttribute("data-alarm")] !== "0");
+      var calm = (el.getAttribute("data-calm") || "0").split("|");
+      el.classList.toggle("bad", calm.indexOf(f[el.getAttribute("data-alarm")]) < 0);
     });
     rows("blocked-rows", view.blocked);
     rows("fleet-rows", view.fleet);

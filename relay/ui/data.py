@@ -21,7 +21,9 @@ from psycopg import sql
 from relay.ui.series import LANES, RateSeries
 
 if TYPE_CHECKING:
+    from relay.admission import AdmissionView
     from relay.lane import LaneView
+    from relay.retry_budget import BudgetView
 
 Query = Callable[[sql.Composed, Sequence[Any]], Awaitable[list[tuple[Any, ...]]]]
 
@@ -111,6 +113,34 @@ def build_report(
             "lag_p99": q.get("p99"),
         }
     return {"lanes": out, "ingress": ingress}
+
+
+def limit_figures(
+    admission: AdmissionView | None, budget: BudgetView | None, fixed_limit: int
+) -> dict[str, Any]:
+    """This replica's POST turn (issue 42) as the page shows it: the limit and its ceiling,
+    whether it fell sharply and has not recovered, POSTs in flight and waiting per lane class,
+    the minimum round trip (None before any answer) and the retry tokens. With `admission`
+    None (post_limit = fixed) the limit is the fixed figure and there are no permits to count.
+    Read live from this process, not from the replica reports: the reports' shape is checked
+    in the database (report_problem), which knows no limit."""
+    tokens = None if budget is None else budget.balance
+    if admission is None:
+        return {
+            "mode": "fixed", "limit": fixed_limit, "ceiling": fixed_limit, "fallen": False,
+            "inflight": None, "waiting": None, "min_rtt_seconds": None, "retry_tokens": tokens,
+        }  # fmt: skip
+    limit = admission.limit
+    return {
+        "mode": "adaptive",
+        "limit": limit.allowed,
+        "ceiling": limit.ceiling,
+        "fallen": limit.fallen,
+        "inflight": {p.value: n for p, n in admission.inflight.items()},
+        "waiting": {p.value: n for p, n in admission.waiting.items()},
+        "min_rtt_seconds": limit.min_rtt,
+        "retry_tokens": tokens,
+    }
 
 
 def backlog_figures(backlog: Backlog | None, held_events: Any, now: float) -> dict[str, Any]:

@@ -51,13 +51,16 @@ def _cell(value: Cell) -> str:
 
 
 def _card(figures: dict[str, str], key: str, label: str, alarm: bool) -> str:
-    """A figure with its label; an `alarm` card turns red while its figure is not 0 (the
-    script keeps that up to date)."""
+    """A figure with its label; an `alarm` card turns red while its figure is not 0, or for
+    a figure in ALARMS while it is not one of the calm values listed there (the script keeps
+    that up to date)."""
     if not alarm:
         return f'<div class="card"><b>{_fig(figures, key)}</b>{esc(label)}</div>'
-    bad = " bad" if figures.get(key) != "0" else ""
+    calm = ALARMS.get(key, ("0",))
+    bad = " bad" if figures.get(key) not in calm else ""
+    attrs = f' data-calm="{esc("|".join(calm))}"' if key in ALARMS else ""
     return (
-        f'<div class="card{bad}" data-alarm="{esc(key)}">'
+        f'<div class="card{bad}" data-alarm="{esc(key)}"{attrs}>'
         f"<b>{_fig(figures, key)}</b>{esc(label)}</div>"
     )
 
@@ -91,6 +94,18 @@ CARDS = (
     ("table_bytes", "outbox tables", False),
     ("part_age", "current outbox part open", False),
 )
+
+# This replica's POST turn (issue 42): the limit is red while it has fallen sharply.
+LIMIT_CARDS = (
+    ("limit.limit", "POSTs in flight allowed / ceiling", False),
+    ("limit.state", "limit state", True),
+    ("limit.inflight", "POSTs in flight", False),
+    ("limit.waiting", "POSTs waiting for the limit", False),
+    ("limit.min_rtt", "minimum round trip", False),
+    ("limit.tokens", "retry tokens", False),
+)
+# An alarm card's calm figures where they are not "0" ("-": no figure yet).
+ALARMS = {"limit.state": ("steady", "fixed", "-")}
 
 
 def _lane_rows(f: dict[str, str]) -> str:
@@ -137,6 +152,7 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
     offset = int(view.get("blocked_offset") or 0)
     pager = _pager(offset, len(view["blocked"]), page_size)
     cards = "".join(_card(f, key, label, alarm) for key, label, alarm in CARDS)
+    limit_cards = "".join(_card(f, key, label, alarm) for key, label, alarm in LIMIT_CARDS)
     body = (
         "<h1>ledger-relay</h1>"
         f'<p class="meta">served by {_fig(f, "replica_id")} · database time {_fig(f, "db_now")}'
@@ -149,6 +165,13 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
         '<th class="n">pending events</th><th class="n">oldest pending</th>'
         '<th class="n">delivery rate</th><th class="n">lag p50</th><th class="n">lag p99</th>'
         f'</tr></thead><tbody id="lanes">{lanes}</tbody></table>'
+        "<h2>Ingress limit (this replica)</h2>"
+        f'<div class="cards" id="ingress-limit">{limit_cards}</div>'
+        '<p class="meta">POSTs to the ingress this replica may have in flight under its'
+        " adaptive limit (post_limit), both lanes together, critical ones in brackets; the"
+        " limit falls when the ingress queues or answers overloaded, and is red while it has"
+        " fallen sharply and not recovered. Live from the replica serving this page, not from"
+        " the reports.</p>"
         '<h2>Delivery rate, last 15 minutes (events/s, whole fleet)</h2><p class="legend">'
         '<span class="critical">━ critical</span><span class="ordinary">━ ordinary</span>'
         f'<span>max <span id="chart-max">{esc(chart["max"])}</span></span></p>{svg}'

@@ -54,6 +54,37 @@ def _lag(value: float | None) -> str:
     return fmt_age(value) if value is not None else "-"
 
 
+def _by_class(counts: dict[str, int] | None) -> str:
+    """POSTs of both lane classes, the critical ones in brackets: '6 (critical 1)'."""
+    if counts is None:
+        return "-"
+    return f"{sum(counts.values()):,} (critical {counts.get('critical', 0):,})"
+
+
+def _limit_card(limit: dict[str, Any] | None) -> dict[str, str]:
+    """The ingress limit card's figures (data.limit_figures' shape; '-' without one). The state
+    says "fallen" while the limit has fallen sharply and not recovered: the card's alarm."""
+    if not limit:
+        return dict.fromkeys(LIMIT_FIGURES, "-")
+    fixed = limit.get("mode") == "fixed"
+    tokens = limit.get("retry_tokens")
+    return {
+        "limit.limit": f"{_num(limit.get('limit'))}"
+        + (" (fixed)" if fixed else f" / {_num(limit.get('ceiling'))}"),
+        "limit.state": "fixed" if fixed else ("fallen" if limit.get("fallen") else "steady"),
+        "limit.inflight": _by_class(limit.get("inflight")),
+        "limit.waiting": _by_class(limit.get("waiting")),
+        "limit.min_rtt": fmt_age(limit.get("min_rtt_seconds")),
+        "limit.tokens": "-" if tokens is None else f"{tokens:,.1f}",
+    }
+
+
+LIMIT_FIGURES = (
+    "limit.limit", "limit.state", "limit.inflight", "limit.waiting", "limit.min_rtt",
+    "limit.tokens",
+)  # fmt: skip
+
+
 def figures(data: dict[str, Any]) -> dict[str, str]:
     """Every single figure on the status page, by the key of its element."""
     lanes = {x["lane"]: x for x in data.get("lanes") or []}
@@ -80,6 +111,7 @@ def figures(data: dict[str, Any]) -> dict[str, str]:
     out["table_bytes"] = fmt_bytes(sum(int(v) for v in tables.values()))
     out["part_age"] = fmt_age(data.get("outbox_part_age_seconds"))
     out["replica_id"] = clean(data.get("replica_id", ""), 200)
+    out |= _limit_card(data.get("ingress_limit"))
     return out
 
 

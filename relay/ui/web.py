@@ -47,13 +47,16 @@ from relay.ui.data import (
     backlog_figures,
     build_report,
     ingress_state,
+    limit_figures,
     shape_status,
 )
 from relay.ui.series import LagWindow, RateSeries
 from relay.ui.view import status_view
 
 if TYPE_CHECKING:
+    from relay.admission import AdmissionView
     from relay.lane import LaneView
+    from relay.retry_budget import BudgetView
 
 COOKIE = "relay_ui_session"
 # The cookie's value is HMAC-SHA256(token, COOKIE_LABEL): changing the label logs every viewer out.
@@ -182,8 +185,9 @@ def _html(status: int, body: bytes) -> Response:
 class StatusPage:
     """The page's state in this process: the rate series (fed by `report`), the ingress
     history behind "recovering", and the status document its viewers share. `backlog` reads
-    the backlog gauges' last refresh; `open_without_token` is `serves_without_token`'s answer
-    for `metrics_addr`."""
+    the backlog gauges' last refresh; `admission` and `retry_budget` this replica's POST turn
+    (RelayView's), `fixed_limit` the POSTs the fixed limit allows; `open_without_token` is
+    `serves_without_token`'s answer for `metrics_addr`."""
 
     def __init__(
         self,
@@ -193,6 +197,9 @@ class StatusPage:
         token: Secret | None,
         refresh_seconds: float = 3.0,
         backlog: Callable[[], Backlog | None] = lambda: None,
+        admission: Callable[[], AdmissionView | None] = lambda: None,
+        retry_budget: Callable[[], BudgetView | None] = lambda: None,
+        fixed_limit: int = 0,
         open_without_token: bool = True,
     ) -> None:
         self.data = data
@@ -200,6 +207,9 @@ class StatusPage:
         self.token = token
         self.refresh_seconds = refresh_seconds
         self.backlog = backlog
+        self.admission = admission
+        self.retry_budget = retry_budget
+        self.fixed_limit = fixed_limit
         self.open_without_token = open_without_token
         self.series = RateSeries()
         self.last_misconfigured: float | None = None
@@ -284,10 +294,14 @@ class StatusPage:
 
     async def status(self, offset: int = 0) -> dict[str, Any]:
         """What /api/status answers: the shared document (at most one statement per
-        CACHE_SECONDS), the lanes' totals from the backlog gauges, and the view the page shows."""
+        CACHE_SECONDS), the lanes' totals from the backlog gauges, this replica's ingress limit,
+        and the view the page shows."""
         doc = await self.docs.get(offset)
         totals = backlog_figures(self.backlog(), doc.get("held_events"), anyio.current_time())
         data = shape_status({**doc, **totals}, self.series, time.monotonic(), self.replica_id)
+        data["ingress_limit"] = limit_figures(
+            self.admission(), self.retry_budget(), self.fixed_limit
+        )
         data["view"] = status_view(data)
         return data
 
