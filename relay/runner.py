@@ -70,8 +70,7 @@ def post_permits(settings: Settings) -> Permits | None:
     so at an ingress that keeps up each lane keeps all of its own, as with the fixed limit."""
     if settings.post_limit == "fixed":
         return None
-    ceiling = settings.concurrency + settings.critical_concurrency
-    limit = Limit(ceiling)
+    limit = Limit(settings.post_ceiling)
     return Permits(Admission(limit, max_reserve=settings.critical_concurrency))
 
 
