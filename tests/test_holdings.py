@@ -1,0 +1,69 @@
+"""What a lane may hold (relay/holdings.py): under the fixed limit its concurrency and a claim
+beyond; under the adaptive limit what its share of the limit can POST now and one round more
+(issue 42), following the limit as it moves. No database: Holdings is pure bookkeeping."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+from relay.holdings import Holdings
+from relay.policy import Trust
+from relay.settings import Settings, load
+from relay.store import Claim, ClaimedEvent
+
+AT = datetime(2024, 5, 17, 12, 0, 0, tzinfo=UTC)
+
+
+def cfg(**extra: str) -> Settings:
+    return load(
+        {
+            "database_url": "postgresql://relay@127.0.0.1:1/relay",
+            "ingress_url": "http://127.0.0.1:1/runs/{run_id}/events",
+            "claim_runs": "64",
+            **extra,
+        },
+        environ={},
+    )
+
+
+def claim(run_id: str) -> Claim:
+    return Claim(
+        run_id=run_id,
+        epoch=1,
+        token=uuid.uuid4(),
+        attempts=0,
+        critical=False,
+        claimed_at=AT,
+        trust=Trust(started=0.0, ttl=30.0, margin=6.0),
+        events=(ClaimedEvent(1, f"{run_id}-1", "step", "{}", False, AT, None, None),),
+    )
+
+
+def test_the_fixed_limit_holds_its_concurrency_and_a_claim_beyond() -> None:
+    holdings = Holdings(cfg(), 32)
+    assert holdings.capacity == 32 + 64
+
+
+def test_the_adaptive_limit_holds_its_share_and_one_round_more() -> None:
+    share = 3
+    holdings = Holdings(cfg(), 32, lambda: share)
+    assert holdings.capacity == 6
+    share = 32  # the limit grew: the lane may hold more
+    assert holdings.capacity == 64  # a round more, at most a claim (claim_runs = 64)
+    share = 2  # it fell: no new claim while the lane holds more than that
+    for i in range(4):
+        holdings.hold(claim(f"r{i}"))
+    assert holdings.room() == 0
+    assert not holdings.may_claim()
+
+
+def test_under_the_adaptive_limit_an_idle_post_may_claim() -> None:
+    holdings = Holdings(cfg(), 32, lambda: 4)
+    holdings.hold(claim("r0"))
+    assert holdings.room() == 7 and holdings.may_claim()  # one of 4 POSTs in use
+
+
+def test_with_a_batch_url_a_round_of_posts_is_counted_in_claims() -> None:
+    settings = cfg(ingress_batch_url="http://127.0.0.1:1/batch")
+    assert Holdings(settings, 32, lambda: 3).capacity == (3 + 1) * 64
