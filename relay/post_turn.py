@@ -129,15 +129,15 @@ class Permits:
 
 
 def _log(event: LimitEvent, inflight: int) -> None:
-    """`limit_fell` when the limit fell sharply, `limit_recovered` once it is back; `was` is the
-    level it fell from (`level` is every line's own field)."""
+    """`limit_fell` when the limit fell sharply, `limit_recovered` once it is back. The level it
+    fell from is `from_limit`: a field named `level` would be logs.log's own argument."""
     if event.change is Change.FELL:
         logs.warning(
-            "limit_fell", limit=event.limit, was=event.level, reason=event.reason,
+            "limit_fell", limit=event.limit, from_limit=event.level, reason=event.reason,
             inflight=inflight,
         )  # fmt: skip
     else:
-        logs.info("limit_recovered", limit=event.limit, was=event.level, inflight=inflight)
+        logs.info("limit_recovered", limit=event.limit, from_limit=event.level, inflight=inflight)
 
 
 @dataclass(eq=False)

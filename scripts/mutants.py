@@ -46,6 +46,9 @@ class Mutant:
 
 SQL = "schema/functions.sql"
 CLOCK = "tests/test_lease_clock.py"
+POST_TURN = "tests/test_post_turn.py"
+ADMISSION_E2E = "tests/test_admission_e2e.py"
+BUDGET_TEST = "test_retries_stay_within_the_budget_and_the_rest_wait_in_the_outbox"
 LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
 LIVE = "tests/test_liveness.py"
@@ -779,7 +782,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "batch-slot-held-through-acks",
         "§4.3 pipelining: a multi-run POST frees its slot once every run was accepted whole",
         "relay/lane.py",
-        "        if _only_acks_left(outcomes):",
+        "        if free_early and _only_acks_left(outcomes):",
         "        if False:",
         ("tests/test_relay.py::test_a_multi_run_post_frees_its_slot_before_its_acks",),
     ),
@@ -825,14 +828,109 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "slot-queue-promoted-claim-not-woken",
         "§4.3/§9.6: a promotion wakes the queued claim it turns critical (to be handed over)",
-        "relay/lane.py",
-        "            self.posting.wake(run_id)",
-        "            pass",
+        "relay/post_turn.py",
+        "        self.slots.wake(run_id)",
+        "        pass",
         (
             "tests/test_relay.py::"
             "test_a_terminal_committed_for_a_queued_run_is_handed_to_the_critical_lane",
             "tests/test_lane_slots.py::test_a_promoted_run_makes_its_queued_group_critical",
         ),
+    ),
+    # -- the POST turn under the adaptive limit, and the retry budget (issue 42) ----------------
+    Mutant(
+        "post-turn-ordinary-takes-critical",
+        "§9.6 at the ingress: the ordinary lane's POSTs ask for ordinary permits (not the reserve)",
+        "relay/post_turn.py",
+        '    if lane == "critical":\n        return True',
+        "    if True:\n        return True",
+        (
+            f"{POST_TURN}::test_the_ordinary_lane_cannot_take_the_reserve_a_critical_post_gets_at_once",
+        ),
+    ),
+    Mutant(
+        "admission-reserve-ignored",
+        "§9.6 at the ingress: the ordinary lane never takes the critical reserve of the limit",
+        "relay/admission.py",
+        "return self.inflight < allowed and ordinary < allowed - self.reserve",
+        "return self.inflight < allowed",
+        (
+            f"{POST_TURN}::test_the_ordinary_lane_cannot_take_the_reserve_a_critical_post_gets_at_once",
+        ),
+    ),
+    Mutant(
+        "permits-cancelled-grant-leaked",
+        "issue 42: a permit granted to a waiter cancelled meanwhile is passed on, never leaked",
+        "relay/post_turn.py",
+        "                self.release(waiter.permit)",
+        "                pass",
+        (f"{POST_TURN}::test_a_waiter_cancelled_after_its_grant_passes_the_permit_on",),
+        ci=True,
+    ),
+    Mutant(
+        "post-turn-cancelled-slot-leaked",
+        "issue 42: a turn stopped or cancelled while it waits for a permit gives its slot back",
+        "relay/post_turn.py",
+        "                    release_slot()",
+        "                    pass",
+        (
+            f"{POST_TURN}::test_a_turn_cancelled_while_waiting_for_a_permit_gives_its_slot_back",
+            f"{POST_TURN}::test_stop_wakes_the_permit_waiters_and_their_slots_go_back",
+        ),
+    ),
+    Mutant(
+        "post-turn-promoted-permit-waiter-not-woken",
+        "§9.6: a promotion wakes the claim's permit waiter, which queues again as critical",
+        "relay/post_turn.py",
+        "        if self.permits is not None:\n            self.permits.wake(run_id)",
+        "        if self.permits is not None:\n            pass",
+        (
+            f"{POST_TURN}::"
+            "test_a_promoted_group_waiting_for_a_permit_goes_before_earlier_ordinary_waiters",
+        ),
+    ),
+    Mutant(
+        "adaptive-limit-off",
+        "§9.6 at the ingress (issue 42): post_limit = adaptive puts the lanes' POSTs under permits",
+        "relay/runner.py",
+        'if settings.post_limit == "fixed":',
+        "if True:",
+        (
+            f"{ADMISSION_E2E}::test_a_terminal_post_queues_behind_few_ordinary_posts_at_a_saturated_ingress",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "limit-samples-not-fed",
+        "issue 42: each answer to a POST is a sample of the adaptive limit",
+        "relay/execute.py",
+        "        answered(_sample(first, decision, rtt) if replies.whole else _served(rtt))",
+        "        pass",
+        (f"{ADMISSION_E2E}::test_the_limit_falls_on_503s_and_recovers_after",),
+    ),
+    Mutant(
+        "budget-not-wired",
+        "issue 42: retries stay within the replica's retry budget",
+        "relay/runner.py",
+        "            budget=self.budget,",
+        "            budget=None,",
+        (f"{ADMISSION_E2E}::{BUDGET_TEST}",),
+    ),
+    Mutant(
+        "budget-quick-retries-unasked",
+        "issue 42: quick retries ask the retry budget too",
+        "relay/retries.py",
+        "_BudgetSpent(may_retry))",
+        "_BudgetSpent(lambda: True))",
+        (f"{ADMISSION_E2E}::{BUDGET_TEST}",),
+    ),
+    Mutant(
+        "budget-deferral-counted-as-attempt",
+        "issue 42: a retry the budget defers is not an attempt (its backoff does not grow)",
+        "relay/complete.py",
+        "released = await self.store.release(claim, deferred.delay)",
+        'released = await self.store.release(claim, deferred.delay, error="retry_budget")',
+        (f"{ADMISSION_E2E}::{BUDGET_TEST}",),
     ),
     Mutant(
         "claim-widening-dropped",

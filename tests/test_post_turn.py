@@ -1,0 +1,316 @@
+"""The POST turn's wiring (relay/post_turn.py, issue 42): `Permits`, the anyio shell around the
+pure admission, and `PostTurn`, a lane's slot then the replica's permit. No database, no
+network: each step waits until every task is blocked, so the order seen is the queue's, not the
+scheduler's."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Hashable
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+
+import anyio
+import pytest
+from anyio.abc import TaskGroup
+
+from relay.admission import Admission, Permit, Priority
+from relay.limit import Limit
+from relay.policy import Trust
+from relay.post_turn import Permits, PostTurn, Slot, Turn
+from relay.runner import post_permits
+from relay.settings import load
+from relay.store import Claim, ClaimedEvent, Held
+
+pytestmark = pytest.mark.anyio
+
+AT = datetime(2024, 5, 17, 12, 0, 0, tzinfo=UTC)
+
+
+def held(run_id: str, *, critical: bool = False) -> Held:
+    claim = Claim(
+        run_id=run_id,
+        epoch=1,
+        token=uuid.uuid4(),
+        attempts=0,
+        critical=critical,
+        claimed_at=AT,
+        trust=Trust(started=0.0, ttl=30.0, margin=6.0),
+        events=(ClaimedEvent(1, f"{run_id}-1", "step", "{}", False, AT, None, None),),
+    )
+    return Held(claim)
+
+
+def permits(limit: int = 2) -> Permits:
+    """Permits under a limit of `limit` (the reserve: one, at 2 to 4)."""
+    return Permits(Admission(Limit(limit, initial=limit)))
+
+
+def inflight(p: Permits) -> dict[Priority, int]:
+    return p.view().inflight
+
+
+def waiting(p: Permits) -> dict[Priority, int]:
+    return p.view().waiting
+
+
+class PermitTakers:
+    """Tasks that each ask `Permits` for one: `took` the order they got it, `woken` those woken
+    without one, `cancelled` those whose wait was cancelled; `permits` what each holds."""
+
+    def __init__(self, p: Permits, tasks: TaskGroup) -> None:
+        self.p, self.tasks = p, tasks
+        self.took: list[str] = []
+        self.woken: list[str] = []
+        self.cancelled: list[str] = []
+        self.held: dict[str, Permit] = {}
+        self.scopes: dict[str, anyio.CancelScope] = {}
+
+    async def queue(self, name: str, priority: Priority, keys: tuple[Hashable, ...] = ()) -> None:
+        self.tasks.start_soon(self._take, name, priority, keys or (name,))
+        await anyio.wait_all_tasks_blocked()
+
+    async def _take(self, name: str, priority: Priority, keys: tuple[Hashable, ...]) -> None:
+        with anyio.CancelScope() as scope:
+            self.scopes[name] = scope
+            permit = await self.p.take(priority, keys)
+            if permit is None:
+                self.woken.append(name)
+            else:
+                self.took.append(name)
+                self.held[name] = permit
+            return
+        self.cancelled.append(name)
+
+    async def release(self, name: str) -> None:
+        self.p.release(self.held.pop(name))
+        await anyio.wait_all_tasks_blocked()
+
+
+@asynccontextmanager
+async def full(limit: int = 2) -> AsyncIterator[tuple[PermitTakers, Permit, Permit]]:
+    """Permits whose limit is all taken: an ordinary permit and the critical reserve."""
+    p = permits(limit)
+    ordinary = await p.take(Priority.ORDINARY)
+    critical = await p.take(Priority.CRITICAL)
+    assert ordinary is not None and critical is not None
+    async with anyio.create_task_group() as tasks:
+        yield PermitTakers(p, tasks), ordinary, critical
+
+
+# -- Permits ------------------------------------------------------------------------------------
+
+
+async def test_a_freed_permit_goes_to_the_critical_waiter_before_an_earlier_ordinary_one() -> None:
+    async with full() as (takers, ordinary, critical):
+        await takers.queue("ordinary", Priority.ORDINARY)
+        await takers.queue("critical", Priority.CRITICAL)
+        assert waiting(takers.p) == {Priority.CRITICAL: 1, Priority.ORDINARY: 1}
+        takers.p.release(ordinary)  # the ordinary share's permit: the critical waiter has it
+        await anyio.wait_all_tasks_blocked()
+        assert takers.took == ["critical"]
+        takers.p.release(critical)
+        await anyio.wait_all_tasks_blocked()
+        assert takers.took == ["critical", "ordinary"]
+        for name in ("critical", "ordinary"):
+            await takers.release(name)
+    assert inflight(takers.p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
+
+
+async def test_a_waiter_cancelled_after_its_grant_passes_the_permit_on() -> None:
+    async with full() as (takers, ordinary, critical):
+        await takers.queue("first", Priority.ORDINARY)
+        await takers.queue("second", Priority.ORDINARY)
+        takers.scopes["first"].cancel()  # cancelled, still queued until it runs...
+        takers.p.release(ordinary)  # ...and granted the permit before it does
+        await anyio.wait_all_tasks_blocked()
+        assert takers.cancelled == ["first"]
+        assert takers.took == ["second"]  # the permit was passed on, not leaked
+        await takers.release("second")
+        takers.p.release(critical)
+    assert inflight(takers.p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
+    assert waiting(takers.p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
+
+
+async def test_a_waiter_cancelled_before_its_grant_leaves_no_ticket() -> None:
+    async with full() as (takers, ordinary, critical):
+        await takers.queue("gone", Priority.ORDINARY)
+        await takers.queue("gone-critical", Priority.CRITICAL)
+        takers.scopes["gone"].cancel()
+        takers.scopes["gone-critical"].cancel()
+        await anyio.wait_all_tasks_blocked()
+        assert waiting(takers.p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
+        takers.p.release(ordinary)  # granted to nobody: kept free
+        takers.p.release(critical)
+        await anyio.wait_all_tasks_blocked()
+        assert sorted(takers.cancelled) == ["gone", "gone-critical"]
+        assert takers.took == []
+    assert inflight(takers.p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
+    assert await takers.p.take(Priority.ORDINARY) is not None  # the permit is there to take
+
+
+async def test_wake_sends_a_waiter_back_without_a_permit_to_queue_again() -> None:
+    async with full() as (takers, ordinary, critical):
+        await takers.queue("a", Priority.ORDINARY, ("run-a",))
+        await takers.queue("b", Priority.ORDINARY, ("run-b",))
+        takers.p.wake("run-b")
+        await anyio.wait_all_tasks_blocked()
+        assert takers.woken == ["b"]
+        assert waiting(takers.p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 1}
+        await takers.queue("b-again", Priority.CRITICAL, ("run-b",))  # as a promotion does
+        takers.p.release(ordinary)
+        await anyio.wait_all_tasks_blocked()
+        assert takers.took == ["b-again"]
+        takers.p.release(critical)
+        await anyio.wait_all_tasks_blocked()
+        assert takers.took == ["b-again", "a"]
+        for name in ("a", "b-again"):
+            await takers.release(name)
+    assert inflight(takers.p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
+
+
+# -- PostTurn: a lane's slot, then the replica's permit ------------------------------------------
+
+
+class TurnTakers:
+    """Claims (or groups) of a lane taking their turn, each in a task: `took` the order they
+    got one, `turns` what each holds, `ended` the slot state of those that got none."""
+
+    def __init__(self, turn: PostTurn, tasks: TaskGroup) -> None:
+        self.post_turn, self.tasks = turn, tasks
+        self.took: list[str] = []
+        self.turns: dict[str, Turn] = {}
+        self.ended: dict[str, Slot] = {}
+        self.cancelled: list[str] = []
+        self.scopes: dict[str, anyio.CancelScope] = {}
+
+    async def queue(self, name: str, holds: list[Held]) -> None:
+        self.tasks.start_soon(self._take, name, holds)
+        await anyio.wait_all_tasks_blocked()
+
+    async def _take(self, name: str, holds: list[Held]) -> None:
+        with anyio.CancelScope() as scope:
+            self.scopes[name] = scope
+            turn = await self.post_turn.take(holds)
+            if turn.slot is Slot.POSTING:
+                self.took.append(name)
+                self.turns[name] = turn
+            else:
+                self.ended[name] = turn.slot
+            return
+        self.cancelled.append(name)
+
+    async def free(self, name: str) -> None:
+        self.turns.pop(name).free()
+        await anyio.wait_all_tasks_blocked()
+
+
+@asynccontextmanager
+async def lane_turns(
+    p: Permits, concurrency: int = 4, lane: str = "ordinary"
+) -> AsyncIterator[TurnTakers]:
+    turn = PostTurn(lane, concurrency, poll_interval=5.0, permits=p)
+    async with anyio.create_task_group() as tasks:
+        yield TurnTakers(turn, tasks)
+
+
+async def test_a_promoted_group_waiting_for_a_permit_goes_before_earlier_ordinary_waiters() -> None:
+    """It holds its slot; the promotion wakes its permit waiter, which queues again as
+    CRITICAL and takes the next freed permit before the ordinary claim queued earlier."""
+    p = permits(2)
+    reserve = await p.take(Priority.CRITICAL)  # the critical lane holds the reserve
+    assert reserve is not None
+    group = [held("g1"), held("g2")]
+    async with lane_turns(p) as takers:
+        await takers.queue("first", [held("f")])
+        assert takers.took == ["first"]  # the ordinary share: one permit
+        await takers.queue("single", [held("s")])
+        await takers.queue("group", group)
+        assert waiting(p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 2}
+        group[1].claim = group[1].claim.promoted()  # as Lane.promote does
+        takers.post_turn.promote("g2")
+        await anyio.wait_all_tasks_blocked()
+        assert waiting(p) == {Priority.CRITICAL: 1, Priority.ORDINARY: 1}
+        await takers.free("first")
+        assert takers.took == ["first", "group"]
+        await takers.free("group")
+        assert takers.took == ["first", "group", "single"]
+        await takers.free("single")
+    p.release(reserve)
+    assert inflight(p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
+    assert takers.post_turn.slots.value == takers.post_turn.slots.total
+
+
+async def test_stop_wakes_the_permit_waiters_and_their_slots_go_back() -> None:
+    async with full() as (permit_takers, ordinary, critical):
+        p = permit_takers.p
+        async with lane_turns(p, concurrency=3) as takers:
+            for name in ("a", "b", "c"):
+                await takers.queue(name, [held(name)])
+            assert takers.post_turn.slots.value == 0  # each holds its slot, waiting for a permit
+            assert waiting(p)[Priority.ORDINARY] == 3
+            takers.post_turn.stop()
+            await anyio.wait_all_tasks_blocked()
+            assert takers.ended == dict.fromkeys(("a", "b", "c"), Slot.STOPPING)
+            assert takers.post_turn.slots.value == 3
+            assert waiting(p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
+        p.release(ordinary)
+        p.release(critical)
+    assert inflight(p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
+
+
+async def test_a_turn_cancelled_while_waiting_for_a_permit_gives_its_slot_back() -> None:
+    async with full() as (permit_takers, ordinary, critical):
+        p = permit_takers.p
+        async with lane_turns(p, concurrency=2) as takers:
+            await takers.queue("gone", [held("gone")])
+            await takers.queue("stays", [held("stays")])
+            assert takers.post_turn.slots.value == 0
+            takers.scopes["gone"].cancel()
+            await anyio.wait_all_tasks_blocked()
+            assert takers.cancelled == ["gone"]
+            assert takers.post_turn.slots.value == 1
+            assert waiting(p)[Priority.ORDINARY] == 1
+            p.release(ordinary)  # to the one still waiting, not to the cancelled one
+            await anyio.wait_all_tasks_blocked()
+            assert takers.took == ["stays"]
+            await takers.free("stays")
+        p.release(critical)
+    assert inflight(p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
+    assert takers.post_turn.slots.value == 2
+
+
+async def test_the_ordinary_lane_cannot_take_the_reserve_a_critical_post_gets_at_once() -> None:
+    """The runner's permits (post_permits): with a limit of N the ordinary lane has at most
+    N - reserve POSTs in flight, however many slots it has, and a critical POST takes the
+    reserve without waiting for any of them."""
+    cfg = load(
+        {
+            "database_url": "postgresql://relay@127.0.0.1:1/relay",
+            "ingress_url": "http://127.0.0.1:1/runs/{run_id}/events",
+            "concurrency": "8",
+            "critical_concurrency": "2",
+        },
+        environ={},
+    )
+    p = post_permits(cfg)
+    assert p is not None
+    allowed, reserve = p.view().limit.allowed, p.view().reserve
+    assert reserve >= 1
+    async with (
+        lane_turns(p, concurrency=8) as ordinary,
+        lane_turns(p, concurrency=2, lane="critical") as critical,
+    ):
+        for i in range(8):
+            await ordinary.queue(f"o{i}", [held(f"o{i}")])
+        assert len(ordinary.took) == allowed - reserve
+        assert inflight(p)[Priority.ORDINARY] == allowed - reserve
+        assert waiting(p)[Priority.ORDINARY] == 8 - (allowed - reserve)
+        await critical.queue("terminal", [held("t", critical=True)])
+        assert critical.took == ["terminal"]  # at once: no ordinary POST had to end first
+        await critical.free("terminal")
+        while ordinary.turns:  # each freed permit lets one more ordinary POST go, no more
+            await ordinary.free(next(iter(ordinary.turns)))
+            assert inflight(p)[Priority.ORDINARY] <= allowed - reserve
+        assert len(ordinary.took) == 8
+    assert inflight(p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
