@@ -510,12 +510,41 @@ as $$
     ) d
 $$;
 
+-- How long a replica's report counts as fresh, in seconds: the status page's REPORT_TTL
+-- (relay/ui/data.py, which passes it to ui_reports and report_replica), for status(), which is
+-- given none. tests/test_ops.py holds the two equal.
+create or replace function report_ttl_seconds() returns float8
+language sql immutable parallel safe
+set search_path from current
+as $$ select 120::float8 $$;
+
+-- A replica's adaptive POST limit as its last report gives it (issue 42): the report's `limit`
+-- (report_limit_problem, functions_ui.sql) when the report passes report_problem() and is
+-- younger than report_ttl_seconds() at p_now, else null: a replica under post_limit = fixed,
+-- of a release before, silent for two minutes, or whose row fails the checks. plpgsql, so
+-- that report_problem (functions_ui.sql, created after this file) is looked up when called.
+create or replace function replica_limit(
+    p_report jsonb, p_reported_at timestamptz, p_now timestamptz
+) returns jsonb
+language plpgsql immutable
+set search_path from current
+as $$
+begin
+    if p_reported_at > p_now - make_interval(secs => report_ttl_seconds())
+       and report_problem(p_report) is null then
+        return p_report -> 'limit';
+    end if;
+    return null;
+end
+$$;
+
 -- The figures `relay status` and the status page (ui_figures) share, each index-backed and
 -- none growing with the outbox: pending events held behind failed ones (blocked_runs: one
 -- probe per blocked run), live leases per owner and expired ones (runs_leased; the expired
 -- ones counted up to p_cap + 1, null: all), replicas by liveness (alive while a session holds
 -- the owner's liveness lock, which the shared try-lock, released at commit, tells without
--- taking it from one), and the bytes of each table of the outbox, indexes and TOAST included
+-- taking it from one) with each one's POST limit from its fresh report (replica_limit), and the
+-- bytes of each table of the outbox, indexes and TOAST included
 -- (`events` is a view since version 7: its rows are in outbox, event_failures, event_skips).
 create or replace function status_figures(p_now timestamptz, p_cap int)
 returns jsonb
@@ -541,7 +570,8 @@ as $$
             select jsonb_agg(jsonb_build_object(
                        'owner', rp.owner,
                        'alive', not pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)),
-                       'started_at', rp.started_at, 'seen_at', rp.seen_at)
+                       'started_at', rp.started_at, 'seen_at', rp.seen_at,
+                       'limit', replica_limit(rp.report, rp.reported_at, p_now))
                    order by rp.owner)
             from replicas rp), '[]'),
         'tables', jsonb_build_object(
@@ -565,7 +595,9 @@ $$;
 --                    status and error, and how many events it holds back (blocked_runs)
 --   leases           live leases per owner (expired ones are claimable and counted apart)
 --   replicas         the replicas that record their liveness, alive or dead (lock held or not);
---                    one that stopped cleanly is forgotten (replica_stopped), so is not listed
+--                    one that stopped cleanly is forgotten (replica_stopped), so is not listed;
+--                    each with its adaptive POST limit as its report of the last two minutes
+--                    gives it, or null (replica_limit)
 --   runs_delivered_last_minute
 --                    runs whose cursor moved in the last minute (runs_delivered_since): each
 --                    delivered at least one event in it, however many. Since schema version 7

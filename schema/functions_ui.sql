@@ -3,10 +3,11 @@
 -- pinned like functions.sql. `security definer` like the functions `relay run` calls, so the
 -- relay role needs only EXECUTE on them (relay/roles.py).
 
--- What is wrong with one figure of a lane's report, or null: the counters are non-negative
--- integers, the lag quantiles non-negative seconds or null, and no other field is known.
+-- What is wrong with one value of a report, or null, by the kind its field has (null: no
+-- field of that name is known): 'count' a non-negative integer, 'count or null', 'seconds or
+-- null' non-negative seconds, 'number or null' any number (JSON has no infinities), 'boolean'.
 -- Says the JSON type it got (or the number), never the text: the message reaches logs.
-create or replace function report_field_problem(p_path text, p_field text, p_value jsonb)
+create or replace function report_value_problem(p_path text, p_kind text, p_value jsonb)
 returns text
 language plpgsql immutable
 set search_path from current
@@ -15,31 +16,62 @@ declare
     v_type text := jsonb_typeof(p_value);
     v_got text := case when v_type = 'number' then left(p_value::text, 30) else v_type end;
 begin
-    if p_field in ('lag_p50', 'lag_p99') then
-        if v_type = 'null' then
+    if p_kind is null then
+        return format('%s is not a known field', p_path);
+    elsif v_type = 'null' and p_kind like '% or null' then
+        return null;
+    elsif p_kind = 'boolean' then
+        if v_type = 'boolean' then
             return null;
-        elsif v_type = 'number' then  -- (nested: the cast only ever sees a number)
+        end if;
+        return format('%s must be true or false (got %s)', p_path, v_got);
+    elsif p_kind = 'number or null' then
+        if v_type = 'number' then
+            return null;
+        end if;
+        return format('%s must be a number or null (got %s)', p_path, v_got);
+    elsif p_kind = 'seconds or null' then
+        if v_type = 'number' then  -- (nested: the cast only ever sees a number)
             if p_value::numeric >= 0 then
                 return null;
             end if;
         end if;
         return format('%s must be a non-negative number of seconds or null (got %s)', p_path, v_got);
     end if;
-    if p_field in ('delivered', 'claimed', 'renewals', 'retries', 'blocked', 'leases_lost',
-                   'inflight') then
-        if v_type = 'number' then
-            if p_value::numeric between 0 and 9223372036854775807
-               and p_value::numeric = trunc(p_value::numeric) then
-                return null;
-            end if;
+    -- 'count', 'count or null'
+    if v_type = 'number' then
+        if p_value::numeric between 0 and 9223372036854775807
+           and p_value::numeric = trunc(p_value::numeric) then
+            return null;
         end if;
-        return format('%s must be a non-negative integer (got %s)', p_path, v_got);
     end if;
-    return format('%s is not a known field', p_path);
+    return format('%s must be a non-negative integer%s (got %s)', p_path,
+                  case when p_kind = 'count or null' then ' or null' else '' end, v_got);
 end
 $$;
 
--- What is wrong with one lane's part of a report, or null.
+-- What is wrong with one part of a report (an object of figures), or null: each field has the
+-- kind p_kinds gives it ({field: kind}, report_value_problem), and no other field is known.
+-- The first problem in field order, named by its path under p_path.
+create or replace function report_object_problem(p_path text, p_fields jsonb, p_kinds jsonb)
+returns text
+language sql immutable
+set search_path from current
+as $$
+    select case
+        when jsonb_typeof(p_fields) <> 'object' then format('%s must be an object', p_path)
+        else (select x.problem
+              from (select f.key, report_value_problem(
+                               format('%s.%s', p_path, left(f.key, 40)), p_kinds ->> f.key,
+                               f.value) as problem
+                    from jsonb_each(p_fields) f) x
+              where x.problem is not null
+              order by x.key limit 1)
+    end
+$$;
+
+-- What is wrong with one lane's part of a report, or null: its cumulative counters and in
+-- flight, and its lag quantiles (build_report, relay/ui/data.py).
 create or replace function report_lane_problem(p_lane text, p_counters jsonb) returns text
 language sql immutable
 set search_path from current
@@ -47,21 +79,38 @@ as $$
     select case
         when p_lane not in ('critical', 'ordinary') then
             format('lanes.%s is not a lane (critical, ordinary)', left(p_lane, 40))
-        when jsonb_typeof(p_counters) <> 'object' then
-            format('lanes.%s must be an object', p_lane)
-        else (select x.problem
-              from (select f.key, report_field_problem(
-                               format('lanes.%s.%s', p_lane, left(f.key, 40)), f.key, f.value)
-                           as problem
-                    from jsonb_each(p_counters) f) x
-              where x.problem is not null
-              order by x.key limit 1)
+        else report_object_problem(format('lanes.%s', p_lane), p_counters, jsonb_build_object(
+            'delivered', 'count', 'claimed', 'count', 'renewals', 'count', 'retries', 'count',
+            'blocked', 'count', 'leases_lost', 'count', 'inflight', 'count',
+            'lag_p50', 'seconds or null', 'lag_p99', 'seconds or null'))
     end
 $$;
 
+-- What is wrong with the `limit` part of a report, or null: the replica's adaptive POST limit
+-- (issue 42; report_limit, relay/ui/data.py), absent under post_limit = fixed. The POSTs it
+-- allows, its ceiling and the critical reserve, the POSTs in flight and waiting per lane class,
+-- the minimum round trip in whole milliseconds (null before any answer), whether it fell
+-- sharply and has not recovered, and the retry budget's tokens: a number that goes below zero
+-- when failed retries outlive the deposits that paid for them (relay/retry_budget.py), null
+-- without a budget.
+create or replace function report_limit_problem(p_limit jsonb) returns text
+language sql immutable
+set search_path from current
+as $$
+    select report_object_problem('limit', p_limit, jsonb_build_object(
+        'limit', 'count', 'ceiling', 'count', 'reserve', 'count',
+        'in_flight_critical', 'count', 'in_flight_ordinary', 'count',
+        'waiting_critical', 'count', 'waiting_ordinary', 'count',
+        'min_rtt_ms', 'count or null', 'fallen', 'boolean', 'retry_tokens', 'number or null'))
+$$;
+
+-- Replaced by report_value_problem (a kind per field, so the lanes and the limit share it).
+drop function if exists report_field_problem(text, text, jsonb);
+
 -- What is wrong with a replica's report, or null when nothing is. A report is what
--- relay/ui/data.py `build_report` makes: {"lanes": {lane: {figure: n}}, "ingress": state},
--- at most 8 kB; its fixed shape bounds its depth. Checked when it is written and again when
+-- relay/ui/data.py `build_report` makes: {"lanes": {lane: {figure: n}}, "ingress": state,
+-- "limit": {figure: n}} ("limit" since issue 42, optional), at most 8 kB; its fixed shape
+-- bounds its depth. Checked when it is written and again when
 -- it is read (a row written before these checks is shown as its problem, never its figures).
 create or replace function report_problem(p_report jsonb) returns text
 language sql immutable
@@ -70,18 +119,21 @@ as $$
     select case
         when jsonb_typeof(p_report) is distinct from 'object' then 'the report must be a JSON object'
         when length(p_report::text) > 8192 then 'the report is over 8 kB'
-        when exists (select 1 from jsonb_object_keys(p_report) k where k not in ('lanes', 'ingress'))
-            then 'only "lanes" and "ingress" are known keys'
+        when exists (select 1 from jsonb_object_keys(p_report) k
+                     where k not in ('lanes', 'ingress', 'limit'))
+            then 'only "lanes", "ingress" and "limit" are known keys'
         when coalesce(p_report ->> 'ingress', 'ok') not in ('ok', 'recovering', 'misconfigured')
           or jsonb_typeof(p_report -> 'ingress') not in ('string', 'null') then
             'ingress must be one of ok, recovering, misconfigured'
         when jsonb_typeof(coalesce(p_report -> 'lanes', '{}')) <> 'object' then
             'lanes must be an object'
-        else (select x.problem
-              from (select l.key, report_lane_problem(l.key, l.value) as problem
-                    from jsonb_each(coalesce(p_report -> 'lanes', '{}')) l) x
-              where x.problem is not null
-              order by x.key limit 1)
+        else coalesce(
+            (select x.problem
+             from (select l.key, report_lane_problem(l.key, l.value) as problem
+                   from jsonb_each(coalesce(p_report -> 'lanes', '{}')) l) x
+             where x.problem is not null
+             order by x.key limit 1),
+            case when p_report ? 'limit' then report_limit_problem(p_report -> 'limit') end)
     end
 $$;
 

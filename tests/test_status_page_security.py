@@ -103,9 +103,9 @@ BAD_REPORTS = [
     ({"lanes": []}, "lanes must be an object"),
     ({"ingress": [EVIL, "x"]}, "ingress must be one of ok, recovering, misconfigured"),
     ({"ingress": "<b>pwned</b>"}, "ingress must be one of"),
-    ({"fleet": 1}, 'only "lanes" and "ingress" are known keys'),
+    ({"fleet": 1}, 'only "lanes", "ingress" and "limit" are known keys'),
     ('{"lanes": {"critical": {"delivered": ' + deep(1100) + "}}}", "(got array)"),
-    ('{"x": ' + deep(1100) + "}", 'only "lanes" and "ingress"'),
+    ('{"x": ' + deep(1100) + "}", 'only "lanes", "ingress" and "limit"'),
     ({"ingress": "x" * 9000}, "the report is over 8 kB"),
     ([1], "the report must be a JSON object"),
 ]

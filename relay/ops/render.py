@@ -29,6 +29,8 @@ GAP = "   "
 MIN_FOLD = 16
 PIPED_WIDTH = 200  # piped output (a log, a ticket) gets room for the tables
 # The outbox's tables in the order `relay status` lists their sizes (status() names them).
+# A replica listed without a POST limit in `relay status`, when others have one.
+NO_LIMIT = "none reported (post_limit = fixed, a relay before this release, or no fresh report)"
 TABLES = ("outbox", "event_failures", "event_skips", "pending_terminals", "runs", "run_seqs")
 
 
@@ -173,6 +175,7 @@ def render_status(data: Mapping[str, Any], width: int) -> str:
     if any(x[1] == "dead" for x in replicas):
         # issue 41: a replica that stopped cleanly is not listed, so dead means what it says
         parts[-1] += "\ndead: ended without a clean stop (killed, crashed, or LISTEN lost)"
+    parts[-1] += "".join("\n" + line for line in _limit_lines(data.get("replicas", ()), width))
 
     sizes = ", ".join(f"{name} {fmt_bytes(data['tables'][name])}" for name in TABLES)
     lines = [
@@ -183,6 +186,48 @@ def render_status(data: Mapping[str, Any], width: int) -> str:
     ]
     parts.append("\n".join(lines))
     return "\n\n".join(parts)
+
+
+def limit_text(limit: Mapping[str, Any]) -> str:
+    """A replica's adaptive POST limit as its report gives it (status()'s `limit`, issue 42):
+    `limit 7/36 (fallen), in flight 6 (critical 1), waiting 12, min rtt 41 ms, retry tokens
+    9.5`. A figure the report lacks shows as "?"."""
+
+    def n(key: str) -> Any:
+        value = limit.get(key)
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return value if ok else "?"
+
+    def total(a: str, b: str) -> Any:
+        x, y = n(a), n(b)
+        return x + y if "?" not in (x, y) else "?"
+
+    text = f"limit {n('limit')}/{n('ceiling')}" + (" (fallen)" if limit.get("fallen") else "")
+    text += f", in flight {total('in_flight_critical', 'in_flight_ordinary')}"
+    text += f" (critical {n('in_flight_critical')})"
+    text += f", waiting {total('waiting_critical', 'waiting_ordinary')}"
+    if limit.get("waiting_critical"):
+        text += f" (critical {n('waiting_critical')})"
+    rtt = limit.get("min_rtt_ms")
+    text += ", min rtt -" if rtt is None else f", min rtt {n('min_rtt_ms')} ms"
+    if limit.get("retry_tokens") is not None:
+        tokens = n("retry_tokens")
+        text += f", retry tokens {tokens:g}" if tokens != "?" else ", retry tokens ?"
+    return text
+
+
+def _limit_lines(replicas: Sequence[Mapping[str, Any]], width: int) -> list[str]:
+    """Under the replicas, each one's POST limit from its report (status()'s `limit`); nothing
+    when no replica reports one (every one under post_limit = fixed, or of a release before
+    issue 42), and a word for a replica without one among others that have one."""
+    if not any(isinstance(x.get("limit"), dict) for x in replicas):
+        return []
+    lines = ["POST limit, as each replica reported it in the last 2 minutes:"]
+    for x in replicas:
+        limit = x.get("limit")
+        text = limit_text(limit) if isinstance(limit, dict) else NO_LIMIT
+        lines += ["  " + line for line in fold(f"{clean(x['owner'], 120)}: {text}", width - 2)]
+    return lines
 
 
 def _part_age_line(data: Mapping[str, Any], width: int) -> list[str]:

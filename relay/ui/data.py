@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from psycopg import sql
 
+from relay.admission import Priority
 from relay.ui.series import LANES, RateSeries
 
 if TYPE_CHECKING:
@@ -94,10 +95,15 @@ def ingress_state(misconfigured: bool, last_misconfigured: float | None, now: fl
 
 
 def build_report(
-    lanes: Iterable[LaneView], ingress: str, lag: Mapping[str, Mapping[str, float | None]]
+    lanes: Iterable[LaneView],
+    ingress: str,
+    lag: Mapping[str, Mapping[str, float | None]],
+    admission: AdmissionView | None = None,
+    budget: BudgetView | None = None,
 ) -> dict[str, Any]:
     """This replica's report: per lane its cumulative counters, in flight, and lag p50/p99 of
-    the last 15 minutes; its ingress health. Counters only: no ids, no payloads."""
+    the last 15 minutes; its ingress health; under the adaptive limit (`admission` not None)
+    its POST turn (`report_limit`). Counters only: no ids, no payloads."""
     out: dict[str, Any] = {}
     for lane in lanes:
         q = lag.get(lane.name, {})
@@ -112,7 +118,33 @@ def build_report(
             "lag_p50": q.get("p50"),
             "lag_p99": q.get("p99"),
         }
-    return {"lanes": out, "ingress": ingress}
+    report: dict[str, Any] = {"lanes": out, "ingress": ingress}
+    if admission is not None:
+        report["limit"] = report_limit(admission, budget)
+    return report
+
+
+def report_limit(admission: AdmissionView, budget: BudgetView | None) -> dict[str, Any]:
+    """The report's `limit` (issue 42), as `relay status` prints it for every replica: the POSTs
+    the adaptive limit allows, its ceiling and the critical reserve, POSTs in flight and waiting
+    per lane class, the minimum round trip in whole milliseconds (None before any answer),
+    whether it fell sharply, and the retry tokens (below zero when failed retries outlive the
+    deposits that paid for them; None without a budget). Its shape is checked in the database
+    (report_limit_problem, schema/functions_ui.sql)."""
+    limit = admission.limit
+    min_rtt = None if limit.min_rtt is None else round(limit.min_rtt * 1000)
+    return {
+        "limit": limit.allowed,
+        "ceiling": limit.ceiling,
+        "reserve": admission.reserve,
+        "in_flight_critical": admission.inflight.get(Priority.CRITICAL, 0),
+        "in_flight_ordinary": admission.inflight.get(Priority.ORDINARY, 0),
+        "waiting_critical": admission.waiting.get(Priority.CRITICAL, 0),
+        "waiting_ordinary": admission.waiting.get(Priority.ORDINARY, 0),
+        "min_rtt_ms": min_rtt,
+        "fallen": limit.fallen,
+        "retry_tokens": None if budget is None else round(budget.balance, 2),
+    }
 
 
 def limit_figures(
@@ -122,8 +154,9 @@ def limit_figures(
     whether it fell sharply and has not recovered, POSTs in flight and waiting per lane class,
     the minimum round trip (None before any answer) and the retry tokens. With `admission`
     None (post_limit = fixed) the limit is the fixed figure and there are no permits to count.
-    Read live from this process, not from the replica reports: the reports' shape is checked
-    in the database (report_problem), which knows no limit."""
+    Read live from this process at each refresh; every replica's (as of its last report) is in
+    its report's `limit` (`report_limit`), which the page's fleet table and `relay status`
+    show."""
     tokens = None if budget is None else budget.balance
     if admission is None:
         return {
@@ -218,7 +251,22 @@ def _lag(reports: Mapping[str, Any]) -> dict[str, dict[str, float | None]]:
     return lag
 
 
-def _fleet_row(owner: str, lease: dict[str, Any], alive: Any, entry: Any) -> dict[str, Any]:
+def _post_limit(limit: Any) -> str | None:
+    """A replica's POST limit as the fleet table shows it, `7/36` or `7/36 (fallen)`, from the
+    `limit` status_figures() gives each replica (its valid report of the last two minutes):
+    None without one (post_limit = fixed, a relay before issue 42, no fresh report)."""
+    limit = _obj(limit)
+    if not limit:
+        return None
+    allowed, ceiling = limit.get("limit"), limit.get("ceiling")
+    if not (isinstance(allowed, int) and isinstance(ceiling, int)):
+        return None
+    return f"{allowed}/{ceiling}" + (" (fallen)" if limit.get("fallen") is True else "")
+
+
+def _fleet_row(
+    owner: str, lease: dict[str, Any], replica: dict[str, Any], entry: Any
+) -> dict[str, Any]:
     rep = _obj(entry)
     body = _obj(rep.get("report"))
     lanes = [_obj(v) for v in _obj(body.get("lanes")).values()]
@@ -226,13 +274,14 @@ def _fleet_row(owner: str, lease: dict[str, Any], alive: Any, entry: Any) -> dic
     problem = rep.get("problem")
     return {
         "owner": owner,
-        "alive": alive,
+        "alive": replica.get("alive"),
         "runs_held": lease.get("runs", 0),
         "next_expiry": lease.get("next_expiry"),
         # None (shown "-") without a valid report: no figure is made up for a rejected one
         "renewals": sum(_count(v.get("renewals")) for v in lanes) if body else None,
         "delivered": sum(_count(v.get("delivered")) for v in lanes) if body else None,
         "ingress": ingress if ingress in INGRESS_STATES and not rep.get("stale") else None,
+        "post_limit": _post_limit(replica.get("limit")),
         "report_problem": str(problem) if problem is not None else None,
         "seen_age_seconds": _seconds(rep.get("age_seconds")),
         "stale": bool(rep.get("stale")) if rep else None,
@@ -248,10 +297,11 @@ def shape_status(
     Never raises on what a report holds."""
     reports = _obj(doc.get("reports"))
     leases = {x["owner"]: x for x in doc.get("leases") or []}
-    alive = {x["owner"]: x.get("alive") for x in doc.get("replicas") or []}
+    replicas = {x["owner"]: x for x in doc.get("replicas") or []}
     rows = []
-    for owner in sorted(set(leases) | set(alive) | set(reports)):
-        row = _fleet_row(owner, leases.get(owner) or {}, alive.get(owner), reports.get(owner))
+    for owner in sorted(set(leases) | set(replicas) | set(reports)):
+        replica = _obj(replicas.get(owner))
+        row = _fleet_row(owner, leases.get(owner) or {}, replica, reports.get(owner))
         rows.append({**row, "this": owner == replica_id})
     rate = series.latest()
     return {

@@ -25,7 +25,7 @@ BLOCKED_HEAD = (
 )  # fmt: skip
 FLEET_HEAD = (
     "replica", "liveness", "runs held", "next lease expiry", "renewals (reported)",
-    "delivered (reported)", "ingress (reported)", "last report",
+    "delivered (reported)", "ingress (reported)", "POST limit (reported)", "last report",
 )  # fmt: skip
 RUN_HEAD = (
     "seq", "event id", "type", "state", "attempts", "HTTP status", "last error",

@@ -158,6 +158,7 @@ def fleet_rows(data: dict[str, Any]) -> list[list[Cell]]:
                 _num(r.get("renewals")),
                 _num(r.get("delivered")),
                 _report_text(r),
+                clean(str(r.get("post_limit") or "-"), 40),
                 seen,
             ]
         )

@@ -239,7 +239,8 @@ class StatusPage:
         state = ingress_state(misconfigured, self.last_misconfigured, now)
         quantiles = {lane: w.quantiles(now) for lane, w in lag.items()}
         try:
-            counts = await self.data.report(self.replica_id, build_report(views, state, quantiles))
+            doc = build_report(views, state, quantiles, self.admission(), self.retry_budget())
+            counts = await self.data.report(self.replica_id, doc)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             if not self._report_failing:
                 logs.warning("replica_report_failed", error=logs.error_text(exc))
