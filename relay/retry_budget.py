@@ -5,17 +5,22 @@ Tokens, in the manner of Finagle's RetryBudget and gRPC's retry throttling, over
 SPAN seconds (relay/windows.py):
 
 - every POST the ingress served (an answer other than a transient failure) deposits `ratio`;
-- a retry takes one token while it is in flight; a retry that fails keeps it, one that is
-  served gives it back;
+- a retry takes one token while it is in flight. One that fails keeps it; one that is served
+  gives it back **only while the ingress is healthy**: at most HEALTHY of the window's POSTs
+  failed. While it is not, a served retry keeps its token too, as every retry does in Finagle;
 - a standing reserve of `per_second * span` tokens lets a quiet relay retry at all.
 
-So failed retries in any window stay at most `ratio` times the POSTs served in it, plus the
-reserve. Against an ingress failing half of everything that is about 1.11 POSTs per first
-attempt; against one that serves nothing, first attempts plus the reserve; against a healthy
-one, retries cost nothing, and runs that waited in the outbox through an outage drain at the
-pace the limit allows, not at `ratio` times the new traffic (Finagle's budget, which charges
-every retry, would trickle them out). A retry refused here waits in the outbox (the caller
-hands its claim back with a delay): no event is ever dropped for want of a token.
+So while the ingress fails more than HEALTHY of its POSTs, retries in any window stay at most
+`ratio` times the POSTs served in it, plus the reserve: about 1.11 POSTs per first attempt
+whatever the failure rate and however the failures fall (an ingress that fails every first
+attempt and serves every retry included, which a rule charging only failed retries let double
+its load: tests/test_admission_e2e.py found it). Against one that serves nothing, first
+attempts plus the reserve. Against a healthy one, retries cost nothing, and the runs that
+waited in the outbox through an outage drain at the pace the limit allows once the outage's
+failures have aged out of the window (within SPAN seconds), not at `ratio` times the new
+traffic (Finagle's budget, which charges every retry always, would trickle them out). A retry
+refused here waits in the outbox (the caller hands its claim back with a delay): no event is
+ever dropped for want of a token.
 
 Pure: no I/O; `now` is the monotonic clock, passed in.
 """
@@ -29,7 +34,8 @@ from relay.windows import WindowedSum
 
 RATIO = 0.1  # tokens per POST served (gRPC's example token_ratio)
 PER_SECOND = 1.0  # the reserve, in retries per second (Finagle's minRetriesPerSec, scaled down)
-SPAN = 10.0  # seconds a deposit or a failed retry counts (Finagle's ttl)
+SPAN = 10.0  # seconds a deposit or a charged retry counts (Finagle's ttl)
+HEALTHY = 0.1  # at most this share of the window's POSTs failed: a served retry costs nothing
 # A retry held back waits at least this long in the outbox: a slice of the window
 # (relay/windows.py), the soonest a failed retry's token can age out. Sooner, a spent budget
 # would only see the same runs claimed and handed back again.
@@ -63,13 +69,19 @@ class RetryBudget:
         self.ratio = ratio
         self.reserve = per_second * span
         self._served = WindowedSum(span)
-        self._failed_retries = WindowedSum(span)
+        self._failed = WindowedSum(span)  # POSTs that failed, first attempts and retries
+        self._charged = WindowedSum(span)  # retries that kept their token
         self._retrying = 0
 
     def balance(self, now: float) -> float:
-        """Tokens left: deposits and the reserve, less failed retries and retries in flight."""
+        """Tokens left: deposits and the reserve, less charged retries and retries in flight."""
         deposits = self.ratio * self._served.total(now) + self.reserve
-        return deposits - self._failed_retries.total(now) - self._retrying
+        return deposits - self._charged.total(now) - self._retrying
+
+    def healthy(self, now: float) -> bool:
+        """At most HEALTHY of the window's POSTs failed (or it saw none)."""
+        failed = self._failed.total(now)
+        return failed <= HEALTHY * (failed + self._served.total(now))
 
     def view(self, now: float) -> BudgetView:
         return BudgetView(self.balance(now), self._retrying)
@@ -87,7 +99,12 @@ class RetryBudget:
             if self._retrying == 0:
                 raise RuntimeError("a retry recorded that the budget did not let go")
             self._retrying -= 1
+        if result is Result.UNSENT:
+            return
+        charged = retry and (result is Result.FAILED or not self.healthy(now))
         if result is Result.SERVED:
             self._served.add(1.0, now)
-        elif result is Result.FAILED and retry:
-            self._failed_retries.add(1.0, now)
+        else:
+            self._failed.add(1.0, now)
+        if charged:
+            self._charged.add(1.0, now)

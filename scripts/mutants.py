@@ -933,6 +933,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{ADMISSION_E2E}::{BUDGET_TEST}",),
     ),
     Mutant(
+        "budget-served-retries-free",
+        "issue 42: while the ingress fails, a served retry is charged too (else an ingress that "
+        "fails every first attempt and serves every retry sees 2 POSTs per first attempt)",
+        "relay/retry_budget.py",
+        "        charged = retry and (result is Result.FAILED or not self.healthy(now))",
+        "        charged = retry and result is Result.FAILED",
+        (
+            "tests/test_admission_budget.py::"
+            "test_an_ingress_failing_every_first_attempt_and_serving_every_retry_is_held_to_it",
+        ),
+    ),
+    Mutant(
         "claim-widening-dropped",
         "§4.3: a promoted claim's POST carries the terminal event committed since the claim",
         "relay/execute.py",
