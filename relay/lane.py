@@ -1,19 +1,20 @@
-"""Fetch, a lane's first part: discovery of due runs, their claims, their turns at a POST slot
-and the hand-over of terminal runs (DESIGN §4.2-4.3).
+"""Fetch, a lane's first part: discovery of due runs, their claims, and the hand-over of terminal
+runs (DESIGN §4.2-4.3).
 
 The relay has two: `critical` (runs with a pending terminal event; targeted drains) and
 `ordinary` (any due run, critical ones included when it has room). Each has its own
 concurrency, database pool, HTTP client and ack group, so a full ordinary lane cannot delay
 the critical one.
 
-The lane claims runs, holds them, and gives each single claim or multi-run group a POST slot
-from one queue (critical ones first, relay/slots.py); with one, the lane's executor POSTs it and
-returns one outcome per run (relay/execute.py, which renews the leases while they are on the
-wire, relay/renewal.py), and the lane's completer writes what they mean (relay/complete.py, the
-one writer of results). The arrows go one way: the lane calls both parts, the completer reads the
-executor's outcomes, and the lane reads the others only through views (`gate()`, `view()`). A
-single critical claim that would have to wait for a slot of the ordinary lane is handed to the
-critical lane instead: a terminal event never queues behind ordinary work.
+The lane claims runs, holds them (relay/holdings.py: under the adaptive limit, what its share
+of the limit can POST soon), and launches each single claim or multi-run group as a delivery
+(relay/delivery.py) in one of its delivery tasks: the delivery takes a turn to POST from the
+lane's POST turn (relay/post_turn.py: the lane's slots, then the replica's permits, critical
+first), the lane's executor POSTs (relay/execute.py) and its completer writes what the answers
+mean (relay/complete.py, the one writer of results). The lane reads the others only through
+views (`gate()`, `view()`) and the delivery's two callbacks. A single critical claim that would
+have to wait for a slot of the ordinary lane is handed to the critical lane instead: a terminal
+event never queues behind ordinary work.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from anyio.abc import TaskGroup
 
 from relay import logs
 from relay.complete import Completer
-from relay.execute import Executor, LeaseLost, Outcome
+from relay.delivery import Delivery
+from relay.execute import Executor
 from relay.holdings import Holdings
 from relay.ingress import IngressClient
-from relay.policy import Poison, backoff, plan_groups
-from relay.post_turn import NO_TURN, Permits, PostTurn, Slot, Turn
+from relay.policy import backoff, plan_groups
+from relay.post_turn import Permits, PostTurn
 from relay.retry_budget import RetryBudget
 from relay.settings import Settings
 from relay.stats import CompleteStats, ExecuteStats, FetchStats, LaneStats
@@ -107,6 +109,16 @@ class Lane:
         # The claims held, their bytes; as many as the POST turn can carry soon.
         posts = self.post_turn.posts if permits is not None else None
         self.holdings = Holdings(settings, concurrency, posts)
+        # Each claim's or group's delivery: its turn, the POST, the results (relay/delivery.py).
+        self.delivery = Delivery(
+            name,
+            self.post_turn,
+            self.execute,
+            self.complete,
+            self.holdings,
+            settled=self._settled,
+            critical_done=self.wake.set,
+        )
         self.stopping = False
         self._last_empty_pass = -1.0
         self._deliveries: TaskGroup | None = None
@@ -286,7 +298,7 @@ class Lane:
             size_of=self.holdings.size_of,
         )
         for group in groups:
-            self._launch(self._deliver_job, group)
+            self._launch(self.delivery.run, group)
 
     async def _finish_inflight(self) -> None:
         with anyio.move_on_after(self.settings.shutdown_timeout):
@@ -318,109 +330,5 @@ class Lane:
             return False
         held = self.holdings.hold(claim)
         self.fetched.adopted += 1
-        self._launch(self._deliver_job, [held])
+        self._launch(self.delivery.run, [held])
         return True
-
-    # -- deliveries: a turn to POST (relay/post_turn.py), the POST, the results -------------
-
-    async def _deliver_job(self, holds: list[Held]) -> None:
-        """One delivery task's job: a turn to POST these claims, their delivery, and whatever
-        is left unsettled handed back."""
-        turn = NO_TURN
-        settled: dict[str, bool] = {}
-        try:
-            turn = await self.post_turn.take(holds)
-            if turn.slot is Slot.POSTING:
-                settled = await self._deliver(holds, turn)
-        except anyio.get_cancelled_exc_class():
-            raise
-        except Exception as exc:
-            self._delivery_error(holds, exc)
-        finally:
-            for h in holds:
-                self.holdings.drop(h)
-            if turn.slot is not Slot.HANDED_OFF:  # else the critical lane owns the claim now
-                await self._let_go(holds, settled, turn)
-            self._settled()
-
-    async def _let_go(self, holds: list[Held], settled: dict[str, bool], turn: Turn) -> None:
-        """After a delivery job: hand back the leases it left unsettled, free its turn if it
-        took one and still holds it, and wake discovery after critical work."""
-        for h in holds:
-            if not settled.get(h.claim.run_id):
-                await self.complete.hand_back(h.claim)  # as widened, if it was
-        self.post_turn.done(holds)
-        turn.free()
-        if self.name == "critical" or _any_critical(holds):
-            self.wake.set()
-
-    def _delivery_error(self, holds: list[Held], exc: Exception) -> None:
-        if len(holds) == 1:
-            who = self.complete.who(holds[0].claim)
-            logs.error("delivery_error", **who, error=logs.error_text(exc, 300))
-        else:
-            logs.error(
-                "delivery_error", lane=self.name, runs=len(holds), error=logs.error_text(exc)
-            )
-
-    async def _deliver(
-        self, holds: list[Held], turn: Turn, *, free_early: bool = True
-    ) -> dict[str, bool]:
-        """Execute, then complete: the executor POSTs the claims (one, or a group in one
-        request) and the completer writes what each run's outcome means. Returns, per run,
-        whether its lease was settled. The turn is given back early, once only the acks are
-        left (`free_early`), and told of every answer."""
-        outcomes = await self.execute.execute(holds, turn.answered)
-        if len(holds) > 1 and _refused_whole(posted := _posted(outcomes)):
-            return await self._send_alone(outcomes, posted, turn)
-        if free_early and _only_acks_left(outcomes):
-            # Pipelining: the ingress has answered and nothing but the (grouped) acks is left,
-            # so the next claim's POST need not wait for their commit. The runs stay claimed
-            # (and their leases fenced) until the acks settle them.
-            turn.free()
-        return await self.complete.carry(outcomes)
-
-    async def _send_alone(
-        self, outcomes: list[Outcome], posted: list[Outcome], turn: Turn
-    ) -> dict[str, bool]:
-        """One refusal of a whole multi-run request does not say which run (if any) is poison:
-        each run is sent alone to `ingress_url`, in this slot, and only its own answer decides."""
-        lost = [o for o in outcomes if isinstance(o.decision, LeaseLost)]
-        settled = await self.complete.carry(lost) if lost else {}
-        refusal = posted[0].decision
-        assert isinstance(refusal, Poison)
-        logs.warning(
-            "batch_refused", lane=self.name, runs=len(posted), status=refusal.status,
-            error=refusal.excerpt[:300],
-        )  # fmt: skip
-        for outcome in posted:
-            settled |= await self._deliver([outcome.held], turn, free_early=False)
-        return settled
-
-
-def _posted(outcomes: list[Outcome]) -> list[Outcome]:
-    return [o for o in outcomes if not isinstance(o.decision, LeaseLost)]
-
-
-def _only_acks_left(outcomes: list[Outcome]) -> bool:
-    """Every run that was POSTed had its whole batch accepted (and one was)."""
-    posted = False
-    for o in outcomes:  # a loop, not all(): once per POST
-        if isinstance(o.decision, LeaseLost):
-            continue
-        if not o.accepted_whole:
-            return False
-        posted = True
-    return posted
-
-
-def _any_critical(holds: list[Held]) -> bool:
-    for h in holds:  # a loop, not any(): once per POST
-        if h.claim.critical:
-            return True
-    return False
-
-
-def _refused_whole(posted: list[Outcome]) -> bool:
-    """A multi-run request refused as a whole (not run by run in a 2xx reply)."""
-    return bool(posted) and posted[0].whole and isinstance(posted[0].decision, Poison)

@@ -770,7 +770,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "batch-refusal-blocks-every-run",
         "§5 4xx: only a run's own refusal blocks it, not a refusal of a whole multi-run request",
-        "relay/lane.py",
+        "relay/delivery.py",
         "        if len(holds) > 1 and _refused_whole(posted := _posted(outcomes)):",
         "        if False:",
         (
@@ -781,7 +781,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "batch-slot-held-through-acks",
         "§4.3 pipelining: a multi-run POST frees its slot once every run was accepted whole",
-        "relay/lane.py",
+        "relay/delivery.py",
         "        if free_early and _only_acks_left(outcomes):",
         "        if False:",
         ("tests/test_relay.py::test_a_multi_run_post_frees_its_slot_before_its_acks",),

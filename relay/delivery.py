@@ -1,0 +1,150 @@
+"""A lane's deliveries, beside its discovery (issue 42 item 5): for each single claim or
+multi-run group the lane holds, its turn to POST (relay/post_turn.py: the lane's slots, the
+replica's permits, critical first), the POST (relay/execute.py, which renews the leases while
+they are on the wire), the results (relay/complete.py, the one writer of them), and whatever is
+left unsettled handed back (DESIGN §4.2-4.3).
+
+The arrows go one way: a delivery calls the three parts, the completer reads the executor's
+outcomes, and the lane reads a delivery's end only through the two callbacks it gave: a claim
+settled (`settled`, the lane may claim again) and critical work done (`critical_done`, the
+lane looks for more at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+
+from relay import logs
+from relay.complete import Completer
+from relay.execute import Executor, LeaseLost, Outcome
+from relay.holdings import Holdings
+from relay.policy import Poison
+from relay.post_turn import NO_TURN, PostTurn, Slot, Turn
+from relay.store import Held
+
+
+class Delivery:
+    """One per lane: `run(holds)` in one of the lane's delivery tasks per claim or group."""
+
+    def __init__(
+        self,
+        name: str,
+        post_turn: PostTurn,
+        executor: Executor,
+        completer: Completer,
+        holdings: Holdings,
+        *,
+        settled: Callable[[], None],
+        critical_done: Callable[[], None],
+    ) -> None:
+        self.name = name
+        self.post_turn = post_turn
+        self.executor = executor
+        self.completer = completer
+        self.holdings = holdings
+        self.settled = settled
+        self.critical_done = critical_done
+
+    async def run(self, holds: list[Held]) -> None:
+        """One delivery task's job: a turn to POST these claims, their delivery, and whatever
+        is left unsettled handed back."""
+        turn = NO_TURN
+        settled: dict[str, bool] = {}
+        try:
+            turn = await self.post_turn.take(holds)
+            if turn.slot is Slot.POSTING:
+                settled = await self._deliver(holds, turn)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            self._error(holds, exc)
+        finally:
+            for h in holds:
+                self.holdings.drop(h)
+            if turn.slot is not Slot.HANDED_OFF:  # else the critical lane owns the claim now
+                await self._let_go(holds, settled, turn)
+            self.settled()
+
+    async def _let_go(self, holds: list[Held], settled: dict[str, bool], turn: Turn) -> None:
+        """After a delivery job: hand back the leases it left unsettled, free its turn if it
+        took one and still holds it, and wake discovery after critical work."""
+        for h in holds:
+            if not settled.get(h.claim.run_id):
+                await self.completer.hand_back(h.claim)  # as widened, if it was
+        self.post_turn.done(holds)
+        turn.free()
+        if self.name == "critical" or _any_critical(holds):
+            self.critical_done()
+
+    def _error(self, holds: list[Held], exc: Exception) -> None:
+        if len(holds) == 1:
+            who = self.completer.who(holds[0].claim)
+            logs.error("delivery_error", **who, error=logs.error_text(exc, 300))
+        else:
+            logs.error(
+                "delivery_error", lane=self.name, runs=len(holds), error=logs.error_text(exc)
+            )
+
+    async def _deliver(
+        self, holds: list[Held], turn: Turn, *, free_early: bool = True
+    ) -> dict[str, bool]:
+        """Execute, then complete: the executor POSTs the claims (one, or a group in one
+        request) and the completer writes what each run's outcome means. Returns, per run,
+        whether its lease was settled. The turn is given back early, once only the acks are
+        left (`free_early`), and told of every answer."""
+        outcomes = await self.executor.execute(holds, turn.answered)
+        if len(holds) > 1 and _refused_whole(posted := _posted(outcomes)):
+            return await self._send_alone(outcomes, posted, turn)
+        if free_early and _only_acks_left(outcomes):
+            # Pipelining: the ingress has answered and nothing but the (grouped) acks is left,
+            # so the next claim's POST need not wait for their commit. The runs stay claimed
+            # (and their leases fenced) until the acks settle them.
+            turn.free()
+        return await self.completer.carry(outcomes)
+
+    async def _send_alone(
+        self, outcomes: list[Outcome], posted: list[Outcome], turn: Turn
+    ) -> dict[str, bool]:
+        """One refusal of a whole multi-run request does not say which run (if any) is poison:
+        each run is sent alone to `ingress_url`, in this slot, and only its own answer decides."""
+        lost = [o for o in outcomes if isinstance(o.decision, LeaseLost)]
+        settled = await self.completer.carry(lost) if lost else {}
+        refusal = posted[0].decision
+        assert isinstance(refusal, Poison)
+        logs.warning(
+            "batch_refused", lane=self.name, runs=len(posted), status=refusal.status,
+            error=refusal.excerpt[:300],
+        )  # fmt: skip
+        for outcome in posted:
+            settled |= await self._deliver([outcome.held], turn, free_early=False)
+        return settled
+
+
+def _posted(outcomes: list[Outcome]) -> list[Outcome]:
+    return [o for o in outcomes if not isinstance(o.decision, LeaseLost)]
+
+
+def _only_acks_left(outcomes: list[Outcome]) -> bool:
+    """Every run that was POSTed had its whole batch accepted (and one was)."""
+    posted = False
+    for o in outcomes:  # a loop, not all(): once per POST
+        if isinstance(o.decision, LeaseLost):
+            continue
+        if not o.accepted_whole:
+            return False
+        posted = True
+    return posted
+
+
+def _any_critical(holds: list[Held]) -> bool:
+    for h in holds:  # a loop, not any(): once per POST
+        if h.claim.critical:
+            return True
+    return False
+
+
+def _refused_whole(posted: list[Outcome]) -> bool:
+    """A multi-run request refused as a whole (not run by run in a 2xx reply)."""
+    return bool(posted) and posted[0].whole and isinstance(posted[0].decision, Poison)
