@@ -12,14 +12,17 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import anyio
 import psycopg
 from psycopg import sql
 
+from relay.policy import Trust
 from relay.runner import Relay
 from relay.settings import Settings, load
+from relay.store import Claim, ClaimedEvent
 from relay.tools.sink import Sink
 
 T = TypeVar("T")
@@ -288,3 +291,35 @@ class InThread:
         if kind == "error":
             raise value
         return value
+
+
+CLAIMED_AT = datetime(2024, 5, 17, 12, 0, 0, tzinfo=UTC)
+
+
+def one_event_claim(run_id: str, *, critical: bool = False) -> Claim:
+    """A claim of one step event, trusted for 30 s from 0.0: for the unit tests of what a lane
+    does with claims (its holdings, slots and POST turn), which never reach a database."""
+    return Claim(
+        run_id=run_id,
+        epoch=1,
+        token=uuid.uuid4(),
+        attempts=0,
+        critical=critical,
+        claimed_at=CLAIMED_AT,
+        trust=Trust(started=0.0, ttl=30.0, margin=6.0),
+        events=(ClaimedEvent(1, f"{run_id}-1", "step", "{}", False, CLAIMED_AT, None, None),),
+    )
+
+
+class Decisions(logging.Handler):
+    """Every decision the relay logs: (event name, fields)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[tuple[str, dict[str, Any]]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.getMessage(), dict(getattr(record, "fields", {}) or {})))
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [fields for name, fields in self.records if name == event]

@@ -14,7 +14,6 @@ and orders, never durations).
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,23 +29,9 @@ from relay.runner import Relay
 from relay.settings import Settings
 from relay.tools.bench.capacity_ingress import CapacitySink, Post
 from relay.tools.sink import Reply, Sink, serve_sink
-from tests.support import bulk_backlog, relay_logs, settings, wait_for
+from tests.support import Decisions, bulk_backlog, relay_logs, settings, wait_for
 
 pytestmark = pytest.mark.anyio
-
-
-class Decisions(logging.Handler):
-    """Every decision the relay logs: (event name, fields)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[tuple[str, dict[str, Any]]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append((record.getMessage(), dict(getattr(record, "fields", {}) or {})))
-
-    def named(self, event: str) -> list[dict[str, Any]]:
-        return [fields for name, fields in self.records if name == event]
 
 
 @pytest.fixture

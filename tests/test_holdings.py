@@ -4,15 +4,10 @@ beyond; under the adaptive limit what its share of the limit can POST now and on
 
 from __future__ import annotations
 
-import uuid
-from datetime import UTC, datetime
-
 from relay.holdings import Holdings
-from relay.policy import Trust
 from relay.settings import Settings, load
-from relay.store import Claim, ClaimedEvent
-
-AT = datetime(2024, 5, 17, 12, 0, 0, tzinfo=UTC)
+from relay.store import Claim
+from tests.support import one_event_claim
 
 
 def cfg(**extra: str) -> Settings:
@@ -28,16 +23,7 @@ def cfg(**extra: str) -> Settings:
 
 
 def claim(run_id: str) -> Claim:
-    return Claim(
-        run_id=run_id,
-        epoch=1,
-        token=uuid.uuid4(),
-        attempts=0,
-        critical=False,
-        claimed_at=AT,
-        trust=Trust(started=0.0, ttl=30.0, margin=6.0),
-        events=(ClaimedEvent(1, f"{run_id}-1", "step", "{}", False, AT, None, None),),
-    )
+    return one_event_claim(run_id)
 
 
 def test_the_fixed_limit_holds_its_concurrency_and_a_claim_beyond() -> None:

@@ -5,7 +5,6 @@ reaches the ingress before more than a small, stated number of backlog events.""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +14,7 @@ import pytest
 
 import relay
 from relay.runner import Relay
-from tests.support import Rig, relay_logs, wait_for
+from tests.support import Decisions, Rig, relay_logs, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -27,20 +26,6 @@ TERMINAL_RUNS = 5
 # POSTs already in flight may land first (CONCURRENCY POSTs of one backlog run each), twice over
 # for a slot that frees and refills meanwhile.
 MAX_BACKLOG_EVENTS_AHEAD = 2 * CONCURRENCY * EVENTS_PER_BACKLOG_RUN
-
-
-class Decisions(logging.Handler):
-    """Every decision the relay logs: (event name, fields)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[tuple[str, dict[str, Any]]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append((record.getMessage(), dict(getattr(record, "fields", {}) or {})))
-
-    def named(self, event: str) -> list[dict[str, Any]]:
-        return [fields for name, fields in self.records if name == event]
 
 
 @pytest.fixture

@@ -5,10 +5,8 @@ scheduler's."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
 
 import anyio
 import pytest
@@ -16,29 +14,17 @@ from anyio.abc import TaskGroup
 
 from relay.admission import Admission, Permit, Priority
 from relay.limit import Limit
-from relay.policy import Trust
 from relay.post_turn import Permits, PostTurn, Slot, Turn
 from relay.runner import post_permits
 from relay.settings import load
-from relay.store import Claim, ClaimedEvent, Held
+from relay.store import Held
+from tests.support import one_event_claim
 
 pytestmark = pytest.mark.anyio
 
-AT = datetime(2024, 5, 17, 12, 0, 0, tzinfo=UTC)
-
 
 def held(run_id: str, *, critical: bool = False) -> Held:
-    claim = Claim(
-        run_id=run_id,
-        epoch=1,
-        token=uuid.uuid4(),
-        attempts=0,
-        critical=critical,
-        claimed_at=AT,
-        trust=Trust(started=0.0, ttl=30.0, margin=6.0),
-        events=(ClaimedEvent(1, f"{run_id}-1", "step", "{}", False, AT, None, None),),
-    )
-    return Held(claim)
+    return Held(one_event_claim(run_id, critical=critical))
 
 
 def permits(limit: int = 2) -> Permits:
