@@ -299,7 +299,11 @@ class Executor:
         if self.budget is not None:
             self.budget.record(Result.FAILED if failed else Result.SERVED, retry=retry, now=now)
         rtt = now - started
-        answered(_sample(first, decision, rtt) if replies.whole else _served(rtt))
+        sample = _sample(first, decision, rtt) if replies.whole else _served(rtt)
+        try:
+            answered(sample)
+        except Exception as exc:  # the limit's bug must not undo an answered POST (a duplicate)
+            logs.error("limit_sample_failed", lane=self.lane, error=logs.error_text(exc, 300))
         return replies
 
     async def _try(self, sends: list[Send], *, group: bool, spans: list[DeliverySpan]) -> _Replies:

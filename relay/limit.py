@@ -42,7 +42,11 @@ OVERLOAD_STATUSES = frozenset({429, 503, 504})  # the ingress says it is full (5
 MIN_LIMIT = 2  # one POST for the critical reserve, one for the ordinary lane (relay/admission.py)
 INITIAL_LIMIT = 4  # a restart of many replicas does not hit the ingress with their ceilings
 TOLERANCE = 1.5  # a median round trip above min_rtt * TOLERANCE + RTT_SLACK is queueing
-RTT_SLACK = 0.005  # seconds: a 1 ms ingress is not queueing at 2 ms (scheduling noise)
+# Seconds of a round trip never judged queueing: the relay's own event loop delays the answers
+# it reads by this much and more when it is busy (a CPU-bound relay against a 0.6 ms ingress
+# swung its limit between 3 and 16 with 5 ms, and lost a third of its throughput: issue 42's
+# bench), and a queue shorter than this at the ingress costs its callers little.
+RTT_SLACK = 0.020
 OVERLOAD_FACTOR = 0.5  # 429/503/504/timeout: halve, as TCP does on a loss
 QUEUEING_FLOOR = 0.5  # the gradient min_rtt / median, never below this (Netflix Gradient2)
 MIN_RTT_SPAN = 10.0  # seconds: how long a minimum round trip is believed (BBR's min_rtt filter)

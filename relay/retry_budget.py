@@ -33,13 +33,17 @@ from dataclasses import dataclass
 from relay.windows import WindowedSum
 
 RATIO = 0.1  # tokens per POST served (gRPC's example token_ratio)
-PER_SECOND = 1.0  # the reserve, in retries per second (Finagle's minRetriesPerSec, scaled down)
+# The reserve, in retries per second per replica (Finagle's minRetriesPerSec, scaled down): at
+# 1.0 it was as large as the deposits of a relay committing 13 runs a second to a half-failing
+# ingress (1.48 POSTs per first attempt in issue 42's bench); a quiet relay still retries.
+PER_SECOND = 0.2
 SPAN = 10.0  # seconds a deposit or a charged retry counts (Finagle's ttl)
 HEALTHY = 0.1  # at most this share of the window's POSTs failed: a served retry costs nothing
-# A retry held back waits at least this long in the outbox: a slice of the window
-# (relay/windows.py), the soonest a failed retry's token can age out. Sooner, a spent budget
-# would only see the same runs claimed and handed back again.
-DEFER_AT_LEAST = 1.0
+# A retry held back waits at least this long in the outbox: half the window (relay/windows.py),
+# over which the failed retries that spent the budget age out. Sooner, a spent budget only sees
+# the same runs claimed and handed back again (19,253 deferrals in a minute at a 1 s floor in
+# issue 42's bench, a claim and a release each).
+DEFER_AT_LEAST = SPAN / 2
 
 
 class Result(enum.Enum):

@@ -8,6 +8,7 @@ import pytest
 
 from relay.limit import (
     MIN_RTT_SPAN,
+    RTT_SLACK,
     Change,
     Limit,
     LimitEvent,
@@ -51,10 +52,10 @@ class Ingress:
         return self.limit.allowed
 
 
-def steady(ceiling: int = 64, initial: int = 20) -> Ingress:
-    """A limit that has learnt the ingress's round trip (RTT) and sits at `initial`."""
+def steady(ceiling: int = 64, initial: int = 20, rtt: float = RTT) -> Ingress:
+    """A limit that has learnt the ingress's round trip (`rtt`) and sits at `initial`."""
     ingress = Ingress(Limit(ceiling, initial=initial - 1, slow_start=False))
-    ingress.round()  # learns the minimum, and grows by one
+    ingress.round(rtt)  # learns the minimum, and grows by one
     assert ingress.limit.allowed == initial
     return ingress
 
@@ -95,9 +96,9 @@ def test_grows_while_half_the_limit_is_used() -> None:
 
 
 def test_falls_on_queueing_by_the_minimum_over_the_median() -> None:
-    ingress = steady(initial=20)
-    assert ingress.round(0.070) == 11  # past 40 ms * 1.5 + 5 ms: 20 * 40 / 70 = 11.4
-    assert ingress.limit.view(ingress.now).value == pytest.approx(20 * 0.040 / 0.070)
+    ingress = steady(initial=20, rtt=0.200)
+    assert ingress.round(0.330) == 12  # past 200 ms * 1.5 + 20 ms: 20 * 200 / 330 = 12.1
+    assert ingress.limit.view(ingress.now).value == pytest.approx(20 * 0.200 / 0.330)
 
 
 def test_a_fall_on_queueing_is_at_most_a_half() -> None:
@@ -107,7 +108,7 @@ def test_a_fall_on_queueing_is_at_most_a_half() -> None:
 
 def test_answers_just_within_the_tolerance_are_not_queueing() -> None:
     ingress = steady(initial=20)
-    assert ingress.round(RTT * 1.5 + 0.0049) == 21
+    assert ingress.round(RTT * 1.5 + RTT_SLACK - 0.0001) == 21
 
 
 def test_the_median_not_one_slow_answer_decides() -> None:
@@ -156,7 +157,7 @@ def test_a_burst_of_503s_halves_it_once_per_round_trip() -> None:
 
 def test_a_queue_that_outlives_the_decrease_is_not_judged_twice() -> None:
     ingress = steady(initial=20)
-    assert ingress.round(RTT * 2) == 10
+    assert ingress.round(RTT * 2.5) == 10
     # Answers still slow, but to POSTs sent before the decrease (their round trips say so).
     ingress.now += RTT
     for k in range(10):
@@ -235,16 +236,16 @@ def test_an_ingress_that_became_faster_is_learnt_at_once() -> None:
 
 
 def test_reports_a_sharp_fall_once_and_its_recovery_once() -> None:
-    ingress = steady(initial=32)
-    ingress.round(0.070)  # 32 -> 18: not sharp
+    ingress = steady(initial=32, rtt=0.200)
+    ingress.round(0.330)  # 32 -> 19: not sharp
     assert ingress.events == []
-    ingress.round(signal=Signal.OVERLOADED)  # 18 -> 9: under half of 32
-    ingress.round(signal=Signal.OVERLOADED)  # 9 -> 4: still fallen, no second line
+    ingress.round(0.200, signal=Signal.OVERLOADED)  # 19 -> 9: under half of 32
+    ingress.round(0.200, signal=Signal.OVERLOADED)  # 9 -> 4: still fallen, no second line
     assert ingress.events == [LimitEvent(Change.FELL, 9, 32, "overload")]
     assert ingress.limit.view(ingress.now).fallen
-    ingress.rounds(20)  # 4 -> 24: not yet back
+    ingress.rounds(20, 0.200)  # 4 -> 24: not yet back
     assert len(ingress.events) == 1
-    ingress.rounds(5)  # back to 29 >= 0.9 * 32
+    ingress.rounds(5, 0.200)  # back to 29 >= 0.9 * 32
     assert ingress.events[1:] == [LimitEvent(Change.RECOVERED, 29, 32, "growth")]
     assert not ingress.limit.view(ingress.now).fallen
 
