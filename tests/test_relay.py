@@ -14,15 +14,18 @@ import pytest
 import relay
 from relay.lane import Lane
 from relay.listener import Listener
+from relay.post_turn import Permits
 from relay.runner import Relay
 from relay.store import Store
 from relay.tools.sink import Sink
 from tests.support import (
+    Decisions,
     Rig,
     assert_acked_only_if_received,
     bulk_backlog,
     count,
     q,
+    relay_logs,
     settings,
     wait_for,
 )
@@ -676,3 +679,31 @@ async def test_the_database_pools_do_not_grow_with_the_post_slots(
         s.faults.set_default(None)
         await wait_for(lambda: count(conn, schema, "state <> 'delivered'") == 0, what="all acked")
     assert s.state.order_violations == 0
+
+
+async def test_a_failing_limit_never_undoes_an_answered_post(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    sink: tuple[Sink, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The adaptive limit is told of each answer inside the POST's try (issue 42). An exception
+    there, a bug of the limit's as the first `limit_fell` line was, is logged
+    (`limit_sample_failed`) and the answered POST is acked as usual: no delivery error, no
+    duplicate. (That bug made every sharp fall of the limit a duplicate delivery.)"""
+    s, url = sink
+
+    def broken(self: Permits, permit: object, sample: object) -> None:
+        raise RuntimeError("a planted bug in the limit")
+
+    monkeypatch.setattr(Permits, "answered", broken)
+    enqueue_runs(conn, schema, 20, 3)
+    with relay_logs(Decisions()) as seen:
+        async with Relay(settings(pg_url, schema, url)).running():
+            await wait_for(
+                lambda: count(conn, schema, "state <> 'delivered'") == 0, what="all acked"
+            )
+    assert seen.named("limit_sample_failed")
+    assert not seen.named("delivery_error")
+    assert s.state.duplicates == 0 and s.state.order_violations == 0
