@@ -45,7 +45,13 @@ from relay.tools.sink import Reply, Sink, serve_sink
 from relay.tools.sink.app import json_reply
 
 TICK = 0.05  # s between the producer's commits
-DEFERRED = "ledger_relay_retries_deferred_total"  # relay/metrics.py
+# the replicas' own counts (relay/metrics.py), summed over lanes and replicas: the retries the
+# budget held back, the transient failures handed back with a backoff, the leases lost
+COUNTERS = {
+    "deferred": "ledger_relay_retries_deferred_total",
+    "scheduled": "ledger_relay_retries_scheduled_total",
+    "leases_lost": "ledger_relay_leases_lost_total",
+}
 
 
 @dataclass(frozen=True)
@@ -154,15 +160,18 @@ async def _produce(env: Env, a: argparse.Namespace, until: float) -> list[str]:
     return ids
 
 
-async def _deferred(procs: Sequence[RelayProcess]) -> float:
-    """Retries the replicas' budgets held back so far (all lanes), from their metrics."""
-    total = 0.0
+async def _counters(procs: Sequence[RelayProcess]) -> dict[str, float]:
+    """`COUNTERS` so far, summed over the replicas' lanes, from their metrics."""
+    by_name = {name: key for key, name in COUNTERS.items()}
+    totals = dict.fromkeys(COUNTERS, 0.0)
     async with httpx.AsyncClient() as client:
         for rp in procs:
             text = (await client.get(rp.metrics_url + "/metrics", timeout=10)).text
             for family in text_string_to_metric_families(text):
-                total += sum(s.value for s in family.samples if s.name == DEFERRED)
-    return total
+                for sample in family.samples:
+                    if sample.name in by_name:
+                        totals[by_name[sample.name]] += sample.value
+    return totals
 
 
 async def flaky(env: Env, a: argparse.Namespace) -> Result:
@@ -177,7 +186,7 @@ async def flaky(env: Env, a: argparse.Namespace) -> Result:
             ids = await _produce(env, a, start + a.flaky_seconds)
         recovered = time.monotonic()
         sink.failing = False
-        deferred = await _deferred(procs)
+        counts = await _counters(procs)
         seen = sink.state.deliveries
         with anyio.move_on_after(max(120.0, 2 * a.flaky_seconds)):
             while any(e not in seen for e in ids):  # noqa: ASYNC110 - the sink's own dict
@@ -205,16 +214,18 @@ async def flaky(env: Env, a: argparse.Namespace) -> Result:
             f"after the recovery: all {len(ids):,} delivered in {done - recovered:.1f} s"
             if not lost
             else f"after the recovery: {lost:,} of {len(ids):,} never arrived",
-            f"retries held back by the budget (retry_deferred, ledger_relay_retries_deferred_"
-            f"total) while failing: {deferred:,.0f}; duplicates {state.duplicates}, order "
-            f"violations {state.order_violations}",
+            "the replicas' counts while failing: retries held back by the budget (retry_"
+            f"deferred) {counts['deferred']:,.0f}, transient failures handed back with a backoff "
+            f"(retry_scheduled) {counts['scheduled']:,.0f}, leases lost "
+            f"{counts['leases_lost']:,.0f}; at the ingress: duplicates {state.duplicates}, "
+            f"order violations {state.order_violations}",
         ],
-        data={"failing": asdict(failing), "recovered": asdict(after)},
+        data={"failing": asdict(failing), "recovered": asdict(after), "relay": counts},
         metrics={
             "flaky_posts_per_first": round(failing.per_first, 3),
             "flaky_posts": failing.posts,
             "flaky_first_attempts": failing.first,
-            "flaky_deferred": deferred,
+            "flaky_deferred": counts["deferred"],
             "flaky_drain_s": round(done - recovered, 2),
             "flaky_lost": lost,
             "flaky_order_violations": state.order_violations,
