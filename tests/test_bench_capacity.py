@@ -206,9 +206,10 @@ def test_the_replicas_limits_are_summed_where_every_replica_gave_one() -> None:
 
 @pytest.mark.anyio
 async def test_the_flaky_ingress_fails_every_other_post_and_counts_first_attempts() -> None:
-    """Every other POST (retries included) is answered 503 while failing, all once recovered;
-    a POST is a first attempt when its first event (run, seq) led no earlier POST."""
-    sink = FlakySink()
+    """Every other POST (retries included) is answered 503 while failing (the alternate
+    pattern), all once recovered; a POST is a first attempt when its first event (run, seq)
+    led no earlier POST."""
+    sink = FlakySink(seed=None)
 
     def body(run: str, *seqs: int) -> bytes:
         events = [
@@ -250,3 +251,14 @@ async def test_the_flaky_ingress_fails_every_other_post_and_counts_first_attempt
     assert failing.per_first == pytest.approx(7 / 4)
     assert sink.state.stats()["unique_events"] == 6  # a-1, a-2, b-1, b-2, c-1, d-1
     assert load([Arrival(0.0, 503, False)], 1.0, 2.0).per_first == 0.0
+
+
+def test_the_random_pattern_fails_half_of_all_posts_from_its_seed() -> None:
+    """Each POST fails on its own with probability 1/2, the same ones for the same seed."""
+
+    def pattern(seed: int) -> list[bool]:
+        sink = FlakySink(seed)
+        return [sink._fails() for _ in range(2000)]
+
+    assert pattern(7) == pattern(7) != pattern(8)
+    assert 900 < sum(pattern(7)) < 1100

@@ -1,11 +1,17 @@
 """The half-failing ingress scenario of `relay bench` (issue 42, the retry budget's target).
 
-The ingress (`FlakySink`, the reference sink in the bench's process) answers **503 to every
-other POST** it gets (the 2nd, 4th, ... in arrival order, retries included: exactly half, and
-no seed to choose) for `--flaky-seconds` (60), while the bench commits a steady stream of
-`--flaky-rate` events a second (200) over `--flaky-runs` runs (200), a transaction every 50 ms;
-then the ingress recovers (answers every POST), and the bench waits until every event committed
-has arrived. Two `relay run` replicas at their defaults (the adaptive limit, the retry budget).
+The ingress (`FlakySink`, the reference sink in the bench's process) answers **503 to half of
+all POSTs** it gets, retries included, for `--flaky-seconds` (60), while the bench commits a
+steady stream of `--flaky-rate` events a second (200) over `--flaky-runs` runs (200), a
+transaction every 50 ms; then the ingress recovers (answers every POST), and the bench waits
+until every event committed has arrived. Two `relay run` replicas at their defaults (the
+adaptive limit, the retry budget).
+
+Which half (`--flaky-pattern`): `random` (the default), each POST fails with probability 1/2
+on its own, from a generator seeded with `--flaky-seed`: a retry fails as often as a first
+attempt; `alternate`, the 2nd, 4th, ... POST in arrival order: exactly half, but a quick retry
+sent right after its 503 usually takes the next, served, turn, so retries nearly always succeed
+(a correlation a real ingress may or may not have; the budget charges only failed retries).
 
 **First attempt**: a POST whose first event, (run id, seq), the ingress has not seen as the
 first event of an earlier POST. A retry of a batch starts at the same event (the run's cursor
@@ -19,6 +25,7 @@ everything delivered once the ingress recovers (nothing lost, per-run order kept
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -86,21 +93,28 @@ class Attempts:
 
 
 class FlakySink(Sink):
-    """The reference sink's run route, answering 503 to every other POST while `failing`."""
+    """The reference sink's run route, answering 503 to half of all POSTs while `failing`:
+    each on its own with probability 1/2 (`seed`), or every other one (`seed` None)."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int | None = None) -> None:
         super().__init__()
         self.state.keep_received = False
         self.failing = True
         self.arrivals: list[Arrival] = []
         self._attempts = Attempts()
         self._count = 0
+        self._rng = None if seed is None else random.Random(seed)
+
+    def _fails(self) -> bool:
+        self._count += 1
+        if self._rng is not None:
+            return self._rng.random() < 0.5
+        return self._count % 2 == 0
 
     async def _run_events(self, url_run_id: str, body: bytes, headers: dict[str, str]) -> Reply:
         at = time.monotonic()
         first = self._attempts.first(_first_event(body))
-        self._count += 1
-        if self.failing and self._count % 2 == 0:
+        if self._fails() and self.failing:
             reply = json_reply(503, {"error": "half of all POSTs fail"})
         else:
             reply = await super()._run_events(url_run_id, body, headers)
@@ -132,6 +146,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--flaky-rate", type=positive(float), default=200.0, help="events/s (200)")
     g.add_argument("--flaky-runs", type=positive(int), default=200, help="(200)")
     g.add_argument("--flaky-replicas", type=positive(int), default=2, help="relay run (2)")
+    g.add_argument(
+        "--flaky-pattern", choices=("random", "alternate"), default="random", help="(random)"
+    )
+    g.add_argument("--flaky-seed", type=int, default=42, help="of the random pattern (42)")
 
 
 SMOKE = {"flaky_seconds": 2.0, "flaky_rate": 100.0, "flaky_runs": 20}
@@ -176,7 +194,7 @@ async def _counters(procs: Sequence[RelayProcess]) -> dict[str, float]:
 
 async def flaky(env: Env, a: argparse.Namespace) -> Result:
     await reset(env)
-    sink = FlakySink()
+    sink = FlakySink(a.flaky_seed if a.flaky_pattern == "random" else None)
     async with (
         serve_sink(sink) as base,
         relay_processes(env, a.flaky_replicas, base) as procs,
@@ -199,7 +217,7 @@ async def flaky(env: Env, a: argparse.Namespace) -> Result:
     after = load(sink.arrivals, recovered, done)
     state = sink.state
     rows = [
-        _row(f"503 to every other POST ({a.flaky_seconds:g} s)", failing),
+        _row(f"503 to half of all POSTs, {_pattern(a)} ({a.flaky_seconds:g} s)", failing),
         _row("recovered (every POST answered)", after),
     ]
     return Result(
@@ -232,6 +250,12 @@ async def flaky(env: Env, a: argparse.Namespace) -> Result:
         },
         settings={"flaky_posts_per_first": f"{a.flaky_replicas} replicas, the defaults"},
     )
+
+
+def _pattern(a: argparse.Namespace) -> str:
+    if a.flaky_pattern == "random":
+        return f"each at random, seed {a.flaky_seed}"
+    return "every other one"
 
 
 def _row(window: str, w: Load) -> dict[str, Any]:
