@@ -345,3 +345,41 @@ def test_the_capacity_scenario_is_judged_by_issue_42s_targets() -> None:
         "(2 replicas)"
         in targets(metrics(bounds), {"capacity_in_flight_ratio": "2 replicas"})[0]["target"]
     )
+
+
+def test_issue_42s_other_targets_are_judged() -> None:
+    """The summed limit follows a drop within 5 s each way (a way it never followed, None, is
+    missed); POSTs ≤ 1.2 × first attempts while half fail, and everything delivered after; a
+    fast ingress keeps 0.95 of the fixed limit's events/s, paired."""
+    from relay.tools.bench.main import targets
+
+    def verdicts(metrics: dict[str, float | None]) -> list[tuple[str, str]]:
+        return [
+            (t["target"].split(" (")[0], t["verdict"])
+            for t in targets(metrics)
+            if t["target"].startswith(("capacity: the summed", "flaky: ", "e2e_eps ≥ 0.95"))
+        ]
+
+    follows = "capacity: the summed limit follows a 10× drop within 5 s each way"
+    posts = "flaky: POSTs ≤ 1.2 × first attempts while half fail"
+    delivered = "flaky: everything delivered after the recovery, order kept"
+    e2e = "e2e_eps ≥ 0.95 × e2e_eps_fixed"
+    met = {
+        "capacity_follow_down_s": 5.0,
+        "capacity_follow_up_s": 0.0,
+        "flaky_posts_per_first": 1.2,
+        "flaky_lost": 0,
+        "flaky_order_violations": 0,
+        "e2e_adaptive_ratio": 0.95,
+    }
+    assert sorted(verdicts(met)) == sorted(
+        [(follows, "met"), (posts, "met"), (delivered, "met"), (e2e, "met")]
+    )
+    missed = met | {
+        "capacity_follow_up_s": None,
+        "flaky_posts_per_first": 1.21,
+        "flaky_order_violations": 1,
+        "e2e_adaptive_ratio": 0.94,
+    }
+    assert {v for _, v in verdicts(missed)} == {"MISSED"} and len(verdicts(missed)) == 4
+    assert (follows, "MISSED") in verdicts(met | {"capacity_follow_down_s": 5.01})
