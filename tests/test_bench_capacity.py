@@ -10,16 +10,22 @@ import httpx
 import orjson
 import pytest
 
+from relay.tools.bench.capacity import Scrape, _gauges, _summed
 from relay.tools.bench.capacity_ingress import (
     Capacity,
     CapacitySink,
+    LimitSample,
     Post,
     Workers,
     figures,
     follows,
     in_flight,
+    limit_follows,
+    reaches,
     servable,
+    settles,
 )
+from relay.tools.bench.flaky import Arrival, FlakySink, load
 from relay.tools.sink import serve_sink
 
 
@@ -153,3 +159,106 @@ async def test_the_capacity_sink_records_each_post_and_keeps_the_sinks_checks() 
     assert all(p.arrival <= p.start < p.end for p in sink.posts)
     stats = sink.state.stats()
     assert (stats["unique_events"], stats["duplicates"], stats["order_violations"]) == (3, 1, 0)
+
+
+def test_the_summed_limit_follows_a_drop_for_good_and_a_recovery_once_reached() -> None:
+    """Down: from the drop to the scrape from which the summed limit stays <= 3x the dropped
+    workers (or the floor) until the recovery; up: from the recovery to the first scrape at
+    or above the workers before the drop (or the summed ceiling)."""
+    changes = [Capacity(0.0, 20, 0.04), Capacity(5.0, 2, 0.04), Capacity(10.0, 20, 0.04)]
+    totals = [30, 28, 32, 25, 9, 6, 12, 5, 4, 4, 4, 8, 15, 22, 18, 40]
+    at_s = [0, 1, 4, 5.2, 6, 7, 7.5, 8, 9, 9.5, 9.9, 10.2, 10.6, 11.1, 11.5, 14]
+    series = [LimitSample(t, n) for t, n in zip(at_s, totals, strict=True)]
+    f = limit_follows(series, changes, 5.0, 10.0, 15.0, floor=4, ceiling=72)
+    assert (f.down_to, f.up_to) == (6, 20)
+    assert f.down_s == pytest.approx(3.0)  # 12 at 7.5 s: for good only from 8 s
+    assert f.up_s == pytest.approx(1.1)  # 22 at 11.1 s; the 18 after it is the sawtooth
+    assert f.met and f.worst == pytest.approx(3.0)
+    # a floor above 3x the workers is the bound; a ceiling below the old workers is the aim
+    low = limit_follows(series, changes, 5.0, 10.0, 15.0, floor=12, ceiling=15)
+    assert (low.down_to, low.up_to) == (12, 15) and low.down_s == pytest.approx(1.0)
+    assert low.up_s == pytest.approx(0.6)
+    # one that never fits: None, and not met
+    never = limit_follows(series[:10], changes, 5.0, 10.0, 15.0, floor=4, ceiling=72)
+    assert never.up_s is None and not never.met and never.worst is None
+    assert settles(series, 5.0, 6.5, lambda n: n <= 6) is None  # 12 at 7.5 s is past 6.5
+    assert settles(series, 5.0, 7.2, lambda n: n <= 6) == pytest.approx(2.0)
+    assert reaches(series, 0.0, 15.0, lambda n: n >= 100) is None
+
+
+def test_the_replicas_limits_are_summed_where_every_replica_gave_one() -> None:
+    text = (
+        "# HELP ledger_relay_post_limit POSTs in flight the limit allows now\n"
+        "# TYPE ledger_relay_post_limit gauge\n"
+        "ledger_relay_post_limit 7.0\n"
+        "# HELP ledger_relay_post_limit_ceiling its ceiling\n"
+        "# TYPE ledger_relay_post_limit_ceiling gauge\n"
+        "ledger_relay_post_limit_ceiling 36.0\n"
+        "# HELP ledger_relay_other other\n"
+        "# TYPE ledger_relay_other gauge\n"
+        "ledger_relay_other 1.0\n"
+    )
+    names = ("ledger_relay_post_limit", "ledger_relay_post_limit_ceiling")
+    assert _gauges(text, names) == dict(zip(names, (7.0, 36.0), strict=True))
+    scrapes = [Scrape(1.0, (7.0, 5.0), (36.0, 36.0)), Scrape(1.1, (8.0, None), (36.0, None))]
+    assert _summed(scrapes) == [LimitSample(1.0, 12.0)]
+
+
+@pytest.mark.anyio
+async def test_the_flaky_ingress_fails_every_other_post_and_counts_first_attempts() -> None:
+    """Every other POST (retries included) is answered 503 while failing (the alternate
+    pattern), all once recovered; a POST is a first attempt when its first event (run, seq)
+    led no earlier POST."""
+    sink = FlakySink(seed=None)
+
+    def body(run: str, *seqs: int) -> bytes:
+        events = [
+            {"event_id": f"{run}-{i}", "seq": i, "type": "step", "payload": {}}
+            | {"created_at": "now", "terminal": False}
+            for i in seqs
+        ]
+        return orjson.dumps({"run_id": run, "epoch": 1, "events": events})
+
+    async with serve_sink(sink) as base, httpx.AsyncClient() as client:
+
+        async def send(run: str, *seqs: int) -> int:
+            r = await client.post(
+                f"{base}/runs/{run}/events",
+                content=body(run, *seqs),
+                headers={"relay-lease-epoch": "1"},
+            )
+            return r.status_code
+
+        # a: 200; b: 503, its retry (more events now) 200; c: 503, its retry 200; a's next
+        # event: 503; c again (a duplicate, still not a first attempt): 200
+        statuses = [
+            await send("a", 1),
+            await send("b", 1),
+            await send("b", 1, 2),
+            await send("c", 1),
+            await send("c", 1),
+            await send("a", 2),
+            await send("c", 1),
+        ]
+        assert statuses == [200, 503, 200, 503, 200, 503, 200]
+        sink.failing = False
+        assert [await send("a", 2), await send("d", 1)] == [200, 200]
+    firsts = [a.first for a in sink.arrivals]
+    assert firsts == [True, True, False, True, False, True, False, False, True]
+    t0 = sink.arrivals[0].at
+    failing = load(sink.arrivals, t0, sink.arrivals[7].at)
+    assert (failing.posts, failing.first, failing.failed) == (7, 4, 3)
+    assert failing.per_first == pytest.approx(7 / 4)
+    assert sink.state.stats()["unique_events"] == 6  # a-1, a-2, b-1, b-2, c-1, d-1
+    assert load([Arrival(0.0, 503, False)], 1.0, 2.0).per_first == 0.0
+
+
+def test_the_random_pattern_fails_half_of_all_posts_from_its_seed() -> None:
+    """Each POST fails on its own with probability 1/2, the same ones for the same seed."""
+
+    def pattern(seed: int) -> list[bool]:
+        sink = FlakySink(seed)
+        return [sink._fails() for _ in range(2000)]
+
+    assert pattern(7) == pattern(7) != pattern(8)
+    assert 900 < sum(pattern(7)) < 1100

@@ -10,11 +10,23 @@ seconds until the backlog has drained.
 Two variants:
 - `steady`: the capacity fixed throughout; its figures are judged against issue 42's targets
   (main.py's `_capacity`);
-- `drop`: the service time multiplied by `--capacity-drop-factor` (10) from
-  `--capacity-drop-at` seconds after the backlog's commit for `--capacity-drop-for` seconds,
-  then back. The workers stay (a slower dependency behind the same pool): at the default 4
-  workers a tenth of them is not a pool at all. Figures per phase, and the in-flight series
-  in the JSON (`samples_s.drop.in_flight`) for a chart.
+- `drop`: the capacity divided by `--capacity-drop-factor` (10) from `--capacity-drop-at`
+  seconds after the backlog's commit for `--capacity-drop-for` seconds, then back. By default
+  (`--capacity-drop-kind workers`) the pool shrinks from `--capacity-drop-workers` (20) to a
+  tenth of them at the same service time, as issue 42's simulation (40 -> 4) does: the
+  concurrency the ingress serves at once falls, which is what a limit on POSTs in flight has
+  to follow. (`service`: the service time × the factor with the same workers, a slower
+  dependency behind the same pool: the concurrency it serves at once does not change, only
+  its queue's wait.) The drop's backlog is `--capacity-drop-events`, sized to outlast it.
+  Figures per phase, the in-flight series and each replica's `ledger_relay_post_limit`,
+  scraped from its metrics endpoint every 100 ms, in the JSON (`samples_s["<mode>.drop"]`),
+  and a chart of them (`--capacity-chart`, capacity_chart.py).
+
+**The limit follows within 5 s each way** (`capacity_ingress.limit_follows`), on the
+replicas' limits summed, scrape by scrape: after the drop, the time until it is <= 3 × the
+dropped capacity's workers and stays there until the recovery (`down_s`); after the recovery,
+the time until it is first >= the workers before the drop, or the replicas' summed ceiling if
+that is lower (`up_s`). Judged on the adaptive mode: both <= 5 s.
 
 The figures: POSTs in flight at the ingress (arrived, not answered: queued or in service),
 sampled every 10 ms, p90 and its multiple of the workers; queueing inside the ingress p99 and
@@ -23,9 +35,10 @@ over the window (the backlog's commit to its last POST's answer); terminal event
 their commit to the end of their POST's service, p99 and its multiple of the service time;
 events lost and per-run order violations (the sink's own checks).
 
-`MODES` are the relay settings measured side by side: today only the defaults (a fixed
-limit of `concurrency` + `critical_concurrency` POSTs per replica). The adaptive limit's wiring
-adds its mode there, and its rows print beside these in the same run.
+`MODES` are the relay settings measured side by side in one run: `post_limit = fixed` (each
+lane's own concurrency, the relay before issue 42) and the defaults (the adaptive limit,
+docs/admission.md). The targets are judged on the adaptive rows; the fixed ones print beside
+them (and fill `capacity_fixed_*`).
 """
 
 from __future__ import annotations
@@ -33,24 +46,33 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import psycopg
+from prometheus_client.parser import text_string_to_metric_families
 
+from relay.limit import MIN_LIMIT
 from relay.producer import enqueue_async
+from relay.tools.bench import capacity_chart
 from relay.tools.bench.capacity_ingress import (
     STEP,
     CapacitySink,
     Figures,
+    Follow,
+    LimitSample,
     at,
     figures,
     follows,
     in_flight,
+    limit_follows,
 )
 from relay.tools.bench.kit import (
     BenchFailed,
     Env,
+    RelayProcess,
     Result,
     Scenario,
     backlog,
@@ -62,9 +84,13 @@ from relay.tools.sink import serve_sink
 
 # mode -> (its label, the relay settings it runs with)
 MODES: dict[str, tuple[str, dict[str, str]]] = {
-    "fixed": ("fixed limit (the defaults)", {}),
+    "fixed": ("fixed limit", {"post_limit": "fixed"}),
+    "adaptive": ("adaptive limit (the defaults)", {}),
 }
-JUDGED = "fixed"  # the mode whose steady figures fill the judged keys
+JUDGED = "adaptive"  # the mode whose figures fill the judged keys
+LIMIT = "ledger_relay_post_limit"  # a replica's limit now (relay/metrics.py)
+CEILING = "ledger_relay_post_limit_ceiling"
+SCRAPE_EVERY = 0.1  # s
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -81,8 +107,21 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity-drop-at", type=positive(float), default=5.0, help="(5 s)")
     g.add_argument("--capacity-drop-for", type=positive(float), default=5.0, help="(5 s)")
     g.add_argument(
-        "--capacity-drop-factor", type=positive(float), default=10.0, help="service × (10)"
+        "--capacity-drop-factor", type=positive(float), default=10.0, help="capacity ÷ (10)"
     )
+    g.add_argument(
+        "--capacity-drop-kind",
+        choices=("workers", "service"),
+        default="workers",
+        help="what drops: the workers, or the service time × the factor (workers)",
+    )
+    g.add_argument(
+        "--capacity-drop-workers", type=positive(int), default=20, help="before the drop (20)"
+    )
+    g.add_argument(
+        "--capacity-drop-events", type=positive(int), default=60_000, help="its backlog (60k)"
+    )
+    g.add_argument("--capacity-chart", type=Path, help="write the drop's chart (PNG) here")
 
 
 SMOKE = {
@@ -93,6 +132,8 @@ SMOKE = {
     "capacity_terminal_every": 0.1,
     "capacity_drop_at": 0.2,
     "capacity_drop_for": 0.3,
+    "capacity_drop_workers": 10,
+    "capacity_drop_events": 600,
 }
 
 
@@ -106,6 +147,7 @@ class Outcome:
     terminals: dict[str, float]  # event id -> its commit (monotonic)
     backlog: tuple[str, int, int]  # its run id prefix, runs, events per run (kit.backlog's ids)
     drop: tuple[float, float] | None  # when the capacity fell and came back
+    scrapes: list[Scrape]  # the replicas' limits, every SCRAPE_EVERY s
 
     @property
     def lost(self) -> int:
@@ -143,7 +185,10 @@ async def _terminals(
 async def _drop(sink: CapacitySink, a: argparse.Namespace, start: float) -> tuple[float, float]:
     base = sink.pool.now
     await anyio.sleep(max(0.0, start + a.capacity_drop_at - time.monotonic()))
-    sink.pool.set(base.workers, base.service * a.capacity_drop_factor)
+    if a.capacity_drop_kind == "workers":
+        sink.pool.set(max(1, round(base.workers / a.capacity_drop_factor)), base.service)
+    else:
+        sink.pool.set(base.workers, base.service * a.capacity_drop_factor)
     fell = sink.pool.now.at
     await anyio.sleep(a.capacity_drop_for)
     sink.pool.set(base.workers, base.service)
@@ -154,21 +199,81 @@ def _environ(mode: str) -> dict[str, str]:
     return {f"RELAY_{k.upper()}": v for k, v in MODES[mode][1].items()}
 
 
+@dataclass(frozen=True)
+class Scrape:
+    """Each replica's limit and ceiling (None: not on its /metrics) at `at` (monotonic s)."""
+
+    at: float
+    limits: tuple[float | None, ...]
+    ceilings: tuple[float | None, ...]
+
+
+def _gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                out[sample.name] = sample.value
+    return out
+
+
+async def _scrape(procs: list[RelayProcess], out: list[Scrape]) -> None:
+    """Every replica's `ledger_relay_post_limit` (and ceiling) every SCRAPE_EVERY s, until
+    cancelled; a scrape that fails is a None for that replica."""
+    async with httpx.AsyncClient() as client:
+        while True:
+            got: list[dict[str, float]] = []
+            for rp in procs:
+                try:
+                    text = (await client.get(rp.metrics_url + "/metrics", timeout=2)).text
+                    got.append(_gauges(text, (LIMIT, CEILING)))
+                except httpx.HTTPError:
+                    got.append({})
+            out.append(
+                Scrape(
+                    time.monotonic(),
+                    tuple(g.get(LIMIT) for g in got),
+                    tuple(g.get(CEILING) for g in got),
+                )
+            )
+            await anyio.sleep(SCRAPE_EVERY)
+
+
+def _summed(scrapes: list[Scrape]) -> list[LimitSample]:
+    """The replicas' limits summed, at the scrapes where every replica gave one."""
+    return [
+        LimitSample(s.at, sum(v for v in s.limits if v is not None))
+        for s in scrapes
+        if s.limits and None not in s.limits
+    ]
+
+
+def _sizes(a: argparse.Namespace, variant: str) -> tuple[int, int, int]:
+    """The variant's backlog (runs, events per run) and the workers it starts with."""
+    per_run = max(1, a.capacity_events // a.capacity_runs)
+    if variant == "drop":
+        runs = max(1, a.capacity_drop_events // per_run)
+        by_workers = a.capacity_drop_kind == "workers"
+        return runs, per_run, a.capacity_drop_workers if by_workers else a.capacity_workers
+    return a.capacity_runs, per_run, a.capacity_workers
+
+
 async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> Outcome:
     await reset(env)
-    runs = a.capacity_runs
-    per_run = max(1, a.capacity_events // runs)
-    sink = CapacitySink(a.capacity_workers, a.capacity_service_ms / 1000)
+    runs, per_run, workers = _sizes(a, variant)
+    sink = CapacitySink(workers, a.capacity_service_ms / 1000)
     committed: dict[str, float] = {}
     drop: list[tuple[float, float]] = []
+    scrapes: list[Scrape] = []
     drained = anyio.Event()
     prefix = f"cap{variant[0]}"  # the backlog's runs: cap<the variant's initial><n>
     tag = f"{prefix}t"  # the terminals' runs
     async with (
         serve_sink(sink) as base,
-        relay_processes(env, a.capacity_replicas, base, environ=_environ(mode)),
+        relay_processes(env, a.capacity_replicas, base, environ=_environ(mode)) as procs,
         anyio.create_task_group() as tg,
     ):
+        tg.start_soon(_scrape, procs, scrapes)
         start = await backlog(env, runs, per_run, prefix)
         if variant == "drop":
 
@@ -184,9 +289,15 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
             drained.set()
         # the producer has returned: every terminal it committed is in `committed`
         await _until_terminals(sink, committed, variant)
-        tg.cancel_scope.cancel()  # the drop's schedule, if the backlog drained first
+        tg.cancel_scope.cancel()  # the scrapes, and the drop's schedule if it drained first
     return Outcome(
-        sink, start, drained_at, committed, (prefix, runs, per_run), drop[0] if drop else None
+        sink,
+        start,
+        drained_at,
+        committed,
+        (prefix, runs, per_run),
+        drop[0] if drop else None,
+        scrapes,
     )
 
 
@@ -261,26 +372,28 @@ COLUMNS = [
 ]
 
 
-def _metrics(f: Figures, o: Outcome) -> dict[str, Any]:
-    """The judged keys (main.py's `_capacity`), from the steady variant."""
+def _metrics(f: Figures, o: Outcome, prefix: str) -> dict[str, Any]:
+    """The steady variant's keys: `capacity_*` (the judged mode's, main.py's `_capacity`) or
+    `capacity_fixed_*` (beside them)."""
     m: dict[str, Any] = {
-        "capacity_in_flight_p90": f.in_flight_p90,
-        "capacity_in_flight_ratio": round(f.in_flight_x, 3),
-        "capacity_queueing_p99_ms": round(f.queueing_p99 * 1000, 2),
-        "capacity_queueing_ratio": round(f.queueing_x, 3),
-        "capacity_goodput": round(f.goodput, 3),
-        "capacity_lost": o.lost,
-        "capacity_order_violations": o.sink.state.order_violations,
+        "in_flight_p90": f.in_flight_p90,
+        "in_flight_ratio": round(f.in_flight_x, 3),
+        "queueing_p99_ms": round(f.queueing_p99 * 1000, 2),
+        "queueing_ratio": round(f.queueing_x, 3),
+        "goodput": round(f.goodput, 3),
+        "lost": o.lost,
+        "order_violations": o.sink.state.order_violations,
     }
     if f.terminal_p99 is not None and f.terminal_x is not None:
-        m["capacity_terminal_p99_ms"] = round(f.terminal_p99 * 1000, 2)
-        m["capacity_terminal_ratio"] = round(f.terminal_x, 3)
-    return m
+        m["terminal_p99_ms"] = round(f.terminal_p99 * 1000, 2)
+        m["terminal_ratio"] = round(f.terminal_x, 3)
+    return {f"{prefix}{k}": v for k, v in m.items()}
 
 
 def _series(o: Outcome) -> dict[str, Any]:
-    """In flight at the ingress every 100 ms from the backlog's commit, and the capacity's
-    changes, both in seconds since that commit (the chart's data)."""
+    """In flight at the ingress every 100 ms from the backlog's commit, the capacity's changes
+    and each replica's limit as scraped (None: not on its /metrics), all in seconds since that
+    commit (the chart's data)."""
     t0 = o.committed_at
     every = 0.1
     samples = in_flight(o.sink.posts, t0, o.drained_at, every)
@@ -291,11 +404,30 @@ def _series(o: Outcome) -> dict[str, Any]:
             {"at_s": round(max(0.0, c.at - t0), 3), "workers": c.workers, "service_s": c.service}
             for c in o.sink.pool.changes
         ],
+        "limit": {
+            "at_s": [round(s.at - t0, 3) for s in o.scrapes],
+            "replicas": [list(s.limits) for s in o.scrapes],
+            "summed": [
+                None if None in s.limits else sum(v for v in s.limits if v is not None)
+                for s in o.scrapes
+            ],
+        },
     }
 
 
-def _drop_rows(label: str, o: Outcome) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Figures per phase (before, during, after the drop) and how soon in flight followed."""
+def _ceiling(o: Outcome, default: float) -> float:
+    """The replicas' ceilings summed, as their metrics said; `default` if they did not."""
+    for s in reversed(o.scrapes):
+        if s.ceilings and None not in s.ceilings:
+            return sum(v for v in s.ceilings if v is not None)
+    return default
+
+
+def _drop_rows(
+    label: str, o: Outcome, ceiling: float
+) -> tuple[list[dict[str, Any]], dict[str, Any], Follow]:
+    """Figures per phase (before, during, after the drop), how soon in flight followed, and
+    how soon the replicas' summed limit did."""
     assert o.drop is not None
     fell, back = o.drop
     posts, changes = o.sink.posts, o.sink.pool.changes
@@ -318,7 +450,29 @@ def _drop_rows(label: str, o: Outcome) -> tuple[list[dict[str, Any]], dict[str, 
             samples, o.committed_at, STEP, back, min(back + 1, o.drained_at), lambda n: n >= low
         ),
     }
-    return rows, follow
+    floor = MIN_LIMIT * len(o.scrapes[0].limits) if o.scrapes else 0
+    summed = _summed(o.scrapes)
+    limit = limit_follows(summed, changes, fell, back, o.drained_at, floor, _ceiling(o, ceiling))
+    return rows, follow, limit
+
+
+def _after(s: float | None) -> str:
+    return "never" if s is None else f"{s:g} s after"
+
+
+def _drop_notes(label: str, follow: dict[str, Any], limit: Follow, scraped: bool) -> list[str]:
+    notes = [
+        f"{label}, drop: in flight ≤ 3× the workers for the rest of the drop: "
+        f"{_after(follow['down_s'])} the fall; every worker busy for the next second: "
+        f"{_after(follow['up_s'])} the recovery"
+    ]
+    if scraped:
+        notes.append(
+            f"{label}, drop: the summed limit ≤ {limit.down_to:g} for the rest of the drop: "
+            f"{_after(limit.down_s)} the fall; ≥ {limit.up_to:g}: {_after(limit.up_s)} the "
+            f"recovery ({'met' if limit.met else 'MISSED'}: within 5 s each way)"
+        )
+    return notes
 
 
 async def capacity(env: Env, a: argparse.Namespace) -> Result:
@@ -329,8 +483,11 @@ async def capacity(env: Env, a: argparse.Namespace) -> Result:
     metrics: dict[str, Any] = {}
     data: dict[str, Any] = {}
     notes = []
-    for mode, (label, _) in MODES.items():
-        for variant in variants:
+    defaults = env.settings()
+    ceiling = (defaults.concurrency + defaults.critical_concurrency) * a.capacity_replicas
+    # the modes of one variant one after the other: both see the machine as it is then
+    for variant in variants:
+        for mode, (label, _) in MODES.items():
             o = await _variant(env, a, mode, variant)
             data[f"{mode}.{variant}"] = _series(o)
             if variant == "steady":
@@ -338,22 +495,32 @@ async def capacity(env: Env, a: argparse.Namespace) -> Result:
                     o.sink.posts, o.sink.pool.changes, o.committed_at, o.drained_at, o.terminals
                 )
                 rows.append(_row(f"{label}, steady", f, o))
-                if mode == JUDGED:
-                    metrics |= _metrics(f, o)
+                prefix = "capacity_" if mode == JUDGED else f"capacity_{mode}_"
+                metrics |= _metrics(f, o, prefix)
                 continue
             if o.drop is None:
                 raise BenchFailed("capacity drop: the backlog drained before the drop was over")
-            phases, follow = _drop_rows(label, o)
+            phases, follow, limit = _drop_rows(label, o, ceiling)
             rows += phases
-            data[f"{mode}.{variant}"]["follow"] = follow
-            down, up = (
-                "never" if s is None else f"{s:g} s after"
-                for s in (follow["down_s"], follow["up_s"])
-            )
-            notes.append(
-                f"{label}, drop: in flight ≤ 3× the workers for the rest of the drop: {down} the "
-                f"fall; every worker busy for the next second: {up} the recovery"
-            )
+            scraped = bool(_summed(o.scrapes))
+            data[f"{mode}.{variant}"] |= {
+                "follow": follow,
+                "limit_follow": {
+                    "down_s": limit.down_s,
+                    "up_s": limit.up_s,
+                    "down_to": limit.down_to,
+                    "up_to": limit.up_to,
+                },
+            }
+            notes += _drop_notes(label, follow, limit, scraped)
+            if mode == JUDGED and scraped:  # not judged without the replicas' gauge
+                metrics |= {
+                    "capacity_follow_down_s": limit.down_s,
+                    "capacity_follow_up_s": limit.up_s,
+                }
+    if a.capacity_chart is not None and "drop" in variants:
+        capacity_chart.draw(a.capacity_chart, data, a)
+        notes.append(f"chart of the drop: {a.capacity_chart}")
     per_run = max(1, a.capacity_events // a.capacity_runs)
     service = a.capacity_service_ms
     return Result(
@@ -370,11 +537,13 @@ async def capacity(env: Env, a: argparse.Namespace) -> Result:
             "queueing p99 (× the service time); goodput: POSTs answered / what the capacity "
             "could serve, from the backlog's commit to its last answer; terminal: commit -> "
             "the end of its POST's service, p99 (× the service time) of the count shown",
-            f"drop: service × {a.capacity_drop_factor:g} (same workers) from "
-            f"{a.capacity_drop_at:g} s after the commit for {a.capacity_drop_for:g} s; "
+            f"drop: {_drop_what(a)} from {a.capacity_drop_at:g} s after the commit for "
+            f"{a.capacity_drop_for:g} s, a backlog of {_sizes(a, 'drop')[0] * per_run:,} "
+            "events; "
             "each phase's multiples are of the capacity in force at its start; its queueing and "
             "terminals are of the POSTs that arrived (terminals committed) in it, served in it "
-            "or later",
+            "or later; the summed limit: each replica's ledger_relay_post_limit scraped every "
+            "100 ms, summed (capacity_ingress.limit_follows)",
             *notes,
         ],
         data=data,
@@ -385,24 +554,50 @@ async def capacity(env: Env, a: argparse.Namespace) -> Result:
     )
 
 
+def _drop_what(a: argparse.Namespace) -> str:
+    if a.capacity_drop_kind == "workers":
+        low = max(1, round(a.capacity_drop_workers / a.capacity_drop_factor))
+        return f"{a.capacity_drop_workers} -> {low} workers ({a.capacity_service_ms:g} ms each)"
+    return f"service × {a.capacity_drop_factor:g} (same {a.capacity_workers} workers)"
+
+
+KEYS = (
+    "capacity_in_flight_p90",
+    "capacity_in_flight_ratio",
+    "capacity_queueing_p99_ms",
+    "capacity_queueing_ratio",
+    "capacity_goodput",
+    "capacity_terminal_p99_ms",
+    "capacity_terminal_ratio",
+    "capacity_lost",
+    "capacity_order_violations",
+    "capacity_follow_down_s",
+    "capacity_follow_up_s",
+    *(
+        f"capacity_fixed_{k}"
+        for k in (
+            "in_flight_p90",
+            "in_flight_ratio",
+            "queueing_p99_ms",
+            "queueing_ratio",
+            "goodput",
+            "terminal_p99_ms",
+            "terminal_ratio",
+            "lost",
+            "order_violations",
+        )
+    ),
+)
+
 SCENARIOS = [
     Scenario(
         "capacity",
         "an ingress that serves 4 POSTs at a time (40 ms each) and queues the rest: in flight "
-        "at it, its queueing, goodput, terminal delay; and its capacity dropping 10× midway",
+        "at it, its queueing, goodput, terminal delay; and its capacity dropping 10× midway; the "
+        "adaptive limit (the defaults) beside post_limit=fixed",
         capacity,
         _arguments,
         SMOKE,
-        (
-            "capacity_in_flight_p90",
-            "capacity_in_flight_ratio",
-            "capacity_queueing_p99_ms",
-            "capacity_queueing_ratio",
-            "capacity_goodput",
-            "capacity_terminal_p99_ms",
-            "capacity_terminal_ratio",
-            "capacity_lost",
-            "capacity_order_violations",
-        ),
+        KEYS,
     ),
 ]

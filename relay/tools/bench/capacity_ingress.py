@@ -276,3 +276,96 @@ def follows(
         else:
             since = None
     return None if since is None else round(since * step + t0 - start, 3)
+
+
+# -- the limit following the capacity --------------------------------------------------------
+
+FOLLOW_WITHIN = 5.0  # s: issue 42's "the limit follows within 5 s each way"
+FOLLOW_DOWN = 3  # after a fall, the replicas' summed limit fits this many times the new workers
+
+
+@dataclass(frozen=True)
+class LimitSample:
+    """The replicas' `ledger_relay_post_limit` summed, scraped at `at` (monotonic s)."""
+
+    at: float
+    total: float
+
+
+def settles(
+    series: Sequence[LimitSample], start: float, until: float, fits: Callable[[float], bool]
+) -> float | None:
+    """Seconds from `start` to the first sample in [start, until) from which every sample up to
+    `until` fits (for good, not a dip); None if the last one before `until` does not fit."""
+    since: float | None = None
+    for s in series:
+        if not start <= s.at < until:
+            continue
+        if fits(s.total):
+            since = s.at if since is None else since
+        else:
+            since = None
+    return None if since is None else round(since - start, 3)
+
+
+def reaches(
+    series: Sequence[LimitSample], start: float, until: float, fits: Callable[[float], bool]
+) -> float | None:
+    """Seconds from `start` to the first sample in [start, until) that fits; None if none does
+    (a rise is followed once it is reached: the sawtooth below it afterwards is the limit
+    probing the ingress, not failing to follow it)."""
+    for s in series:
+        if start <= s.at < until and fits(s.total):
+            return round(s.at - start, 3)
+    return None
+
+
+@dataclass(frozen=True)
+class Follow:
+    """How soon the summed limit followed a capacity drop and its recovery (issue 42).
+
+    - `down_s`: from the drop to the first scrape from which the summed limit stays
+      <= `FOLLOW_DOWN` x the workers of the dropped capacity, or the replicas' summed floor if
+      that is higher (`down_to`; the limit never goes below its floor, docs/admission.md §1),
+      until the recovery;
+    - `up_s`: from the recovery to the first scrape at which the summed limit is >= the
+      workers of the capacity before the drop, or the replicas' summed ceiling if that is lower
+      (`up_to`), until the end of the run.
+    None: never within the phase. Met when both are <= `FOLLOW_WITHIN`."""
+
+    down_s: float | None
+    up_s: float | None
+    down_to: float
+    up_to: float
+
+    @property
+    def met(self) -> bool:
+        return all(s is not None and s <= FOLLOW_WITHIN for s in (self.down_s, self.up_s))
+
+    @property
+    def worst(self) -> float | None:
+        """The slower of the two ways (None if either never followed)."""
+        if self.down_s is None or self.up_s is None:
+            return None
+        return max(self.down_s, self.up_s)
+
+
+def limit_follows(
+    series: Sequence[LimitSample],
+    changes: Sequence[Capacity],
+    fell: float,
+    back: float,
+    end: float,
+    floor: float,
+    ceiling: float,
+) -> Follow:
+    """`Follow` of a drop at `fell` and a recovery at `back`, the run ending at `end`;
+    `floor`, `ceiling`: the replicas' least and most limits summed."""
+    down_to = max(float(FOLLOW_DOWN * at(changes, fell).workers), floor)
+    up_to = min(float(at(changes, fell - 1e-9).workers), ceiling)
+    return Follow(
+        down_s=settles(series, fell, back, lambda n: n <= down_to),
+        up_s=reaches(series, back, end, lambda n: n >= up_to),
+        down_to=down_to,
+        up_to=up_to,
+    )

@@ -51,10 +51,12 @@ from relay.tools.absurd import install_absurd
 from relay.tools.bench import capacity as bench_capacity
 from relay.tools.bench import cpu as bench_cpu
 from relay.tools.bench import enqueue_scaling as bench_enqueue_scaling
+from relay.tools.bench import flaky as bench_flaky
 from relay.tools.bench import latency as bench_latency
 from relay.tools.bench import throughput as bench_throughput
 from relay.tools.bench import tracing_cost as bench_tracing
 from relay.tools.bench import wal as bench_wal
+from relay.tools.bench.capacity_ingress import FOLLOW_WITHIN
 from relay.tools.bench.kit import BenchFailed, BenchSink, Env, Result, Scenario, positive
 from relay.tools.bench.peers import graphile as bench_graphile
 from relay.tools.bench.peers import pgqueuer as bench_pgqueuer
@@ -293,6 +295,7 @@ SCENARIOS: dict[str, Scenario] = {
         *bench_enqueue_scaling.SCENARIOS,
         *bench_tracing.SCENARIOS,
         *bench_capacity.SCENARIOS,
+        *bench_flaky.SCENARIOS,
         Scenario(
             "wake",
             "ack-to-task-resumed latency: stock Absurd polling vs the wake listener",
@@ -344,6 +347,7 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
         _enqueue,
         _tracing,
         _capacity,
+        _flaky,
     )
     for family in families:
         family(judged)
@@ -359,6 +363,11 @@ def _throughput(j: _Judged) -> None:
     if has("e2e_eps", "e2e_eps_httpx"):
         r = m["e2e_eps"] / m["e2e_eps_httpx"]
         add("e2e_eps ≥ e2e_eps_httpx (the default transport beats httpx's own)", r, 1, r >= 1)
+    # Issue 42: a fast ingress loses nothing to the adaptive limit (the median of paired reps'
+    # ratios to post_limit = fixed, one replica, the e2e scenario).
+    if has("e2e_adaptive_ratio"):
+        r = m["e2e_adaptive_ratio"]
+        add("e2e_eps ≥ 0.95 × e2e_eps_fixed (the adaptive limit, paired reps)", r, 0.95, r >= 0.95)
     if has("e2e_eps", "naive_eps"):
         r = m["e2e_eps"] / m["naive_eps"]
         add("e2e_eps ≥ 10 × naive_eps", r, 10, r >= 10)
@@ -487,7 +496,9 @@ def _capacity(j: _Judged) -> None:
     """Issue 42: at an ingress that serves a few POSTs at a time and queues the rest (the
     capacity scenario), the relay is not the cause of its queue: in flight at it p90 ≤ 3× what
     it serves at once, its queueing p99 ≤ 5× its service time, goodput ≥ 0.85 of its capacity,
-    terminal events p99 ≤ 10× its service time, nothing lost and order kept."""
+    terminal events p99 ≤ 10× its service time, nothing lost and order kept; and when its
+    capacity drops 10× and recovers, the replicas' summed limit follows within 5 s each way
+    (capacity_ingress.limit_follows)."""
     m, add, has = j.m, j.add, j.has
     how = j.settings.get("capacity_in_flight_ratio", "the capacity scenario")
     for key, rule, need, below in (
@@ -502,6 +513,33 @@ def _capacity(j: _Judged) -> None:
     if "capacity_lost" in m and "capacity_order_violations" in m:
         wrong = m["capacity_lost"] + m["capacity_order_violations"]
         add(f"capacity: nothing lost, order kept ({how})", wrong, 0, wrong == 0)
+    if "capacity_follow_down_s" in m and "capacity_follow_up_s" in m:
+        # the slower way; a limit that never followed (None) is infinitely late
+        ways = [m["capacity_follow_down_s"], m["capacity_follow_up_s"]]
+        worst = float("inf") if None in ways else max(ways)
+        need = FOLLOW_WITHIN
+        add(
+            f"capacity: the summed limit follows a 10× drop within {need:g} s each way "
+            f"(down {ways[0]} s, up {ways[1]} s; {how})",
+            worst,
+            need,
+            worst <= need,
+        )
+
+
+def _flaky(j: _Judged) -> None:
+    """Issue 42: an ingress answering 503 to half of all POSTs while producers commit a steady
+    stream sees at most 1.2 POSTs per first attempt (the retry budget; the rest wait in the
+    outbox), and everything arrives once it recovers (flaky.py)."""
+    m, add, has = j.m, j.add, j.has
+    how = j.settings.get("flaky_posts_per_first", "the flaky scenario")
+    if has("flaky_posts_per_first"):
+        r = m["flaky_posts_per_first"]
+        add(f"flaky: POSTs ≤ 1.2 × first attempts while half fail ({how})", r, 1.2, r <= 1.2)
+    if "flaky_lost" in m and "flaky_order_violations" in m:
+        wrong = m["flaky_lost"] + m["flaky_order_violations"]
+        rule = "everything delivered after the recovery, order kept"
+        add(f"flaky: {rule} ({how})", wrong, 0, wrong == 0)
 
 
 # -- the shell ---------------------------------------------------------------------------------

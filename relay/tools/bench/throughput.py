@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -300,13 +301,16 @@ async def _e2e_run(
     return E2ERun(total / (finished - committed), peak, total, w.usage, sizes)
 
 
-# The modes of one replica measured side by side (issues 16, 40): the default settings (httpx's
-# client over the aiohttp transport) and httpx's own transport. Reps rotate which goes first,
-# so both see the same machine, and the decision rule (main.py's targets) compares like with
-# like.
+# The modes of one replica measured side by side (issues 16, 40, 42): the default settings
+# (httpx's client over the aiohttp transport, the adaptive POST limit), httpx's own transport,
+# and the fixed POST limit (each lane's own concurrency, the relay before issue 42). Reps rotate
+# which goes first, so all see the same machine, and the targets (main.py) compare like with
+# like: issue 42's "a fast ingress loses nothing to the limit" is the median of the paired
+# reps' e2e_eps / e2e_eps_fixed (`e2e_adaptive_ratio`).
 E2E_MODES: dict[str, dict[str, str]] = {
     "e2e_eps": {},
     "e2e_eps_httpx": {"http_transport": "httpx"},
+    "e2e_eps_fixed": {"post_limit": "fixed"},
 }
 
 
@@ -337,12 +341,16 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
             if key == "e2e_eps":
                 sizes.append(one.sizes)
     metrics: dict[str, Any] = {key: median(rates) for key, rates in paired.items()}
+    adaptive = [d / f for d, f in zip(paired["e2e_eps"], paired["e2e_eps_fixed"], strict=True)]
+    metrics["e2e_adaptive_ratio"] = round(statistics.median(adaptive), 3)
+    defaults = env.settings()
     for key, rates in paired.items():
-        transport = E2E_MODES[key].get("http_transport", env.settings().http_transport)
+        transport = E2E_MODES[key].get("http_transport", defaults.http_transport)
         rows.append(
             {
                 "replicas": 1,
                 "http_transport": transport,
+                "post_limit": E2E_MODES[key].get("post_limit", defaults.post_limit),
                 "events_per_s": metrics[key],
                 "reps": [round(r) for r in rates],
                 "cpu_us_per_event": _cpu_cell(usages[key]),
@@ -362,7 +370,8 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
         rows.append(
             {
                 "replicas": n,
-                "http_transport": env.settings().http_transport,
+                "http_transport": defaults.http_transport,
+                "post_limit": defaults.post_limit,
                 "events_per_s": by[str(n)],
                 "reps": [round(r) for r in rates],
             }
@@ -374,14 +383,15 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
         if key != "e2e_eps"
     )
     return Result(
-        ["replicas", "http_transport", "events_per_s", "reps", "cpu_us_per_event"],
+        ["replicas", "http_transport", "post_limit", "events_per_s", "reps", "cpu_us_per_event"],
         rows,
         [
             f"`relay run` subprocesses with default settings, `relay sink` subprocess; backlog "
             f"{a.e2e_runs * a.e2e_per_run:,} events over {a.e2e_runs:,} runs committed while "
             "the replicas were idle; events/s from that commit to the last receipt",
-            "one replica: the default transport (aiohttp under httpx's client) and "
-            f"http_transport=httpx (its own) in rotating, paired reps; per rep {ratios}",
+            "one replica: the defaults (aiohttp under httpx's client, the adaptive POST limit), "
+            "http_transport=httpx (its own) and post_limit=fixed in rotating, paired reps; per "
+            f"rep {ratios}; e2e_adaptive_ratio = the median of default / fixed",
             cpu.note("e2e (the default, 1 replica)", usages["e2e_eps"])
             + "; relay = the `relay run` process, bench = this process polling the sink",
             "runs per claim statement / per ack statement (the default, 1 replica, per rep; the "
@@ -590,7 +600,13 @@ SCENARIOS = [
         "the relay end to end (relay run + relay sink subprocesses), 1/2/4 replicas; one "
         "replica over each transport under httpx (aiohttp, the default; httpx's own)",
         e2e,
-        keys=("e2e_eps", "e2e_eps_httpx", "e2e_eps_by_replicas"),
+        keys=(
+            "e2e_eps",
+            "e2e_eps_httpx",
+            "e2e_eps_fixed",
+            "e2e_adaptive_ratio",
+            "e2e_eps_by_replicas",
+        ),
     ),
     Scenario(
         "tiny_runs",
