@@ -4,7 +4,9 @@ batch is still fenced by its own token inside the statement; a stale one changes
 does not stop the others.
 
 No timer: while one group's statement runs, the next group accumulates. An ack whose COMMIT
-outcome is unknown (connection lost) is resolved by re-reading the rows, never by guessing.
+outcome is unknown (connection lost) is resolved by re-reading the rows, never by guessing, for
+as long as the lease is trusted; one that did not commit is sent again then (the ingress has
+the events: a redelivery would only be a duplicate, DESIGN §9.5).
 """
 
 from __future__ import annotations
@@ -103,19 +105,33 @@ class AckGroup:
                 p.done.set()
 
     async def _resolve(self, p: _PendingAck, cause: BaseException) -> None:
-        for attempt in range(5):
+        """Find out whether an ack whose outcome is unknown committed, retrying the read while
+        the database does not answer and the lease is trusted (a restart or a failover of the
+        database takes seconds). One that did not commit is sent again, fenced by the claim's
+        token as every ack is: it changes nothing if the lease moved on. So a POST answered
+        while the database was away is acked when it is back, not delivered a second time.
+        Never resolved while the lease is trusted: the lease is handed back or expires, and a
+        redelivery is a duplicate at worst, never a loss."""
+        attempt = 0
+        while p.claim.trust.remaining(anyio.current_time()) > 0:
             try:
-                committed = await self.store.ack_committed(p.claim.run_id, p.upto)
+                p.result = await self._reread_or_resend(p)
             except (psycopg.Error, OSError, TimeoutError):
                 # No jitter: this is one replica re-reading its own rows, nobody to spread from.
                 await anyio.sleep(backoff(attempt, base=0.1, cap=2.0, rand=0.0, jitter=0.0))
+                attempt += 1
                 continue
-            status = "acked" if committed else "not_committed"
-            logs.info("ack_outcome_resolved", run_id=p.claim.run_id, upto=p.upto, outcome=status)
-            p.result = AckResult(
-                p.claim.run_id, status, 0, p.upto if committed else None, None, None
-            )
             p.done.set()
             return
-        p.error = cause  # still unknown: the lease is handed back or expires; a redelivery is a
-        p.done.set()  # duplicate at worst, never a loss
+        p.error = cause
+        p.done.set()
+
+    async def _reread_or_resend(self, p: _PendingAck) -> AckResult:
+        run_id = p.claim.run_id
+        if await self.store.ack_committed(run_id, p.upto):
+            logs.info("ack_outcome_resolved", run_id=run_id, upto=p.upto, outcome="acked")
+            return AckResult(run_id, "acked", 0, p.upto, None, None)
+        logs.info("ack_outcome_resolved", run_id=run_id, upto=p.upto, outcome="not_committed")
+        (result,) = await self.store.ack([(p.claim, p.upto, p.keep)])
+        logs.info("ack_sent_again", run_id=run_id, upto=p.upto, outcome=result.status)
+        return result
