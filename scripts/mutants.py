@@ -945,6 +945,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "ack-unknown-not-sent-again",
+        "§9.5: an ack that did not commit (the database away) is sent again, not redelivered",
+        "relay/ack.py",
+        "        (result,) = await self.store.ack([(p.claim, p.upto, p.keep)])",
+        '        result = AckResult(run_id, "not_committed", 0, None, None, None)',
+        ("tests/test_failures.py::test_ack_with_unknown_outcome_is_resolved_by_rereading",),
+    ),
+    Mutant(
         "claim-widening-dropped",
         "§4.3: a promoted claim's POST carries the terminal event committed since the claim",
         "relay/execute.py",
