@@ -8,7 +8,8 @@ about once per round trip, as TCP's congestion window does and as Vector's adapt
 concurrency does:
 
 - **decrease** when a sample of the window said "full" (halve), or when the window's median
-  round trip is well above the recent minimum (queueing inside the ingress): multiply by
+  round trip is well above the recent minimum (queueing inside the ingress; the relay's own
+  event loop running late, `Sample.lag`, is added to what is tolerated): multiply by
   min_rtt / median, at least 0.5 (Gradient2's gradient; at a saturated ingress that brings the
   limit to the concurrency at which nothing queues, by Little's law);
 - **increase** by one otherwise, if the window's POSTs used at least half the limit (a limit
@@ -42,11 +43,7 @@ OVERLOAD_STATUSES = frozenset({429, 503, 504})  # the ingress says it is full (5
 MIN_LIMIT = 2  # one POST for the critical reserve, one for the ordinary lane (relay/admission.py)
 INITIAL_LIMIT = 4  # a restart of many replicas does not hit the ingress with their ceilings
 TOLERANCE = 1.5  # a median round trip above min_rtt * TOLERANCE + RTT_SLACK is queueing
-# Seconds of a round trip never judged queueing: the relay's own event loop delays the answers
-# it reads by this much and more when it is busy (a CPU-bound relay against a 0.6 ms ingress
-# swung its limit between 3 and 16 with 5 ms, and lost a third of its throughput: issue 42's
-# bench), and a queue shorter than this at the ingress costs its callers little.
-RTT_SLACK = 0.020
+RTT_SLACK = 0.005  # seconds: a 1 ms ingress is not queueing at 2 ms (scheduling noise)
 OVERLOAD_FACTOR = 0.5  # 429/503/504/timeout: halve, as TCP does on a loss
 QUEUEING_FLOOR = 0.5  # the gradient min_rtt / median, never below this (Netflix Gradient2)
 MIN_RTT_SPAN = 10.0  # seconds: how long a minimum round trip is believed (BBR's min_rtt filter)
@@ -71,6 +68,9 @@ class Sample:
     rtt: float
     signal: Signal
     retry_after: float | None = None
+    # Seconds the relay's own event loop ran late around this answer (relay/post_turn.py's
+    # `LoopLag`): a busy relay reads its answers late, which is its queueing, not the ingress's.
+    lag: float = 0.0
 
     @classmethod
     def of(
@@ -80,14 +80,15 @@ class Sample:
         *,
         timed_out: bool = False,
         retry_after: float | None = None,
+        lag: float = 0.0,
     ) -> Sample:
         """The sample of an answer with `status` (None: no answer; `timed_out` says whether
         the POST ran out of time, which is overload, or failed otherwise, which is not)."""
         if timed_out or status in OVERLOAD_STATUSES:
-            return cls(rtt, Signal.OVERLOADED, retry_after)
+            return cls(rtt, Signal.OVERLOADED, retry_after, lag)
         if status is None:
-            return cls(rtt, Signal.SILENT, retry_after)
-        return cls(rtt, Signal.ANSWERED, retry_after)
+            return cls(rtt, Signal.SILENT, retry_after, lag)
+        return cls(rtt, Signal.ANSWERED, retry_after, lag)
 
 
 class Change(enum.Enum):
@@ -127,6 +128,7 @@ class _Window:
     rtts: list[float] = field(default_factory=list)
     overloaded: bool = False
     busiest: int = 0  # the most POSTs in flight when one of the window's was sent
+    lag: float = 0.0  # the most the relay's own event loop ran late around one of its answers
 
 
 class Level(enum.Enum):
@@ -190,6 +192,7 @@ class Limit:
         window = self._window if self._window is not None else _Window(self.allowed)
         self._window = window
         window.busiest = max(window.busiest, inflight)
+        window.lag = max(window.lag, sample.lag)
         if sample.signal is Signal.OVERLOADED:
             window.overloaded = True
         else:
@@ -224,8 +227,8 @@ class Limit:
         if floor is None or not window.rtts:
             return None
         median = self._median = statistics.median(window.rtts)
-        if median <= floor * TOLERANCE + RTT_SLACK:
-            return None
+        if median <= floor * TOLERANCE + RTT_SLACK + window.lag:
+            return None  # the relay's own lateness is not the ingress's queueing
         return max(QUEUEING_FLOOR, floor / median), "queueing"
 
     def _report(self, reason: str) -> LimitEvent | None:

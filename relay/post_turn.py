@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import anyio
 
@@ -34,6 +34,10 @@ from relay.admission import Admission, AdmissionView, Permit, Priority, Ticket
 from relay.limit import Change, LimitEvent, Sample
 from relay.slots import Slots
 from relay.store import Claim, Held
+from relay.windows import WindowedMax
+
+LAG_TICK = 0.01  # seconds between the loop-lag probe's wakes
+LAG_SPAN = 1.0  # seconds over which the most the loop ran late counts
 
 
 class Slot(enum.Enum):
@@ -55,13 +59,37 @@ class _Waiter:
     woken: anyio.Event = field(default_factory=anyio.Event)
 
 
+class LoopLag:
+    """How late this process's event loop runs (`run()` as a background task): a probe that
+    sleeps LAG_TICK and notes by how much it overslept, the most over the last LAG_SPAN. A busy
+    relay reads its answers that much late, which the adaptive limit must not take for the
+    ingress's queueing: against a 0.6 ms ingress, a CPU-bound relay's round trips swung by tens
+    of milliseconds and its limit with them (issue 42's bench). 100 wakes a second."""
+
+    def __init__(self) -> None:
+        self._most = WindowedMax(LAG_SPAN)
+
+    async def run(self) -> None:
+        while True:
+            asked = anyio.current_time()
+            await anyio.sleep(LAG_TICK)
+            now = anyio.current_time()
+            self._most.add(max(0.0, now - asked - LAG_TICK), now)
+
+    def value(self) -> float:
+        """Seconds the loop ran late at most, lately (0.0 before the probe ran)."""
+        return self._most.value(anyio.current_time()) or 0.0
+
+
 class Permits:
     """The replica's permits for POSTs to the ingress: relay/admission.py's decisions, awaited
     (relay/slots.py's shape: a freed permit is handed straight to the waiter that goes next,
-    and one handed to a waiter cancelled meanwhile is passed on, never leaked)."""
+    and one handed to a waiter cancelled meanwhile is passed on, never leaked). Each answer's
+    sample carries the event loop's recent lateness (`lag`, a `LoopLag`'s value)."""
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, lag: Callable[[], float] = lambda: 0.0) -> None:
         self.admission = admission
+        self.lag = lag
         self._waiters: dict[Ticket, _Waiter] = {}
         self._by_key: dict[Hashable, _Waiter] = {}
 
@@ -101,7 +129,7 @@ class Permits:
     def answered(self, permit: Permit, sample: Sample) -> None:
         """An answer to a POST under `permit`: the limit judges it, and may let waiters go."""
         now = anyio.current_time()
-        event = self.admission.answered(permit, sample, now)
+        event = self.admission.answered(permit, replace(sample, lag=self.lag()), now)
         if event is not None:
             _log(event, self.admission.inflight)
         self._grant(now)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import random
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +30,7 @@ from relay.limit import Limit
 from relay.listener import Listener
 from relay.metrics import Metrics
 from relay.migrate import SchemaError, version_problem
-from relay.post_turn import Permits
+from relay.post_turn import LoopLag, Permits
 from relay.progress import ListenerView, RelayView
 from relay.retry_budget import BudgetView, RetryBudget
 from relay.settings import Settings, redact_url
@@ -63,7 +63,7 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def post_permits(settings: Settings) -> Permits | None:
+def post_permits(settings: Settings, lag: Callable[[], float] = lambda: 0.0) -> Permits | None:
     """The replica's permits for POSTs under the adaptive limit (docs/admission.md), shared by
     both lanes; None with `post_limit = fixed`, where each lane's slots alone bound its POSTs.
     The ceiling is both lanes' concurrency and the critical reserve at most the critical lane's,
@@ -71,7 +71,7 @@ def post_permits(settings: Settings) -> Permits | None:
     if settings.post_limit == "fixed":
         return None
     limit = Limit(settings.post_ceiling)
-    return Permits(Admission(limit, max_reserve=settings.critical_concurrency))
+    return Permits(Admission(limit, max_reserve=settings.critical_concurrency), lag)
 
 
 @dataclass
@@ -100,7 +100,8 @@ class Relay:
         self.prune_interval = prune_interval
         # What each POST may go under: the adaptive limit's permits and the retry budget, one
         # of each per replica, shared by both lanes (relay/post_turn.py, relay/retry_budget.py).
-        self.permits = post_permits(settings)
+        self.loop_lag = LoopLag()  # the relay's own lateness, which the limit tolerates
+        self.permits = post_permits(settings, self.loop_lag.value)
         self.budget = RetryBudget()
         self.health = Health()
         self.lanes: dict[str, Lane] = {}
@@ -269,6 +270,8 @@ class Relay:
                 logs.warning("started_without_liveness", waited=s.statement_timeout)
             if s.retention > 0:
                 background.start_soon(self._retention, store)
+            if self.permits is not None:
+                background.start_soon(self.loop_lag.run)
             # Operations (relay/health.py, relay/sdnotify.py), each only when configured.
             if metrics is not None and port is not None:
                 self.endpoints = await background.start(

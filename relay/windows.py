@@ -1,6 +1,6 @@
-"""Sliding windows over a clock passed in: the minimum, or the sum, of what was seen in the last
-`span` seconds (issue 42: the adaptive POST limit's recent minimum round trip, the retry
-budget's recent successes and failed retries).
+"""Sliding windows over a clock passed in: the minimum, the maximum or the sum of what was seen
+in the last `span` seconds (issue 42: the adaptive POST limit's recent minimum round trip, the
+event loop's recent lateness, the retry budget's recent successes and failed retries).
 
 A window is kept in `slices` slices of `span / slices` seconds each, so its memory never grows
 with the rate of what it sees (Finagle's `WindowedAdder` works the same way). What it reports
@@ -53,6 +53,16 @@ class WindowedMin(_Sliced):
 
     def value(self, now: float) -> float | None:
         return min(self._live(now), default=None)
+
+
+class WindowedMax(_Sliced):
+    """The largest value seen in the window, or None when it saw none."""
+
+    def __init__(self, span: float, slices: int = SLICES) -> None:
+        super().__init__(span, slices, max)
+
+    def value(self, now: float) -> float | None:
+        return max(self._live(now), default=None)
 
 
 class WindowedSum(_Sliced):

@@ -34,13 +34,14 @@ class Ingress:
         signal: Signal = Signal.ANSWERED,
         used: int | None = None,
         retry_after: float | None = None,
+        lag: float = 0.0,
     ) -> int:
         """`used` POSTs (all the limit allows, by default) sent now, answered `rtt` later with
         `signal`; returns the limit after them."""
         n = self.limit.allowed if used is None else used
         self.now += rtt
         for k in range(n):
-            sample = Sample(rtt, signal, retry_after)
+            sample = Sample(rtt, signal, retry_after, lag)
             event = self.limit.observe(sample, inflight=k + 1, now=self.now)
             if event is not None:
                 self.events.append(event)
@@ -99,6 +100,15 @@ def test_falls_on_queueing_by_the_minimum_over_the_median() -> None:
     ingress = steady(initial=20, rtt=0.200)
     assert ingress.round(0.330) == 12  # past 200 ms * 1.5 + 20 ms: 20 * 200 / 330 = 12.1
     assert ingress.limit.view(ingress.now).value == pytest.approx(20 * 0.200 / 0.330)
+
+
+def test_the_relays_own_lateness_is_not_the_ingress_queueing() -> None:
+    """Round trips a busy relay read late by `lag` (its event loop's, relay/post_turn.py
+    LoopLag) are tolerated by that much: the same answers without it are a cut."""
+    late = steady(initial=20)
+    assert late.round(0.090, lag=0.030) == 21
+    prompt = steady(initial=20)
+    assert prompt.round(0.090) == 10
 
 
 def test_a_fall_on_queueing_is_at_most_a_half() -> None:

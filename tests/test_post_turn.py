@@ -5,6 +5,7 @@ scheduler's."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
 
@@ -13,8 +14,8 @@ import pytest
 from anyio.abc import TaskGroup
 
 from relay.admission import Admission, Permit, Priority
-from relay.limit import Limit
-from relay.post_turn import Permits, PostTurn, Slot, Turn
+from relay.limit import Limit, LimitEvent, Sample, Signal
+from relay.post_turn import LAG_TICK, LoopLag, Permits, PostTurn, Slot, Turn
 from relay.runner import post_permits
 from relay.settings import load
 from relay.store import Held
@@ -300,3 +301,34 @@ async def test_the_ordinary_lane_cannot_take_the_reserve_a_critical_post_gets_at
             assert inflight(p)[Priority.ORDINARY] <= allowed - reserve
         assert len(ordinary.took) == 8
     assert inflight(p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
+
+
+async def test_the_loop_lag_probe_sees_a_blocked_event_loop() -> None:
+    """LoopLag notes how late its timer fired: a planted 50 ms block of the loop is seen as at
+    least that much lateness (a lower bound, whatever else the machine does)."""
+    lag = LoopLag()
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(lag.run)
+        await anyio.sleep(LAG_TICK * 3)
+        time.sleep(0.05)  # noqa: ASYNC251 (the planted block: the loop runs nothing meanwhile)
+        await anyio.sleep(LAG_TICK * 3)
+        seen = lag.value()
+        tasks.cancel_scope.cancel()
+    assert seen >= 0.05 - LAG_TICK
+
+
+async def test_permits_hand_the_loop_lag_to_the_limit_with_each_answer() -> None:
+    """A late loop widens what the limit tolerates: the same slow window is a cut without it."""
+    seen: list[float] = []
+
+    class Spy(Limit):
+        def observe(self, sample: Sample, *, inflight: int, now: float) -> LimitEvent | None:
+            seen.append(sample.lag)
+            return super().observe(sample, inflight=inflight, now=now)
+
+    p = Permits(Admission(Spy(4, initial=4)), lag=lambda: 0.025)
+    permit = await p.take(Priority.ORDINARY)
+    assert permit is not None
+    p.answered(permit, Sample(0.010, Signal.ANSWERED))
+    p.release(permit)
+    assert seen == [0.025]
