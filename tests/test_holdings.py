@@ -35,8 +35,10 @@ def test_the_adaptive_limit_holds_its_share_and_one_round_more() -> None:
     share = 3
     holdings = Holdings(cfg(), 32, lambda: share)
     assert holdings.capacity == 6
-    share = 32  # the limit grew: the lane may hold more
-    assert holdings.capacity == 64  # a round more, at most a claim (claim_runs = 64)
+    share = 16  # the limit grew: the lane may hold more
+    assert holdings.capacity == 32
+    share = 32  # at the lane's ceiling: as under the fixed limit
+    assert holdings.capacity == 32 + 64
     share = 2  # it fell: no new claim while the lane holds more than that
     for i in range(4):
         holdings.hold(claim(f"r{i}"))
