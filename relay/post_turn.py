@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import anyio
 
@@ -68,6 +68,7 @@ class LoopLag:
 
     def __init__(self) -> None:
         self._most = WindowedMax(LAG_SPAN)
+        self._value = 0.0  # the window's most, as of the last wake: read once per answer
 
     async def run(self) -> None:
         while True:
@@ -75,10 +76,11 @@ class LoopLag:
             await anyio.sleep(LAG_TICK)
             now = anyio.current_time()
             self._most.add(max(0.0, now - asked - LAG_TICK), now)
+            self._value = self._most.value(now) or 0.0
 
     def value(self) -> float:
         """Seconds the loop ran late at most, lately (0.0 before the probe ran)."""
-        return self._most.value(anyio.current_time()) or 0.0
+        return self._value
 
 
 class Permits:
@@ -129,7 +131,8 @@ class Permits:
     def answered(self, permit: Permit, sample: Sample) -> None:
         """An answer to a POST under `permit`: the limit judges it, and may let waiters go."""
         now = anyio.current_time()
-        event = self.admission.answered(permit, replace(sample, lag=self.lag()), now)
+        lagged = Sample(sample.rtt, sample.signal, sample.retry_after, self.lag())
+        event = self.admission.answered(permit, lagged, now)
         if event is not None:
             _log(event, self.admission.inflight)
         self._grant(now)
@@ -142,6 +145,8 @@ class Permits:
         self._grant(now)
 
     def _grant(self, now: float) -> None:
+        if not self._waiters:  # the common case at an ingress that keeps up: nobody to wake
+            return
         for ticket, permit in self.admission.grants(now):
             waiter = self._waiters[ticket]
             waiter.permit = permit
