@@ -666,11 +666,12 @@ async def test_the_database_pools_do_not_grow_with_the_post_slots(
 ) -> None:
     """64 POST slots share the lane's pool of min(concurrency, 8) + 2 connections
     (docs/operations.md, the connection budget), also when they all fail and release their
-    leases together, and everything is delivered once the ingress is back."""
+    leases together, and everything is delivered once the ingress is back. Under the fixed
+    limit: the adaptive one would not send 64 POSTs at once to an ingress answering 503."""
     s, url = sink
     enqueue_runs(conn, schema, 150, 1)
     s.faults.set_default(503)  # the ingress is down
-    cfg = settings(pg_url, schema, url, concurrency=64, max_backoff="0.5")
+    cfg = settings(pg_url, schema, url, concurrency=64, max_backoff="0.5", post_limit="fixed")
     async with Relay(cfg).running() as r:
         assert r.lanes["ordinary"].store.pool.max_size == 10
         assert r.lanes["critical"].store.pool.max_size == 6
