@@ -345,6 +345,13 @@ def _database_url(text: str) -> Secret:
 
     if not text.strip():
         raise ValueError("must not be empty")
+    if "\x00" in text:
+        # libpq reads a C string: it would connect with what comes before the NUL and the rest
+        # would be shown as if it were no secret (a password's second half, say).
+        raise ValueError(
+            "contains a NUL character, which libpq cannot take (the value is not shown: it may "
+            "hold a password)"
+        )
     try:
         parts = conninfo_to_dict(text)
     except Exception:  # psycopg.ProgrammingError, whose message quotes the URL
