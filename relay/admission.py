@@ -31,8 +31,9 @@ from relay.limit import Limit, LimitEvent, LimitView, Sample
 CRITICAL_SHARE = 0.25  # of the limit, kept for the critical lane (at least one POST)
 
 
-class Priority(enum.Enum):
-    """Which lane a POST is for; critical goes first."""
+class Priority(enum.StrEnum):
+    """Which lane a POST is for; critical goes first. A StrEnum for its hash: str's, in C, where
+    a plain Enum hashes its name in Python, and the POST path keys a few dicts by it per POST."""
 
     CRITICAL = "critical"
     ORDINARY = "ordinary"
@@ -87,6 +88,8 @@ class Admission:
         self.max_reserve = max_reserve
         self._numbers = itertools.count(1)
         self._inflight = dict.fromkeys(Priority, 0)
+        self._total = 0  # the sum of _inflight: read on every permit asked for
+        self._reserve: tuple[int, int] = (-1, 0)  # (allowed, its reserve): moves with the limit
         self._held: set[int] = set()  # numbers of the permits not released yet
         self._queues: dict[Priority, deque[Ticket]] = {p: deque() for p in Priority}
 
@@ -94,10 +97,12 @@ class Admission:
     def reserve(self) -> int:
         """POSTs of the limit the ordinary lane may not take (it keeps at least one)."""
         allowed = self.limit.allowed
-        share = max(1, math.ceil(allowed * self.critical_share))
-        if self.max_reserve is not None:
-            share = min(share, max(1, self.max_reserve))
-        return min(allowed - 1, share)
+        if self._reserve[0] != allowed:  # worked out again only when the limit moved
+            share = max(1, math.ceil(allowed * self.critical_share))
+            if self.max_reserve is not None:
+                share = min(share, max(1, self.max_reserve))
+            self._reserve = (allowed, min(allowed - 1, share))
+        return self._reserve[1]
 
     def share(self, priority: Priority) -> int:
         """POSTs of `priority` the limit lets be in flight at once now: all of it for critical
@@ -107,7 +112,7 @@ class Admission:
 
     @property
     def inflight(self) -> int:
-        return sum(self._inflight.values())
+        return self._total
 
     def view(self, now: float) -> AdmissionView:
         return AdmissionView(
@@ -161,6 +166,7 @@ class Admission:
             raise RuntimeError("a POST permit released twice, or not ours")
         self._held.remove(permit.number)
         self._inflight[permit.priority] -= 1
+        self._total -= 1
         if sample is None:
             return None
         return self.limit.observe(sample, inflight=permit.inflight, now=now)
@@ -183,6 +189,7 @@ class Admission:
 
     def _grant(self, priority: Priority, now: float) -> Permit:
         self._inflight[priority] += 1
-        permit = Permit(priority, next(self._numbers), now, self.inflight)
+        self._total += 1
+        permit = Permit(priority, next(self._numbers), now, self._total)
         self._held.add(permit.number)
         return permit
