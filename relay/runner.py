@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
@@ -16,10 +15,8 @@ from typing import Any
 
 import anyio
 import httpx
-import psycopg
 from anyio.abc import TaskStatus
 from psycopg import sql
-from psycopg_pool import AsyncConnectionPool
 
 from relay import health, logs, sdnotify
 from relay.admission import Admission, AdmissionView
@@ -30,25 +27,14 @@ from relay.limit import Limit
 from relay.listener import Listener
 from relay.metrics import Metrics
 from relay.migrate import SchemaError, version_problem
+from relay.pools import Pools
 from relay.post_turn import LoopLag, Permits
 from relay.progress import ListenerView, RelayView
+from relay.retention import Retention
 from relay.retry_budget import BudgetView, RetryBudget
 from relay.settings import Settings, redact_url
-from relay.store import CONNECT_KWARGS, AckResult, IdleCheck, Pool, Store
+from relay.store import AckResult, Store
 from relay.tracing import NO_TRACING, Tracer, flush_timeout
-
-PRUNE_BATCH = 1000
-POOL_CHECK_IDLE = 1.0  # seconds idle after which a pooled connection is checked before use
-# A lane's database work does not grow with its POST slots: one claim loop, one ack group and
-# one renewer, plus the releases of failed POSTs, which may wait for a connection.
-POOL_FOR_DELIVERIES = 8
-
-
-def pool_size(concurrency: int) -> int:
-    """A lane's pool: what its deliveries use at once (at most POOL_FOR_DELIVERIES), plus two
-    (docs/operations.md, the connection budget)."""
-    return min(concurrency, POOL_FOR_DELIVERIES) + 2
-
 
 # Young collections every 10,000 net allocations of tracked objects instead of 700: one claim of
 # 64 runs loads hundreds of rows, each ran a collection of its own (docs/performance.md).
@@ -98,6 +84,7 @@ class Relay:
         if self.app_http is None:  # an extra the relay's own client needs: said now, not later
             require_extras(settings, os.environ)
         self.prune_interval = prune_interval
+        self._pools = Pools(settings)  # the database pools and the stores over them
         # What each POST may go under: the adaptive limit's permits and the retry budget, one
         # of each per replica, shared by both lanes (relay/post_turn.py, relay/retry_budget.py).
         self.loop_lag = LoopLag()  # the relay's own lateness, which the limit tolerates
@@ -110,17 +97,7 @@ class Relay:
         self._started = anyio.Event()
         self.endpoints: health.Endpoints | None = None  # /metrics etc., when metrics_addr is set
         # What health, sdnotify and metrics read of this relay (they get no other handle on it).
-        self.view = RelayView(
-            started=lambda: self.health.ready,
-            stop_requested=lambda: self.stop_requested,
-            wait_stop_requested=self.wait_stop_requested,
-            lanes=self._lane_views,
-            listener=self._listener_view,
-            ingress_ok=lambda: self.health.ingress_ok,
-            on_liveness_session=self._on_liveness_session,
-            admission=self._admission_view,
-            retry_budget=self._budget_view,
-        )
+        self.view = relay_view(self)
 
     # -- public ------------------------------------------------------------------------------
 
@@ -164,13 +141,13 @@ class Relay:
 
     async def _run(self, port: health.MetricsPort | None, task_status: TaskStatus[Relay]) -> None:
         s = self.settings
-        pools = await self._connect()
+        pools = await self._pools.open(self._stop)
         if pools is None:
             logs.info("shutdown", replica=s.replica_id)
             return
         ordinary_pool, critical_pool = pools
         try:
-            ordinary_store = self._store(ordinary_pool)
+            ordinary_store = self._pools.store(ordinary_pool)
             problem = version_problem(await ordinary_store.schema_version(), s.schema)
             if problem:
                 raise SchemaError(problem)
@@ -178,11 +155,11 @@ class Relay:
             metrics = None
             if port is not None:
                 metrics = Metrics(
-                    views=self._lane_views,
-                    listener_view=self._listener_view,
-                    ingress_ok=lambda: self.health.ingress_ok,
-                    admission=self._admission_view,
-                    retry_budget=self._budget_view,
+                    views=self.view.lanes,
+                    listener_view=self.view.listener,
+                    ingress_ok=self.view.ingress_ok,
+                    admission=self.view.admission,
+                    retry_budget=self.view.retry_budget,
                     fixed_limit=s.post_ceiling,
                     retention=s.retention,
                 )
@@ -192,7 +169,7 @@ class Relay:
             ):
                 critical = self._lane(
                     "critical",
-                    self._store(critical_pool),
+                    self._pools.store(critical_pool),
                     critical_http,
                     s.critical_concurrency,
                     metrics,
@@ -220,36 +197,6 @@ class Relay:
 
     # -- internals ---------------------------------------------------------------------------
 
-    async def _connect(self) -> list[Pool] | None:
-        """The ordinary and the critical pool, open; None when a stop request came while the
-        database was waited for (relay/startup.py), which comes first."""
-        s = self.settings
-        url = s.database_url.reveal()
-        pools = [
-            self._pool(url, "ordinary", pool_size(s.concurrency)),
-            self._pool(url, "critical", pool_size(s.critical_concurrency)),
-        ]
-        from relay.startup import wait_for_database
-
-        waited = await wait_for_database(
-            url,
-            timeout=s.startup_timeout,
-            stop=self._stop,
-            replica=s.replica_id,
-        )
-        if not waited:
-            return None
-        try:
-            for pool in pools:
-                await pool.open(wait=True, timeout=s.statement_timeout + 5)
-        except Exception as exc:
-            for pool in pools:
-                await pool.close()
-            raise ConnectionError(
-                f"cannot connect to the database at {redact_url(url)}: {type(exc).__name__}"
-            ) from None
-        return pools
-
     async def _serve(
         self,
         store: Store,
@@ -269,7 +216,7 @@ class Relay:
             if waited.cancelled_caught:
                 logs.warning("started_without_liveness", waited=s.statement_timeout)
             if s.retention > 0:
-                background.start_soon(self._retention, store)
+                background.start_soon(Retention(store, s.retention, self.prune_interval).run)
             if self.permits is not None:
                 background.start_soon(self.loop_lag.run)
             # Operations (relay/health.py, relay/sdnotify.py), each only when configured.
@@ -324,36 +271,6 @@ class Relay:
             budget=self.budget,
         )
 
-    def _admission_view(self) -> AdmissionView | None:
-        return self.permits.view() if self.permits is not None else None
-
-    def _budget_view(self) -> BudgetView:
-        return self.budget.view(anyio.current_time())
-
-    def _pool(self, url: str, name: str, size: int) -> Pool:
-        return AsyncConnectionPool(
-            url,
-            min_size=1,
-            max_size=size,
-            kwargs=dict(CONNECT_KWARGS),
-            name=f"relay-{name}",
-            open=False,
-            timeout=self.settings.statement_timeout,
-            check=IdleCheck(POOL_CHECK_IDLE),
-        )
-
-    def _store(self, pool: Pool) -> Store:
-        s = self.settings
-        return Store(
-            pool,
-            s.schema,
-            lease_ttl=s.lease_ttl,
-            batch_size=s.batch_size,
-            owner=s.replica_id,
-            max_batch_bytes=s.max_batch_bytes,
-            statement_timeout=s.statement_timeout,
-        )
-
     def _on_terminal(self, run_id: str) -> None:
         self.lanes["ordinary"].promote(run_id)  # if the ordinary lane holds it, hand it over
         self.lanes["critical"].drain(run_id)
@@ -365,38 +282,46 @@ class Relay:
     def _ingress_ready(self, ok: bool) -> None:
         self.health.ingress_ok = ok
 
-    def _lane_views(self) -> list[LaneView]:
-        return [lane.view() for lane in self.lanes.values()]
 
-    def _listener_view(self) -> ListenerView | None:
-        listener = self.listener
-        if listener is None:
+def relay_view(relay: Relay) -> RelayView:
+    """What health, sdnotify, metrics and the status page read of `relay` (relay/progress.py):
+    the callables over its state, built in one place. Each one looks at the relay when an
+    observer asks, not when it is built: the lanes and the listener only exist once the relay
+    runs, and a view asked for before then sees none (no lanes, no listener)."""
+
+    def lanes() -> list[LaneView]:
+        return [lane.view() for lane in relay.lanes.values()]
+
+    def listener() -> ListenerView | None:
+        built = relay.listener
+        if built is None:
             return None
-        return ListenerView(listener.up, listener.reconnects, listener.received)
+        return ListenerView(built.up, built.reconnects, built.received)
 
-    async def _on_liveness_session(
-        self, query: sql.Composed, params: Sequence[Any]
+    def admission() -> AdmissionView | None:
+        return relay.permits.view() if relay.permits is not None else None
+
+    def retry_budget() -> BudgetView:
+        return relay.budget.view(anyio.current_time())
+
+    async def on_liveness_session(
+        query: sql.Composed, params: Sequence[Any]
     ) -> list[tuple[Any, ...]]:
-        if self.listener is None:
+        if relay.listener is None:
             raise ConnectionError("the LISTEN connection is not built yet")
-        return await self.listener.on_liveness_session(query, params)
+        return await relay.listener.on_liveness_session(query, params)
 
-    async def _retention(self, store: Store) -> None:
-        """Prune delivered events in small batches, off the delivery path (DESIGN §4.4)."""
-        while True:
-            await anyio.sleep(self.prune_interval * random.uniform(0.5, 1.0))
-            try:
-                total = 0
-                while True:
-                    n = await store.prune(self.settings.retention, PRUNE_BATCH)
-                    total += n
-                    if n < PRUNE_BATCH:
-                        break
-                    await anyio.sleep(0.05)  # leave room for delivery between batches
-                if total:
-                    logs.info("pruned", events=total)
-            except (psycopg.Error, OSError, TimeoutError) as exc:
-                logs.warning("prune_failed", error=logs.error_text(exc))
+    return RelayView(
+        started=lambda: relay.health.ready,
+        stop_requested=lambda: relay.stop_requested,
+        wait_stop_requested=relay.wait_stop_requested,
+        lanes=lanes,
+        listener=listener,
+        ingress_ok=lambda: relay.health.ingress_ok,
+        on_liveness_session=on_liveness_session,
+        admission=admission,
+        retry_budget=retry_budget,
+    )
 
 
 def _ignore_ack(result: AckResult) -> None:

@@ -1,6 +1,6 @@
 """Helpers shared by the integration tests: the rig most of them stand on, settings, waiting on
-conditions, bulk backlogs, the SQL API's tables as snapshots, and notifications read up to a
-sentinel."""
+conditions, bulk backlogs, the SQL API's tables as snapshots, notifications read up to a
+sentinel, and the POST turn's views as a replica shows and reports them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ import anyio
 import psycopg
 from psycopg import sql
 
+from relay.admission import AdmissionView, Priority
+from relay.limit import LimitView
 from relay.policy import Trust
+from relay.retry_budget import BudgetView
 from relay.runner import Relay
 from relay.settings import Settings, load
 from relay.store import Claim, ClaimedEvent
@@ -323,3 +326,21 @@ class Decisions(logging.Handler):
 
     def named(self, event: str) -> list[dict[str, Any]]:
         return [fields for name, fields in self.records if name == event]
+
+
+def admission_view(*, min_rtt: float | None = 0.0414, fallen: bool = True) -> AdmissionView:
+    """A replica's adaptive limit as the status page and its report read it (relay/ui/data.py):
+    7 POSTs allowed of a ceiling of 36, fallen unless told otherwise, a critical reserve of 2,
+    6 in flight (1 critical) and 12 ordinary ones waiting; `min_rtt` None before any answer."""
+    limit = LimitView(value=7.4, allowed=7, ceiling=36, min_rtt=min_rtt, median_rtt=0.09,
+                      paused_until=0.0, fallen=fallen)  # fmt: skip
+    return AdmissionView(
+        limit=limit,
+        reserve=2,
+        inflight={Priority.CRITICAL: 1, Priority.ORDINARY: 5},
+        waiting={Priority.CRITICAL: 0, Priority.ORDINARY: 12},
+    )
+
+
+# The retry budget beside it: 9.5 tokens, no retry in flight.
+TOKENS = BudgetView(9.5, 0)

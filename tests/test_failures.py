@@ -376,7 +376,7 @@ async def test_ack_with_unknown_outcome_is_resolved_by_rereading(
 ) -> None:  # fmt: skip
     s, url = sink
     _LossyStore.mode = mode
-    monkeypatch.setattr("relay.runner.Store", _LossyStore)
+    monkeypatch.setattr("relay.pools.Store", _LossyStore)
     enqueue_runs(conn, schema, 1, 2, terminal=False)
     async with Relay(settings(pg_url, schema, url)).running():
         await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 2, what="delivery")

@@ -15,9 +15,7 @@ import anyio
 import psycopg
 import pytest
 
-from relay.admission import AdmissionView, Priority
 from relay.lane import LaneStats, LaneView
-from relay.limit import LimitView
 from relay.ops.render import NO_LIMIT, limit_text, render_status
 from relay.retry_budget import BudgetView
 from relay.runner import Relay
@@ -25,26 +23,12 @@ from relay.ui.data import REPORT_TTL, build_report, shape_status
 from relay.ui.page import FLEET_HEAD
 from relay.ui.series import RateSeries
 from relay.ui.view import status_view
-from tests.support import Rig, q, relay_logs, wait_for
+from tests.support import TOKENS, Rig, admission_view, q, relay_logs, wait_for
 from tests.test_ops import cli, cli_env, cli_json
 from tests.test_ops_render import status_data
 from tests.test_relay import enqueue_runs
 
 Conn = psycopg.Connection[Any]
-
-
-def admission_view(*, min_rtt: float | None = 0.0414, fallen: bool = True) -> AdmissionView:
-    limit = LimitView(value=7.4, allowed=7, ceiling=36, min_rtt=min_rtt, median_rtt=0.09,
-                      paused_until=0.0, fallen=fallen)  # fmt: skip
-    return AdmissionView(
-        limit=limit,
-        reserve=2,
-        inflight={Priority.CRITICAL: 1, Priority.ORDINARY: 5},
-        waiting={Priority.CRITICAL: 0, Priority.ORDINARY: 12},
-    )
-
-
-TOKENS = BudgetView(9.5, 0)
 
 
 def own_report(budget: BudgetView | None = TOKENS, **kw: Any) -> dict[str, Any]:

@@ -18,10 +18,8 @@ import httpx
 import psycopg
 import pytest
 
-from relay.admission import AdmissionView, Priority
+from relay.admission import AdmissionView
 from relay.lane import LaneStats, LaneView
-from relay.limit import LimitView
-from relay.retry_budget import BudgetView
 from relay.runner import Relay
 from relay.settings import Secret
 from relay.tools.sink import Sink
@@ -30,7 +28,7 @@ from relay.ui.page import run_page, status_page
 from relay.ui.series import LagWindow, RateSeries, percentile
 from relay.ui.view import commands, run_href, sh, status_view
 from relay.ui.web import Request, authorized, cookie_secret, cookie_value, session_cookie
-from tests.support import count, q, settings, wait_for
+from tests.support import TOKENS, admission_view, count, q, settings, wait_for
 
 HOSTILE = "<img src=x onerror=window.pwned=1>\"'&<script>alert(1)</script> ünï ‮"
 EXCERPT = "<script>window.pwned=2</script> bad \"field\" 'x' é"
@@ -200,15 +198,9 @@ def enqueue(conn: psycopg.Connection[Any], schema: str, run_id: str, n: int, tag
             )
 
 
-def admission_view(*, fallen: bool) -> AdmissionView:
-    limit = LimitView(7.4, 7, 36, 0.041, 0.09, 0.0, fallen=fallen)
-    inflight = {Priority.CRITICAL: 1, Priority.ORDINARY: 5}
-    return AdmissionView(limit, 2, inflight, {Priority.CRITICAL: 0, Priority.ORDINARY: 12})
-
-
 def limit_card(admission: AdmissionView | None) -> tuple[tuple[str, ...], str]:
     """The ingress limit card's figures, and the page's HTML, for this replica's POST turn."""
-    data = hostile_status("r") | {"ingress_limit": limit_figures(admission, BudgetView(9.5, 0), 36)}
+    data = hostile_status("r") | {"ingress_limit": limit_figures(admission, TOKENS, 36)}
     view = status_view(data)
     keys = ("limit", "state", "inflight", "waiting", "min_rtt", "tokens")
     shown = tuple(view["figures"]["limit." + k] for k in keys)

@@ -1,0 +1,89 @@
+"""Connecting: the relay's two database pools, opened once the database answers, and the stores.
+
+Each lane has a pool of its own, so that no backlog of ordinary work can keep the critical lane
+waiting for a connection (DESIGN §4.3); both go to `database_url`, and their sizes make the
+connection budget of docs/operations.md. The runner asks this part for the open pools at start
+and for a store over each; it closes them itself, after the lanes and the listener stopped.
+"""
+
+from __future__ import annotations
+
+import anyio
+from psycopg_pool import AsyncConnectionPool
+
+from relay.settings import Settings, redact_url
+from relay.store import CONNECT_KWARGS, IdleCheck, Pool, Store
+
+POOL_CHECK_IDLE = 1.0  # seconds idle after which a pooled connection is checked before use
+# A lane's database work does not grow with its POST slots: one claim loop, one ack group and
+# one renewer, plus the releases of failed POSTs, which may wait for a connection.
+POOL_FOR_DELIVERIES = 8
+
+
+def pool_size(concurrency: int) -> int:
+    """A lane's pool: what its deliveries use at once (at most POOL_FOR_DELIVERIES), plus two
+    (docs/operations.md, the connection budget)."""
+    return min(concurrency, POOL_FOR_DELIVERIES) + 2
+
+
+class Pools:
+    """Opens the ordinary and the critical lane's pools, in that order, and builds a store over
+    either with the settings' schema, lease and bounds. It keeps no pool: the caller holds what
+    `open` returned and closes it."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    async def open(self, stop: anyio.Event) -> list[Pool] | None:
+        """The ordinary and the critical pool, open; None when a stop request came while the
+        database was waited for (relay/startup.py), which comes first."""
+        s = self.settings
+        url = s.database_url.reveal()
+        pools = [
+            self._pool(url, "ordinary", pool_size(s.concurrency)),
+            self._pool(url, "critical", pool_size(s.critical_concurrency)),
+        ]
+        from relay.startup import wait_for_database
+
+        waited = await wait_for_database(
+            url,
+            timeout=s.startup_timeout,
+            stop=stop,
+            replica=s.replica_id,
+        )
+        if not waited:
+            return None
+        try:
+            for pool in pools:
+                await pool.open(wait=True, timeout=s.statement_timeout + 5)
+        except Exception as exc:
+            for pool in pools:
+                await pool.close()
+            raise ConnectionError(
+                f"cannot connect to the database at {redact_url(url)}: {type(exc).__name__}"
+            ) from None
+        return pools
+
+    def store(self, pool: Pool) -> Store:
+        s = self.settings
+        return Store(
+            pool,
+            s.schema,
+            lease_ttl=s.lease_ttl,
+            batch_size=s.batch_size,
+            owner=s.replica_id,
+            max_batch_bytes=s.max_batch_bytes,
+            statement_timeout=s.statement_timeout,
+        )
+
+    def _pool(self, url: str, name: str, size: int) -> Pool:
+        return AsyncConnectionPool(
+            url,
+            min_size=1,
+            max_size=size,
+            kwargs=dict(CONNECT_KWARGS),
+            name=f"relay-{name}",
+            open=False,
+            timeout=self.settings.statement_timeout,
+            check=IdleCheck(POOL_CHECK_IDLE),
+        )
