@@ -8,13 +8,21 @@ The arrows go one way: a delivery calls the three parts, the completer reads the
 outcomes, and the lane reads a delivery's end only through the two callbacks it gave: a claim
 settled (`settled`, the lane may claim again) and critical work done (`critical_done`, the
 lane looks for more at once).
+
+The deliveries run in the lane's delivery tasks (`Deliveries`), kept and reused rather than
+started per claim, beside the ack group and the renewer that serve them, in one task group that
+lives as long as the lane's loop. The lane asks it to start a delivery, and waits for the claims
+it holds to settle when it stops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import anyio
+from anyio.abc import TaskGroup
 
 from relay import logs
 from relay.complete import Completer
@@ -23,6 +31,7 @@ from relay.holdings import Holdings
 from relay.policy import Poison
 from relay.post_turn import NO_TURN, PostTurn, Slot, Turn
 from relay.store import Held
+from relay.wake import Wake
 
 
 class Delivery:
@@ -120,6 +129,60 @@ class Delivery:
         for outcome in posted:
             settled |= await self._deliver([outcome.held], turn, free_early=False)
         return settled
+
+
+class Deliveries:
+    """One per lane: the tasks its deliveries run in, kept and reused (`start(holds)`), in a
+    task group opened for the lane's loop (`running()`) with the ack group and the renewer, and
+    the wait for the claims held to settle when the lane stops (`finish()`)."""
+
+    def __init__(self, delivery: Delivery, holdings: Holdings) -> None:
+        self.delivery = delivery
+        self.holdings = holdings
+        self._tasks: TaskGroup | None = None
+        self._idle_runners = 0  # delivery tasks waiting for their next claim (see start)
+
+    @property
+    def started(self) -> bool:
+        """The task group is open (or was, the lane's loop having ended): deliveries may start."""
+        return self._tasks is not None
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The delivery tasks, the ack group and the renewer, for as long as the body (the lane's
+        loop) runs. They are cancelled when the body ends: it calls `finish()` last, so that the
+        claims held settle first."""
+        self._jobs, self._job_queue = anyio.create_memory_object_stream[list[Held]](math.inf)
+        with self._jobs, self._job_queue:
+            async with anyio.create_task_group() as tasks:
+                self._tasks = tasks
+                tasks.start_soon(self.delivery.completer.run)  # the ack group
+                tasks.start_soon(self.delivery.executor.run)  # the renewer
+                yield
+                tasks.cancel_scope.cancel()
+
+    def start(self, holds: list[Held]) -> None:
+        """`Delivery.run(holds)` in one of the lane's delivery tasks, kept and reused: a task
+        started per claim cost more than the claim's own bookkeeping (docs/performance.md)."""
+        if self._idle_runners:
+            self._idle_runners -= 1
+            self._jobs.send_nowait(holds)  # handed to a runner waiting in receive()
+        else:
+            assert self._tasks is not None
+            self._tasks.start_soon(self._runner, holds)
+
+    async def _runner(self, holds: list[Held]) -> None:
+        while True:
+            await self.delivery.run(holds)
+            self._idle_runners += 1  # counted before waiting: start() hands it the next job
+            holds = await self._job_queue.receive()
+
+    async def finish(self, within: float, settled: Wake) -> None:
+        """Once the lane stops: wait at most `within` seconds for every claim held, current or
+        superseded, to settle; woken by `settled`, which the lane sets as each one does."""
+        with anyio.move_on_after(within):
+            while self.holdings.unsettled():
+                await settled.wait(0.05)
 
 
 def _posted(outcomes: list[Outcome]) -> list[Outcome]:

@@ -7,32 +7,30 @@ concurrency, database pool, HTTP client and ack group, so a full ordinary lane c
 the critical one.
 
 The lane claims runs, holds them (relay/holdings.py: under the adaptive limit, what its share
-of the limit can POST soon), and launches each single claim or multi-run group as a delivery
-(relay/delivery.py) in one of its delivery tasks: the delivery takes a turn to POST from the
-lane's POST turn (relay/post_turn.py: the lane's slots, then the replica's permits, critical
-first), the lane's executor POSTs (relay/execute.py) and its completer writes what the answers
-mean (relay/complete.py, the one writer of results). The lane reads the others only through
-views (`gate()`, `view()`) and the delivery's two callbacks. A single critical claim that would
-have to wait for a slot of the ordinary lane is handed to the critical lane instead: a terminal
+of the limit can POST soon), and starts each single claim or multi-run group as a delivery
+(relay/delivery.py) in one of its delivery tasks (`Deliveries`, there too: kept and reused,
+waited for when the lane stops): the delivery takes a turn to POST from the lane's POST turn
+(relay/post_turn.py: the lane's slots, then the replica's permits, critical first), the lane's
+executor POSTs (relay/execute.py) and its completer writes what the answers mean
+(relay/complete.py, the one writer of results). The lane reads the others only through views
+(`gate()`, `view()`) and the delivery's two callbacks. A single critical claim that would have
+to wait for a slot of the ordinary lane is handed to the critical lane instead: a terminal
 event never queues behind ordinary work.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import anyio
 import psycopg
-from anyio.abc import TaskGroup
 
 from relay import logs
 from relay.complete import Completer
-from relay.delivery import Delivery
+from relay.delivery import Deliveries, Delivery
 from relay.execute import Executor
 from relay.holdings import Holdings
 from relay.ingress import IngressClient
@@ -46,8 +44,6 @@ from relay.tracing import NO_TRACING, Tracer
 from relay.wake import Wake
 
 MIN_EMPTY_PASS_SPACING = 0.01  # coalesces bursts of wakes into a handful of passes
-Work = Callable[[Any], Awaitable[None]]
-Job = tuple[Work, Any]  # what a delivery task runs next
 
 
 @dataclass(frozen=True)
@@ -119,10 +115,11 @@ class Lane:
             settled=self._settled,
             critical_done=self.wake.set,
         )
+        # The tasks the deliveries run in, kept and reused, beside the ack group and the renewer
+        # that serve them (relay/delivery.py).
+        self.deliveries = Deliveries(self.delivery, self.holdings)
         self.stopping = False
         self._last_empty_pass = -1.0
-        self._deliveries: TaskGroup | None = None
-        self._idle_runners = 0  # delivery tasks waiting for their next claim (see _launch)
         # Liveness, for /healthz and the systemd watchdog (read through view()).
         self.turns = 0
         self.turned_at = 0.0
@@ -167,39 +164,34 @@ class Lane:
 
     async def run(self) -> None:
         """The lane's loop; returns after stop() once in-flight work is finished or released."""
-        self._jobs, self._job_queue = anyio.create_memory_object_stream[Job](math.inf)
-        with self._jobs, self._job_queue:
-            await self._run()
+        async with self.deliveries.running():
+            await self._discover()
+            await self.deliveries.finish(self.settings.shutdown_timeout, self.slot_freed)
 
-    async def _run(self) -> None:
-        async with anyio.create_task_group() as deliveries:
-            self._deliveries = deliveries
-            deliveries.start_soon(self.complete.run)  # the ack group
-            deliveries.start_soon(self.execute.run)  # the renewer
-            failures = 0
-            while not self.stopping:
-                self.turns += 1  # liveness (relay/health.py)
-                self.turned_at = anyio.current_time()
-                try:
-                    busy = await self._pass()
-                    failures = 0
-                except (psycopg.Error, OSError, TimeoutError) as exc:
-                    failures += 1
-                    cap = self.settings.poll_interval * 5
-                    delay = backoff(failures, base=0.05, cap=cap, rand=random.random())
-                    logs.warning(
-                        "claim_failed",
-                        lane=self.name,
-                        error=logs.error_text(exc),
-                        retry_in=round(delay, 3),
-                    )
-                    await anyio.sleep(delay)
-                    continue
-                if busy:
-                    continue
-                await self.wake.wait(self.settings.poll_interval)
-            await self._finish_inflight()
-            deliveries.cancel_scope.cancel()
+    async def _discover(self) -> None:
+        """Discovery passes until stop(), each started at once while busy, else after a wake."""
+        failures = 0
+        while not self.stopping:
+            self.turns += 1  # liveness (relay/health.py)
+            self.turned_at = anyio.current_time()
+            try:
+                busy = await self._pass()
+                failures = 0
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                failures += 1
+                cap = self.settings.poll_interval * 5
+                delay = backoff(failures, base=0.05, cap=cap, rand=random.random())
+                logs.warning(
+                    "claim_failed",
+                    lane=self.name,
+                    error=logs.error_text(exc),
+                    retry_in=round(delay, 3),
+                )
+                await anyio.sleep(delay)
+                continue
+            if busy:
+                continue
+            await self.wake.wait(self.settings.poll_interval)
 
     async def _pass(self) -> bool:
         """One discovery step. Returns True when the next one should start at once."""
@@ -239,24 +231,8 @@ class Lane:
         if self.stopping or self.holdings.may_claim():
             self.slot_freed.set()
 
-    def _launch(self, work: Work, arg: Any) -> None:
-        """`work(arg)` in one of the lane's delivery tasks, kept and reused: a task started per
-        claim cost more than the claim's own bookkeeping (docs/performance.md)."""
-        if self._idle_runners:
-            self._idle_runners -= 1
-            self._jobs.send_nowait((work, arg))  # handed to a runner waiting in receive()
-        else:
-            assert self._deliveries is not None
-            self._deliveries.start_soon(self._runner, (work, arg))
-
-    async def _runner(self, job: Job) -> None:
-        while True:
-            await job[0](job[1])
-            self._idle_runners += 1  # counted before waiting: _launch hands it the next job
-            job = await self._job_queue.receive()
-
     def _start(self, claims: list[Claim]) -> None:
-        assert self._deliveries is not None
+        assert self.deliveries.started
         held: list[Held] = []
         reclaimed: dict[str, list[str]] = {}  # dead owner -> the runs this claim took from it
         for claim in claims:
@@ -298,12 +274,7 @@ class Lane:
             size_of=self.holdings.size_of,
         )
         for group in groups:
-            self._launch(self.delivery.run, group)
-
-    async def _finish_inflight(self) -> None:
-        with anyio.move_on_after(self.settings.shutdown_timeout):
-            while self.holdings.unsettled():
-                await self.slot_freed.wait(0.05)
+            self.deliveries.start(group)
 
     def stop(self) -> None:
         self.stopping = True
@@ -326,9 +297,9 @@ class Lane:
 
     def adopt(self, claim: Claim) -> bool:
         """Take over a claim another lane holds but cannot start yet, if there is room."""
-        if self.stopping or self._deliveries is None or len(self.inflight) >= self.concurrency:
+        if self.stopping or not self.deliveries.started or len(self.inflight) >= self.concurrency:
             return False
         held = self.holdings.hold(claim)
         self.fetched.adopted += 1
-        self._launch(self.delivery.run, [held])
+        self.deliveries.start([held])
         return True
