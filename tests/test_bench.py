@@ -383,3 +383,19 @@ def test_issue_42s_other_targets_are_judged() -> None:
     }
     assert {v for _, v in verdicts(missed)} == {"MISSED"} and len(verdicts(missed)) == 4
     assert (follows, "MISSED") in verdicts(met | {"capacity_follow_down_s": 5.01})
+
+
+def test_e2e_modes_name_what_runs_and_refuse_an_unknown_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--e2e-modes fixed` pairs the adaptive limit with the fixed one alone (the default mode
+    always runs: the others are read against it); a mode that does not exist is refused by
+    name, before any scenario starts."""
+    from relay.tools.bench.main import parse_args
+
+    assert parse_args(["--only", "e2e"]).e2e_modes == ["e2e_eps", "e2e_eps_httpx", "e2e_eps_fixed"]
+    assert parse_args(["--e2e-modes", "fixed"]).e2e_modes == ["e2e_eps", "e2e_eps_fixed"]
+    assert parse_args(["--e2e-modes", "fixed, default"]).e2e_modes == ["e2e_eps", "e2e_eps_fixed"]
+    with pytest.raises(SystemExit):
+        parse_args(["--e2e-modes", "fixed,adaptiv"])
+    assert "no e2e mode adaptiv (the modes: default, httpx, fixed)" in capsys.readouterr().err
