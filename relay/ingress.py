@@ -26,7 +26,7 @@ import anyio
 import httpx
 import orjson
 
-from relay import __version__
+from relay import __version__, clock
 from relay.http_client import MAX_BODY, HttpxSender, Reply, Sender, TransportFailure, no_cookies
 from relay.settings import Secret, Settings
 
@@ -166,7 +166,7 @@ class Deadlines:
 
     def _fire(self) -> None:
         self._timer = None
-        now = anyio.current_time()
+        now = clock.now()
         for scope, deadline in list(self._scopes.items()):
             if deadline <= now:
                 del self._scopes[scope]
@@ -261,7 +261,7 @@ class IngressClient:
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
         """Where every POST goes out, single-run and multi-run: the one place it is observed."""
-        started = anyio.current_time()
+        started = clock.now()
         scope = anyio.CancelScope()
         self.deadlines.add(scope, started + self.settings.http_timeout)
         try:
@@ -272,13 +272,13 @@ class IngressClient:
                     f"timed out after {self.settings.http_timeout:g}s", timed_out=True
                 )
         except TransportFailure:
-            self._observe(None, anyio.current_time() - started)
+            self._observe(None, clock.now() - started)
             raise
         finally:
             self.deadlines.discard(scope)
         # (A POST cancelled because its lease was lost is neither answered nor failed: it is
         # not observed.)
-        seconds = anyio.current_time() - started
+        seconds = clock.now() - started
         result = answer_from(reply, seconds)
         self._observe(result.status, result.seconds)
         return result

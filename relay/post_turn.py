@@ -24,13 +24,12 @@ answer to a POST under the turn goes to the limit (`Turn.answered`).
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
 
-from relay import logs
+from relay import clock, logs
 from relay.admission import Admission, AdmissionView, Permit, Priority, Ticket
 from relay.limit import Change, LimitEvent, Sample
 from relay.slots import Slots
@@ -39,12 +38,6 @@ from relay.windows import WindowedMax
 
 LAG_TICK = 0.01  # seconds between the loop-lag probe's wakes
 LAG_SPAN = 1.0  # seconds over which the most the loop ran late counts
-
-# The permits' clock: the event loop's, read directly. On asyncio (the relay's only backend)
-# anyio.current_time() is loop.time(), which is time.monotonic(); through anyio's backend lookup
-# it cost 0.4 us a read, and a POST's permit reads it twice (a profile of the relay at a fast
-# ingress put anyio.current_time at 4-5% of its CPU, issue 42's bench).
-_clock = time.monotonic
 
 
 class Slot(enum.Enum):
@@ -103,7 +96,7 @@ class Permits:
         self._by_key: dict[Hashable, _Waiter] = {}
 
     def view(self) -> AdmissionView:
-        return self.admission.view(_clock())
+        return self.admission.view(clock.now())
 
     def share(self, priority: Priority) -> int:
         return self.admission.share(priority)
@@ -130,7 +123,7 @@ class Permits:
 
     def try_take(self, priority: Priority) -> Permit | None:
         """A permit for a POST of `priority` if one may go now, without queueing for one."""
-        return self.admission.try_acquire(priority, _clock())
+        return self.admission.try_acquire(priority, clock.now())
 
     def wake(self, key: Hashable) -> None:
         """Wake the waiter queued under `key` without a permit (it may queue again)."""
@@ -141,7 +134,7 @@ class Permits:
 
     def answered(self, permit: Permit, sample: Sample) -> None:
         """An answer to a POST under `permit`: the limit judges it, and may let waiters go."""
-        now = _clock()
+        now = clock.now()
         lagged = Sample(sample.rtt, sample.signal, sample.retry_after, self.lag())
         event = self.admission.answered(permit, lagged, now)
         if event is not None:
@@ -151,7 +144,7 @@ class Permits:
     def release(self, permit: Permit) -> None:
         """The POST is done (its answers were given to `answered`): the permit goes to the next
         waiter, if one may go."""
-        now = _clock()
+        now = clock.now()
         self.admission.release(permit, None, now)
         self._grant(now)
 

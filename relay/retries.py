@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-import anyio
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -20,6 +19,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
+from relay import clock
 from relay.policy import Trust
 
 QUICK_ATTEMPTS = 3
@@ -90,7 +90,7 @@ class _TrustLow(stop_base):
         self.timeout = timeout
 
     def __call__(self, retry_state: RetryCallState) -> bool:
-        return not self.trust().allows_post(anyio.current_time(), self.timeout)
+        return not self.trust().allows_post(clock.now(), self.timeout)
 
 
 class _BudgetSpent(stop_base):

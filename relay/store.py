@@ -29,6 +29,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool
 
+from relay import clock
 from relay.migrate import read_version
 from relay.policy import Trust, lease_margin
 
@@ -257,7 +258,7 @@ class Store:
                 raise
 
     async def claim(self, lane: str, n_runs: int, run_id: str | None = None) -> list[Claim]:
-        sent = anyio.current_time()
+        sent = clock.now()
         rows = await self._call(
             self._claim,
             (
@@ -298,7 +299,7 @@ class Store:
         each run renewed; a run missing from it was not (its lease is lost)."""
         if not claims:
             return {}
-        sent = anyio.current_time()
+        sent = clock.now()
         rows = await self._call(
             self._renew,
             ([c.run_id for c in claims], [c.token for c in claims], self.lease_ttl),
