@@ -903,7 +903,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "limit-samples-not-fed",
         "issue 42: each answer to a POST is a sample of the adaptive limit",
-        "relay/execute.py",
+        "relay/bookkeeping.py",
         "            answered(sample)",
         "            pass",
         (f"{ADMISSION_E2E}::test_the_limit_falls_on_503s_and_recovers_after",),
