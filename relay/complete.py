@@ -5,6 +5,11 @@ reschedules and hand-backs (`store.release`), the failure of a poison event (`st
 and the hand-back of a claim while the ingress is misconfigured. Nothing else writes the result
 of a delivery, so each write is fenced by the claim's token in one place.
 
+The writes are two parts it holds, one per way a claim ends: the acks (its `AckGroup`, with what
+an ack means for the claim and its counters here) and the releases (relay/release.py: every
+write that gives the claim back without acking it, the poison event's block among them, and the
+lost lease). The completer decides which part an outcome goes to; neither part decides for it.
+
 Two parts of the completer decide without writing: the lane's pause gate (relay/pause.py: how
 long the lane pauses while the ingress is misconfigured; the lane and the observers read it
 through `gate()`, a value) and poison narrowing (relay/narrowing.py: which prefix or event to
@@ -31,7 +36,8 @@ from relay.ingress import Answer
 from relay.narrowing import Narrowing, Resend
 from relay.pause import Gate, PauseGate
 from relay.policy import Ack, Pause, Poison, Retry
-from relay.settings import Settings, redact_url
+from relay.release import Releases
+from relay.settings import Settings
 from relay.stats import CompleteStats
 from relay.store import AckResult, Claim, ClaimedEvent, Store
 
@@ -41,7 +47,8 @@ Observe = Callable[[Outcome, AckResult | None], None]
 class Completer:
     """One per lane: `carry()` from the lane's delivery tasks, `run()` (its ack group) as a
     background task. It is the `Results` of its narrowing (`carry_one`, `ack_resent`,
-    `block`)."""
+    `block`). It writes through its ack group (`acks`) and its `releases`, and hands each
+    outcome to `observe` once its write is done."""
 
     def __init__(
         self,
@@ -55,14 +62,12 @@ class Completer:
         observe_ack: Callable[[AckResult], None],
         observe: Observe,
     ) -> None:
-        self.lane = lane
-        self.settings = settings
-        self.store = store
         self.stats = stats
         self.observe_ack = observe_ack  # metrics: commit-to-ack lag
         self.observe = observe  # each outcome once carried out (the tracer's spans end there)
         self.acks = AckGroup(store)
         self.pause = PauseGate(lane, cap=settings.max_backoff, on_ready_change=on_ready_change)
+        self.releases = Releases(lane, settings, store, stats, self.pause)
         self.narrowing = Narrowing(resend, self)  # resends through the executor's `resend`
 
     async def run(self) -> None:
@@ -124,15 +129,15 @@ class Completer:
             case LeaseLost():
                 settled = self._lost(outcome)
             case Deferred():
-                settled = await self._defer(claim, decision)
+                settled = await self.releases.defer(claim, decision)
             case Ack(k=k):
                 acked = outcome.events[:k]
                 ack = await self.acks.ack(claim, acked[-1].seq)
                 settled = self._acked(claim, outcome, acked, ack)
             case Retry():
-                settled = await self._reschedule(claim, decision)
+                settled = await self.releases.reschedule(claim, decision)
             case Pause():
-                settled = await self._pause(claim, decision)
+                settled = await self.releases.pause(claim, decision)
             case Poison():
                 settled = await self.narrowing.narrow(outcome, decision)
         self.observe(outcome, ack)
@@ -141,7 +146,7 @@ class Completer:
     def _lost(self, outcome: Outcome) -> bool:
         """The lease was lost before an answer could count: abandoned, no ack (settled)."""
         assert isinstance(outcome.decision, LeaseLost)
-        self.lease_lost(outcome.held.claim, outcome.decision.where)
+        self.releases.lease_lost(outcome.held.claim, outcome.decision.where)
         return True
 
     def _acked(
@@ -156,7 +161,7 @@ class Completer:
             return False  # not settled: the caller's cleanup releases the lease for a redelivery
         if result.status == "stale":
             self.stats.stale_acks += 1
-            self.lease_lost(claim, "ack_fenced")
+            self.releases.lease_lost(claim, "ack_fenced")
             return False
         self.observe_ack(result)
         if result.status == "failed":
@@ -181,60 +186,7 @@ class Completer:
             )
         return result.status == "acked"
 
-    async def _reschedule(self, claim: Claim, retry: Retry) -> bool:
-        self.stats.retries += 1
-        released = await self.store.release(
-            claim, retry.delay, error=retry.error or "no answer", status=retry.status
-        )
-        logs.log(
-            "retry_scheduled",
-            logging.WARNING,
-            **{**self.who(claim), "attempt": claim.attempts + 1},
-            first_seq=claim.first_seq,
-            last_seq=claim.last_seq,
-            status=retry.status,
-            retry_in=round(retry.delay, 3),
-            error=retry.error[:200],
-            fenced=not released,
-        )
-        if not released:
-            # The token had moved on (e.g. a process frozen past its lease, whose request then
-            # timed out): nothing was changed, and the new owner redelivers.
-            self.lease_lost(claim, "release_fenced")
-        return True
-
-    async def _defer(self, claim: Claim, deferred: Deferred) -> bool:
-        """A retry the budget held back: nothing was sent, the lease goes back and the run
-        waits in the outbox. Not an attempt: its backoff does not grow for it."""
-        released = await self.store.release(claim, deferred.delay)
-        logs.info(
-            "retry_deferred",
-            **{**self.who(claim), "attempt": claim.attempts + 1},
-            retry_in=round(deferred.delay, 3),
-            reason="retry_budget",
-            fenced=not released,
-        )
-        if not released:
-            self.lease_lost(claim, "release_fenced")
-        return True
-
-    # -- what the pause gate and the narrowing decide ---------------------------------------
-
-    async def _pause(self, claim: Claim, pause: Pause) -> bool:
-        """The endpoint is misconfigured: the whole lane backs off (the gate says how long), and
-        the claim is handed back for as long."""
-        delay = self.pause.misconfigured(anyio.current_time())
-        await self.store.release(claim, delay)  # not an attempt: the events are not at fault
-        logs.error(
-            "ingress_misconfigured",
-            lane=self.lane,
-            status=pause.status,
-            url=redact_url(self.settings.ingress_url),
-            run_id=claim.run_id,
-            pause_s=round(delay, 3),
-            body=pause.excerpt,
-        )
-        return True
+    # -- the narrowing's writes (its `Results`) ----------------------------------------------
 
     async def ack_resent(self, claim: Claim, resent: Outcome, *, keep: bool) -> bool:
         """Ack all a narrowing's resend sent, accepted whole (see `_acked`), then hand the
@@ -249,58 +201,22 @@ class Completer:
     ) -> bool:
         """Fail the poison event and block its run; `resent`: the narrowing's resend that
         rejected it, handed to the observer after."""
-        settled = await self._block(claim, event, poison)
+        settled = await self.releases.block(claim, event, poison)
         if resent is not None:
             self.observe(resent, None)
         return settled
 
-    async def _block(self, claim: Claim, event: ClaimedEvent, poison: Poison) -> bool:
-        error = f"ingress answered {poison.status}: {poison.excerpt}"
-        if not await self.store.fail_event(claim, event.seq, poison.status, error):
-            self.lease_lost(claim, "fail_fenced")  # not blocked: the new owner sends it again
-            return True
-        self.stats.failed += 1
-        logs.error(
-            "run_blocked",
-            **self.who(claim),
-            event_id=event.event_id,
-            seq=event.seq,
-            status=poison.status,
-            error=error[:300],
-        )
-        return True
-
-    # -- shared ------------------------------------------------------------------------------
+    # -- shared with the lane's other parts --------------------------------------------------
 
     async def hand_back(self, claim: Claim) -> None:
-        """Release an unsettled lease (shutdown, an error, a lost ack) so another replica takes
-        over at once rather than after the TTL. Fenced by token: harmless when stale. Shielded
-        and bounded; never raises."""
-        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
-            try:
-                await self.store.release(claim)
-            except Exception:
-                pass
+        """Release an unsettled lease: its releases' `hand_back` (fenced by token, shielded and
+        bounded; never raises)."""
+        await self.releases.hand_back(claim)
 
     def who(self, claim: Claim) -> dict[str, object]:
-        """The fields every decision about a claim logs (DESIGN §8.2)."""
-        return {
-            "lane": self.lane,
-            "run_id": claim.run_id,
-            "epoch": claim.epoch,
-            "attempt": claim.attempts,
-            "lease_owner": self.store.owner,
-        }
-
-    def lease_lost(self, claim: Claim, where: str) -> None:
-        self.stats.lease_lost += 1
-        logs.warning(
-            "lease_lost",
-            **self.who(claim),
-            first_seq=claim.first_seq,
-            last_seq=claim.last_seq,
-            where=where,
-        )
+        """The fields every decision about a claim logs (DESIGN §8.2), as its releases name
+        them."""
+        return self.releases.who(claim)
 
 
 def _trace_id(traceparent: str | None) -> str | None:

@@ -12,26 +12,26 @@ lane's completer (relay/complete.py), the only writer of results.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import anyio
 
 from relay import logs
+from relay.bookkeeping import Answered, Bookkeeping
 from relay.ingress import Answer, Batch, IngressClient, TransportFailure, split_results
 from relay.limit import Sample
-from relay.policy import BACKOFF_BASE, Ack, Decision, Retry, backoff, decide
+from relay.policy import Ack, Decision, Retry, decide
 from relay.renewal import Renewer
 from relay.retries import QuickRetries
-from relay.retry_budget import DEFER_AT_LEAST, Result, RetryBudget
+from relay.retry_budget import RetryBudget
 from relay.settings import Settings
 from relay.stats import ExecuteStats
 from relay.store import Claim, ClaimedEvent, Held, Store
 from relay.tracing import NO_SPAN, NO_TRACING, Delivery, DeliverySpan, Tracer
 
 Send = tuple[Held, Sequence[ClaimedEvent]]  # a run's holder and the events to POST (a prefix)
-Answered = Callable[[Sample], None]  # told of each answer to a POST (its turn's limit)
 
 
 def _unheard(sample: Sample) -> None:
@@ -87,7 +87,8 @@ class _Replies:
 
 class Executor:
     """One per lane: `execute()` / `resend()` from the lane's delivery tasks, `run()` (its
-    renewer) as a background task."""
+    renewer) as a background task. What each try tells the retry budget and the limit, and
+    whether a retry may go, it leaves to its bookkeeping (relay/bookkeeping.py)."""
 
     def __init__(
         self,
@@ -101,7 +102,7 @@ class Executor:
         budget: RetryBudget | None = None,
     ) -> None:
         self.lane = lane
-        self.budget = budget  # the replica's retry budget, shared with the other lane
+        self.books = Bookkeeping(settings, stats, lane=lane, budget=budget)
         self.tracer = tracer
         self.settings = settings
         self.store = store  # read only: the widening of a claim and the renewal of leases
@@ -122,8 +123,10 @@ class Executor:
         outcome per run. Each holder keeps its claim's current value: a widening before the POST
         and each renewal are kept there. `answered` is told of each answer (the turn's limit).
         A retry (a claim with earlier attempts) goes only if the retry budget lets it."""
-        if not self._may_retry(holds):
-            return [Outcome(h, h.claim.events, self._deferred(h.claim)) for h in holds]
+        if not self.books.may_retry(holds):
+            return [
+                Outcome(h, h.claim.events, Deferred(self.books.deferral(h.claim))) for h in holds
+            ]
         group = len(holds) > 1
         if not group and holds[0].claim.widen:
             held = holds[0]
@@ -147,25 +150,6 @@ class Executor:
         the turn its claim holds. Not a retry: the budget does not charge it."""
         (outcome,) = await self._post([(held, events)], group=False, answered=_unheard)
         return outcome
-
-    def _may_retry(self, holds: Sequence[Held]) -> bool:
-        """A first attempt always goes; a retry (a run with earlier attempts: a multi-run POST
-        is one if any of its runs is) only when the budget has a token for it."""
-        if self.budget is None or all(h.claim.attempts == 0 for h in holds):
-            return True
-        return self.budget.try_retry(anyio.current_time())
-
-    def _deferred(self, claim: Claim) -> Deferred:
-        """How long a retry the budget refused waits: the run's own backoff, as if it had failed
-        again (so a long outage spaces its retries out as failures would), in the upper half of
-        its range and never less than DEFER_AT_LEAST."""
-        cap = self.settings.max_backoff
-        ceiling = backoff(
-            claim.attempts, base=BACKOFF_BASE, cap=cap, rand=random.random(), jitter=0.5
-        )
-        delay = max(DEFER_AT_LEAST, ceiling)
-        self.stats.deferred += 1
-        return Deferred(delay)
 
     async def _renew_waited(
         self, holds: Sequence[Held], now: float
@@ -200,7 +184,7 @@ class Executor:
         async def post_once() -> _Replies:
             nonlocal tries
             tries += 1
-            retry = self.budget is not None and (tries > 1 or _retried(holds))
+            retry = self.books.retrying(tries, holds)
             return await self._post_once(
                 sends, group=group, spans=spans, retry=retry, answered=answered
             )
@@ -210,7 +194,7 @@ class Executor:
                 post_once,
                 lambda: min((h.claim.trust for h in holds), key=lambda t: t.until),
                 lambda tried, n, retry_in: self._log_failed(sends, tried, n, retry_in),
-                self._quick_retry_allowed,
+                self.books.quick_retry_allowed,
             )
         outcomes: list[Outcome] = []
         for (held, events), span in zip(sends, spans, strict=True):
@@ -270,10 +254,6 @@ class Executor:
             for held, events in sends
         ]
 
-    def _quick_retry_allowed(self) -> bool:
-        """The budget lets one more quick try go (it holds a token until its answer)."""
-        return self.budget is None or self.budget.try_retry(anyio.current_time())
-
     async def _post_once(
         self,
         sends: list[Send],
@@ -284,26 +264,19 @@ class Executor:
         answered: Answered,
     ) -> _Replies:
         """One try: the POST, what its answer means per run, and what it tells the limit and
-        the retry budget (`retry`: the budget let it go as a retry, holding a token)."""
+        the retry budget (`retry`: the budget let it go as a retry, holding a token), told to
+        the bookkeeping once the try is over."""
         self.stats.posts += 1
         started = anyio.current_time()
         try:
             replies = await self._try(sends, group=group, spans=spans)
         except BaseException:  # cancelled (every lease lost) or broken: never answered
-            if self.budget is not None:
-                self.budget.record(Result.UNSENT, retry=retry, now=anyio.current_time())
+            self.books.record_unsent(retry)
             raise
         first, decision = next(iter(replies.per_run.values()))
-        failed = replies.whole and isinstance(decision, Retry)
-        now = anyio.current_time()
-        if self.budget is not None:
-            self.budget.record(Result.FAILED if failed else Result.SERVED, retry=retry, now=now)
-        rtt = now - started
-        sample = _sample(first, decision, rtt) if replies.whole else _served(rtt)
-        try:
-            answered(sample)
-        except Exception as exc:  # the limit's bug must not undo an answered POST (a duplicate)
-            logs.error("limit_sample_failed", lane=self.lane, error=logs.error_text(exc, 300))
+        self.books.record(
+            first, decision, whole=replies.whole, started=started, retry=retry, answered=answered
+        )
         return replies
 
     async def _try(self, sends: list[Send], *, group: bool, spans: list[DeliverySpan]) -> _Replies:
@@ -378,27 +351,6 @@ def _outbox_wait(claim: Claim, first: ClaimedEvent) -> float | None:
     if claimed.tzinfo is not None:
         claimed = claimed.astimezone(UTC).replace(tzinfo=None)
     return max(0.0, (claimed - first.created_at).total_seconds())
-
-
-def _retried(holds: Sequence[Held]) -> bool:
-    for h in holds:  # a loop, not any(): once per POST
-        if h.claim.attempts > 0:
-            return True
-    return False
-
-
-def _sample(answer: Answer | TransportFailure, decision: Decision, rtt: float) -> Sample:
-    """What one answer to the whole request tells the limit (relay/limit.py): its status (or
-    none, and whether it timed out), its round trip, and a Retry-After the policy parsed."""
-    retry_after = decision.retry_after if isinstance(decision, Retry) else None
-    if isinstance(answer, TransportFailure):
-        return Sample.of(None, rtt, timed_out=answer.timed_out, retry_after=retry_after)
-    return Sample.of(answer.status, rtt, retry_after=retry_after)
-
-
-def _served(rtt: float) -> Sample:
-    """A 2xx multi-run reply with per-run results: the ingress answered in `rtt`."""
-    return Sample.of(200, rtt)
 
 
 def _quick(replies: _Replies) -> bool:

@@ -7,9 +7,10 @@ to requests that were already in flight when it closed do not grow it further. T
 that shows the endpoint works again resets the count (the pause already set runs out on its
 own). The clock is passed in.
 
-The gate writes nothing: the completer (relay/complete.py) hands the claim back for as long as
-the gate says. It tells the runner's readiness (`on_ready_change`) when the ingress turns
-misconfigured or recovers; the lane and the observers read it through `view()`, a value.
+The gate writes nothing: the completer (relay/complete.py, through its releases in
+relay/release.py) hands the claim back for as long as the gate says. It tells the runner's
+readiness (`on_ready_change`) when the ingress turns misconfigured or recovers; the lane and the
+observers read it through `view()`, a value.
 """
 
 from __future__ import annotations

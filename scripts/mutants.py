@@ -903,7 +903,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "limit-samples-not-fed",
         "issue 42: each answer to a POST is a sample of the adaptive limit",
-        "relay/execute.py",
+        "relay/bookkeeping.py",
         "            answered(sample)",
         "            pass",
         (f"{ADMISSION_E2E}::test_the_limit_falls_on_503s_and_recovers_after",),
@@ -927,7 +927,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "budget-deferral-counted-as-attempt",
         "issue 42: a retry the budget defers is not an attempt (its backoff does not grow)",
-        "relay/complete.py",
+        "relay/release.py",
         "released = await self.store.release(claim, deferred.delay)",
         'released = await self.store.release(claim, deferred.delay, error="retry_budget")',
         (f"{ADMISSION_E2E}::{BUDGET_TEST}",),
