@@ -18,9 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
-import anyio
-
-from relay import logs
+from relay import clock, logs
 from relay.ingress import Answer, TransportFailure
 from relay.limit import Sample
 from relay.policy import BACKOFF_BASE, Decision, Retry, backoff
@@ -51,7 +49,7 @@ class Bookkeeping:
         is one if any of its runs is) only when the budget has a token for it."""
         if self.budget is None or all(h.claim.attempts == 0 for h in holds):
             return True
-        return self.budget.try_retry(anyio.current_time())
+        return self.budget.try_retry(clock.now())
 
     def deferral(self, claim: Claim) -> float:
         """How long a retry the budget refused waits: the run's own backoff, as if it had failed
@@ -68,7 +66,7 @@ class Bookkeeping:
 
     def quick_retry_allowed(self) -> bool:
         """The budget lets one more quick try go (it holds a token until its answer)."""
-        return self.budget is None or self.budget.try_retry(anyio.current_time())
+        return self.budget is None or self.budget.try_retry(clock.now())
 
     def retrying(self, tries: int, holds: Sequence[Held]) -> bool:
         """Whether this try (the `tries`-th of a POST) holds a budget token as a retry: a quick
@@ -79,7 +77,7 @@ class Bookkeeping:
     def record_unsent(self, retry: bool) -> None:
         """A try that never got an answer (cancelled: every lease lost; or broken)."""
         if self.budget is not None:
-            self.budget.record(Result.UNSENT, retry=retry, now=anyio.current_time())
+            self.budget.record(Result.UNSENT, retry=retry, now=clock.now())
 
     def record(
         self,
@@ -96,7 +94,7 @@ class Bookkeeping:
         first run's answer and what it means, `whole` whether it was the answer to the whole
         request, `started` when the try went out."""
         failed = whole and isinstance(decision, Retry)
-        now = anyio.current_time()
+        now = clock.now()
         if self.budget is not None:
             self.budget.record(Result.FAILED if failed else Result.SERVED, retry=retry, now=now)
         rtt = now - started

@@ -16,9 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
-import anyio
-
-from relay import logs
+from relay import clock, logs
 from relay.bookkeeping import Answered, Bookkeeping
 from relay.ingress import Answer, Batch, IngressClient, TransportFailure, split_results
 from relay.limit import Sample
@@ -133,7 +131,7 @@ class Executor:
             more = await self.store.widen(held.claim)
             held.claim = held.claim.widened(more)
             self.stats.widened += len(more)
-        now = anyio.current_time()
+        now = clock.now()
         timeout = self.settings.http_timeout
         for h in holds:
             if not h.claim.trust.allows_post(now, timeout):
@@ -267,7 +265,7 @@ class Executor:
         the retry budget (`retry`: the budget let it go as a retry, holding a token), told to
         the bookkeeping once the try is over."""
         self.stats.posts += 1
-        started = anyio.current_time()
+        started = clock.now()
         try:
             replies = await self._try(sends, group=group, spans=spans)
         except BaseException:  # cancelled (every lease lost) or broken: never answered
@@ -341,7 +339,7 @@ class Executor:
 
 def _batch(claim: Claim, events: Sequence[ClaimedEvent]) -> Batch:
     """What the ingress client sends of a claim (it never sees the lease)."""
-    return Batch(claim.run_id, claim.epoch, events, claim.database_time(anyio.current_time()))
+    return Batch(claim.run_id, claim.epoch, events, claim.database_time(clock.now()))
 
 
 def _outbox_wait(claim: Claim, first: ClaimedEvent) -> float | None:

@@ -5,8 +5,8 @@ event loop's recent lateness, the retry budget's recent successes and failed ret
 A window is kept in `slices` slices of `span / slices` seconds each, so its memory never grows
 with the rate of what it sees (Finagle's `WindowedAdder` works the same way). What it reports
 covers the current slice and the `slices - 1` before it: between `span - span / slices` and
-`span` seconds of the past. The clock is monotonic (relay/clock.py's, the event loop's); nothing here reads
-it.
+`span` seconds of the past. The clock is monotonic (relay/clock.py's, the event loop's);
+nothing here reads it.
 """
 
 from __future__ import annotations
