@@ -1,0 +1,132 @@
+"""The executor's bookkeeping of its tries (relay/bookkeeping.py), without a database or an
+ingress: what each answer tells the adaptive limit (its `Sample`) and the retry budget (served,
+failed or unsent; a retry holding a token), and that a failing limit never undoes an answered
+POST. The budget here is the real one; the limit is a list the samples go to."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from relay.bookkeeping import Bookkeeping
+from relay.http_client import TransportFailure
+from relay.ingress import Answer
+from relay.limit import Sample, Signal
+from relay.policy import Ack, Retry
+from relay.retry_budget import Result, RetryBudget
+from relay.settings import load
+from relay.stats import ExecuteStats
+from relay.store import Held
+from tests.support import Decisions, one_event_claim, relay_logs
+
+SETTINGS = load(
+    {"database_url": "postgresql://relay@db/relay", "ingress_url": "http://ingress/runs/{run_id}"},
+    environ={},
+)
+RETRY = Retry(1.0, 503, "busy", 2.5, quick=False)
+
+
+class Spied(RetryBudget):
+    """The real budget, which also remembers each record (result, retry)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[Result, bool]] = []
+
+    def record(self, result: Result, *, retry: bool, now: float) -> None:
+        super().record(result, retry=retry, now=now)
+        self.records.append((result, retry))
+
+
+def books(budget: RetryBudget | None = None) -> Bookkeeping:
+    return Bookkeeping(SETTINGS, ExecuteStats(), lane="ordinary", budget=budget)
+
+
+def answer(status: int) -> Answer:
+    return Answer(status, b"", None, 0.01)
+
+
+def recorded(
+    first: Answer | TransportFailure, decision: Ack | Retry, *, whole: bool = True
+) -> tuple[list[Sample], list[tuple[Result, bool]]]:
+    """The samples the limit got and the records the budget got from one answered try."""
+    budget = Spied()
+    samples: list[Sample] = []
+    books(budget).record(
+        first, decision, whole=whole, started=0.0, retry=False, answered=samples.append
+    )
+    return samples, budget.records
+
+
+def test_an_overloaded_answer_tells_the_limit_so_with_its_retry_after() -> None:
+    (sample,), records = recorded(answer(503), RETRY)
+    assert sample.signal is Signal.OVERLOADED
+    assert sample.retry_after == 2.5
+    assert records == [(Result.FAILED, False)]
+
+
+def test_a_timeout_is_overload_and_a_refused_connection_says_nothing_of_load() -> None:
+    (timed_out,), _ = recorded(TransportFailure("read timeout", timed_out=True), RETRY)
+    (refused,), records = recorded(TransportFailure("connection refused"), RETRY)
+    assert timed_out.signal is Signal.OVERLOADED
+    assert refused.signal is Signal.SILENT
+    assert records == [(Result.FAILED, False)]  # a failure all the same, for the budget
+
+
+def test_an_accepted_answer_is_served_and_its_round_trip_goes_to_the_limit() -> None:
+    (sample,), records = recorded(answer(200), Ack(1))
+    assert sample.signal is Signal.ANSWERED
+    assert sample.rtt >= 0.0
+    assert records == [(Result.SERVED, False)]
+
+
+def test_a_multi_run_reply_with_results_per_run_is_served_whatever_one_run_says() -> None:
+    """Per-run results (not one answer for the whole request): the ingress answered, so the
+    limit reads an answer and the budget a POST served, even when the first run's result is a
+    retry."""
+    (sample,), records = recorded(answer(200), RETRY, whole=False)
+    assert sample.signal is Signal.ANSWERED
+    assert records == [(Result.SERVED, False)]
+
+
+def test_a_try_holds_a_token_as_a_retry_only_when_it_is_one() -> None:
+    """A first try is a retry when a run has earlier attempts (`may_retry` took its token); a
+    quick try always is; without a budget nothing is held."""
+    b = books(RetryBudget())
+    first = [Held(one_event_claim("r1"))]
+    again = [Held(replace(one_event_claim("r2"), attempts=2))]
+    assert not b.retrying(1, first)
+    assert b.retrying(1, again)
+    assert b.retrying(2, first)
+    assert not books(None).retrying(2, again)
+
+
+def test_a_failing_limit_is_logged_and_the_budget_still_records() -> None:
+    budget = Spied()
+
+    def broken(sample: Sample) -> None:
+        raise RuntimeError("the limit's own bug")
+
+    with relay_logs(Decisions()) as seen:
+        books(budget).record(
+            answer(200), Ack(1), whole=True, started=0.0, retry=False, answered=broken
+        )
+    assert budget.records == [(Result.SERVED, False)]
+    (logged,) = seen.named("limit_sample_failed")
+    assert "the limit's own bug" in logged["error"]
+
+
+def test_a_retry_the_budget_refused_waits_at_least_its_floor_and_is_counted() -> None:
+    b = books(RetryBudget())
+    delay = b.deferral(one_event_claim("r1"))
+    assert delay >= 5.0  # DEFER_AT_LEAST
+    assert b.stats.deferred == 1
+
+
+def test_an_unsent_try_gives_its_token_back() -> None:
+    budget = Spied()
+    b = books(budget)
+    assert b.quick_retry_allowed()
+    assert budget.view(0.0).retrying == 1
+    b.record_unsent(retry=True)
+    assert budget.records == [(Result.UNSENT, True)]
+    assert budget.view(0.0).retrying == 0
