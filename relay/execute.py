@@ -86,7 +86,9 @@ class _Replies:
 class Executor:
     """One per lane: `execute()` / `resend()` from the lane's delivery tasks, `run()` (its
     renewer) as a background task. What each try tells the retry budget and the limit, and
-    whether a retry may go, it leaves to its bookkeeping (relay/bookkeeping.py)."""
+    whether a retry may go, it leaves to its bookkeeping (relay/bookkeeping.py); the delivery
+    spans it opens and the `post_failed` lines it writes are functions of what it sends, below
+    (`_spans`, `_log_failed`)."""
 
     def __init__(
         self,
@@ -175,7 +177,7 @@ class Executor:
         attempts (its token was taken in `execute`); each quick try is one, let go by the
         budget (relay/retries.py)."""
         holds = [h for h, _ in sends]
-        spans = self._spans(sends)
+        spans = _spans(self.tracer, self.lane, sends)
         replies: _Replies | None = None
         tries = 0
 
@@ -191,7 +193,7 @@ class Executor:
             replies = await self._quick(
                 post_once,
                 lambda: min((h.claim.trust for h in holds), key=lambda t: t.until),
-                lambda tried, n, retry_in: self._log_failed(sends, tried, n, retry_in),
+                lambda tried, n, retry_in: _log_failed(self.lane, sends, tried, n, retry_in),
                 self.books.quick_retry_allowed,
             )
         outcomes: list[Outcome] = []
@@ -203,54 +205,6 @@ class Executor:
                 answer, decision = replies.per_run[run_id]
                 outcomes.append(Outcome(held, events, decision, answer, replies.whole, span))
         return outcomes
-
-    def _log_failed(
-        self, sends: list[Send], replies: _Replies, try_no: int, retry_in: float | None
-    ) -> None:
-        """One `post_failed` line per run whose try failed for a transient cause (a timeout, a
-        connection error, a 5xx, 429, a garbled 2xx): the cause and what happens next, a quick
-        try in `retry_in` seconds or the run's reschedule (its `retry_scheduled` line follows).
-        Poison and misconfigured answers have lines of their own (run_blocked,
-        ingress_misconfigured)."""
-        for held, _ in sends:
-            answer, decision = replies.per_run[held.claim.run_id]
-            if not isinstance(decision, Retry):
-                continue
-            claim = held.claim
-            logs.warning(
-                "post_failed",
-                lane=self.lane,
-                run_id=claim.run_id,
-                epoch=claim.epoch,
-                attempt=claim.attempts + 1,
-                try_number=try_no,
-                status=decision.status,
-                error=decision.error[:200],
-                http_ms=round(answer.seconds * 1000, 2) if isinstance(answer, Answer) else None,
-                next="quick_retry" if retry_in is not None else "reschedule",
-                retry_in=round(retry_in, 3) if retry_in is not None else None,
-            )
-
-    def _spans(self, sends: list[Send]) -> list[DeliverySpan]:
-        """One delivery span per run of the request, when tracing (else the no-op span)."""
-        if not self.tracer.enabled:
-            return [NO_SPAN] * len(sends)
-        return [
-            self.tracer.delivery(
-                Delivery(
-                    lane=self.lane,
-                    run_id=held.claim.run_id,
-                    epoch=held.claim.epoch,
-                    first_seq=events[0].seq,
-                    last_seq=events[-1].seq,
-                    events=len(events),
-                    attempt=held.claim.attempts,
-                    traceparents=[e.traceparent for e in events],
-                    outbox_wait_seconds=_outbox_wait(held.claim, events[0]),
-                )
-            )
-            for held, events in sends
-        ]
 
     async def _post_once(
         self,
@@ -335,6 +289,56 @@ class Executor:
             rand=random.random(),
             cap=self.settings.max_backoff,
         )
+
+
+def _log_failed(
+    lane: str, sends: list[Send], replies: _Replies, try_no: int, retry_in: float | None
+) -> None:
+    """One `post_failed` line per run whose try failed for a transient cause (a timeout, a
+    connection error, a 5xx, 429, a garbled 2xx): the cause and what happens next, a quick
+    try in `retry_in` seconds or the run's reschedule (its `retry_scheduled` line follows).
+    Poison and misconfigured answers have lines of their own (run_blocked,
+    ingress_misconfigured)."""
+    for held, _ in sends:
+        answer, decision = replies.per_run[held.claim.run_id]
+        if not isinstance(decision, Retry):
+            continue
+        claim = held.claim
+        logs.warning(
+            "post_failed",
+            lane=lane,
+            run_id=claim.run_id,
+            epoch=claim.epoch,
+            attempt=claim.attempts + 1,
+            try_number=try_no,
+            status=decision.status,
+            error=decision.error[:200],
+            http_ms=round(answer.seconds * 1000, 2) if isinstance(answer, Answer) else None,
+            next="quick_retry" if retry_in is not None else "reschedule",
+            retry_in=round(retry_in, 3) if retry_in is not None else None,
+        )
+
+
+def _spans(tracer: Tracer, lane: str, sends: list[Send]) -> list[DeliverySpan]:
+    """One delivery span per run of the request, when tracing (else the no-op span)."""
+    if not tracer.enabled:
+        return [NO_SPAN] * len(sends)
+    return [
+        tracer.delivery(
+            Delivery(
+                lane=lane,
+                run_id=held.claim.run_id,
+                epoch=held.claim.epoch,
+                first_seq=events[0].seq,
+                last_seq=events[-1].seq,
+                events=len(events),
+                attempt=held.claim.attempts,
+                traceparents=[e.traceparent for e in events],
+                outbox_wait_seconds=_outbox_wait(held.claim, events[0]),
+            )
+        )
+        for held, events in sends
+    ]
 
 
 def _batch(claim: Claim, events: Sequence[ClaimedEvent]) -> Batch:
