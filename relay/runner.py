@@ -26,7 +26,7 @@ from relay.lane import Lane, LaneView
 from relay.limit import Limit
 from relay.listener import Listener
 from relay.metrics import Metrics
-from relay.migrate import SchemaError, version_problem
+from relay.migrate import SchemaError, read_version, version_problem
 from relay.pools import Pools
 from relay.post_turn import LoopLag, Permits
 from relay.progress import ListenerView, RelayView
@@ -148,7 +148,9 @@ class Relay:
         ordinary_pool, critical_pool = pools
         try:
             ordinary_store = self._pools.store(ordinary_pool)
-            problem = version_problem(await ordinary_store.schema_version(), s.schema)
+            async with ordinary_pool.connection() as conn:
+                with anyio.fail_after(ordinary_store.deadline):
+                    problem = version_problem(await read_version(conn, s.schema), s.schema)
             if problem:
                 raise SchemaError(problem)
             # Metrics only when they are served; their observers are wired into the lanes.

@@ -30,7 +30,6 @@ from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool
 
 from relay import clock
-from relay.migrate import read_version
 from relay.policy import Trust, lease_margin
 
 Pool = AsyncConnectionPool[psycopg.AsyncConnection[TupleRow]]
@@ -372,8 +371,3 @@ class Store:
     async def prune(self, retention: float, limit: int) -> int:
         rows = await self._call(self._prune, (retention, limit))
         return int(rows[0][0]) if rows else 0
-
-    async def schema_version(self) -> int:
-        async with self.pool.connection() as conn:
-            with anyio.fail_after(self.deadline):
-                return await read_version(conn, self.schema)
