@@ -121,7 +121,7 @@ def _database_url(args: argparse.Namespace) -> str:
 def _schema(args: argparse.Namespace) -> str:
     import os
 
-    from relay.migrate import validate_schema_name
+    from relay.maintenance.migrate import validate_schema_name
 
     name = getattr(args, "schema", None) or os.environ.get("RELAY_SCHEMA") or "relay"
     try:
@@ -146,13 +146,13 @@ def _reason(exc: Exception, url: str) -> str:
 def cmd_migrate(args: argparse.Namespace) -> int:
     import psycopg
 
-    from relay.migrate import SchemaError, migrate
+    from relay.maintenance.migrate import SchemaError, migrate
 
     url = _database_url(args)
     schema = _schema(args)
     roles = None
     if args.grant_roles:
-        from relay.roles import Roles
+        from relay.maintenance.roles import Roles
 
         try:
             roles = Roles.for_schema(schema, args.producer_role, args.relay_role)
@@ -230,12 +230,12 @@ def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
             hint=unknown_variables_warning(unknown),
         )
     if args.migrate:
-        from relay.migrate import migrate
+        from relay.maintenance.migrate import migrate
 
         migrate(settings.database_url.reveal(), settings.schema)
 
     from relay.integrations import start_tracing
-    from relay.migrate import SchemaError
+    from relay.maintenance.migrate import SchemaError
     from relay.runner import Relay, tune_gc
 
     # OpenTelemetry's own variables (OTEL_*), read like any instrumented service's; a bad value
@@ -341,8 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_ops_commands(sub, _add_settings, _database_url, _schema)
     # -- end operator tools ---------------------------------------------------------------------
 
-    # -- relay check (relay/checks.py) ----------------------------------------------------------
-    from relay.checks import add_command as add_check_command
+    # -- relay check (relay/ops/checks.py)
+    # ----------------------------------------------------------
+    from relay.ops.checks import add_command as add_check_command
 
     add_check_command(sub, _add_settings, _settings)
     # -- end relay check ------------------------------------------------------------------------

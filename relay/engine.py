@@ -20,7 +20,7 @@ Both return when `client.stop_worker()` is called, like `client.start_worker()`.
   `concurrency` + that batch run at the same time.
 - Claims made on a wake carry the worker id `<worker_id>/wake` (Absurd's `claimed_by`), so an
   operator can see which path resumed a task.
-- The LISTEN connection is the relay listener's own loop (relay/listening.py): TCP keepalives,
+- The LISTEN connection is the relay listener's own loop (relay/edges/listening.py): TCP keepalives,
   a `select 1` with a deadline after `check_interval` of quiet, reconnection with capped,
   jittered backoff, and one wake batch after every (re)connect because NOTIFY is not durable.
   While it is down, the stock poll goes on. It needs a direct connection: a transaction-mode
@@ -43,8 +43,8 @@ import psycopg
 from anyio.from_thread import start_blocking_portal
 
 from relay import logs
-from relay.listening import Listening, ping
-from relay.store import CONNECT_KWARGS
+from relay.edges.listening import Listening, ping
+from relay.edges.store import CONNECT_KWARGS
 
 if TYPE_CHECKING:
     from absurd_sdk import Absurd, AsyncAbsurd
@@ -103,7 +103,8 @@ class WakeListener:
     async def run(self) -> NoReturn:
         await self.listening.run(self)
 
-    # -- the hooks of relay/listening.py -------------------------------------------------------
+    # -- the hooks of relay/edges/listening.py
+    # -------------------------------------------------------
 
     async def prepare(self, conn: psycopg.AsyncConnection[Any]) -> None:
         pass

@@ -11,8 +11,8 @@ from __future__ import annotations
 import anyio
 from psycopg_pool import AsyncConnectionPool
 
+from relay.edges.store import CONNECT_KWARGS, IdleCheck, Pool, Store
 from relay.settings import Settings, redact_url
-from relay.store import CONNECT_KWARGS, IdleCheck, Pool, Store
 
 POOL_CHECK_IDLE = 1.0  # seconds idle after which a pooled connection is checked before use
 # A lane's database work does not grow with its POST slots: one claim loop, one ack group and

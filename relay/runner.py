@@ -18,23 +18,24 @@ import httpx
 from anyio.abc import TaskStatus
 from psycopg import sql
 
-from relay import health, logs, sdnotify
-from relay.admission import Admission, AdmissionView
-from relay.http_client import Sender, open_sender, require_extras
-from relay.ingress import IngressClient
-from relay.lane import Lane, LaneView
-from relay.limit import Limit
-from relay.listener import Listener
-from relay.metrics import Metrics
-from relay.migrate import SchemaError, read_version, version_problem
+from relay import logs
+from relay.admission.limit import Limit
+from relay.admission.permits import Admission, AdmissionView
+from relay.admission.retry_budget import BudgetView, RetryBudget
+from relay.delivery.lane import Lane, LaneView
+from relay.delivery.post_turn import LoopLag, Permits
+from relay.edges.http_client import Sender, open_sender, require_extras
+from relay.edges.ingress import IngressClient
+from relay.edges.listener import Listener
+from relay.edges.store import AckResult, Store
+from relay.edges.tracing import NO_TRACING, Tracer, flush_timeout
+from relay.maintenance.migrate import SchemaError, read_version, version_problem
+from relay.maintenance.retention import Retention
 from relay.pools import Pools
-from relay.post_turn import LoopLag, Permits
-from relay.progress import ListenerView, RelayView
-from relay.retention import Retention
-from relay.retry_budget import BudgetView, RetryBudget
+from relay.serving import health, sdnotify
+from relay.serving.metrics import Metrics
+from relay.serving.progress import ListenerView, RelayView
 from relay.settings import Settings, redact_url
-from relay.store import AckResult, Store
-from relay.tracing import NO_TRACING, Tracer, flush_timeout
 
 # Young collections every 10,000 net allocations of tracked objects instead of 700: one claim of
 # 64 runs loads hundreds of rows, each ran a collection of its own (docs/performance.md).
@@ -77,16 +78,18 @@ class Relay:
         tracer: Tracer = NO_TRACING,
     ) -> None:
         self.settings = settings
-        self.tracer = tracer  # spans of every delivery (relay/tracing.py), when configured
+        self.tracer = tracer  # spans of every delivery (relay/edges/tracing.py), when configured
         # The application's own HTTP client (or transport, e.g. an in-process ASGI app): both
-        # lanes POST through it, and it stays the application's to close (relay/http_client.py).
+        # lanes POST through it, and it stays the application's to close
+        # (relay/edges/http_client.py).
         self.app_http = client if client is not None else transport
         if self.app_http is None:  # an extra the relay's own client needs: said now, not later
             require_extras(settings, os.environ)
         self.prune_interval = prune_interval
         self._pools = Pools(settings)  # the database pools and the stores over them
         # What each POST may go under: the adaptive limit's permits and the retry budget, one
-        # of each per replica, shared by both lanes (relay/post_turn.py, relay/retry_budget.py).
+        # of each per replica, shared by both lanes (relay/delivery/post_turn.py,
+        # relay/admission/retry_budget.py).
         self.loop_lag = LoopLag()  # the relay's own lateness, which the limit tolerates
         self.permits = post_permits(settings, self.loop_lag.value)
         self.budget = RetryBudget()
@@ -133,7 +136,7 @@ class Relay:
         finally:
             # However the run ends (a stop, an error, a cancellation), the spans it recorded are
             # exported: what the batch processor still holds, for at most a share of the grace
-            # period (relay/tracing.py flush_timeout), whatever the collector does.
+            # period (relay/edges/tracing.py flush_timeout), whatever the collector does.
             if self.tracer.enabled:
                 bound = flush_timeout(self.settings.shutdown_timeout)
                 with anyio.CancelScope(shield=True):
@@ -221,7 +224,8 @@ class Relay:
                 background.start_soon(Retention(store, s.retention, self.prune_interval).run)
             if self.permits is not None:
                 background.start_soon(self.loop_lag.run)
-            # Operations (relay/health.py, relay/sdnotify.py), each only when configured.
+            # Operations (relay/serving/health.py, relay/serving/sdnotify.py), each only when
+            # configured.
             if metrics is not None and port is not None:
                 self.endpoints = await background.start(
                     health.serve, s, self.view, store, metrics, port
@@ -286,10 +290,11 @@ class Relay:
 
 
 def relay_view(relay: Relay) -> RelayView:
-    """What health, sdnotify, metrics and the status page read of `relay` (relay/progress.py):
-    the callables over its state, built in one place. Each one looks at the relay when an
-    observer asks, not when it is built: the lanes and the listener only exist once the relay
-    runs, and a view asked for before then sees none (no lanes, no listener)."""
+    """What health, sdnotify, metrics and the status page read of `relay`
+    (relay/serving/progress.py): the callables over its state, built in one place. Each one
+    looks at the relay when an observer asks, not when it is built: the lanes and the listener
+    only exist once the relay runs, and a view asked for before then sees none (no lanes, no
+    listener)."""
 
     def lanes() -> list[LaneView]:
         return [lane.view() for lane in relay.lanes.values()]

@@ -165,7 +165,9 @@ class Settings:
     ingress_token: Secret | None = None
     signing_secret: tuple[Secret, ...] = ()
     ingress_ca_file: str | None = None
-    http_transport: str = "aiohttp"  # the transport under httpx's client (relay/http_client.py)
+    http_transport: str = (
+        "aiohttp"  # the transport under httpx's client (relay/edges/http_client.py)
+    )
     http2: bool = False
     ingress_proxy: Secret | None = None  # else the environment's (HTTP_PROXY ...), read by httpx
     batch_size: int = 100
@@ -173,8 +175,8 @@ class Settings:
     concurrency: int = 32
     critical_concurrency: int = 4
     # POSTs in flight per replica: "adaptive" follows what the ingress takes, up to concurrency +
-    # critical_concurrency (relay/post_turn.py, docs/admission.md); "fixed" is each lane's own
-    # concurrency, whatever the ingress does (the relay before issue 42)
+    # critical_concurrency (relay/delivery/post_turn.py, docs/admission.md); "fixed" is each lane's
+    # own concurrency, whatever the ingress does (the relay before issue 42)
     post_limit: str = "adaptive"
     claim_runs: int = 64
     # Memory bounds (issue 13): payload bytes per POST (a claim's prefix stops early at it; a
@@ -311,7 +313,7 @@ def _choice(*options: str) -> Callable[[str], str]:
 
 def _http_transport(text: str) -> str:
     """`aiohttp` or `httpx`; the retired names of earlier releases (`httptools`, `httpcore`) are
-    kept as given, so a rolling upgrade starts, and relay/http_client.py says what replaces
+    kept as given, so a rolling upgrade starts, and relay/edges/http_client.py says what replaces
     them."""
     return _choice("aiohttp", "httpx", "httptools", "httpcore")(text.strip())
 
@@ -485,7 +487,7 @@ REQUIRED = ("database_url", "ingress_url")
 
 class Subcommands(Protocol):
     """What argparse's `add_subparsers()` returns, as far as registering a command needs it (its
-    class is a private name of argparse's): relay/checks.py and relay/ops/commands.py."""
+    class is a private name of argparse's): relay/ops/checks.py and relay/ops/commands.py."""
 
     def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
 
@@ -608,7 +610,7 @@ def load(flags: Mapping[str, str | None], environ: Mapping[str, str] | None = No
 
 
 def _check_relations(s: Settings) -> Settings:
-    from relay.policy import lease_margin
+    from relay.core.policy import lease_margin
 
     if s.lease_ttl <= s.http_timeout + lease_margin(s.lease_ttl):
         raise ConfigError(

@@ -17,8 +17,9 @@ from typing import Any
 import anyio
 import psycopg
 
-from relay import logs, sdnotify
-from relay.policy import backoff
+from relay import logs
+from relay.core.policy import backoff
+from relay.serving import sdnotify
 from relay.settings import passwords_in, redact_url, scrub
 
 FIRST_DELAY = 0.5
@@ -74,9 +75,9 @@ async def wait_for_database(
     """Return True once a connection to `url` succeeds, False when `stop` is set first; raise
     ConnectionError (its message without the password) when `timeout` > 0 runs out.
 
-    While it waits, `metrics_addr` (when set, relay/health.py's MetricsPort) answers /healthz
-    200 and /readyz 503, so that a liveness or startup probe does not restart a relay that is
-    only waiting; under systemd, each attempt extends the start timeout (EXTEND_TIMEOUT_USEC)
+    While it waits, `metrics_addr` (when set, relay/serving/health.py's MetricsPort) answers
+    /healthz 200 and /readyz 503, so that a liveness or startup probe does not restart a relay that
+    is only waiting; under systemd, each attempt extends the start timeout (EXTEND_TIMEOUT_USEC)
     and pings the watchdog."""
     notifier = sdnotify.from_environ()
     try:

@@ -28,7 +28,7 @@ from psycopg import sql
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from relay.migrate import migrate  # noqa: E402
+from relay.maintenance.migrate import migrate  # noqa: E402
 from tests.faults.harness import relay_env  # noqa: E402
 from tests.upgrade import previous_release  # noqa: E402
 

@@ -604,7 +604,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "bytes-lane-unbounded",
         "memory bound: a lane holds at most max_lane_bytes of claims",
-        "relay/holdings.py",
+        "relay/delivery/holdings.py",
         "return (self.settings.max_lane_bytes - self.held_bytes) // self.settings.max_batch_bytes",
         "return 10**6",
         ("tests/test_memory.py::test_a_lane_holds_no_more_than_its_byte_budget_of_claims",),
@@ -622,7 +622,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "lane-critical-claims-as-ordinary",
         "§4.3: the critical lane never takes ordinary work (end to end)",
-        "relay/lane.py",
+        "relay/delivery/lane.py",
         "claims = await self.store.claim(self.name, want)",
         "claims = await self.store.claim('ordinary', want)",
         ("tests/test_lanes_e2e.py",),
@@ -637,11 +637,11 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_lanes_e2e.py",),
         ci=True,
     ),
-    # -- the §5 answer table (relay/policy.py decide: one pure function, a test per row) --------
+    # -- the §5 answer table (relay/core/policy.py decide: one pure function, a test per row) ---
     Mutant(
         "answer-409-not-accepted",
         "§5 row 409: duplicates count as accepted",
-        "relay/policy.py",
+        "relay/core/policy.py",
         "if 200 <= status < 300 or status == 409:",
         "if 200 <= status < 300:",
         (
@@ -653,7 +653,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "answer-429-poison",
         "§5 row transient: 429 is retried, never poison",
-        "relay/policy.py",
+        "relay/core/policy.py",
         "TRANSIENT_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})",
         "TRANSIENT_STATUSES = frozenset({408, 425, 500, 502, 503, 504})",
         (f"{DECIDE}::test_transient_status_reschedules_with_backoff_and_allows_quick_retries",),
@@ -661,7 +661,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "answer-401-poison",
         "§5 row misconfigured: 401 pauses the lane, never fails events",
-        "relay/policy.py",
+        "relay/core/policy.py",
         "MISCONFIGURED_STATUSES = frozenset({401, 403, 404, 405, 410})",
         "MISCONFIGURED_STATUSES = frozenset({403, 404, 405, 410})",
         (f"{DECIDE}::test_misconfigured_endpoint_pauses_the_lane",),
@@ -669,7 +669,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "answer-3xx-poison",
         "§5 row misconfigured: a 3xx is the endpoint's fault",
-        "relay/policy.py",
+        "relay/core/policy.py",
         "if status in MISCONFIGURED_STATUSES or 300 <= status < 400:",
         "if status in MISCONFIGURED_STATUSES:",
         (f"{DECIDE}::test_misconfigured_endpoint_pauses_the_lane",),
@@ -677,7 +677,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "answer-accepted-k-ignored",
         "§5 row 2xx {accepted: k}: only the first k are acked (§9.1)",
-        "relay/policy.py",
+        "relay/core/policy.py",
         "return max(0, min(k, n_events))",
         "return n_events",
         (
@@ -689,7 +689,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "answer-retry-after-ignored",
         "§5 row transient: Retry-After is honoured",
-        "relay/policy.py",
+        "relay/core/policy.py",
         "after = parse_retry_after(answer.retry_after, now, maximum=cap)",
         "after = None",
         (
@@ -700,7 +700,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "answer-cut-body-accepted",
         "§5 row 2xx: a body cut at the read limit is transient (issue 13.6)",
-        "relay/policy.py",
+        "relay/core/policy.py",
         "if status != 409 and answer.truncated:",
         "if False:",
         ("tests/test_hostile_http.py",),
@@ -709,7 +709,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "answer-garbled-body-accepted",
         "§5 row 2xx: a non-empty body that is not JSON is transient (issue 13.6)",
-        "relay/policy.py",
+        "relay/core/policy.py",
         "    if parsed is _NOT_JSON:\n        return None",
         "    if parsed is _NOT_JSON:\n        return n_events",
         (
@@ -717,11 +717,11 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_hostile_http.py",
         ),
     ),
-    # -- the one HTTP client (relay/http_client.py): the rest is httpx's and its transport's ---
+    # -- the one HTTP client (relay/edges/http_client.py): the rest is httpx's and its transport
     Mutant(
         "http-body-unbounded",
         "issue 13: an answer is read to READ_LIMIT bytes only, then the connection is dropped",
-        "relay/http_client.py",
+        "relay/edges/http_client.py",
         "        if size >= READ_LIMIT:",
         "        if False:",
         ("tests/test_ingress_unit.py::test_post_reads_at_most_max_body",),
@@ -730,7 +730,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "http-stale-answer-transport",
         "§9.1 (issue 40): an answer written twice is never read as the next POST's",
-        "relay/http_client.py",
+        "relay/edges/http_client.py",
         "    name = RETIRED_TRANSPORTS.get(configured, configured)",
         '    name = "httpx"',
         ("tests/test_http_client.py::test_an_answer_written_twice_is_not_read_as_the_next_posts",),
@@ -738,7 +738,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "http-cookies-kept",
         "issue 40: an ingress's Set-Cookie never grows the client's state",
-        "relay/http_client.py",
+        "relay/edges/http_client.py",
         "            cookies=no_cookies(),",
         "            cookies=None,",
         ("tests/test_http_client.py::test_the_ingress_cannot_set_cookies_on_the_client",),
@@ -746,7 +746,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "unframed-empty-2xx-accepted",
         "§9.1 (issue 40): an empty 2xx ended only by the connection (maybe a reset) is no ack",
-        "relay/policy.py",
+        "relay/core/policy.py",
         "        if status != 409 and answer.unframed and not answer.body.strip():",
         "        if False:",
         (
@@ -758,7 +758,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "poison-narrowing-continues",
         "§9.2: nothing after a poison event is delivered (narrowing stops at it)",
-        "relay/narrowing.py",
+        "relay/delivery/narrowing.py",
         "            if isinstance(single.decision, Poison):\n"
         "                return await self.results.block("
         "claim, event, single.decision, resent=single)",
@@ -770,7 +770,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "batch-refusal-blocks-every-run",
         "§5 4xx: only a run's own refusal blocks it, not a refusal of a whole multi-run request",
-        "relay/delivery.py",
+        "relay/delivery/deliveries.py",
         "        if len(holds) > 1 and _refused_whole(posted := _posted(outcomes)):",
         "        if False:",
         (
@@ -781,7 +781,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "batch-slot-held-through-acks",
         "§4.3 pipelining: a multi-run POST frees its slot once every run was accepted whole",
-        "relay/delivery.py",
+        "relay/delivery/deliveries.py",
         "        if free_early and _only_acks_left(outcomes):",
         "        if False:",
         ("tests/test_relay.py::test_a_multi_run_post_frees_its_slot_before_its_acks",),
@@ -790,7 +790,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "claim-renewal-dropped",
         "§4.2 trust window: the delivery reads the window its lease was renewed to",
-        "relay/renewal.py",
+        "relay/delivery/renewal.py",
         "                held.claim = held.claim.renewed(trust)",
         "                held.claim.renewed(trust)",
         (
@@ -802,7 +802,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "claim-promotion-dropped",
         "§4.3/§9.6: a queued run whose terminal event commits turns critical (handed over)",
-        "relay/lane.py",
+        "relay/delivery/lane.py",
         "            held.claim = held.claim.promoted()",
         "            held.claim.promoted()",
         (
@@ -814,7 +814,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "slot-queue-critical-not-first",
         "§4.3: a freed POST slot goes to a critical claim first, single or group alike",
-        "relay/slots.py",
+        "relay/delivery/slots.py",
         "(w for w in self._waiters if w.critical)",
         "(w for w in self._waiters if False)",
         (
@@ -828,7 +828,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "slot-queue-promoted-claim-not-woken",
         "§4.3/§9.6: a promotion wakes the queued claim it turns critical (to be handed over)",
-        "relay/post_turn.py",
+        "relay/delivery/post_turn.py",
         "        self.slots.wake(run_id)",
         "        pass",
         (
@@ -841,7 +841,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "post-turn-ordinary-takes-critical",
         "§9.6 at the ingress: the ordinary lane's POSTs ask for ordinary permits (not the reserve)",
-        "relay/post_turn.py",
+        "relay/delivery/post_turn.py",
         '    if lane == "critical":\n        return True',
         "    if True:\n        return True",
         (
@@ -851,7 +851,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "admission-reserve-ignored",
         "§9.6 at the ingress: the ordinary lane never takes the critical reserve of the limit",
-        "relay/admission.py",
+        "relay/admission/permits.py",
         "return self.inflight < allowed and ordinary < allowed - self.reserve",
         "return self.inflight < allowed",
         (
@@ -861,7 +861,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "permits-cancelled-grant-leaked",
         "issue 42: a permit granted to a waiter cancelled meanwhile is passed on, never leaked",
-        "relay/post_turn.py",
+        "relay/delivery/post_turn.py",
         "                self.release(waiter.permit)",
         "                pass",
         (f"{POST_TURN}::test_a_waiter_cancelled_after_its_grant_passes_the_permit_on",),
@@ -870,7 +870,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "post-turn-cancelled-slot-leaked",
         "issue 42: a turn stopped or cancelled while it waits for a permit gives its slot back",
-        "relay/post_turn.py",
+        "relay/delivery/post_turn.py",
         "                    release_slot()",
         "                    pass",
         (
@@ -881,7 +881,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "post-turn-promoted-permit-waiter-not-woken",
         "§9.6: a promotion wakes the claim's permit waiter, which queues again as critical",
-        "relay/post_turn.py",
+        "relay/delivery/post_turn.py",
         "        if self.permits is not None:\n            self.permits.wake(run_id)",
         "        if self.permits is not None:\n            pass",
         (
@@ -903,7 +903,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "limit-samples-not-fed",
         "issue 42: each answer to a POST is a sample of the adaptive limit",
-        "relay/bookkeeping.py",
+        "relay/delivery/bookkeeping.py",
         "            answered(sample)",
         "            pass",
         (f"{ADMISSION_E2E}::test_the_limit_falls_on_503s_and_recovers_after",),
@@ -919,7 +919,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "budget-quick-retries-unasked",
         "issue 42: quick retries ask the retry budget too",
-        "relay/retries.py",
+        "relay/delivery/retries.py",
         "_BudgetSpent(may_retry))",
         "_BudgetSpent(lambda: True))",
         (f"{ADMISSION_E2E}::{BUDGET_TEST}",),
@@ -927,7 +927,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "budget-deferral-counted-as-attempt",
         "issue 42: a retry the budget defers is not an attempt (its backoff does not grow)",
-        "relay/release.py",
+        "relay/delivery/release.py",
         "released = await self.store.release(claim, deferred.delay)",
         'released = await self.store.release(claim, deferred.delay, error="retry_budget")',
         (f"{ADMISSION_E2E}::{BUDGET_TEST}",),
@@ -936,7 +936,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "budget-served-retries-free",
         "issue 42: while the ingress fails, a served retry is charged too (else an ingress that "
         "fails every first attempt and serves every retry sees 2 POSTs per first attempt)",
-        "relay/retry_budget.py",
+        "relay/admission/retry_budget.py",
         "        charged = retry and (result is Result.FAILED or not self.healthy(now))",
         "        charged = retry and result is Result.FAILED",
         (
@@ -947,7 +947,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "ack-unknown-not-sent-again",
         "§9.5: an ack that did not commit (the database away) is sent again, not redelivered",
-        "relay/ack.py",
+        "relay/delivery/ack.py",
         "        (result,) = await self.store.ack([(p.claim, p.upto, p.keep)])",
         '        result = AckResult(run_id, "not_committed", 0, None, None, None)',
         ("tests/test_failures.py::test_ack_with_unknown_outcome_is_resolved_by_rereading",),
@@ -955,7 +955,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "claim-widening-dropped",
         "§4.3: a promoted claim's POST carries the terminal event committed since the claim",
-        "relay/execute.py",
+        "relay/delivery/execute.py",
         "            held.claim = held.claim.widened(more)",
         "            held.claim.widened(more)",
         (
@@ -1045,7 +1045,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "tracing-resend-unobserved",
         "tracing: every outcome reaches the observer once, after its write (a narrowing's acked"
         " resend too)",
-        "relay/complete.py",
+        "relay/delivery/complete.py",
         "        self.observe(resent, result)\n",
         "",
         ("tests/test_tracing.py::test_every_outcome_is_observed_once_after_it_is_written",),

@@ -21,7 +21,7 @@ from pathlib import Path
 import psycopg
 from psycopg.types.json import Jsonb
 
-from relay.migrate import migrate
+from relay.maintenance.migrate import migrate
 from relay.tools.embedded import EmbeddedPostgres
 
 

@@ -45,6 +45,8 @@ check() {  # check LABEL COMMAND...
 check "ruff check" .venv/bin/ruff check .
 check "ruff format" .venv/bin/ruff format --check .
 check "mypy" .venv/bin/mypy
+# The architecture's layers (pyproject.toml, [tool.importlinter]; docs/architecture.md).
+check "import layers" .venv/bin/lint-imports --no-cache
 check "pytest" .venv/bin/python -m pytest "$@"
 # Planted bugs the tests must catch (issue 14): the bounded subset; `scripts/mutants.py` runs all.
 check "mutants" .venv/bin/python scripts/mutants.py --ci

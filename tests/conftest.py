@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from relay.migrate import migrate
+from relay.maintenance.migrate import migrate
 from relay.tools.absurd import install_absurd
 from relay.tools.embedded import EmbeddedPostgres
 from relay.tools.sink import Sink, serve_sink

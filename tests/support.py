@@ -19,13 +19,13 @@ import anyio
 import psycopg
 from psycopg import sql
 
-from relay.admission import AdmissionView, Priority
-from relay.limit import LimitView
-from relay.policy import Trust
-from relay.retry_budget import BudgetView
+from relay.admission.limit import LimitView
+from relay.admission.permits import AdmissionView, Priority
+from relay.admission.retry_budget import BudgetView
+from relay.core.policy import Trust
+from relay.edges.store import Claim, ClaimedEvent
 from relay.runner import Relay
 from relay.settings import Settings, load
-from relay.store import Claim, ClaimedEvent
 from relay.tools.sink import Sink
 
 T = TypeVar("T")
@@ -329,9 +329,10 @@ class Decisions(logging.Handler):
 
 
 def admission_view(*, min_rtt: float | None = 0.0414, fallen: bool = True) -> AdmissionView:
-    """A replica's adaptive limit as the status page and its report read it (relay/ui/data.py):
-    7 POSTs allowed of a ceiling of 36, fallen unless told otherwise, a critical reserve of 2,
-    6 in flight (1 critical) and 12 ordinary ones waiting; `min_rtt` None before any answer."""
+    """A replica's adaptive limit as the status page and its report read it
+    (relay/serving/ui/data.py): 7 POSTs allowed of a ceiling of 36, fallen unless told otherwise, a
+    critical reserve of 2, 6 in flight (1 critical) and 12 ordinary ones waiting; `min_rtt` None
+    before any answer."""
     limit = LimitView(value=7.4, allowed=7, ceiling=36, min_rtt=min_rtt, median_rtt=0.09,
                       paused_until=0.0, fallen=fallen)  # fmt: skip
     return AdmissionView(

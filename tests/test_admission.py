@@ -1,13 +1,13 @@
-"""Who may POST under the adaptive limit (relay/admission.py, issue 42): the critical reserve
-the ordinary lane cannot take, critical waiters first, each lane first come first served, a
+"""Who may POST under the adaptive limit (relay/admission/permits.py, issue 42): the critical
+reserve the ordinary lane cannot take, critical waiters first, each lane first come first served, a
 permit released once. Pure: the waiting is the admission's decision, no event loop."""
 
 from __future__ import annotations
 
 import pytest
 
-from relay.admission import Admission, Permit, Priority
-from relay.limit import Limit, Sample, Signal
+from relay.admission.limit import Limit, Sample, Signal
+from relay.admission.permits import Admission, Permit, Priority
 
 CRITICAL, ORDINARY = Priority.CRITICAL, Priority.ORDINARY
 NOW = 50.0

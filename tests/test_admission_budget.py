@@ -1,6 +1,6 @@
-"""The retry budget (relay/retry_budget.py, issue 42) on a fake clock: retries stay a bounded share
-of the POSTs to a failing ingress, cost nothing against a healthy one, and a quiet relay may
-still retry. The windows under it (relay/windows.py) too."""
+"""The retry budget (relay/admission/retry_budget.py, issue 42) on a fake clock: retries stay a
+bounded share of the POSTs to a failing ingress, cost nothing against a healthy one, and a quiet
+relay may still retry. The windows under it (relay/admission/windows.py) too."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections import deque
 
 import pytest
 
-from relay.retry_budget import SPAN, Result, RetryBudget
-from relay.windows import WindowedMin, WindowedSum
+from relay.admission.retry_budget import SPAN, Result, RetryBudget
+from relay.admission.windows import WindowedMin, WindowedSum
 
 # --- a simulated ingress ----------------------------------------------------------------------
 

@@ -23,8 +23,8 @@ import psycopg
 import pytest
 
 import relay
-from relay.limit import MIN_LIMIT
-from relay.retry_budget import PER_SECOND, RATIO, SPAN
+from relay.admission.limit import MIN_LIMIT
+from relay.admission.retry_budget import PER_SECOND, RATIO, SPAN
 from relay.runner import Relay
 from relay.settings import Settings
 from relay.tools.bench.capacity_ingress import CapacitySink, Post

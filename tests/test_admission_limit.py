@@ -1,12 +1,12 @@
-"""The adaptive POST limit's rules, one test each (relay/limit.py, issue 42), on a fake clock: a
-"round" sends as many POSTs as asked at one instant and answers them all one round trip later,
-so each round is one judging window and one decision."""
+"""The adaptive POST limit's rules, one test each (relay/admission/limit.py, issue 42), on a fake
+clock: a "round" sends as many POSTs as asked at one instant and answers them all one round trip
+later, so each round is one judging window and one decision."""
 
 from __future__ import annotations
 
 import pytest
 
-from relay.limit import (
+from relay.admission.limit import (
     MIN_RTT_SPAN,
     RTT_SLACK,
     Change,
@@ -103,7 +103,7 @@ def test_falls_on_queueing_by_the_minimum_over_the_median() -> None:
 
 
 def test_the_relays_own_lateness_is_not_the_ingress_queueing() -> None:
-    """Round trips a busy relay read late by `lag` (its event loop's, relay/post_turn.py
+    """Round trips a busy relay read late by `lag` (its event loop's, relay/delivery/post_turn.py
     LoopLag) are tolerated by that much: the same answers without it are a cut."""
     late = steady(initial=20)
     assert late.round(0.090, lag=0.030) == 21

@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from relay.admission import Admission, Permit, Priority
-from relay.limit import Limit, Sample
+from relay.admission.limit import Limit, Sample
+from relay.admission.permits import Admission, Permit, Priority
 
 TICK = 0.01  # seconds between two readings of the ingress's in-flight count and the limits
 

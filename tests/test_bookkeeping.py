@@ -1,4 +1,4 @@
-"""The executor's bookkeeping of its tries (relay/bookkeeping.py), without a database or an
+"""The executor's bookkeeping of its tries (relay/delivery/bookkeeping.py), without a database or an
 ingress: what each answer tells the adaptive limit (its `Sample`) and the retry budget (served,
 failed or unsent; a retry holding a token), and that a failing limit never undoes an answered
 POST. The budget here is the real one; the limit is a list the samples go to."""
@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from relay.bookkeeping import Bookkeeping
-from relay.http_client import TransportFailure
-from relay.ingress import Answer
-from relay.limit import Sample, Signal
-from relay.policy import Ack, Retry
-from relay.retry_budget import Result, RetryBudget
+from relay.admission.limit import Sample, Signal
+from relay.admission.retry_budget import Result, RetryBudget
+from relay.core.policy import Ack, Retry
+from relay.delivery.bookkeeping import Bookkeeping
+from relay.delivery.stats import ExecuteStats
+from relay.edges.http_client import TransportFailure
+from relay.edges.ingress import Answer
+from relay.edges.store import Held
 from relay.settings import load
-from relay.stats import ExecuteStats
-from relay.store import Held
 from tests.support import Decisions, one_event_claim, relay_logs
 
 SETTINGS = load(

@@ -15,7 +15,8 @@ import httpx
 import orjson
 import pytest
 
-from relay.checks import (
+from relay.core.policy import Outcome, classify
+from relay.ops.checks import (
     DATABASE,
     INGRESS,
     LISTEN,
@@ -25,7 +26,6 @@ from relay.checks import (
     exit_code,
     scrub,
 )
-from relay.policy import Outcome, classify
 from relay.settings import Settings, load
 from relay.tools.sink import Sink, serve_sink
 from tests.test_cli import RELAY, relay_env
@@ -292,7 +292,7 @@ async def test_the_check_sends_the_configured_token_not_the_urls_userinfo(
 
 async def test_an_ingress_whose_answers_relay_run_cannot_trust_fails_the_check() -> None:
     """Issue 40: an empty 200 ended only by the connection's close cannot be told from a reset
-    (relay/policy.py), so `relay run` would retry every batch and deliver none; `relay check`
+    (relay/core/policy.py), so `relay run` would retry every batch and deliver none; `relay check`
     says so rather than `ok`."""
     import asyncio
 

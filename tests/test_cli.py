@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from anyio.abc import Process
 
-from relay.migrate import code_version
+from relay.maintenance.migrate import code_version
 from tests.support import Rig, assert_acked_only_if_received, count, q, wait_for
 from tests.test_relay import enqueue_runs
 
@@ -248,7 +248,7 @@ def test_migrate_cli_from_many_processes_at_once(pg_url: str) -> None:
         ({"RELAY_LEASE_TTL": "-3"}, "lease_ttl"),
         ({"RELAY_INGRESS_URL": "http://x/no-placeholder"}, "ingress_url"),
         ({"RELAY_SCHEMA": "Bad-Name"}, "schema"),
-        (  # OpenTelemetry's own variables are checked at start too (relay/tracing.py)
+        (  # OpenTelemetry's own variables are checked at start too (relay/edges/tracing.py)
             {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_TRACES_SAMPLER": "x"},
             "OTEL_TRACES_SAMPLER",
         ),

@@ -1,4 +1,4 @@
-"""The DESIGN §5 answer table, one test per row: `relay.policy.decide` turns one ingress answer
+"""The DESIGN §5 answer table, one test per row: `relay.core.policy.decide` turns one ingress answer
 (or the failure to get one) into the one value the delivery carries out. Pure: no database, no
 network, the clock and the jitter passed in. Plus the pure helpers beside it: which runs share
 a POST (`plan_groups`) and which event a rejection names (`rejected_event_id`).
@@ -16,8 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from relay.ingress import Answer, TransportFailure
-from relay.policy import (
+from relay.core.policy import (
     BACKOFF_BASE,
     BODY_EXCERPT,
     SMALL_RUN_EVENTS,
@@ -31,6 +30,7 @@ from relay.policy import (
     plan_groups,
     rejected_event_id,
 )
+from relay.edges.ingress import Answer, TransportFailure
 from relay.runner import Relay
 from relay.tools.sink import Sink
 from tests.support import assert_acked_only_if_received, count, q, settings, wait_for

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from relay.serving import MAX_CONNECTIONS
+from relay.serving.server import MAX_CONNECTIONS
 from relay.settings import SECRET_OPTIONS, parse_duration
 
 yaml = pytest.importorskip("yaml")
@@ -37,13 +37,13 @@ HARDENING = {
 
 
 # What a stop may take before the manager's SIGKILL: the drain (shutdown_timeout), the spans'
-# bounded flush after it (relay/tracing.py flush_timeout), and a few seconds for handing the
+# bounded flush after it (relay/edges/tracing.py flush_timeout), and a few seconds for handing the
 # leases back and closing the pools.
 HAND_BACK = 5.0
 
 
 def stop_budget(drain: float) -> float:
-    from relay.tracing import flush_timeout
+    from relay.edges.tracing import flush_timeout
 
     return drain + flush_timeout(drain) + HAND_BACK
 

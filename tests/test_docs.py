@@ -18,7 +18,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from relay.migrate import migrate
+from relay.maintenance.migrate import migrate
 from relay.tools.absurd import install_absurd
 
 ROOT = Path(__file__).resolve().parent.parent

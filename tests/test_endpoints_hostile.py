@@ -20,8 +20,8 @@ import anyio
 import httpx
 import pytest
 
-from relay import serving
-from relay.ui.web import Request, Response
+from relay.serving import server as serving
+from relay.serving.ui.web import Request, Response
 from tests.support import Rig, wait_for
 from tests.test_cli import RELAY, relay_env
 from tests.test_relay import enqueue_runs

@@ -16,8 +16,8 @@ import pytest
 
 import relay
 from relay import logs
+from relay.edges.store import AckResult, Store
 from relay.runner import Relay
-from relay.store import AckResult, Store
 from relay.tools.sink import Sink
 from tests.support import assert_acked_only_if_received, count, q, settings, wait_for
 from tests.test_relay import enqueue_runs

@@ -12,13 +12,13 @@ import httpx
 import pytest
 from anyio.abc import SocketStream, TaskGroup
 
-from relay import serving
-from relay.health import Endpoints, readiness, refresh_gap, refresh_interval, split_addr
-from relay.lane import LaneStats, LaneView
-from relay.metrics import Metrics
-from relay.progress import ListenerView, RelayView, loops_alive, stall_limit
+from relay.delivery.lane import LaneStats, LaneView
 from relay.runner import GC_THRESHOLDS, Relay, tune_gc
-from relay.serving import to_evict
+from relay.serving import server as serving
+from relay.serving.health import Endpoints, readiness, refresh_gap, refresh_interval, split_addr
+from relay.serving.metrics import Metrics
+from relay.serving.progress import ListenerView, RelayView, loops_alive, stall_limit
+from relay.serving.server import to_evict
 from relay.tools.sink import Sink
 from tests.support import Rig, settings, wait_for
 from tests.test_metrics import get, relay_port, scrape

@@ -1,12 +1,12 @@
-"""What a lane may hold (relay/holdings.py): under the fixed limit its concurrency and a claim
-beyond; under the adaptive limit what its share of the limit can POST now and one round more
+"""What a lane may hold (relay/delivery/holdings.py): under the fixed limit its concurrency and a
+claim beyond; under the adaptive limit what its share of the limit can POST now and one round more
 (issue 42), following the limit as it moves. No database: Holdings is pure bookkeeping."""
 
 from __future__ import annotations
 
-from relay.holdings import Holdings
+from relay.delivery.holdings import Holdings
+from relay.edges.store import Claim
 from relay.settings import Settings, load
-from relay.store import Claim
 from tests.support import one_event_claim
 
 

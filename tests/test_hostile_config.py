@@ -323,7 +323,7 @@ async def test_a_connection_error_quoting_the_decoded_password_is_scrubbed() -> 
 
 
 def test_relay_check_scrubs_the_decoded_password() -> None:
-    from relay.checks import scrub, secrets_of
+    from relay.ops.checks import scrub, secrets_of
 
     s = load({"database_url": ENCODED_URL, "ingress_url": INGRESS}, environ={})
     text = scrub(f"FATAL: bad password {HALVES[0]}/{HALVES[1]} for {ENCODED_URL}", secrets_of(s))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import relay
-from relay.ingress import MAX_BODY
+from relay.edges.ingress import MAX_BODY
 from tests.support import HTTP_TRANSPORTS, Rig, q, wait_for
 
 pytestmark = pytest.mark.anyio

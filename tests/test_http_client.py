@@ -29,8 +29,8 @@ import trustme
 
 import relay
 import relay.settings
-from relay.http_client import Reply, open_sender, transport_for
-from relay.ingress import TransportFailure
+from relay.edges.http_client import Reply, open_sender, transport_for
+from relay.edges.ingress import TransportFailure
 from relay.runner import Relay
 from relay.settings import ConfigError, Settings
 from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
@@ -162,7 +162,7 @@ async def test_a_reset_after_a_2xx_head_without_a_length_is_not_an_ack(
 ) -> None:
     """aiohttp reads a reset as the end of a body framed by the connection's close, so the relay
     sees `200` and an empty body, which would accept everything (DESIGN §5). An unframed empty
-    2xx is a transient failure instead (relay/policy.py); httpx's own transport reports the
+    2xx is a transient failure instead (relay/core/policy.py); httpx's own transport reports the
     reset. Either way the event stays pending, rescheduled."""
     ingress = RawIngress(reset_after_head)
     async with ingress.serving() as url:

@@ -1,4 +1,4 @@
-"""Unit tests for the pure parts of relay.ingress (DESIGN §5): URL rendering, the body, the
+"""Unit tests for the pure parts of relay.edges.ingress (DESIGN §5): URL rendering, the body, the
 Standard Webhooks id and signature, and the request headers. No network: the one request test
 goes through an in-process httpx.MockTransport."""
 
@@ -21,8 +21,8 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from relay import __version__
-from relay.http_client import HttpxSender, Reply, open_sender
-from relay.ingress import (
+from relay.edges.http_client import HttpxSender, Reply, open_sender
+from relay.edges.ingress import (
     MAX_BODY,
     USER_AGENT,
     Batch,
@@ -35,8 +35,8 @@ from relay.ingress import (
     sign,
     webhook_id,
 )
+from relay.edges.store import ClaimedEvent
 from relay.settings import Secret, Settings, load
-from relay.store import ClaimedEvent
 
 TEMPLATE = "https://ingress.internal/runs/{run_id}/events"
 CLAIMED_AT = datetime(2024, 5, 17, 12, 0, 0, tzinfo=UTC)
@@ -361,7 +361,7 @@ async def test_headers_with_token_traceparent_and_signature() -> None:
 
 @pytest.mark.anyio
 async def test_webhook_timestamp_is_the_batch_s_database_time() -> None:
-    """The caller says what the database's clock reads (relay.store.Claim.database_time): the
+    """The caller says what the database's clock reads (relay.edges.store.Claim.database_time): the
     client signs that, and never reads a lease."""
     async with mock() as http:
         client = IngressClient(settings(RELAY_SIGNING_SECRET=WHSEC), http)

@@ -12,10 +12,10 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
-from relay.lane import Lane
-from relay.post_turn import Slot
+from relay.delivery.lane import Lane
+from relay.delivery.post_turn import Slot
+from relay.edges.store import Held
 from relay.settings import load
-from relay.store import Held
 from tests.support import one_event_claim, wait_for
 
 pytestmark = pytest.mark.anyio

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -21,7 +22,7 @@ PACKAGE = ROOT / "relay"
 TOOLS = "relay.tools"
 # The first sentence of a module's docstring names its job: at most this many words.
 MAX_JOB_WORDS = 75
-# Optional integrations: each needs an extra, loaded only when configured (relay/tracing.py).
+# Optional integrations: each needs an extra, loaded only when configured (relay/edges/tracing.py).
 INTEGRATIONS = {"relay.integrations": "otel"}
 # In the core install although nothing imports it: none since issue 40 (every core dependency
 # is one the production wing imports).
@@ -257,7 +258,7 @@ def test_the_production_wing_loads_an_integration_only_inside_a_function() -> No
     """`import relay.runner` (what `relay run` loads) pulls in no integration: they are
     imported lazily where their configuration asks for them."""
     code = (
-        "import sys, relay.runner, relay.cli, relay.tracing, relay.ingress; "
+        "import sys, relay.runner, relay.cli, relay.edges.tracing, relay.edges.ingress; "
         "print([m for m in sys.modules if m.startswith(("
         "'relay.integrations', 'opentelemetry'))])"
     )
@@ -400,3 +401,77 @@ def test_a_private_name_of_a_dependency_is_found(planted: str) -> None:
     sources = production_sources() | {"relay.planted": planted}
     found = private_names_of_dependencies(sources)
     assert [f for f in found if f.startswith("relay.planted:")], found
+
+
+# --- the tree shows the architecture (issue 47) ---------------------------------------------------
+
+# relay/'s top level is its public face and the runner's parts; everything else sits in the
+# subpackage of its component (docs/architecture.md).
+MAX_TOP_LEVEL = 12
+
+
+def lint_imports(cwd: Path) -> subprocess.CompletedProcess[str]:
+    """import-linter's contracts (pyproject.toml, `[tool.importlinter]`) over the `relay` package
+    found first on the path from `cwd`."""
+    command = Path(sys.executable).with_name("lint-imports")
+    return subprocess.run(
+        [str(command), "--no-cache"],
+        cwd=cwd,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(cwd)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_the_top_level_holds_the_public_face_and_few_modules() -> None:
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(top) <= MAX_TOP_LEVEL, f"relay/ has {len(top)} top-level modules: {top}"
+    assert {"cli", "producer", "runner", "settings", "logs"} <= set(top)
+
+
+def test_every_subpackage_says_what_it_holds_and_what_it_may_import() -> None:
+    """Each subpackage's `__init__` docstring names its modules and the layers it may import."""
+    silent = {}
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        held = sorted(
+            p.stem if p.suffix else p.name
+            for p in init.parent.iterdir()
+            if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()
+        )
+        missing = [m for m in held if m not in doc]
+        if init.parent.name != "tools" and ("import" not in doc or missing):
+            silent[init.parent.name] = missing or ["what it may import"]
+    assert silent == {}, f"subpackages whose docstring does not say: {silent}"
+
+
+def test_the_import_layers_are_kept() -> None:
+    got = lint_imports(ROOT)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert "broken" not in got.stdout.split("Contracts:")[-1].replace("0 broken", "")
+
+
+@pytest.mark.parametrize(
+    ("where", "planted", "says"),
+    [
+        # an edge reaching up into the delivery pipeline
+        ("edges/store.py", "from relay.delivery import lane", "relay.edges is not allowed"),
+        # the pure core reaching an edge
+        ("core/policy.py", "from relay.edges import store", "relay.core is not allowed"),
+        # the production wing reaching the tools wing
+        ("runner.py", "from relay.tools import embedded", "relay.runner is not allowed"),
+        # the pipeline's complete reaching back up to fetch
+        ("delivery/execute.py", "from relay.delivery import lane", "execute is not allowed"),
+    ],
+)
+def test_a_planted_upward_import_breaks_the_layers(
+    tmp_path: Path, where: str, planted: str, says: str
+) -> None:
+    shutil.copytree(PACKAGE, tmp_path / "relay", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    with (tmp_path / "relay" / where).open("a") as f:
+        f.write(f"\n{planted}  # planted\n")
+    got = lint_imports(tmp_path)
+    assert got.returncode != 0, got.stdout
+    assert says in got.stdout, got.stdout

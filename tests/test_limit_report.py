@@ -1,5 +1,5 @@
 """Each replica's adaptive POST limit in `relay status` (issue 42, item 4): a replica reports it
-in its report's `limit` (relay/ui/data.py `report_limit`), the database checks its shape
+in its report's `limit` (relay/serving/ui/data.py `report_limit`), the database checks its shape
 (`report_limit_problem`, schema/functions_ui.sql) and `status()` returns it per replica from a
 valid report of the last two minutes (`replica_limit`, schema/functions_ops.sql), which
 `relay status` prints under the replicas."""
@@ -15,14 +15,14 @@ import anyio
 import psycopg
 import pytest
 
-from relay.lane import LaneStats, LaneView
+from relay.admission.retry_budget import BudgetView
+from relay.delivery.lane import LaneStats, LaneView
 from relay.ops.render import NO_LIMIT, limit_text, render_status
-from relay.retry_budget import BudgetView
 from relay.runner import Relay
-from relay.ui.data import REPORT_TTL, build_report, shape_status
-from relay.ui.page import FLEET_HEAD
-from relay.ui.series import RateSeries
-from relay.ui.view import status_view
+from relay.serving.ui.data import REPORT_TTL, build_report, shape_status
+from relay.serving.ui.page import FLEET_HEAD
+from relay.serving.ui.series import RateSeries
+from relay.serving.ui.view import status_view
 from tests.support import TOKENS, Rig, admission_view, q, relay_logs, wait_for
 from tests.test_ops import cli, cli_env, cli_json
 from tests.test_ops_render import status_data

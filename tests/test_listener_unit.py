@@ -1,4 +1,4 @@
-"""Unit tests for relay.listener's notification handling (DESIGN §4.1), without a connection:
+"""Unit tests for relay.edges.listener's notification handling (DESIGN §4.1), without a connection:
 `dispatch` turns every payload into exactly one wake, and a malformed one never crashes it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from relay.listener import MAX_PAYLOAD, Listener
+from relay.edges.listener import MAX_PAYLOAD, Listener
 from tests.support import relay_logs
 
 CHANNEL = "x_terminal"

@@ -1,5 +1,5 @@
-"""relay/listening.py: the one LISTEN loop of the relay's listener and the Absurd wake listener
-(issue 27, item 5), against a real PostgreSQL."""
+"""relay/edges/listening.py: the one LISTEN loop of the relay's listener and the Absurd wake
+listener (issue 27, item 5), against a real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import anyio
 import psycopg
 import pytest
 
+from relay.edges.listener import Listener
+from relay.edges.listening import Conn, Listening, ping
 from relay.engine import WakeListener
-from relay.listener import Listener
-from relay.listening import Conn, Listening, ping
 from tests.support import wait_for
 
 pytestmark = pytest.mark.anyio

@@ -14,16 +14,16 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from relay import metrics
-from relay.admission import Admission, AdmissionView, Priority
-from relay.health import refresh_interval
-from relay.lane import LaneStats, LaneView
-from relay.limit import Limit, Sample, Signal
-from relay.metrics import Metrics, status_class, type_labels
-from relay.progress import ListenerView
-from relay.retry_budget import BudgetView
+from relay.admission.limit import Limit, Sample, Signal
+from relay.admission.permits import Admission, AdmissionView, Priority
+from relay.admission.retry_budget import BudgetView
+from relay.delivery.lane import LaneStats, LaneView
+from relay.edges.store import AckResult
 from relay.runner import Relay
-from relay.store import AckResult
+from relay.serving import metrics
+from relay.serving.health import refresh_interval
+from relay.serving.metrics import Metrics, status_class, type_labels
+from relay.serving.progress import ListenerView
 from relay.tools.sink import Sink
 from tests.support import bulk_backlog, count, q, scans, settings, wait_for
 from tests.test_relay import enqueue_runs
@@ -115,8 +115,8 @@ def test_every_metric_has_the_prefix_and_a_help_text() -> None:
 
 
 def test_every_metric_of_the_table_is_exported_with_its_type_help_and_labels() -> None:
-    """The metric definitions are data (relay/metrics.py): each one is in a scrape as written
-    there, and no family of ours is in the scrape that the table does not hold."""
+    """The metric definitions are data (relay/serving/metrics.py): each one is in a scrape as
+    written there, and no family of ours is in the scrape that the table does not hold."""
     kinds: dict[type, str] = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}
     kinds |= {CounterMetricFamily: "counter", GaugeMetricFamily: "gauge"}
     table: dict[metrics.Instrument[Any] | metrics.Family, tuple[str, ...]] = {

@@ -24,7 +24,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from relay.migrate import code_version, migrate, migrations, prepare
+from relay.maintenance.migrate import code_version, migrate, migrations, prepare
 from tests.faults.harness import relay_env
 from tests.support import InThread, wait_until
 from tests.upgrade import Previous, previous_or_skip
@@ -435,7 +435,7 @@ def test_a_run_the_last_prepare_step_passed_over_is_computed_under_the_lock(
     `not null` fails the migration. Reaching this by chance takes a race; here the holder takes
     the row just before the migration's prepare steps, and lets it go once the migration waits
     for its tables."""
-    import relay.migrate as migrate_module
+    import relay.maintenance.migrate as migrate_module
 
     schema = old_schema
     s = sql.Identifier(schema)

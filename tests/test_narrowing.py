@@ -1,5 +1,5 @@
-"""Poison narrowing (relay/narrowing.py), pure: a scripted ingress (what each resend comes to)
-and a recording completer (`Results`), no database, no HTTP.
+"""Poison narrowing (relay/delivery/narrowing.py), pure: a scripted ingress (what each resend comes
+to) and a recording completer (`Results`), no database, no HTTP.
 
 tests/test_failures.py::test_poison_in_the_middle_of_a_100_event_batch and
 test_poison_fails_the_event_and_blocks_only_its_run drive it through a real relay, database and
@@ -13,11 +13,11 @@ from datetime import datetime
 
 import pytest
 
-from relay.execute import LeaseLost, Outcome
-from relay.ingress import Answer
-from relay.narrowing import Narrowing
-from relay.policy import Ack, Decision, Poison, Retry, Trust
-from relay.store import Claim, ClaimedEvent, Held
+from relay.core.policy import Ack, Decision, Poison, Retry, Trust
+from relay.delivery.execute import LeaseLost, Outcome
+from relay.delivery.narrowing import Narrowing
+from relay.edges.ingress import Answer
+from relay.edges.store import Claim, ClaimedEvent, Held
 
 pytestmark = pytest.mark.anyio
 

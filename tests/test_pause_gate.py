@@ -1,12 +1,13 @@
-"""The lane's pause gate (relay/pause.py), pure: the clock passed in, no database, no ingress.
+"""The lane's pause gate (relay/delivery/pause.py), pure: the clock passed in, no database, no
+ingress.
 
 tests/test_failures.py::test_misconfigured_endpoint_pauses_the_lane_and_recovers drives it
 through a real relay and HTTP server."""
 
 from __future__ import annotations
 
-from relay.pause import Gate, PauseGate
-from relay.policy import misconfigured_backoff
+from relay.core.policy import misconfigured_backoff
+from relay.delivery.pause import Gate, PauseGate
 
 CAP = 60.0
 

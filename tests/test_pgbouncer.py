@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 import relay
-from relay.checks import LISTEN
+from relay.ops.checks import LISTEN
 from relay.tools.sink import Sink
 from tests.faults.harness import Workload
 from tests.pgbouncer import MISSING, PgBouncer, pgbouncer_binary, version

@@ -1,5 +1,5 @@
-"""The POST turn's wiring (relay/post_turn.py, issue 42): `Permits`, the anyio shell around the
-pure admission, and `PostTurn`, a lane's slot then the replica's permit. No database, no
+"""The POST turn's wiring (relay/delivery/post_turn.py, issue 42): `Permits`, the anyio shell around
+the pure admission, and `PostTurn`, a lane's slot then the replica's permit. No database, no
 network: each step waits until every task is blocked, so the order seen is the queue's, not the
 scheduler's."""
 
@@ -13,12 +13,12 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
-from relay.admission import Admission, Permit, Priority
-from relay.limit import Limit, LimitEvent, Sample, Signal
-from relay.post_turn import LAG_TICK, LoopLag, Permits, PostTurn, Slot, Turn
+from relay.admission.limit import Limit, LimitEvent, Sample, Signal
+from relay.admission.permits import Admission, Permit, Priority
+from relay.delivery.post_turn import LAG_TICK, LoopLag, Permits, PostTurn, Slot, Turn
+from relay.edges.store import Held
 from relay.runner import post_permits
 from relay.settings import load
-from relay.store import Held
 from tests.support import one_event_claim
 
 pytestmark = pytest.mark.anyio

@@ -12,11 +12,11 @@ import psycopg
 import pytest
 
 import relay
-from relay.lane import Lane
-from relay.listener import Listener
-from relay.post_turn import Permits
+from relay.delivery.lane import Lane
+from relay.delivery.post_turn import Permits
+from relay.edges.listener import Listener
+from relay.edges.store import Store
 from relay.runner import Relay
-from relay.store import Store
 from relay.tools.sink import Sink
 from tests.support import (
     Decisions,
@@ -639,8 +639,8 @@ async def test_a_terminal_committed_for_a_queued_run_is_handed_to_the_critical_l
     slow requests. When the terminal event commits, the claim is widened with it and handed
     to the critical lane: it does not wait out the ordinary queue (invariant 6). Under the
     fixed limit, where a lane holds a claim's worth of runs beyond its slots; the adaptive
-    limit holds one round of POSTs ahead (relay/holdings.py), tests/test_post_turn.py has its
-    promotions."""
+    limit holds one round of POSTs ahead (relay/delivery/holdings.py), tests/test_post_turn.py has
+    its promotions."""
     s, url = sink
     for i in range(10):
         s.faults.delay(0.5, run_id=f"b{i}")

@@ -39,7 +39,7 @@ import pytest
 from psycopg import sql
 
 import relay
-from relay.migrate import code_version
+from relay.maintenance.migrate import code_version
 from tests.faults.harness import FAULTS_SCHEMA, Replica, Workload, install_faults_schema, relay_env
 from tests.steady_lab import Database, SteadyLab
 from tests.support import wait_for

@@ -18,8 +18,8 @@ import pytest
 from psycopg import sql
 
 import relay
-from relay import migrate as mig
-from relay.migrate import (
+from relay.maintenance import migrate as mig
+from relay.maintenance.migrate import (
     SchemaError,
     code_version,
     migrate,
@@ -505,7 +505,7 @@ def test_fresh_schema_matches_a_second_fresh_schema(pg_url: str, fresh: str) -> 
 
 _CHILD = r"""
 import json, sys
-from relay.migrate import migrate
+from relay.maintenance.migrate import migrate
 url, schema = sys.argv[1], sys.argv[2]
 print("ready", flush=True)
 sys.stdin.readline()

@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from relay.runner import Relay
-from relay.sdnotify import (
+from relay.serving.sdnotify import (
     Notifier,
     from_environ,
     ready_to_serve,

@@ -49,11 +49,11 @@ from psycopg.conninfo import make_conninfo
 
 import relay
 from relay import logs
-from relay.http_client import Reply, open_sender
-from relay.ingress import MAX_BODY, TransportFailure, sign
-from relay.listener import Listener
-from relay.migrate import migrate
-from relay.roles import Roles, validate_role_name
+from relay.edges.http_client import Reply, open_sender
+from relay.edges.ingress import MAX_BODY, TransportFailure, sign
+from relay.edges.listener import Listener
+from relay.maintenance.migrate import migrate
+from relay.maintenance.roles import Roles, validate_role_name
 from relay.runner import Relay
 from relay.settings import ConfigError, Secret
 from relay.tools.sink import Receive, Scope, Send, Sink, serve_sink, signing_keys, verify_signature

@@ -172,7 +172,7 @@ def test_duration_options_reject_out_of_range(option: str) -> None:
         ("http_transport", "aiohttp", "aiohttp"),
         ("http_transport", " HTTPTools", "httptools"),
         ("http_transport", "HTTPX", "httpx"),
-        # Retired names are kept as given: relay/http_client.py says what replaces them.
+        # Retired names are kept as given: relay/edges/http_client.py says what replaces them.
         ("http_transport", "httpcore", "httpcore"),
         ("http2", "true", True),
         ("http2", "Off", False),

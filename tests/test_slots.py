@@ -1,7 +1,7 @@
-"""The POST slot queue on its own (relay/slots.py, issue 27): critical waiters first, FIFO within a
-class, a freed slot handed to the next waiter rather than contended for again, no slot leaked by
-a cancelled waiter, a slot freed once. No lane, no database: each step waits until every task
-is blocked, so the order seen is the queue's, not the scheduler's."""
+"""The POST slot queue on its own (relay/delivery/slots.py, issue 27): critical waiters first, FIFO
+within a class, a freed slot handed to the next waiter rather than contended for again, no slot
+leaked by a cancelled waiter, a slot freed once. No lane, no database: each step waits until every
+task is blocked, so the order seen is the queue's, not the scheduler's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
-from relay.slots import Slots
+from relay.delivery.slots import Slots
 
 pytestmark = pytest.mark.anyio
 

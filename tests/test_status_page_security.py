@@ -15,17 +15,17 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from relay.lane import LaneStats, LaneView
+from relay.delivery.lane import LaneStats, LaneView
 from relay.runner import Relay
+from relay.serving.ui.assets import SCRIPT
+from relay.serving.ui.coalesce import Coalesced
+from relay.serving.ui.data import Backlog, backlog_figures, build_report, shape_status
+from relay.serving.ui.page import status_page
+from relay.serving.ui.pool import PagePool
+from relay.serving.ui.series import RateSeries
+from relay.serving.ui.view import run_href, status_view
+from relay.serving.ui.web import serves_without_token
 from relay.tools.sink import Sink
-from relay.ui.assets import SCRIPT
-from relay.ui.coalesce import Coalesced
-from relay.ui.data import Backlog, backlog_figures, build_report, shape_status
-from relay.ui.page import status_page
-from relay.ui.pool import PagePool
-from relay.ui.series import RateSeries
-from relay.ui.view import run_href, status_view
-from relay.ui.web import serves_without_token
 from tests.support import Rig, bulk_backlog, q, scans, settings, wait_for
 
 pytestmark = pytest.mark.anyio

@@ -19,15 +19,11 @@ import psycopg
 import pytest
 
 import relay
-from relay.execute import LeaseLost, Outcome
-from relay.ingress import Answer
-from relay.integrations import start_tracing
-from relay.policy import Ack, Decision, Poison, Retry, Trust
-from relay.runner import Relay
-from relay.settings import ConfigError
-from relay.store import AckResult, Claim, ClaimedEvent, Held, Store
-from relay.tools.sink import Sink
-from relay.tracing import (
+from relay.core.policy import Ack, Decision, Poison, Retry, Trust
+from relay.delivery.execute import LeaseLost, Outcome
+from relay.edges.ingress import Answer
+from relay.edges.store import AckResult, Claim, ClaimedEvent, Held, Store
+from relay.edges.tracing import (
     NO_TRACING,
     Delivery,
     DeliverySpan,
@@ -36,6 +32,10 @@ from relay.tracing import (
     config_from_env,
     flush_timeout,
 )
+from relay.integrations import start_tracing
+from relay.runner import Relay
+from relay.settings import ConfigError
+from relay.tools.sink import Sink
 from tests.support import count, settings, wait_for
 
 otel = pytest.importorskip("relay.integrations.otel", reason="the otel extra is not installed")

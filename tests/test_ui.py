@@ -18,16 +18,16 @@ import httpx
 import psycopg
 import pytest
 
-from relay.admission import AdmissionView
-from relay.lane import LaneStats, LaneView
+from relay.admission.permits import AdmissionView
+from relay.delivery.lane import LaneStats, LaneView
 from relay.runner import Relay
+from relay.serving.ui.data import build_report, ingress_state, limit_figures, shape_status
+from relay.serving.ui.page import run_page, status_page
+from relay.serving.ui.series import LagWindow, RateSeries, percentile
+from relay.serving.ui.view import commands, run_href, sh, status_view
+from relay.serving.ui.web import Request, authorized, cookie_secret, cookie_value, session_cookie
 from relay.settings import Secret
 from relay.tools.sink import Sink
-from relay.ui.data import build_report, ingress_state, limit_figures, shape_status
-from relay.ui.page import run_page, status_page
-from relay.ui.series import LagWindow, RateSeries, percentile
-from relay.ui.view import commands, run_href, sh, status_view
-from relay.ui.web import Request, authorized, cookie_secret, cookie_value, session_cookie
 from tests.support import TOKENS, admission_view, count, q, settings, wait_for
 
 HOSTILE = "<img src=x onerror=window.pwned=1>\"'&<script>alert(1)</script> ünï ‮"

@@ -1,16 +1,22 @@
 """Optional integrations: each needs an extra, and the production wing loads one only when its
-configuration asks for it. Nothing here is in the core install."""
+configuration asks for it. Nothing here is in the core install.
+
+otel.py: the OpenTelemetry implementation of the tracing port (relay/edges/tracing.py), `[otel]`
+extra. An integration observes what the delivery pipeline decided (its `Outcome` values), so it
+may import the delivery pipeline, the edges, relay/core/, settings and logs; only the CLI loads
+it, by name, when an OTLP endpoint is set.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from relay import logs
-from relay.tracing import NO_TRACING, Tracer, config_from_env
+from relay.edges.tracing import NO_TRACING, Tracer, config_from_env
 
 
 def start_tracing(environ: Mapping[str, str]) -> Tracer:
-    """The tracer the process environment `environ` asks for (relay/tracing.py): NO_TRACING
+    """The tracer the process environment `environ` asks for (relay/edges/tracing.py): NO_TRACING
     when tracing is off or the `otel` extra is missing (said once in the log), OpenTelemetry's
     otherwise, whose SDK reads its own variables from `os.environ`. Raises ConfigError for a
     variable it cannot honour."""

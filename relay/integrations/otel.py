@@ -1,5 +1,5 @@
-"""OpenTelemetry behind relay/tracing.py's port (the `otel` extra): the relay decides what a span
-says and when, the SDK does the rest.
+"""OpenTelemetry behind relay/edges/tracing.py's port (the `otel` extra): the relay decides what a
+span says and when, the SDK does the rest.
 
 The delivery span is a CONSUMER span named `deliver <lane>`: a child of the first event's
 producer trace when it carries a `traceparent`, with links to the other events' traces. The POST
@@ -54,12 +54,12 @@ from opentelemetry.trace import (
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from relay import __version__
-from relay.execute import Deferred, LeaseLost, Outcome
-from relay.ingress import Answer
-from relay.policy import Ack, Pause, Poison, Retry
+from relay.core.policy import Ack, Pause, Poison, Retry
+from relay.delivery.execute import Deferred, LeaseLost, Outcome
+from relay.edges.ingress import Answer
+from relay.edges.store import AckResult
+from relay.edges.tracing import SERVICE_NAME, Delivery, DeliverySpan, Observed, PostSpan, Tracer
 from relay.settings import ConfigError, redact_url
-from relay.store import AckResult
-from relay.tracing import SERVICE_NAME, Delivery, DeliverySpan, Observed, PostSpan, Tracer
 
 PROPAGATOR = TraceContextTextMapPropagator()
 _ROOT = Context()  # a root delivery's parent context: none (never whatever is current)

@@ -33,8 +33,11 @@ nothing):
 
 The package: format.py (pure: exit codes, OpsError, clean() and the phrases and figures),
 queries.py (the database calls), render.py (the plain-text tables, pure, and the writes to
-stdout; no `rich`, which only the demo extra installs), commands.py (argparse and the commands).
-Other modules import from here.
+stdout; no `rich`, which only the demo extra installs), commands.py (argparse and the commands),
+checks.py (`relay check`: is this configuration able to run, here, now). Other modules import
+from here. It may import relay/maintenance/ (the schema version), the edges (`relay check`'s
+database and ingress), relay/core/, settings and logs; never the delivery pipeline, serving or
+the runner (the status page imports its formatting, format.py).
 """
 
 from relay.ops.commands import add_commands, non_negative

@@ -49,7 +49,7 @@ def db_error_reason(exc: BaseException, password: str | None) -> str:
 @contextmanager
 def connect(url: str, schema: str) -> Iterator[Conn]:
     """A connection to a schema at this code's version, or OpsError(UNAVAILABLE)."""
-    from relay.migrate import _read_version, version_problem
+    from relay.maintenance.migrate import _read_version, version_problem
 
     password = _check_url(url)
     try:

@@ -38,7 +38,7 @@ from anyio.abc import Process, TaskGroup
 from psycopg import sql
 
 import relay
-from relay.migrate import migrate
+from relay.maintenance.migrate import migrate
 from relay.tools.sink import JSON, Fault, Sink, serve_sink
 from tests.faults import checker, report, scale
 from tests.faults.proxy import FaultProxy, via

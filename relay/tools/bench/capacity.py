@@ -54,7 +54,7 @@ import httpx
 import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 
-from relay.limit import MIN_LIMIT
+from relay.admission.limit import MIN_LIMIT
 from relay.producer import enqueue_async
 from relay.tools.bench import capacity_chart
 from relay.tools.bench.capacity_ingress import (
@@ -88,7 +88,7 @@ MODES: dict[str, tuple[str, dict[str, str]]] = {
     "adaptive": ("adaptive limit (the defaults)", {}),
 }
 JUDGED = "adaptive"  # the mode whose figures fill the judged keys
-LIMIT = "ledger_relay_post_limit"  # a replica's limit now (relay/metrics.py)
+LIMIT = "ledger_relay_post_limit"  # a replica's limit now (relay/serving/metrics.py)
 CEILING = "ledger_relay_post_limit_ceiling"
 SCRAPE_EVERY = 0.1  # s
 

@@ -54,8 +54,8 @@ from relay.tools.sink import Reply, Sink, serve_sink
 from relay.tools.sink.app import json_reply
 
 TICK = 0.05  # s between the producer's commits
-# the replicas' own counts (relay/metrics.py), summed over lanes and replicas: the retries the
-# budget held back, the transient failures handed back with a backoff, the leases lost
+# the replicas' own counts (relay/serving/metrics.py), summed over lanes and replicas: the retries
+# the budget held back, the transient failures handed back with a backoff, the leases lost
 COUNTERS = {
     "deferred": "ledger_relay_retries_deferred_total",
     "scheduled": "ledger_relay_retries_scheduled_total",

@@ -43,7 +43,7 @@ from rich.table import Table
 
 from relay import __version__, logs
 from relay.engine import WakeWorker
-from relay.migrate import migrate
+from relay.maintenance.migrate import migrate
 from relay.producer import enqueue_async
 from relay.runner import Relay
 from relay.settings import redact_url

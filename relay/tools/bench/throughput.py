@@ -23,9 +23,9 @@ import orjson
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from relay.http_client import open_sender
-from relay.ingress import Batch, IngressClient
-from relay.store import CONNECT_KWARGS, ClaimedEvent, Store
+from relay.edges.http_client import open_sender
+from relay.edges.ingress import Batch, IngressClient
+from relay.edges.store import CONNECT_KWARGS, ClaimedEvent, Store
 from relay.tools.bench import cpu
 from relay.tools.bench.kit import (
     BenchFailed,

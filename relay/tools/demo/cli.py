@@ -17,7 +17,7 @@ import orjson
 import psycopg
 from rich.console import Console
 
-from relay.migrate import SchemaError, validate_schema_name
+from relay.maintenance.migrate import SchemaError, validate_schema_name
 from relay.tools.demo.report import render_report
 from relay.tools.demo.run import Demo, DemoFailed, Options
 

@@ -32,7 +32,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from relay.migrate import migrate
+from relay.maintenance.migrate import migrate
 from relay.settings import redact_url
 from relay.tools.absurd import install_absurd
 from relay.tools.demo.replicas import REPLICA_STOP_TIMEOUT, Replica, count_log_events
@@ -85,7 +85,7 @@ class Demo:
         self.clock_offset = 0.0  # database clock minus this machine's
         self.deadline = float("inf")
         self.live_rate = 0.0
-        self.page_urls: list[str] = []  # each replica's status page (relay/ui/)
+        self.page_urls: list[str] = []  # each replica's status page (relay/serving/ui/)
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Standard Webhooks signature verification, the rules the relay signs by (DESIGN §5).
 
-The HMAC itself is the production signer's (`relay.ingress.signature`): one definition of what
+The HMAC itself is the production signer's (`relay.edges.ingress.signature`): one definition of what
 a signature is, so the reference ingress cannot drift from the relay.
 """
 
@@ -11,7 +11,7 @@ import binascii
 import hmac
 from collections.abc import Iterable, Sequence
 
-from relay.ingress import signature as webhook_signature
+from relay.edges.ingress import signature as webhook_signature
 from relay.settings import Secret
 
 SIGNATURE_TOLERANCE = 300.0  # seconds either side of now, as in the Standard Webhooks libraries
@@ -36,7 +36,7 @@ def signing_keys(secrets: Iterable[str | Secret]) -> tuple[bytes, ...]:
 def verify_signature(
     keys: Sequence[bytes], headers: dict[str, str], body: bytes, now: float, tolerance: float
 ) -> str | None:
-    """Standard Webhooks verification, the rules `relay.ingress.sign` signs by: the three
+    """Standard Webhooks verification, the rules `relay.edges.ingress.sign` signs by: the three
     `webhook-*` headers present, the timestamp within `tolerance` seconds of `now`, and any
     `v1,` signature of the space-separated list equal (constant-time) to the HMAC-SHA256 of
     `{id}.{timestamp}.{body}` under any key. Returns None when it verifies, else the reason."""

@@ -1,0 +1,253 @@
+"""The adaptive limit on POSTs in flight to the ingress, per replica: additive increase while the
+ingress keeps up, multiplicative decrease when its answers show queueing or overload (issue 42).
+
+Each POST's answer is one `Sample`: its round trip, and whether it said the ingress is full
+(429, 503, 504, a timeout). Samples are judged a window at a time, a window holding as many
+answers as the limit allows (one round trip's worth when the limit is used), so the limit moves
+about once per round trip, as TCP's congestion window does and as Vector's adaptive request
+concurrency does:
+
+- **decrease** when a sample of the window said "full" (halve), or when the window's median
+  round trip is well above the recent minimum (queueing inside the ingress; the relay's own
+  event loop running late, `Sample.lag`, is added to what is tolerated): multiply by
+  min_rtt / median, at least 0.5 (Gradient2's gradient; at a saturated ingress that brings the
+  limit to the concurrency at which nothing queues, by Little's law);
+- **increase** by one otherwise, if the window's POSTs used at least half the limit (a limit
+  that is not used proves nothing) and no `Retry-After` is running; until the first decrease,
+  double instead (TCP's slow start), so a relay that starts at an ingress that keeps up reaches
+  its ceiling in a few round trips, not one round trip per POST of it;
+- answers to POSTs sent before the last decrease are not judged again: they queued under the
+  old limit, and what they say was acted on already. One burst of 503s is one decrease.
+
+The recent minimum is a windowed minimum over MIN_RTT_SPAN seconds (BBR's min_rtt filter), so
+the limit re-learns an ingress that became slower for good. The limit stays within
+[min_limit, ceiling]; the ceiling is the operator's `concurrency`. Replicas that share an
+ingress converge on a fair share of it without talking: they see the same queue, so they
+decrease together by the same factor, which shrinks the difference between their limits, and
+they increase by the same step, which keeps it (Chiu and Jain, 1989). docs/admission.md has the
+rules, the constants and the anchors.
+
+Pure: no I/O, no event loop; `now` is the monotonic clock, passed in.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from relay.admission.windows import WindowedMin
+
+OVERLOAD_STATUSES = frozenset({429, 503, 504})  # the ingress says it is full (504: its upstream)
+MIN_LIMIT = (
+    2  # one POST for the critical reserve, one for the ordinary lane (relay/admission/permits.py)
+)
+INITIAL_LIMIT = 4  # a restart of many replicas does not hit the ingress with their ceilings
+TOLERANCE = 1.5  # a median round trip above min_rtt * TOLERANCE + RTT_SLACK is queueing
+RTT_SLACK = 0.005  # seconds: a 1 ms ingress is not queueing at 2 ms (scheduling noise)
+OVERLOAD_FACTOR = 0.5  # 429/503/504/timeout: halve, as TCP does on a loss
+QUEUEING_FLOOR = 0.5  # the gradient min_rtt / median, never below this (Netflix Gradient2)
+MIN_RTT_SPAN = 10.0  # seconds: how long a minimum round trip is believed (BBR's min_rtt filter)
+SHARP_FALL = 0.5  # a fall to this share of the level before it is reported...
+SHARP_FALL_PERMITS = 4  # ...if it costs at least this many POSTs (not 4 -> 2 at a tiny ingress)
+RECOVERED_SHARE = 0.9  # back to this share of the level it fell from: reported recovered
+
+
+class Signal(enum.Enum):
+    """What one POST's answer says about the ingress's load."""
+
+    ANSWERED = "answered"  # an answer came: its round trip tells how the ingress keeps up
+    OVERLOADED = "overloaded"  # 429, 503, 504 or a timeout: the ingress is full
+    SILENT = "silent"  # nothing about load (connection refused, abandoned): not judged
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One POST's answer as the limit reads it: `rtt` from send to answer (or to the timeout),
+    in seconds; `retry_after` the ingress's Retry-After, parsed and clamped
+    (relay/core/policy.py)."""
+
+    rtt: float
+    signal: Signal
+    retry_after: float | None = None
+    # Seconds the relay's own event loop ran late around this answer (relay/delivery/post_turn.py's
+    # `LoopLag`): a busy relay reads its answers late, which is its queueing, not the ingress's.
+    lag: float = 0.0
+
+    @classmethod
+    def of(
+        cls,
+        status: int | None,
+        rtt: float,
+        *,
+        timed_out: bool = False,
+        retry_after: float | None = None,
+        lag: float = 0.0,
+    ) -> Sample:
+        """The sample of an answer with `status` (None: no answer; `timed_out` says whether
+        the POST ran out of time, which is overload, or failed otherwise, which is not)."""
+        if timed_out or status in OVERLOAD_STATUSES:
+            return cls(rtt, Signal.OVERLOADED, retry_after, lag)
+        if status is None:
+            return cls(rtt, Signal.SILENT, retry_after, lag)
+        return cls(rtt, Signal.ANSWERED, retry_after, lag)
+
+
+class Change(enum.Enum):
+    FELL = "fell"  # the limit fell sharply: the caller logs `limit_fell`
+    RECOVERED = "recovered"  # back near where it fell from: the caller logs `limit_recovered`
+
+
+@dataclass(frozen=True, slots=True)
+class LimitEvent:
+    """A sharp fall of the limit or its recovery, for a log line."""
+
+    change: Change
+    limit: int  # the limit now
+    level: int  # the level it fell from (for a recovery too)
+    reason: str  # what moved it last: "overload", "queueing" or "growth"
+
+
+@dataclass(frozen=True, slots=True)
+class LimitView:
+    """The limit as observers (metrics, the status page, `relay status`) read it."""
+
+    value: float  # the limit, unrounded (it grows by whole POSTs and shrinks by factors)
+    allowed: int  # POSTs in flight it allows
+    ceiling: int
+    min_rtt: float | None  # seconds: the recent minimum round trip, None before any
+    median_rtt: float | None  # seconds: the last judged window's median round trip
+    paused_until: float  # no growth before this (a Retry-After)
+    fallen: bool  # it fell sharply and has not recovered yet
+
+
+@dataclass(slots=True)
+class _Window:
+    """What a round trip's worth of answers told, to be judged as one: `size` answers (the
+    limit when the window opened), or fewer when one of them said the ingress is full."""
+
+    size: int
+    rtts: list[float] = field(default_factory=list)
+    overloaded: bool = False
+    busiest: int = 0  # the most POSTs in flight when one of the window's was sent
+    lag: float = 0.0  # the most the relay's own event loop ran late around one of its answers
+
+
+class Level(enum.Enum):
+    STEADY = "steady"  # the limit moves within its usual range
+    FALLEN = "fallen"  # it fell sharply and has not come back yet
+
+
+class Limit:
+    """One replica's limit on POSTs in flight: `observe()` each answer, read `allowed`."""
+
+    def __init__(
+        self,
+        ceiling: int,
+        *,
+        min_limit: int = MIN_LIMIT,
+        initial: int = INITIAL_LIMIT,
+        slow_start: bool = True,
+    ) -> None:
+        if not 1 <= min_limit <= ceiling:
+            raise ValueError(f"limits [{min_limit}, {ceiling}] are not a range")
+        self.ceiling = ceiling
+        self.min_limit = min_limit
+        self._value = float(max(min_limit, min(ceiling, initial)))
+        self._min_rtt = WindowedMin(MIN_RTT_SPAN)
+        self._window: _Window | None = None
+        self._median: float | None = None  # the last judged window's median round trip
+        self._decreased_at = -math.inf  # answers to POSTs sent before this are not judged
+        self._paused_until = -math.inf  # no growth before this (Retry-After)
+        self._slow_start = slow_start  # doubles per window until the first decrease
+        self._level = Level.STEADY
+        self._high = self.allowed  # the highest limit since it was last steady or reported
+
+    @property
+    def allowed(self) -> int:
+        """POSTs in flight the limit allows now."""
+        return max(self.min_limit, math.floor(self._value))
+
+    def view(self, now: float) -> LimitView:
+        return LimitView(
+            value=self._value,
+            allowed=self.allowed,
+            ceiling=self.ceiling,
+            min_rtt=self._min_rtt.value(now),
+            median_rtt=self._median,
+            paused_until=self._paused_until,
+            fallen=self._level is Level.FALLEN,
+        )
+
+    def observe(self, sample: Sample, *, inflight: int, now: float) -> LimitEvent | None:
+        """Take one POST's answer, received at `now`; `inflight` counts the POSTs in flight
+        once it was sent (itself included). Returns an event when the limit fell sharply or
+        recovered."""
+        if sample.retry_after is not None:
+            self._paused_until = max(self._paused_until, now + sample.retry_after)
+        if sample.signal is Signal.SILENT:
+            return None
+        if sample.signal is Signal.ANSWERED:
+            self._min_rtt.add(sample.rtt, now)
+        if now - sample.rtt < self._decreased_at:
+            return None  # sent under a higher limit: what it says was acted on already
+        window = self._window if self._window is not None else _Window(self.allowed)
+        self._window = window
+        window.busiest = max(window.busiest, inflight)
+        window.lag = max(window.lag, sample.lag)
+        if sample.signal is Signal.OVERLOADED:
+            window.overloaded = True
+        else:
+            window.rtts.append(sample.rtt)
+        if not window.overloaded and len(window.rtts) < window.size:
+            return None
+        self._window = None
+        return self._judge(window, now)
+
+    def _judge(self, window: _Window, now: float) -> LimitEvent | None:
+        """One decision for a window's answers: decrease, increase by one, or stay."""
+        decrease = self._decrease(window, now)
+        if decrease is not None:
+            factor, reason = decrease
+            self._value = max(float(self.min_limit), self._value * factor)
+            self._decreased_at = now
+            self._slow_start = False
+            return self._report(reason)
+        used = window.busiest * 2 >= self.allowed
+        if window.rtts and used and now >= self._paused_until:
+            step = self._value if self._slow_start else 1.0
+            self._value = min(float(self.ceiling), self._value + step)
+            return self._report("growth")
+        return None
+
+    def _decrease(self, window: _Window, now: float) -> tuple[float, str] | None:
+        """The factor to shrink the limit by, and why; None when the window shows neither
+        overload nor queueing."""
+        if window.overloaded:
+            return OVERLOAD_FACTOR, "overload"
+        floor = self._min_rtt.value(now)
+        if floor is None or not window.rtts:
+            return None
+        median = self._median = statistics.median(window.rtts)
+        if median <= floor * TOLERANCE + RTT_SLACK + window.lag:
+            return None  # the relay's own lateness is not the ingress's queueing
+        return max(QUEUEING_FLOOR, floor / median), "queueing"
+
+    def _report(self, reason: str) -> LimitEvent | None:
+        """A FELL event when the limit fell to SHARP_FALL of its level, a RECOVERED one when it
+        is back near the level it fell from (or at the ceiling)."""
+        allowed = self.allowed
+        if self._level is Level.STEADY:
+            self._high = max(self._high, allowed)
+            sharp = allowed <= self._high * SHARP_FALL
+            if sharp and self._high - allowed >= SHARP_FALL_PERMITS:
+                self._level = Level.FALLEN
+                return LimitEvent(Change.FELL, allowed, self._high, reason)
+            return None
+        if allowed >= min(self.ceiling, self._high * RECOVERED_SHARE):
+            self._level = Level.STEADY
+            event = LimitEvent(Change.RECOVERED, allowed, self._high, reason)
+            self._high = allowed
+            return event
+        return None

@@ -1,0 +1,307 @@
+"""Fetch, a lane's first part: discovery of due runs, their claims, and the hand-over of terminal
+runs (DESIGN §4.2-4.3).
+
+The relay has two: `critical` (runs with a pending terminal event; targeted drains) and
+`ordinary` (any due run, critical ones included when it has room). Each has its own
+concurrency, database pool, HTTP client and ack group, so a full ordinary lane cannot delay
+the critical one.
+
+The lane claims runs, holds them (relay/delivery/holdings.py: under the adaptive limit, what its
+share of the limit can POST soon), and starts each single claim or multi-run group as a delivery
+(relay/delivery/deliveries.py) in one of its delivery tasks (`Deliveries`, there too: kept and
+reused, waited for when the lane stops): the delivery takes a turn to POST from the lane's POST turn
+(relay/delivery/post_turn.py: the lane's slots, then the replica's permits, critical first), the
+lane's executor POSTs (relay/delivery/execute.py) and its completer writes what the answers mean
+(relay/delivery/complete.py, the one writer of results). The lane reads the others only through
+views (`gate()`, `view()`) and the delivery's two callbacks. A single critical claim that would have
+to wait for a slot of the ordinary lane is handed to the critical lane instead: a terminal
+event never queues behind ordinary work.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import anyio
+import psycopg
+
+from relay import logs
+from relay.admission.retry_budget import RetryBudget
+from relay.core.policy import backoff, plan_groups
+from relay.delivery.complete import Completer
+from relay.delivery.deliveries import Deliveries, Delivery
+from relay.delivery.execute import Executor
+from relay.delivery.holdings import Holdings
+from relay.delivery.post_turn import Permits, PostTurn
+from relay.delivery.stats import CompleteStats, ExecuteStats, FetchStats, LaneStats
+from relay.delivery.wake import Wake
+from relay.edges.ingress import IngressClient
+from relay.edges.store import AckResult, Claim, Held, Store
+from relay.edges.tracing import NO_TRACING, Tracer
+from relay.settings import Settings
+
+MIN_EMPTY_PASS_SPACING = 0.01  # coalesces bursts of wakes into a handful of passes
+
+
+@dataclass(frozen=True)
+class LaneView:
+    """A lane as observers see it (relay/serving/health.py, relay/serving/metrics.py,
+    relay/serving/sdnotify.py)."""
+
+    name: str
+    stats: LaneStats  # a copy
+    inflight: int  # claims held: POSTing or queued for a POST slot
+    turns: int  # discovery loop turns (liveness)
+    turned_at: float  # monotonic time of the last turn
+    misconfigured: bool  # the ingress answered "misconfigured" and has not recovered since
+    renewals: int = 0  # leases renewed while their POST was on the wire
+
+
+class Lane:
+    """One lane: `run()` as its loop, `drain()` / `promote()` / `adopt()` from the runner, and
+    `view()` for observers."""
+
+    def __init__(
+        self,
+        name: str,
+        settings: Settings,
+        store: Store,
+        ingress: IngressClient,
+        concurrency: int,
+        *,
+        on_ready_change: Callable[[bool], None] = lambda ok: None,
+        observe_ack: Callable[[AckResult], None] = lambda result: None,
+        tracer: Tracer = NO_TRACING,
+        permits: Permits | None = None,
+        budget: RetryBudget | None = None,
+    ) -> None:
+        self.name = name
+        self.settings = settings
+        self.store = store
+        self.concurrency = concurrency
+        self.fetched = FetchStats()
+        self.execute = Executor(
+            settings, store, ingress, ExecuteStats(), lane=name, tracer=tracer, budget=budget
+        )
+        self.complete = Completer(
+            name,
+            settings,
+            store,
+            CompleteStats(),
+            resend=self.execute.resend,
+            on_ready_change=on_ready_change,
+            observe_ack=observe_ack,
+            observe=tracer.observe,
+        )
+        self.wake = Wake()
+        self.slot_freed = Wake()
+        self.targets: list[str] = []  # runs to drain now (critical lane)
+        self.wanted: set[str] = set()  # terminal runs we could not claim yet
+        # Each claim's or group's turn to POST: the lane's slots and the replica's permits,
+        # critical ones first (relay/delivery/post_turn.py).
+        self.post_turn = PostTurn(name, concurrency, settings.poll_interval, permits)
+        # The claims held, their bytes; as many as the POST turn can carry soon.
+        posts = self.post_turn.posts if permits is not None else None
+        self.holdings = Holdings(settings, concurrency, posts)
+        # Each claim's or group's delivery: its turn, the POST, the results
+        # (relay/delivery/deliveries.py).
+        self.delivery = Delivery(
+            name,
+            self.post_turn,
+            self.execute,
+            self.complete,
+            self.holdings,
+            settled=self._settled,
+            critical_done=self.wake.set,
+        )
+        # The tasks the deliveries run in, kept and reused, beside the ack group and the renewer
+        # that serve them (relay/delivery/deliveries.py).
+        self.deliveries = Deliveries(self.delivery, self.holdings)
+        self.stopping = False
+        self._last_empty_pass = -1.0
+        # Liveness, for /healthz and the systemd watchdog (read through view()).
+        self.turns = 0
+        self.turned_at = 0.0
+
+    @property
+    def inflight(self) -> dict[str, Held]:
+        """The claims this lane holds, by run: POSTing, or queued for a POST slot."""
+        return self.holdings.inflight
+
+    @property
+    def stats(self) -> LaneStats:
+        """The counters of the lane's three parts, as one copy."""
+        return LaneStats.of(replace(self.fetched), self.execute.view(), self.complete.view())
+
+    def view(self) -> LaneView:
+        """What health and metrics read: a snapshot, never the lane's own state."""
+        stats = self.stats
+        return LaneView(
+            name=self.name,
+            stats=stats,
+            inflight=len(self.inflight),
+            turns=self.turns,
+            turned_at=self.turned_at,
+            misconfigured=self.complete.gate().misconfigured,
+            renewals=stats.renewals,
+        )
+
+    # -- wakes ------------------------------------------------------------------------------
+
+    def drain(self, run_id: str) -> None:
+        """A targeted drain: claim this run at once, without waiting for a discovery pass."""
+        if run_id not in self.inflight and run_id not in self.targets:
+            self.targets.append(run_id)
+        self.wake.set()
+
+    def delivered_elsewhere(self, run_id: str) -> None:
+        if run_id in self.wanted:
+            self.wanted.discard(run_id)
+            self.drain(run_id)
+
+    # -- discovery ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The lane's loop; returns after stop() once in-flight work is finished or released."""
+        async with self.deliveries.running():
+            await self._discover()
+            await self.deliveries.finish(self.settings.shutdown_timeout, self.slot_freed)
+
+    async def _discover(self) -> None:
+        """Discovery passes until stop(), each started at once while busy, else after a wake."""
+        failures = 0
+        while not self.stopping:
+            self.turns += 1  # liveness (relay/serving/health.py)
+            self.turned_at = anyio.current_time()
+            try:
+                busy = await self._pass()
+                failures = 0
+            except (psycopg.Error, OSError, TimeoutError) as exc:
+                failures += 1
+                cap = self.settings.poll_interval * 5
+                delay = backoff(failures, base=0.05, cap=cap, rand=random.random())
+                logs.warning(
+                    "claim_failed",
+                    lane=self.name,
+                    error=logs.error_text(exc),
+                    retry_in=round(delay, 3),
+                )
+                await anyio.sleep(delay)
+                continue
+            if busy:
+                continue
+            await self.wake.wait(self.settings.poll_interval)
+
+    async def _pass(self) -> bool:
+        """One discovery step. Returns True when the next one should start at once."""
+        now = anyio.current_time()
+        paused_until = self.complete.gate().paused_until  # the ingress is misconfigured
+        if now < paused_until:
+            await self.wake.wait(min(paused_until - now, self.settings.poll_interval))
+            return False
+        if not self.holdings.may_claim():  # the byte budget is spent, or too little room
+            await self.slot_freed.wait(self.settings.poll_interval)
+            return True
+        if self.targets:
+            run_id = self.targets.pop(0)
+            self.fetched.claims += 1
+            claims = await self.store.claim(self.name, 1, run_id)
+            if not claims and run_id not in self.inflight:
+                self.wanted.add(run_id)  # leased elsewhere or backing off; retried on delivery
+            self._start(claims)
+            return True
+        # Space out passes that find nothing, so a burst of wakes costs a handful of passes.
+        since = now - self._last_empty_pass
+        if since < MIN_EMPTY_PASS_SPACING:
+            await anyio.sleep(MIN_EMPTY_PASS_SPACING - since)
+        holdings = self.holdings
+        want = max(1, min(holdings.room(), self.settings.claim_runs, holdings.fits()))
+        self.fetched.passes += 1
+        self.fetched.claims += 1
+        claims = await self.store.claim(self.name, want)
+        self._start(claims)
+        if len(claims) < want:
+            self._last_empty_pass = anyio.current_time()
+            return False
+        return True
+
+    def _settled(self) -> None:
+        """Wake the discovery loop when it may claim again (not at each settle: for nothing)."""
+        if self.stopping or self.holdings.may_claim():
+            self.slot_freed.set()
+
+    def _start(self, claims: list[Claim]) -> None:
+        assert self.deliveries.started
+        held: list[Held] = []
+        reclaimed: dict[str, list[str]] = {}  # dead owner -> the runs this claim took from it
+        for claim in claims:
+            self.fetched.claimed_runs += 1
+            held.append(self.holdings.hold(claim))
+            self.wanted.discard(claim.run_id)
+            if claim.reclaimed_from is not None:
+                self.fetched.reclaimed += 1
+                reclaimed.setdefault(claim.reclaimed_from, []).append(claim.run_id)
+                logs.debug(
+                    "lease_reclaimed", **self.complete.who(claim), dead_owner=claim.reclaimed_from
+                )
+            if logs.enabled(logging.DEBUG):  # per claim: not even built otherwise
+                logs.debug(
+                    "claimed",
+                    **self.complete.who(claim),
+                    first_seq=claim.first_seq,
+                    last_seq=claim.last_seq,
+                    events=len(claim.events),
+                    critical=claim.critical,
+                )
+        for dead_owner, runs in reclaimed.items():
+            # One line per dead owner and claim (a claim takes at most claim_runs runs), the
+            # per-run lines at debug: a killed replica's 131 runs are a few lines, not 131.
+            logs.info(
+                "leases_reclaimed",
+                lane=self.name,
+                dead_owner=dead_owner,
+                runs=len(runs),
+                run_ids=runs,
+                lease_owner=self.store.owner,
+            )
+        share = bool(self.settings.ingress_batch_url)
+        groups = plan_groups(
+            held,
+            share=share,
+            batch_size=self.settings.batch_size,
+            max_bytes=self.settings.max_batch_bytes,
+            size_of=self.holdings.size_of,
+        )
+        for group in groups:
+            self.deliveries.start(group)
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.wake.set()
+        self.slot_freed.set()
+        self.post_turn.stop()
+
+    # -- claims between lanes ----------------------------------------------------------------
+
+    def promote(self, run_id: str) -> None:
+        """A terminal event was committed for a run this lane holds but has not started: mark it
+        critical and widen it before its POST; a queued one is handed to the critical lane."""
+        held = self.inflight.get(run_id)
+        if held is not None and run_id not in self.post_turn.posting_runs:
+            held.claim = held.claim.promoted()
+            self.slot_freed.set()
+            # Its waiter queues again, as critical: a single claim hands itself over to the
+            # critical lane, a group goes before the ordinary waiters.
+            self.post_turn.promote(run_id)
+
+    def adopt(self, claim: Claim) -> bool:
+        """Take over a claim another lane holds but cannot start yet, if there is room."""
+        if self.stopping or not self.deliveries.started or len(self.inflight) >= self.concurrency:
+            return False
+        held = self.holdings.hold(claim)
+        self.fetched.adopted += 1
+        self.deliveries.start([held])
+        return True

@@ -1,0 +1,302 @@
+"""The one HTTP client the relay POSTs to its ingress with (DESIGN §5): an `httpx.AsyncClient`,
+used through httpx's public API only.
+
+What httpx gives, the relay takes as it is: proxies (`HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY`,
+`NO_PROXY` read by the client's `trust_env`, or the `ingress_proxy` setting; SOCKS with httpx's
+`socks` extra), TLS (verified always, against `ingress_ca_file` or the operating system's trust
+store), timeouts per phase, connection limits, HTTP/2 (the `http2` setting, httpx's `http2`
+extra), never following redirects. Under the client sits a published transport, one setting
+choosing (`http_transport`):
+
+- `aiohttp` (the default): `httpx_aiohttp.HttpxAiohttpClient`, httpx's client over aiohttp's
+  connection pool and its C parser. It reads each answer on its own connection's terms: an
+  ingress that writes one answer twice has its connection dropped rather than reused, so the
+  stale answer is never handed to the next POST (tests/test_http_client.py). A third of httpx's own
+  transport's CPU per POST (docs/performance.md).
+- `httpx`: httpx's own transport (httpcore). The only one that speaks HTTP/2, so `http2=true`
+  uses it, and so does a SOCKS proxy (aiohttp takes HTTP proxies only). Over HTTP/1.1 it reuses
+  a connection with unread bytes in its buffer: an ingress that answers twice can hand a POST
+  the previous POST's answer (docs/security.md).
+
+What the relay adds over httpx is small and written here once: at most `READ_LIMIT` bytes of an
+answer are read (then the connection is dropped, not drained); the answer's body is read raw
+(`accept-encoding: identity`, so no decompression bomb); no cookie is kept (a hostile ingress
+could grow the jar without bound); every error of one request (httpx's, or aiohttp's that the
+transport passes through unmapped, such as a malformed status line) becomes a
+`TransportFailure` naming it. The whole-request deadline against slow-drip answers is the
+ingress client's (relay/edges/ingress.py `Deadlines`): httpx's timeouts are per phase.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import ssl
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from http.cookiejar import CookieJar, DefaultCookiePolicy
+from importlib.util import find_spec
+from typing import Protocol
+from urllib.parse import unquote_to_bytes
+
+import aiohttp  # its errors: httpx_aiohttp passes some through unmapped (a bad status line)
+import httpx
+from httpx_aiohttp import AiohttpTransport, HttpxAiohttpClient
+
+from relay import logs
+from relay.logs import redact_text
+from relay.settings import ConfigError, Settings, redact_url
+
+MAX_BODY = 64 * 1024
+READ_LIMIT = MAX_BODY + 1  # what is read of an answer: one byte more than is kept
+KEEPALIVE_EXPIRY = 5.0  # seconds an idle connection is kept: httpx's default
+TRANSPORTS = ("aiohttp", "httpx")
+# `http_transport` values of earlier releases, and what now does their job. They still start (a
+# rolling upgrade never fails on a setting it used to accept), with one warning.
+RETIRED_TRANSPORTS = {"httptools": "aiohttp", "httpcore": "httpx"}
+PROXY_VARIABLES = frozenset({"http_proxy", "https_proxy", "all_proxy"})
+# Statuses whose answer has no body whatever its headers say (RFC 9110 §6.4.1).
+NO_BODY_STATUSES = frozenset({204, 304})
+# What httpx and aiohttp raise about one request.
+REQUEST_ERRORS = (httpx.HTTPError, httpx.InvalidURL, aiohttp.ClientError, ssl.SSLError, OSError)
+
+
+class TransportFailure(Exception):
+    """No HTTP answer: connection refused/reset, timeout, reply lost, a malformed answer.
+    `timed_out`: the request ran out of time, which the adaptive POST limit reads as an
+    overloaded ingress (relay/admission/limit.py); the other failures say nothing about its load."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What one POST got back, as read: the status, at most READ_LIMIT bytes of the body (one
+    byte past MAX_BODY tells the caller it was cut), its Retry-After, and whether only the
+    connection's close marked the body's end (no Content-Length, not chunked)."""
+
+    status: int
+    body: bytes
+    retry_after: str | None
+    unframed: bool = False
+    location: str | None = None  # a redirect's target (never followed): for the operator
+
+
+class Sender(Protocol):
+    """How a POST goes out: `send` returns a `Reply` or raises TransportFailure."""
+
+    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> Reply: ...
+
+
+def transport_for(settings: Settings, environ: Mapping[str, str]) -> tuple[str, str | None]:
+    """The transport that carries the POSTs, and why it is not the configured one (None when it
+    is). Pure: decided once per client, at start."""
+    configured = settings.http_transport
+    name = RETIRED_TRANSPORTS.get(configured, configured)
+    if settings.http2 and name != "httpx":
+        return "httpx", "http2=true: only httpx's own transport speaks HTTP/2"
+    if name == "aiohttp" and _socks_proxy(settings, environ):
+        return "httpx", "a SOCKS proxy is configured: aiohttp's transport takes HTTP proxies only"
+    if configured in RETIRED_TRANSPORTS:
+        return name, f"http_transport={configured} is retired: {name} replaces it"
+    return name, None
+
+
+def configured_proxies(settings: Settings, environ: Mapping[str, str]) -> list[str]:
+    """The proxies the client may use: `ingress_proxy` alone when it is set (httpx then reads no
+    variable), else the variables httpx's `trust_env` reads (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY,
+    either case). Which URL one applies to is httpx's to decide; here only whether there are
+    any, and their schemes, matter."""
+    if settings.ingress_proxy is not None:
+        return [settings.ingress_proxy.reveal()]
+    return [value for name, value in environ.items() if name.lower() in PROXY_VARIABLES and value]
+
+
+def _socks_proxy(settings: Settings, environ: Mapping[str, str]) -> bool:
+    return any(p.strip().lower().startswith("socks") for p in configured_proxies(settings, environ))
+
+
+def require_extras(settings: Settings, environ: Mapping[str, str]) -> None:
+    """A ConfigError at start, before any connection, when the client would need an extra that
+    is not installed: `h2` for HTTP/2, `socksio` for a SOCKS proxy (httpx would otherwise fail
+    every POST with the missing import)."""
+    if settings.http2 and find_spec("h2") is None:
+        raise ConfigError("http2: needs httpx's http2 extra: pip install 'ledger-relay[http2]'")
+    if _socks_proxy(settings, environ) and find_spec("socksio") is None:
+        raise ConfigError(
+            "a SOCKS proxy is configured (ingress_proxy or ALL_PROXY / HTTP(S)_PROXY) and needs "
+            "httpx's socks extra: pip install 'ledger-relay[socks]'"
+        )
+
+
+def build_client(
+    settings: Settings, connections: int, environ: Mapping[str, str] | None = None
+) -> httpx.AsyncClient:
+    """A client for one lane, `connections` wide; raises ConfigError when an extra it needs
+    (`h2` for HTTP/2, `socksio` for a SOCKS proxy) is not installed."""
+    env = os.environ if environ is None else environ
+    require_extras(settings, env)
+    name, why = transport_for(settings, env)
+    if why is not None:
+        _say_once("http_transport_chosen", configured=settings.http_transport, using=name, why=why)
+    limits = httpx.Limits(
+        max_connections=connections,
+        max_keepalive_connections=connections,
+        keepalive_expiry=KEEPALIVE_EXPIRY,
+    )
+    proxy = settings.ingress_proxy.reveal() if settings.ingress_proxy is not None else None
+    # TLS is verified always: against `ingress_ca_file` when given, else the operating system's
+    # store (OpenSSL's default paths; SSL_CERT_FILE / SSL_CERT_DIR honoured). `verify=True` would
+    # load certifi's bundle instead and refuse an ingress whose CA the OS trusts (issue 30).
+    verify = ssl.create_default_context(cafile=settings.ingress_ca_file)
+    kind = HttpxAiohttpClient if name == "aiohttp" else httpx.AsyncClient
+    direct = None
+    if name == "aiohttp" and not configured_proxies(settings, env):
+        # No proxy anywhere: the aiohttp session is built here, with aiohttp's jar that keeps
+        # no cookie (httpx's jar below does not reach aiohttp's own). Given a transport, httpx
+        # reads no proxy variable, and there is none to read.
+        direct = AiohttpTransport(
+            verify=verify, limits=limits, client=lambda: aiohttp_session(verify, connections)
+        )
+    try:
+        return kind(
+            verify=verify,
+            http2=settings.http2,
+            limits=limits,
+            timeout=httpx.Timeout(settings.http_timeout),
+            proxy=proxy,
+            trust_env=True,
+            follow_redirects=False,
+            cookies=no_cookies(),
+            transport=direct,
+        )
+    except ValueError as exc:  # httpx.Proxy: an unknown scheme
+        raise ConfigError(f"proxy: {redact_url(str(exc))}") from None
+
+
+def aiohttp_session(verify: ssl.SSLContext, connections: int) -> aiohttp.ClientSession:
+    """aiohttp's session under the default transport, as httpx-aiohttp would build it (its
+    connection limit, keep-alive and TLS context), but with a jar that keeps no cookie."""
+    connector = aiohttp.TCPConnector(
+        limit=connections, keepalive_timeout=KEEPALIVE_EXPIRY, ssl=verify
+    )
+    return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+
+
+def no_cookies() -> CookieJar:
+    """A jar that takes no cookie: the ingress's answers never grow the client's state."""
+    return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+
+
+_said: set[tuple[str, ...]] = set()
+
+
+def _say_once(event: str, **fields: str) -> None:
+    key = (event, *fields.values())
+    if key not in _said:
+        _said.add(key)
+        logs.warning(event, **fields)
+
+
+class HttpxSender:
+    """POSTs over one `httpx.AsyncClient`: the relay's own (closed with it) or the application's
+    (`Relay(client=...)`: used as it is, never closed here)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> Reply:
+        if "@" in url:
+            url, headers = without_userinfo(url, headers)
+        request = self.client.build_request("POST", url, content=body, headers=headers)
+        request.headers["accept-encoding"] = "identity"
+        try:
+            response = await self.client.send(request, stream=True)
+            try:
+                read, framed = await _read_some(response)
+            finally:
+                await response.aclose()
+        except REQUEST_ERRORS as exc:
+            timed_out = isinstance(exc, httpx.TimeoutException | TimeoutError)
+            raise TransportFailure(_describe(exc), timed_out=timed_out) from exc
+        return Reply(
+            response.status_code,
+            read,
+            response.headers.get("retry-after"),
+            unframed=not framed,
+            location=response.headers.get("location"),
+        )
+
+
+def without_userinfo(url: str, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """Userinfo never travels in the URL: it becomes Basic auth (as httpx does), unless the
+    request already carries its credentials (the configured bearer token), which win. Done
+    here rather than by httpx, whose client would put the userinfo's Basic auth in place of
+    the token (issue 40: `relay check` did)."""
+    parsed = httpx.URL(url)
+    if not parsed.userinfo:
+        return url, headers
+    if "authorization" not in headers:
+        user, _, password = parsed.userinfo.partition(b":")
+        raw = unquote_to_bytes(user) + b":" + unquote_to_bytes(password)
+        headers = headers | {"authorization": "Basic " + base64.b64encode(raw).decode()}
+    return str(parsed.copy_with(userinfo=b"")), headers
+
+
+async def _read_some(response: httpx.Response) -> tuple[bytes, bool]:
+    """At most READ_LIMIT bytes of the answer, as sent (no decoding), and whether its length is
+    known for sure. The rest is never read: closing the response then drops its connection."""
+    if response.is_stream_consumed:  # built already read (an app's transport, httpx's mock)
+        return response.content[:READ_LIMIT], True
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_raw():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= READ_LIMIT:
+            break
+    return b"".join(chunks)[:READ_LIMIT], _framed(response)
+
+
+def _framed(response: httpx.Response) -> bool:
+    """Whether the wire said where the body ends (a length, chunks, a status without a body,
+    HTTP/2's frames) rather than only the connection's close, which a reset mimics."""
+    return (
+        "content-length" in response.headers
+        or "chunked" in response.headers.get("transfer-encoding", "").lower()
+        or response.status_code in NO_BODY_STATUSES
+        or response.http_version == "HTTP/2"
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    """An error of one request, named: its type and message, URLs' credentials redacted."""
+    text = str(exc).strip()
+    name = type(exc).__name__
+    return redact_text(f"{name}: {text}" if text else name)
+
+
+@asynccontextmanager
+async def open_sender(
+    settings: Settings,
+    connections: int,
+    app: httpx.AsyncClient | httpx.AsyncBaseTransport | None = None,
+) -> AsyncIterator[HttpxSender]:
+    """A lane's sender, `connections` wide, closed on exit. An application's own client (or
+    transport, e.g. an in-process ASGI app) is used as it is and left open: it is the
+    application's to close."""
+    if isinstance(app, httpx.AsyncClient):
+        yield HttpxSender(app)
+        return
+    if app is not None:
+        client = httpx.AsyncClient(transport=app, follow_redirects=False, cookies=no_cookies())
+        yield HttpxSender(client)
+        return
+    client = build_client(settings, connections)
+    try:
+        yield HttpxSender(client)
+    finally:
+        await client.aclose()

@@ -1,0 +1,312 @@
+"""`relay check` (DESIGN §8.1): is this configuration able to run, here, now?
+
+One line per check, in order: configuration, database, schema, listen, ingress. A check whose
+precondition failed is skipped (no schema check without a database). The exit code says which
+failed, as a sum of bits, so a script can tell "database down" from "ingress unreachable":
+
+    0   every check passed
+    2   configuration invalid (nothing else was checked; the same code as `relay run`)
+    4   database: cannot connect or authenticate
+    8   schema: not installed, older or newer than this relay (run `relay migrate` / upgrade)
+    16  listen: the LISTEN session is handed to another client between its transactions, or
+        cannot receive notifications (e.g. it goes through a transaction-mode pooler: set
+        listen_database_url to a direct connection)
+    32  ingress: no HTTP answer (DNS, connection, TLS, timeout), or an answer `relay run` would
+        pause its lane for as `ingress_misconfigured` (401/403: fix ingress_token; 404, 405,
+        410 or a redirect: fix ingress_url), from ingress_url or ingress_batch_url
+
+e.g. 36 = database and ingress failed. Nothing a check prints carries a password or token:
+database URLs are redacted and every error text is scrubbed of the configured secrets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import orjson
+import psycopg
+from psycopg import sql
+
+from relay.core.policy import Outcome, classify
+from relay.edges.http_client import TransportFailure, open_sender
+from relay.edges.ingress import USER_AGENT, render_url, sign
+from relay.edges.store import CONNECT_KWARGS
+from relay.maintenance.migrate import code_version, read_version, version_problem
+from relay.settings import ConfigError, Settings, Subcommands, passwords_in, redact_url, scrub
+
+OK = 0
+CONFIGURATION = 2
+DATABASE = 4
+SCHEMA = 8
+LISTEN = 16
+INGRESS = 32
+
+BITS = {
+    "database": DATABASE,
+    "schema": SCHEMA,
+    "listen": LISTEN,
+    "ingress": INGRESS,
+    "ingress_batch": INGRESS,
+}
+PROBE_RUN_ID = "relay-check"
+# A batch of the probe run with no event in it: nothing is delivered.
+PROBE_BODY = orjson.dumps({"run_id": PROBE_RUN_ID, "epoch": 0, "events": []})
+PROBE_GROUP_BODY = orjson.dumps({"batches": []})
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    ok: bool | None  # None: skipped
+    detail: str
+
+    def line(self) -> str:
+        mark = "skip" if self.ok is None else ("ok" if self.ok else "FAIL")
+        return f"{mark:<5}{self.name:<15}{self.detail}"
+
+
+def exit_code(results: Sequence[Result]) -> int:
+    code = OK
+    for r in results:
+        if r.ok is False:
+            code |= CONFIGURATION if r.name == "configuration" else BITS[r.name]
+    return code
+
+
+def secrets_of(s: Settings) -> list[str]:
+    """Every secret of the settings, and the passwords inside the database URLs as libpq
+    reads them: an error may quote a password alone (e.g. percent-decoded)."""
+    out = []
+    for url in (s.database_url, s.listen_database_url):
+        if url is not None:
+            out.append(url.reveal())
+            out.extend(passwords_in(url.reveal()))
+    if s.ingress_token is not None:
+        out.append(s.ingress_token.reveal())
+    out.extend(secret.reveal() for secret in s.signing_secret)
+    return [x for x in out if x]
+
+
+def _error(exc: BaseException, s: Settings) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return scrub(f"{type(exc).__name__}: {first}"[:300], secrets_of(s))
+
+
+async def check_database(s: Settings, within: float) -> tuple[Result, Result]:
+    url = s.database_url.reveal()
+    where = redact_url(url)
+    try:
+        with anyio.fail_after(within):
+            conn = await psycopg.AsyncConnection.connect(
+                url, **{**CONNECT_KWARGS, "connect_timeout": max(1, int(within))}
+            )
+            async with conn:
+                version = conn.info.server_version
+                db_version = await read_version(conn, s.schema)
+    except (psycopg.Error, OSError, TimeoutError) as exc:
+        return (
+            Result("database", False, f"{where}: {_error(exc, s)}"),
+            Result("schema", None, "needs the database"),
+        )
+    database = Result(
+        "database", True, f"{where} (PostgreSQL {version // 10000}.{version % 10000})"
+    )
+    problem = version_problem(db_version, s.schema)
+    if problem:
+        return database, Result("schema", False, problem)
+    return database, Result("schema", True, f"{s.schema} at version {code_version()}")
+
+
+async def check_listen(s: Settings, within: float) -> Result:
+    """The LISTEN session must stay this relay's between its transactions: a transaction-mode
+    pooler hands it to other clients, and the notifications go nowhere. One session LISTENs and
+    notes its server pid in one transaction; a second client then opens a transaction on the same
+    URL while the first is idle (as other clients do in production) and notifies from it.
+
+    - the second client got the first one's server session (the same `pg_backend_pid()`): a
+      pooler hands sessions around between transactions. PgBouncer does, in transaction mode.
+    - otherwise the notification must come back to the first session within the timeout.
+
+    A LISTEN and NOTIFY on one connection, as this check did before, passes through a
+    transaction pool that has nothing else to do: both land on the one idle server session."""
+    source = s.listen_database_url or s.database_url
+    url = source.reveal()
+    where = redact_url(url)
+    channel = f"relay_check_{uuid.uuid4().hex[:12]}"
+    kwargs = {**CONNECT_KWARGS, "connect_timeout": max(1, int(within))}
+    try:
+        with anyio.fail_after(within):
+            listener = await psycopg.AsyncConnection.connect(url, **kwargs)
+            async with listener:
+                async with listener.transaction():
+                    await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+                    listening = await _backend_pid(listener)
+                other = await psycopg.AsyncConnection.connect(url, **kwargs)
+                async with other, other.transaction():
+                    if await _backend_pid(other) == listening:
+                        return Result("listen", False, f"{where}: {_SHARED_SESSION}")
+                    await other.execute("select pg_notify(%s, 'check')", (channel,))
+                async for note in listener.notifies(timeout=within, stop_after=1):
+                    if note.channel == channel:
+                        return Result("listen", True, f"{where} receives notifications")
+    except TimeoutError:
+        pass
+    except (psycopg.Error, OSError) as exc:
+        return Result("listen", False, f"{where}: {_error(exc, s)}")
+    return Result(
+        "listen",
+        False,
+        f"{where}: no notification came back within {within:g}s; LISTEN needs a direct "
+        "connection, not a transaction-mode pooler (set listen_database_url)",
+    )
+
+
+_SHARED_SESSION = (
+    "the session that LISTENs was handed to another client between its transactions (a "
+    "transaction-mode pooler such as PgBouncer): notifications would go nowhere; set "
+    "listen_database_url to a direct connection"
+)
+
+
+async def _backend_pid(conn: psycopg.AsyncConnection[Any]) -> int:
+    cur = await conn.execute("select pg_backend_pid()")
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def check_ingress(
+    s: Settings,
+    within: float,
+    transport: httpx.AsyncBaseTransport | None = None,
+    *,
+    batch: bool = False,
+) -> Result:
+    """A POST like `relay run`'s (its headers, token and signature) that carries no event: an
+    empty batch for the probe run `relay-check` (`batch`: an empty `{"batches": []}` to
+    `ingress_batch_url`), so nothing is delivered. The answer is judged by the table `relay
+    run` uses (relay.core.policy.classify): what would pause a lane as `ingress_misconfigured`
+    (401, 403, 404, 405, 410, a redirect) fails, naming the setting to fix; any other answer
+    (an empty batch may well be refused as such: 400, 422) proves the endpoint takes POSTs.
+
+    A POST rather than a HEAD: an endpoint that takes only POSTs answers a HEAD with 405 (or,
+    under some frameworks, 404), so a HEAD cannot tell a right URL from a wrong one."""
+    setting = "ingress_batch_url" if batch else "ingress_url"
+    if batch:
+        assert s.ingress_batch_url is not None
+        url, body = s.ingress_batch_url, PROBE_GROUP_BODY
+    else:
+        url, body = render_url(s.ingress_url, PROBE_RUN_ID), PROBE_BODY
+    where = redact_url(url)
+    name = "ingress_batch" if batch else "ingress"
+    try:
+        # The relay's own client (relay/edges/http_client.py): its TLS trust, proxies, transport and
+        # the URL's userinfo handled as `relay run` handles them.
+        with anyio.fail_after(within):
+            async with open_sender(s, 1, transport) as sender:
+                reply = await sender.send(url, body, probe_headers(s, body, epoch=not batch))
+    except (TransportFailure, ConfigError, TimeoutError) as exc:
+        return Result(name, False, f"{where}: {_error(exc, s)}")
+    status = reply.status
+    outcome = classify(status)
+    if outcome is Outcome.MISCONFIGURED:
+        why = _misconfigured(status, reply.location, setting, s)
+        return Result(name, False, f"{where} answered {status}: {why}")
+    if outcome is Outcome.ACCEPTED and reply.unframed and not reply.body.strip():
+        # relay/core/policy.py: such an answer cannot be told from a reset, so relay run would
+        # retry every batch and deliver none.
+        return Result(
+            name,
+            False,
+            f"{where} answered {status} with an empty body and no Content-Length or chunked "
+            "framing, which relay run cannot tell from a connection reset: frame the answers",
+        )
+    note = {
+        Outcome.ACCEPTED: "",
+        Outcome.POISON: " (to an empty batch: the endpoint takes POSTs)",
+        Outcome.TRANSIENT: " (relay run would retry: the ingress is failing now)",
+    }[outcome]
+    return Result(name, True, f"{where} answered {status}{note}")
+
+
+def probe_headers(s: Settings, body: bytes, *, epoch: bool) -> dict[str, str]:
+    """The headers `relay run` sends (DESIGN §5), signed with the local clock."""
+    headers = {"content-type": "application/json", "user-agent": USER_AGENT}
+    if epoch:
+        headers["relay-lease-epoch"] = "0"
+    if s.ingress_token is not None:
+        headers["authorization"] = f"Bearer {s.ingress_token.reveal()}"
+    if s.signing_secret:
+        msg_id, ts = f"msg_{uuid.uuid4().hex}", int(time.time())
+        headers["webhook-id"] = msg_id
+        headers["webhook-timestamp"] = str(ts)
+        headers["webhook-signature"] = sign(s.signing_secret, msg_id, ts, body)
+    return headers
+
+
+def _misconfigured(status: int, location: str | None, setting: str, s: Settings) -> str:
+    """Why an answer would pause the lane, and the setting to fix."""
+    if status in (401, 403):
+        fix = "ingress_token" + (" or signing_secret" if s.signing_secret else "")
+        return f"credentials rejected; fix {fix}"
+    if 300 <= status < 400:
+        to = f" to {redact_url(location)!r}" if location else ""
+        return f"a redirect{to}, which relay run never follows; set {setting} to where it points"
+    if status == 405:
+        return f"this URL does not take POSTs; fix {setting}"
+    return f"no such endpoint; fix {setting} (its path)"
+
+
+async def run_checks(s: Settings, within: float = 5.0) -> list[Result]:
+    config = Result(
+        "configuration",
+        True,
+        f"schema={s.schema} ingress={redact_url(s.ingress_url)} replica={s.replica_id}",
+    )
+    database, schema = await check_database(s, within)
+    if database.ok or s.listen_database_url is not None:
+        listen = await check_listen(s, within)
+    else:
+        listen = Result("listen", None, "needs the database")
+    ingresses = [await check_ingress(s, within)]
+    if s.ingress_batch_url is not None:
+        ingresses.append(await check_ingress(s, within, batch=True))
+    return [config, database, schema, listen, *ingresses]
+
+
+# -- the `relay check` subcommand -------------------------------------------------------------
+
+
+def add_command(
+    sub: Subcommands,
+    add_settings: Callable[[argparse.ArgumentParser], None],
+    load_settings: Callable[[argparse.Namespace], Settings],
+) -> None:
+    p = sub.add_parser(
+        "check",
+        help="check configuration, database, schema, LISTEN and ingress; exit code says which",
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_settings(p)
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per check (default 5)")
+
+    def cmd_check(args: argparse.Namespace) -> int:
+        try:
+            s = load_settings(args)
+        except ConfigError as exc:
+            print(Result("configuration", False, str(exc)).line())
+            return CONFIGURATION
+        results = anyio.run(run_checks, s, args.timeout)
+        for r in results:
+            print(r.line())
+        return exit_code(results)
+
+    p.set_defaults(func=cmd_check)

@@ -1,0 +1,221 @@
+"""The HTML of the status page and the run page (pure). Every value goes through `esc`
+(html.escape, quotes included) whether it is an id, an excerpt or a figure; markup comes only
+from the literals here. The refreshing script and the styles are assets.py's constants."""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any
+
+from relay.serving.ui.assets import CSS, SCRIPT
+from relay.serving.ui.series import LANES
+from relay.serving.ui.view import (
+    CHART_H,
+    CHART_W,
+    Cell,
+    commands,
+    is_run_href,
+    run_figures,
+    run_href,
+    run_rows,
+)
+
+BLOCKED_HEAD = (
+    "run", "failed event", "seq", "HTTP status", "body excerpt", "attempts", "failed at", "held",
+)  # fmt: skip
+FLEET_HEAD = (
+    "replica", "liveness", "runs held", "next lease expiry", "renewals (reported)",
+    "delivered (reported)", "ingress (reported)", "POST limit (reported)", "last report",
+)  # fmt: skip
+RUN_HEAD = (
+    "seq", "event id", "type", "state", "attempts", "HTTP status", "last error",
+    "lease owner", "lease expires",
+)  # fmt: skip
+
+
+def esc(value: object) -> str:
+    return escape(str(value), quote=True)
+
+
+def _fig(figures: dict[str, str], key: str, cls: str = "") -> str:
+    c = f' class="{cls}"' if cls else ""
+    return f'<span data-k="{esc(key)}"{c}>{esc(figures.get(key, "-"))}</span>'
+
+
+def _cell(value: Cell) -> str:
+    if isinstance(value, list) and len(value) == 2 and is_run_href(value[1]):
+        return f'<td><a href="{esc(value[1])}">{esc(value[0])}</a></td>'
+    if isinstance(value, list):
+        return f"<td>{esc(value[0] if value else '')}</td>"
+    return f"<td>{esc(value)}</td>"
+
+
+def _card(figures: dict[str, str], key: str, label: str, alarm: bool) -> str:
+    """A figure with its label; an `alarm` card turns red while its figure is not 0, or for
+    a figure in ALARMS while it is not one of the calm values listed there (the script keeps
+    that up to date)."""
+    if not alarm:
+        return f'<div class="card"><b>{_fig(figures, key)}</b>{esc(label)}</div>'
+    calm = ALARMS.get(key, ("0",))
+    bad = " bad" if figures.get(key) not in calm else ""
+    attrs = f' data-calm="{esc("|".join(calm))}"' if key in ALARMS else ""
+    return (
+        f'<div class="card{bad}" data-alarm="{esc(key)}"{attrs}>'
+        f"<b>{_fig(figures, key)}</b>{esc(label)}</div>"
+    )
+
+
+def _table(head: tuple[str, ...], rows: list[list[Cell]], body_id: str, empty: str) -> str:
+    th = "".join(f"<th>{esc(h)}</th>" for h in head)
+    trs = "".join("<tr>" + "".join(_cell(c) for c in r) + "</tr>" for r in rows)
+    hidden = " hidden" if rows else ""
+    return (
+        f'<table><thead><tr>{th}</tr></thead><tbody id="{body_id}">{trs}</tbody></table>'
+        f'<p id="{body_id}-empty" class="empty"{hidden}>{esc(empty)}</p>'
+    )
+
+
+def _doc(title: str, body: str, attrs: str = "") -> bytes:
+    return (
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f'<meta name="referrer" content="no-referrer"><title>{esc(title)}</title>'
+        f"<style>{CSS}</style></head><body{attrs}>{body}<script>{SCRIPT}</script></body></html>\n"
+    ).encode()
+
+
+# The cards at the top of the status page: (figure key, label, alarm when not zero).
+CARDS = (
+    ("blocked.runs", "blocked runs", True),
+    ("blocked.events", "failed events", True),
+    ("blocked.held", "events held behind them", False),
+    ("blocked.oldest", "oldest failure", False),
+    ("expired_leases", "expired leases", False),
+    ("table_bytes", "outbox tables", False),
+    ("part_age", "current outbox part open", False),
+)
+
+# This replica's POST turn (issue 42): the limit is red while it has fallen sharply.
+LIMIT_CARDS = (
+    ("limit.limit", "POSTs in flight allowed / ceiling", False),
+    ("limit.state", "limit state", True),
+    ("limit.inflight", "POSTs in flight", False),
+    ("limit.waiting", "POSTs waiting for the limit", False),
+    ("limit.min_rtt", "minimum round trip", False),
+    ("limit.tokens", "retry tokens", False),
+)
+# An alarm card's calm figures where they are not "0" ("-": no figure yet).
+ALARMS = {"limit.state": ("steady", "fixed", "-")}
+
+
+def _lane_rows(f: dict[str, str]) -> str:
+    return "".join(
+        f"<tr><td>{esc(lane)}</td>"
+        + "".join(
+            f'<td class="n">{_fig(f, f"{lane}.{k}")}</td>'
+            for k in ("runs", "events", "oldest", "rate", "lag_p50", "lag_p99")
+        )
+        + "</tr>"
+        for lane in LANES
+    )
+
+
+def _chart_svg(chart: dict[str, Any]) -> str:
+    return (
+        f'<svg id="chart" width="{CHART_W}" height="{CHART_H}" viewBox="0 0 {CHART_W} {CHART_H}"'
+        ' role="img" aria-label="delivery rate per lane, last 15 minutes">'
+        + "".join(
+            f'<polyline id="line-{lane}" class="{lane}" points="{esc(chart[lane])}"/>'
+            for lane in LANES
+        )
+        + f'<text class="axis" x="4" y="{CHART_H - 4}">15 min ago</text>'
+        + f'<text class="axis" x="{CHART_W - 4}" y="{CHART_H - 4}" text-anchor="end">now</text>'
+        + "</svg>"
+    )
+
+
+def _pager(offset: int, shown: int, page_size: int) -> str:
+    """Links to the newer and older pages of blocked runs, those that exist."""
+    links = []
+    if offset > 0:
+        links.append(f'<a href="/?offset={max(0, offset - page_size)}">newer failures</a>')
+    if shown >= page_size:
+        links.append(f'<a href="/?offset={offset + page_size}">older failures</a>')
+    return " · ".join(links)
+
+
+def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) -> bytes:
+    f = view["figures"]
+    lanes = _lane_rows(f)
+    chart = view["chart"]
+    svg = _chart_svg(chart)
+    offset = int(view.get("blocked_offset") or 0)
+    pager = _pager(offset, len(view["blocked"]), page_size)
+    cards = "".join(_card(f, key, label, alarm) for key, label, alarm in CARDS)
+    limit_cards = "".join(_card(f, key, label, alarm) for key, label, alarm in LIMIT_CARDS)
+    body = (
+        "<h1>ledger-relay</h1>"
+        f'<p class="meta">served by {_fig(f, "replica_id")} · database time {_fig(f, "db_now")}'
+        ' · <span id="updated">as rendered</span> · read-only</p>'
+        f'<div class="cards">{cards}</div>'
+        f'<h2>Lanes</h2><p class="meta">Runs, pending events, oldest pending and the blocked'
+        " totals are the backlog refresh's (one pass over the pending events, spaced by its"
+        f" own cost), as of {_fig(f, 'backlog_age')}; other counts that grow with the backlog"
+        ' stop at a cap (shown with a +).</p><table><thead><tr><th>lane</th><th class="n">runs</th>'
+        '<th class="n">pending events</th><th class="n">oldest pending</th>'
+        '<th class="n">delivery rate</th><th class="n">lag p50</th><th class="n">lag p99</th>'
+        f'</tr></thead><tbody id="lanes">{lanes}</tbody></table>'
+        "<h2>Ingress limit (this replica)</h2>"
+        f'<div class="cards" id="ingress-limit">{limit_cards}</div>'
+        '<p class="meta">POSTs to the ingress this replica may have in flight under its'
+        " adaptive limit (post_limit), both lanes together, critical ones in brackets; the"
+        " limit falls when the ingress queues or answers overloaded, and is red while it has"
+        " fallen sharply and not recovered. Live from the replica serving this page, not from"
+        " the reports.</p>"
+        '<h2>Delivery rate, last 15 minutes (events/s, whole fleet)</h2><p class="legend">'
+        '<span class="critical">━ critical</span><span class="ordinary">━ ordinary</span>'
+        f'<span>max <span id="chart-max">{esc(chart["max"])}</span></span></p>{svg}'
+        f"<h2>Blocked runs (from #{offset + 1}, oldest failure first)</h2>"
+        + _table(BLOCKED_HEAD, view["blocked"], "blocked-rows", "No blocked runs.")
+        + f'<p class="pager">{pager}</p>'
+        "<h2>Replicas</h2>"
+        + _table(FLEET_HEAD, view["fleet"], "fleet-rows", "No replica has reported yet.")
+        + '<p class="meta">Lag: commit to ack, the worst replica\'s percentile over its last'
+        " 15 minutes. Liveness, runs held and lease expiry are the database's. Renewals,"
+        " delivered, ingress and lag are what each replica reports of itself from its health"
+        " loop: checked for shape, and only from the session that holds the replica's liveness"
+        " lock, but its own word (a role that can hold a lock can invent a replica); a report"
+        " that fails the checks shows as rejected, with no figures.</p>"
+    )
+    attrs = f' data-refresh="{esc(refresh_seconds)}" data-offset="{offset}" data-updates="0"'
+    return _doc("ledger-relay status", body, attrs)
+
+
+def run_page(doc: dict[str, Any], limit: int) -> bytes:
+    run, events = doc["run"], doc["events"]
+    f = run_figures(run)
+    cmds = "\n".join(commands(run, events))
+    more = ""
+    if len(events) >= limit:
+        after = int(events[-1]["seq"]) + 1
+        href = f"{run_href(run['run_id'])}?from_seq={after}"
+        more = f'<p>{limit} events shown. <a id="more" href="{esc(href)}">The next ones</a></p>'
+
+    body = (
+        '<p><a href="/">← status</a></p>'
+        f'<h1>Run <span id="run-id">{esc(f["run_id"])}</span></h1>'
+        f'<p id="run-state">{esc(f["state"])}</p>'
+        f'<p class="meta">epoch {esc(f["epoch"])} · lease owner {esc(f["lease_owner"])}'
+        f" until {esc(f['lease_expires_at'])} · next attempt {esc(f['next_attempt_at'])}"
+        f" · {esc(f['counts'])}</p>"
+        "<h2>Events (seq order)</h2>"
+        + _table(RUN_HEAD, run_rows(run, events), "run-events", "No events (pruned).")
+        + more
+        + "<h2>Commands</h2><p>To act on this run from a shell with database access:</p>"
+        f'<pre id="commands">{esc(cmds)}</pre>'
+    )
+    return _doc(f"run {f['run_id'][:80]} · ledger-relay", body)
+
+
+def message_page(status: int, text: str) -> bytes:
+    return _doc(f"{status} · ledger-relay", f'<p><a href="/">← status</a></p><p>{esc(text)}</p>')
