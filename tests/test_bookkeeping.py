@@ -11,6 +11,7 @@ from relay.admission.limit import Sample, Signal
 from relay.admission.retry_budget import Result, RetryBudget
 from relay.core.policy import Ack, Retry
 from relay.delivery.bookkeeping import Bookkeeping
+from relay.delivery.execute import retried
 from relay.delivery.stats import ExecuteStats
 from relay.edges.http_client import TransportFailure
 from relay.edges.ingress import Answer
@@ -92,8 +93,9 @@ def test_a_try_holds_a_token_as_a_retry_only_when_it_is_one() -> None:
     """A first try is a retry when a run has earlier attempts (`may_retry` took its token); a
     quick try always is; without a budget nothing is held."""
     b = books(RetryBudget())
-    first = [Held(one_event_claim("r1"))]
-    again = [Held(replace(one_event_claim("r2"), attempts=2))]
+    first = retried([Held(one_event_claim("r1"))])
+    again = retried([Held(one_event_claim("r1")), Held(replace(one_event_claim("r2"), attempts=2))])
+    assert (first, again) == (False, True)  # a multi-run POST is a retry if any run is one
     assert not b.retrying(1, first)
     assert b.retrying(1, again)
     assert b.retrying(2, first)
@@ -117,7 +119,7 @@ def test_a_failing_limit_is_logged_and_the_budget_still_records() -> None:
 
 def test_a_retry_the_budget_refused_waits_at_least_its_floor_and_is_counted() -> None:
     b = books(RetryBudget())
-    delay = b.deferral(one_event_claim("r1"))
+    delay = b.deferral(one_event_claim("r1").attempts)
     assert delay >= 5.0  # DEFER_AT_LEAST
     assert b.stats.deferred == 1
 

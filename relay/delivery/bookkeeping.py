@@ -15,7 +15,7 @@ are read here on the monotonic clock, and the sample is a pure function of the a
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from relay import logs
 from relay.admission.limit import Sample
@@ -24,7 +24,6 @@ from relay.core import clock
 from relay.core.policy import BACKOFF_BASE, Decision, Retry, backoff
 from relay.delivery.stats import ExecuteStats
 from relay.edges.ingress import Answer, TransportFailure
-from relay.edges.store import Claim, Held
 from relay.settings import Settings
 
 Answered = Callable[[Sample], None]  # told of each answer to a POST (its turn's limit)
@@ -44,22 +43,20 @@ class Bookkeeping:
         self.settings = settings
         self.stats = stats
 
-    def may_retry(self, holds: Sequence[Held]) -> bool:
-        """A first attempt always goes; a retry (a run with earlier attempts: a multi-run POST
-        is one if any of its runs is) only when the budget has a token for it."""
-        if self.budget is None or all(h.claim.attempts == 0 for h in holds):
+    def may_retry(self, retried: bool) -> bool:
+        """A first attempt always goes; a retry (`retried`: a run with earlier attempts, and a
+        multi-run POST is one if any of its runs is) only when the budget has a token for it."""
+        if self.budget is None or not retried:
             return True
         return self.budget.try_retry(clock.now())
 
-    def deferral(self, claim: Claim) -> float:
+    def deferral(self, attempts: int) -> float:
         """How long a retry the budget refused waits: the run's own backoff, as if it had failed
         again (so a long outage spaces its retries out as failures would), in the upper half of
         its range and never less than DEFER_AT_LEAST. Returns the delay (the executor's
         `Deferred` carries it to the completer)."""
         cap = self.settings.max_backoff
-        ceiling = backoff(
-            claim.attempts, base=BACKOFF_BASE, cap=cap, rand=random.random(), jitter=0.5
-        )
+        ceiling = backoff(attempts, base=BACKOFF_BASE, cap=cap, rand=random.random(), jitter=0.5)
         delay = max(DEFER_AT_LEAST, ceiling)
         self.stats.deferred += 1
         return delay
@@ -68,11 +65,11 @@ class Bookkeeping:
         """The budget lets one more quick try go (it holds a token until its answer)."""
         return self.budget is None or self.budget.try_retry(clock.now())
 
-    def retrying(self, tries: int, holds: Sequence[Held]) -> bool:
+    def retrying(self, tries: int, retried: bool) -> bool:
         """Whether this try (the `tries`-th of a POST) holds a budget token as a retry: a quick
-        try always does, a first try when a run has earlier attempts (its token was taken by
-        `may_retry`)."""
-        return self.budget is not None and (tries > 1 or _retried(holds))
+        try always does, a first try when a run has earlier attempts (`retried`: its token was
+        taken by `may_retry`)."""
+        return self.budget is not None and (tries > 1 or retried)
 
     def record_unsent(self, retry: bool) -> None:
         """A try that never got an answer (cancelled: every lease lost; or broken)."""
@@ -103,13 +100,6 @@ class Bookkeeping:
             answered(sample)
         except Exception as exc:  # the limit's bug must not undo an answered POST (a duplicate)
             logs.error("limit_sample_failed", lane=self.lane, error=logs.error_text(exc, 300))
-
-
-def _retried(holds: Sequence[Held]) -> bool:
-    for h in holds:  # a loop, not any(): once per POST
-        if h.claim.attempts > 0:
-            return True
-    return False
 
 
 def _sample(answer: Answer | TransportFailure, decision: Decision, rtt: float) -> Sample:

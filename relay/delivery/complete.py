@@ -31,9 +31,9 @@ from dataclasses import replace
 import anyio
 
 from relay import logs
-from relay.core.policy import Ack, Pause, Poison, Retry
+from relay.core.policy import Ack, Poison, Retry
 from relay.delivery.ack import AckGroup
-from relay.delivery.execute import Deferred, LeaseLost, Outcome
+from relay.delivery.execute import LeaseLost, Outcome
 from relay.delivery.narrowing import Narrowing, Resend
 from relay.delivery.pause import Gate, PauseGate
 from relay.delivery.release import Releases
@@ -96,7 +96,7 @@ class Completer:
             return {outcome.run_id: await self.carry_one(outcome)}
         settled: dict[str, bool] = {}
         for lost in (o for o in outcomes if isinstance(o.decision, LeaseLost)):
-            settled[lost.run_id] = self._lost(lost)
+            settled[lost.run_id] = await self.releases.settle(lost)
             self.observe(lost, None)
         whole = [o for o in outcomes if o.run_id not in settled and o.accepted_whole]
         rest = [o for o in outcomes if o.run_id not in settled and not o.accepted_whole]
@@ -127,28 +127,16 @@ class Completer:
             self.pause.ingress_ok()
         ack = None
         match decision:
-            case LeaseLost():
-                settled = self._lost(outcome)
-            case Deferred():
-                settled = await self.releases.defer(claim, decision)
             case Ack(k=k):
                 acked = outcome.events[:k]
                 ack = await self.acks.ack(claim, acked[-1].seq)
                 settled = self._acked(claim, outcome, acked, ack)
-            case Retry():
-                settled = await self.releases.reschedule(claim, decision)
-            case Pause():
-                settled = await self.releases.pause(claim, decision)
             case Poison():
                 settled = await self.narrowing.narrow(outcome, decision)
+            case _:  # the lease lost, a retry deferred or scheduled, the lane paused
+                settled = await self.releases.settle(outcome)
         self.observe(outcome, ack)
         return settled
-
-    def _lost(self, outcome: Outcome) -> bool:
-        """The lease was lost before an answer could count: abandoned, no ack (settled)."""
-        assert isinstance(outcome.decision, LeaseLost)
-        self.releases.lease_lost(outcome.held.claim, outcome.decision.where)
-        return True
 
     def _acked(
         self, claim: Claim, outcome: Outcome, acked: Sequence[ClaimedEvent], result: AckResult

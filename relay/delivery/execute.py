@@ -33,6 +33,14 @@ from relay.settings import Settings
 Send = tuple[Held, Sequence[ClaimedEvent]]  # a run's holder and the events to POST (a prefix)
 
 
+def retried(holds: Sequence[Held]) -> bool:
+    """A retry: a run of the POST has earlier attempts (a multi-run POST is one if any is)."""
+    for h in holds:  # a loop, not any(): once per POST
+        if h.claim.attempts > 0:
+            return True
+    return False
+
+
 def _unheard(sample: Sample) -> None:
     """No limit to tell (a resend within a turn already told, or no adaptive limit)."""
 
@@ -126,9 +134,10 @@ class Executor:
         outcome per run. Each holder keeps its claim's current value: a widening before the POST
         and each renewal are kept there. `answered` is told of each answer (the turn's limit).
         A retry (a claim with earlier attempts) goes only if the retry budget lets it."""
-        if not self.books.may_retry(holds):
+        if not self.books.may_retry(retried(holds)):
             return [
-                Outcome(h, h.claim.events, Deferred(self.books.deferral(h.claim))) for h in holds
+                Outcome(h, h.claim.events, Deferred(self.books.deferral(h.claim.attempts)))
+                for h in holds
             ]
         group = len(holds) > 1
         if not group and holds[0].claim.widen:
@@ -180,6 +189,7 @@ class Executor:
         attempts (its token was taken in `execute`); each quick try is one, let go by the
         budget (relay/delivery/retries.py)."""
         holds = [h for h, _ in sends]
+        is_retry = retried(holds)
         spans = _spans(self.tracer, self.lane, sends)
         replies: _Replies | None = None
         tries = 0
@@ -187,7 +197,7 @@ class Executor:
         async def post_once() -> _Replies:
             nonlocal tries
             tries += 1
-            retry = self.books.retrying(tries, holds)
+            retry = self.books.retrying(tries, is_retry)
             return await self._post_once(
                 sends, group=group, spans=spans, retry=retry, answered=answered
             )

@@ -27,7 +27,7 @@ import anyio
 
 from relay import logs
 from relay.core.policy import Pause, Poison, Retry
-from relay.delivery.execute import Deferred
+from relay.delivery.execute import Deferred, LeaseLost, Outcome
 from relay.delivery.pause import PauseGate
 from relay.delivery.stats import CompleteStats
 from relay.edges.store import Claim, ClaimedEvent, Store
@@ -47,6 +47,23 @@ class Releases:
         self.store = store
         self.stats = stats  # the completer's
         self.gate = gate  # the completer's: how long a misconfigured ingress pauses the lane
+
+    async def settle(self, outcome: Outcome) -> bool:
+        """Carry out an outcome that acks nothing and blames no event: the lease lost before an
+        answer could count (abandoned: nothing to write), a retry the budget deferred, a retry
+        scheduled after a failed attempt, or the lane paused. The run's lease is settled."""
+        claim, decision = outcome.held.claim, outcome.decision
+        match decision:
+            case LeaseLost(where=where):
+                self.lease_lost(claim, where)
+                return True
+            case Deferred():
+                return await self.defer(claim, decision)
+            case Retry():
+                return await self.reschedule(claim, decision)
+            case Pause():
+                return await self.pause(claim, decision)
+        raise ValueError(f"not a release: {decision!r}")  # acks and poison are the completer's
 
     async def reschedule(self, claim: Claim, retry: Retry) -> bool:
         self.stats.retries += 1
