@@ -848,6 +848,15 @@ def test_kubernetes_secret_example_names_only_keys_the_pods_read() -> None:
     assert "ui_token" in example["stringData"]
 
 
+def test_the_disruption_budget_never_waits_for_an_unhealthy_pod() -> None:
+    """Issue 49 item 8: a pod that is not Ready may always be evicted, so a drain never blocks
+    on a pod that cannot turn Ready (the default, IfHealthyBudget, counts it against the
+    budget)."""
+    pdb = k8s_objects()["PodDisruptionBudget"]
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert pdb["spec"]["maxUnavailable"] == 1
+
+
 def test_kubernetes_image_is_one_you_build_and_name() -> None:
     """No public image is published: the manifests name a placeholder registry (example.com,
     which resolves to nothing, so nothing else is pulled by mistake), one image for the
