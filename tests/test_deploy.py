@@ -564,7 +564,6 @@ def test_kubernetes_manifests() -> None:
     assert pod["terminationGracePeriodSeconds"] > stop_budget(drain)
     # Probes on the relay's own endpoints, on the port metrics_addr listens on.
     assert relay["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert relay["readinessProbe"]["httpGet"]["path"] == "/readyz"
     ports = {p["name"]: p["containerPort"] for p in relay["ports"]}
     metrics_port = int(env["RELAY_METRICS_ADDR"]["value"].rpartition(":")[2])
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
@@ -846,6 +845,30 @@ def test_kubernetes_secret_example_names_only_keys_the_pods_read() -> None:
     projected = {item["key"] for source, _ in secret_sources(volume) for item in source["items"]}
     assert set(example["stringData"]) <= projected == set(SECRET_OPTIONS)
     assert "ui_token" in example["stringData"]
+
+
+def test_kubernetes_probes_ask_only_what_the_replica_itself_can_fix() -> None:
+    """Issue 49 item 8: the database, LISTEN, the schema and the ingress are shared by every
+    replica, so a probe that asks about them fails on every pod at once (`/readyz` did: the
+    Deployment unavailable, the disruption budget at zero, node drains blocked while the fleet
+    was hurt). Every probe asks `/healthz` (the loops turn), which answers 200 while the
+    database is out; `/readyz` answers 503 then (relay/serving/health.py)."""
+    from relay.serving.health import readiness, waiting_route
+
+    pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
+    (relay,) = [c for c in pod["containers"] if c["name"] == "relay"]
+    probes = {
+        p: relay[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe", "startupProbe")
+    }
+    # While the database is out (the relay waiting for it at start), every probe passes...
+    for probe, path in probes.items():
+        assert waiting_route("GET", path, "")[0] == 200, (probe, path)
+    # ...which /readyz does not, at start or running.
+    assert waiting_route("GET", "/readyz", "")[0] == 503
+    down = {"started": True, "schema_problem": None, "listen_up": True, "ingress_ok": True}
+    assert readiness(database=False, **down)[0] is False
+    ops = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    assert "What each probe means" in ops
 
 
 def test_the_disruption_budget_never_waits_for_an_unhealthy_pod() -> None:
