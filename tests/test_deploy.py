@@ -120,9 +120,10 @@ def test_systemd_template_unit_relations() -> None:
 def test_systemd_migrate_unit() -> None:
     svc = unit_sections(MIGRATE_UNIT)["Service"]
     assert values(svc, "Type") == ["oneshot"]
-    assert values(svc, "ExecStart")[0].endswith("relay migrate")
-    # `relay migrate` reads $CREDENTIALS_DIRECTORY/database_url like `relay run`.
-    assert [credential_id(v) for v in values(svc, "LoadCredential")] == ["database_url"]
+    assert "/opt/ledger-relay/bin/relay migrate" in values(svc, "ExecStart")[0]
+    # `relay migrate` gets the first of these the store holds (test_systemd_migrate_url).
+    creds = [credential_id(v) for v in values(svc, "LoadCredential")]
+    assert creds == list(MIGRATE_URLS)
     assert start_failing_credentials(svc) == []
     # As hardened as the relay's unit (issue 15).
     for key, want in {**HARDENING, **MIGRATE_HARDENING}.items():
@@ -131,6 +132,79 @@ def test_systemd_migrate_unit() -> None:
 
 
 MIGRATE_HARDENING = {"ProtectClock": "yes", "ProtectProc": "invisible", "LockPersonality": "yes"}
+# The migration's URL, first found first (docs/operations.md §5): its own (direct, the schema
+# owner's role), else the relay's direct LISTEN URL, else the relay's URL.
+MIGRATE_URLS = {
+    "migrate_database_url": "postgresql://owner:pw@pg-direct:5432/relay",
+    "listen_database_url": "postgresql://relay:pw@pg-direct:5432/relay",
+    "database_url": "postgresql://relay:pw@pgbouncer:6432/relay",
+}
+
+
+def exec_start(unit: Path, relay: Path, credentials: Path) -> list[str]:
+    """The unit's ExecStart= as systemd runs it: `%d` is $CREDENTIALS_DIRECTORY, `$$` a `$`
+    (systemd.unit(5), systemd.service(5) "Command lines"), the relay at `relay`."""
+    (line,) = values(unit_sections(unit)["Service"], "ExecStart")
+    line = line.replace("/opt/ledger-relay/bin/relay", str(relay))
+    words = [w.replace("%d", str(credentials)).replace("$$", "$") for w in shlex.split(line)]
+    assert not any(re.search(r"%[a-zA-Z]|\$\{?[A-Za-z]", w) for w in words[:1]), words
+    return words
+
+
+def migrate_url_through_the_unit(tmp_path: Path, stored: dict[str, str]) -> str | None:
+    """The database URL `relay migrate` reads when ledger-relay-migrate.service runs with
+    the credentials `stored` (id -> URL): its ExecStart run for real, the relay replaced by a
+    stand-in that reads the URL with the relay's own code (relay/cli.py _database_url)."""
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    for cred, url in stored.items():
+        (creds / cred).write_text(url + "\n")
+    stand_in = tmp_path / "relay"
+    stand_in.write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys\n"
+        "from relay.settings import option_value\n"
+        "assert sys.argv[1:] == ['migrate'], sys.argv\n"
+        "url = option_value('database_url', {}, os.environ)\n"
+        "print('' if url is None else url.reveal())\n"
+    )
+    stand_in.chmod(0o755)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "CREDENTIALS_DIRECTORY": str(creds),
+        "PYTHONPATH": str(DEPLOY.parent),
+    }
+    got = subprocess.run(
+        exec_start(MIGRATE_UNIT, stand_in, creds),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=True,
+    )
+    return got.stdout.strip() or None
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        ["database_url"],
+        ["listen_database_url", "database_url"],
+        ["migrate_database_url", "listen_database_url", "database_url"],
+        ["migrate_database_url", "database_url"],
+        [],
+    ],
+)
+def test_systemd_migrate_url(tmp_path: Path, stored: list[str]) -> None:
+    """Issue 49 item 9: the migration must not go through PgBouncer (docs/operations.md §3),
+    yet the unit loaded only database_url, which on a PgBouncer site is the pooled URL. It
+    takes the first credential of MIGRATE_URLS the store holds; with none, the relay's own
+    "database_url: required" (exit 2)."""
+    got = migrate_url_through_the_unit(tmp_path, {c: MIGRATE_URLS[c] for c in stored})
+    want = next((MIGRATE_URLS[c] for c in MIGRATE_URLS if c in stored), None)
+    assert got == want
+
+
 # Every secret docs/operations.md §5 lists as a credential: all of the relay's secrets.
 DOCUMENTED_CREDENTIALS = {
     "database_url",
@@ -214,6 +288,45 @@ def test_env_files_use_no_unit_specifiers() -> None:
     for path in sorted((DEPLOY / "systemd").glob("*.env.example")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             assert not re.search(r"%[a-zA-Z%]", line), f"{path.name}:{n}: {line}"
+
+
+def test_systemd_units_say_what_to_edit_for_verify() -> None:
+    """Issue 49 item 9: the shipped ExecStart path fails `systemd-analyze verify` until the
+    relay is installed there or the path edited: each unit says so where it says what to edit,
+    just above its first Exec line, and every Exec line names the path."""
+    for unit in (UNIT, MIGRATE_UNIT):
+        svc = unit_sections(unit)["Service"]
+        execs = [v for k, v in svc if k.startswith("Exec")]
+        assert execs and all("/opt/ledger-relay/bin/relay" in v for v in execs), unit.name
+        lines = unit.read_text().splitlines()
+        at = next(n for n, line in enumerate(lines) if line.startswith("Exec"))
+        comment = []
+        for line in reversed(lines[:at]):
+            if not line.startswith("#"):
+                break
+            comment.insert(0, line.lstrip("# "))
+        said = " ".join(comment)
+        assert "What to edit" in said and "/opt/ledger-relay/bin/relay" in said, unit.name
+        assert "systemd-analyze verify" in said and "not executable" in said, unit.name
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+@pytest.mark.skipif(Path("/opt/ledger-relay/bin/relay").exists(), reason="the relay is there")
+def test_systemd_analyze_verify_fails_until_the_path_is_edited(tmp_path: Path) -> None:
+    """What the units' comment says is what systemd says."""
+    for src in (UNIT, MIGRATE_UNIT):
+        (tmp_path / src.name).write_text(src.read_text())
+    (tmp_path / "ledger-relay@1.service").symlink_to(tmp_path / UNIT.name)
+    for name in ("ledger-relay@1.service", MIGRATE_UNIT.name):
+        got = subprocess.run(
+            ["systemd-analyze", "verify", str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert got.returncode != 0, name
+        assert "Command /opt/ledger-relay/bin/relay is not executable" in got.stderr, got.stderr
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
