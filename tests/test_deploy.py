@@ -329,6 +329,55 @@ def test_systemd_analyze_verify_fails_until_the_path_is_edited(tmp_path: Path) -
         assert "Command /opt/ledger-relay/bin/relay is not executable" in got.stderr, got.stderr
 
 
+def systemd_run_recipe() -> list[str]:
+    """The `systemd-run` command docs/operations.md gives for the operator commands."""
+    ops = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    m = re.search(r"```sh\n(\s*sudo systemd-run .*?)```", ops, re.DOTALL)
+    assert m, "no systemd-run recipe in docs/operations.md"
+    return shlex.split(m.group(1).replace("\\\n", " "))
+
+
+def test_the_credential_store_recipe_runs_the_cli_like_the_units() -> None:
+    """Issue 49 item 9: `relay status` / `retry` on a host whose URL is only in the root-only
+    credential store. The documented `systemd-run` gives the command the unit's credential,
+    settings file and binary, waits and pipes its output."""
+    words = systemd_run_recipe()
+    assert words[:2] == ["sudo", "systemd-run"]
+    assert {"--pipe", "--wait"} <= set(words)
+    props = [words[i + 1] for i, w in enumerate(words) if w == "-p"]
+    svc = unit_sections(UNIT)["Service"]
+    unit_url = next(v for v in values(svc, "LoadCredential") if credential_id(v) == "database_url")
+    assert f"LoadCredential={unit_url}" in props
+    shared_env = next(f for f in values(svc, "EnvironmentFile") if "%i" not in f)
+    assert f"EnvironmentFile={shared_env}" in props
+    assert "DynamicUser=yes" in props
+    command = words[words.index(props[-1]) + 1 :]
+    assert command == [values(svc, "ExecStart")[0].split()[0], "status"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+def test_the_credential_store_recipe_properties_are_valid_unit_settings(tmp_path: Path) -> None:
+    """systemd-run's -p takes unit-file assignments (systemd-run(1)): the recipe's, written
+    as a service, pass `systemd-analyze verify` without a warning."""
+    words = systemd_run_recipe()
+    props = [words[i + 1] for i, w in enumerate(words) if w == "-p"]
+    relay_bin = Path(sys.executable).parent / "relay"
+    unit = tmp_path / "relay-status.service"
+    unit.write_text(
+        "[Service]\nType=oneshot\n"
+        + "".join(p + "\n" for p in props)
+        + f"ExecStart={relay_bin} status\n"
+    )
+    got = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert got.returncode == 0 and got.stderr.strip() == "", got.stderr
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
     """The units as shipped, but for the path of the `relay` binary (verify insists it exists):
