@@ -120,9 +120,10 @@ def test_systemd_template_unit_relations() -> None:
 def test_systemd_migrate_unit() -> None:
     svc = unit_sections(MIGRATE_UNIT)["Service"]
     assert values(svc, "Type") == ["oneshot"]
-    assert values(svc, "ExecStart")[0].endswith("relay migrate")
-    # `relay migrate` reads $CREDENTIALS_DIRECTORY/database_url like `relay run`.
-    assert [credential_id(v) for v in values(svc, "LoadCredential")] == ["database_url"]
+    assert "/opt/ledger-relay/bin/relay migrate" in values(svc, "ExecStart")[0]
+    # `relay migrate` gets the first of these the store holds (test_systemd_migrate_url).
+    creds = [credential_id(v) for v in values(svc, "LoadCredential")]
+    assert creds == list(MIGRATE_URLS)
     assert start_failing_credentials(svc) == []
     # As hardened as the relay's unit (issue 15).
     for key, want in {**HARDENING, **MIGRATE_HARDENING}.items():
@@ -131,6 +132,79 @@ def test_systemd_migrate_unit() -> None:
 
 
 MIGRATE_HARDENING = {"ProtectClock": "yes", "ProtectProc": "invisible", "LockPersonality": "yes"}
+# The migration's URL, first found first (docs/operations.md §5): its own (direct, the schema
+# owner's role), else the relay's direct LISTEN URL, else the relay's URL.
+MIGRATE_URLS = {
+    "migrate_database_url": "postgresql://owner:pw@pg-direct:5432/relay",
+    "listen_database_url": "postgresql://relay:pw@pg-direct:5432/relay",
+    "database_url": "postgresql://relay:pw@pgbouncer:6432/relay",
+}
+
+
+def exec_start(unit: Path, relay: Path, credentials: Path) -> list[str]:
+    """The unit's ExecStart= as systemd runs it: `%d` is $CREDENTIALS_DIRECTORY, `$$` a `$`
+    (systemd.unit(5), systemd.service(5) "Command lines"), the relay at `relay`."""
+    (line,) = values(unit_sections(unit)["Service"], "ExecStart")
+    line = line.replace("/opt/ledger-relay/bin/relay", str(relay))
+    words = [w.replace("%d", str(credentials)).replace("$$", "$") for w in shlex.split(line)]
+    assert not any(re.search(r"%[a-zA-Z]|\$\{?[A-Za-z]", w) for w in words[:1]), words
+    return words
+
+
+def migrate_url_through_the_unit(tmp_path: Path, stored: dict[str, str]) -> str | None:
+    """The database URL `relay migrate` reads when ledger-relay-migrate.service runs with
+    the credentials `stored` (id -> URL): its ExecStart run for real, the relay replaced by a
+    stand-in that reads the URL with the relay's own code (relay/cli.py _database_url)."""
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    for cred, url in stored.items():
+        (creds / cred).write_text(url + "\n")
+    stand_in = tmp_path / "relay"
+    stand_in.write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys\n"
+        "from relay.settings import option_value\n"
+        "assert sys.argv[1:] == ['migrate'], sys.argv\n"
+        "url = option_value('database_url', {}, os.environ)\n"
+        "print('' if url is None else url.reveal())\n"
+    )
+    stand_in.chmod(0o755)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "CREDENTIALS_DIRECTORY": str(creds),
+        "PYTHONPATH": str(DEPLOY.parent),
+    }
+    got = subprocess.run(
+        exec_start(MIGRATE_UNIT, stand_in, creds),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=True,
+    )
+    return got.stdout.strip() or None
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        ["database_url"],
+        ["listen_database_url", "database_url"],
+        ["migrate_database_url", "listen_database_url", "database_url"],
+        ["migrate_database_url", "database_url"],
+        [],
+    ],
+)
+def test_systemd_migrate_url(tmp_path: Path, stored: list[str]) -> None:
+    """Issue 49 item 9: the migration must not go through PgBouncer (docs/operations.md §3),
+    yet the unit loaded only database_url, which on a PgBouncer site is the pooled URL. It
+    takes the first credential of MIGRATE_URLS the store holds; with none, the relay's own
+    "database_url: required" (exit 2)."""
+    got = migrate_url_through_the_unit(tmp_path, {c: MIGRATE_URLS[c] for c in stored})
+    want = next((MIGRATE_URLS[c] for c in MIGRATE_URLS if c in stored), None)
+    assert got == want
+
+
 # Every secret docs/operations.md §5 lists as a credential: all of the relay's secrets.
 DOCUMENTED_CREDENTIALS = {
     "database_url",
@@ -214,6 +288,94 @@ def test_env_files_use_no_unit_specifiers() -> None:
     for path in sorted((DEPLOY / "systemd").glob("*.env.example")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             assert not re.search(r"%[a-zA-Z%]", line), f"{path.name}:{n}: {line}"
+
+
+def test_systemd_units_say_what_to_edit_for_verify() -> None:
+    """Issue 49 item 9: the shipped ExecStart path fails `systemd-analyze verify` until the
+    relay is installed there or the path edited: each unit says so where it says what to edit,
+    just above its first Exec line, and every Exec line names the path."""
+    for unit in (UNIT, MIGRATE_UNIT):
+        svc = unit_sections(unit)["Service"]
+        execs = [v for k, v in svc if k.startswith("Exec")]
+        assert execs and all("/opt/ledger-relay/bin/relay" in v for v in execs), unit.name
+        lines = unit.read_text().splitlines()
+        at = next(n for n, line in enumerate(lines) if line.startswith("Exec"))
+        comment = []
+        for line in reversed(lines[:at]):
+            if not line.startswith("#"):
+                break
+            comment.insert(0, line.lstrip("# "))
+        said = " ".join(comment)
+        assert "What to edit" in said and "/opt/ledger-relay/bin/relay" in said, unit.name
+        assert "systemd-analyze verify" in said and "not executable" in said, unit.name
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+@pytest.mark.skipif(Path("/opt/ledger-relay/bin/relay").exists(), reason="the relay is there")
+def test_systemd_analyze_verify_fails_until_the_path_is_edited(tmp_path: Path) -> None:
+    """What the units' comment says is what systemd says."""
+    for src in (UNIT, MIGRATE_UNIT):
+        (tmp_path / src.name).write_text(src.read_text())
+    (tmp_path / "ledger-relay@1.service").symlink_to(tmp_path / UNIT.name)
+    for name in ("ledger-relay@1.service", MIGRATE_UNIT.name):
+        got = subprocess.run(
+            ["systemd-analyze", "verify", str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert got.returncode != 0, name
+        assert "Command /opt/ledger-relay/bin/relay is not executable" in got.stderr, got.stderr
+
+
+def systemd_run_recipe() -> list[str]:
+    """The `systemd-run` command docs/operations.md gives for the operator commands."""
+    ops = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    m = re.search(r"```sh\n(\s*sudo systemd-run .*?)```", ops, re.DOTALL)
+    assert m, "no systemd-run recipe in docs/operations.md"
+    return shlex.split(m.group(1).replace("\\\n", " "))
+
+
+def test_the_credential_store_recipe_runs_the_cli_like_the_units() -> None:
+    """Issue 49 item 9: `relay status` / `retry` on a host whose URL is only in the root-only
+    credential store. The documented `systemd-run` gives the command the unit's credential,
+    settings file and binary, waits and pipes its output."""
+    words = systemd_run_recipe()
+    assert words[:2] == ["sudo", "systemd-run"]
+    assert {"--pipe", "--wait"} <= set(words)
+    props = [words[i + 1] for i, w in enumerate(words) if w == "-p"]
+    svc = unit_sections(UNIT)["Service"]
+    unit_url = next(v for v in values(svc, "LoadCredential") if credential_id(v) == "database_url")
+    assert f"LoadCredential={unit_url}" in props
+    shared_env = next(f for f in values(svc, "EnvironmentFile") if "%i" not in f)
+    assert f"EnvironmentFile={shared_env}" in props
+    assert "DynamicUser=yes" in props
+    command = words[words.index(props[-1]) + 1 :]
+    assert command == [values(svc, "ExecStart")[0].split()[0], "status"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
+def test_the_credential_store_recipe_properties_are_valid_unit_settings(tmp_path: Path) -> None:
+    """systemd-run's -p takes unit-file assignments (systemd-run(1)): the recipe's, written
+    as a service, pass `systemd-analyze verify` without a warning."""
+    words = systemd_run_recipe()
+    props = [words[i + 1] for i, w in enumerate(words) if w == "-p"]
+    relay_bin = Path(sys.executable).parent / "relay"
+    unit = tmp_path / "relay-status.service"
+    unit.write_text(
+        "[Service]\nType=oneshot\n"
+        + "".join(p + "\n" for p in props)
+        + f"ExecStart={relay_bin} status\n"
+    )
+    got = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert got.returncode == 0 and got.stderr.strip() == "", got.stderr
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
@@ -564,7 +726,6 @@ def test_kubernetes_manifests() -> None:
     assert pod["terminationGracePeriodSeconds"] > stop_budget(drain)
     # Probes on the relay's own endpoints, on the port metrics_addr listens on.
     assert relay["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert relay["readinessProbe"]["httpGet"]["path"] == "/readyz"
     ports = {p["name"]: p["containerPort"] for p in relay["ports"]}
     metrics_port = int(env["RELAY_METRICS_ADDR"]["value"].rpartition(":")[2])
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
@@ -573,9 +734,9 @@ def test_kubernetes_manifests() -> None:
     for name, e in env.items():
         assert name.removeprefix("RELAY_").lower() not in SECRET_OPTIONS, name
         assert "postgresql://" not in str(e.get("value", ""))
-    secret_volumes = [v for v in pod["volumes"] if "secret" in v]
     (example,) = load_all(DEPLOY / "k8s-examples" / "secret.example.yaml")
-    assert secret_volumes[0]["secret"]["secretName"] == example["metadata"]["name"]
+    names = {source["name"] for v in pod["volumes"] for source, _ in secret_sources(v)}
+    assert names == {example["metadata"]["name"]}
     assert env["RELAY_DATABASE_URL_FILE"]["value"].startswith(relay["volumeMounts"][0]["mountPath"])
     labels = spec["template"]["metadata"]["labels"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -621,14 +782,57 @@ FS_GROUP_READ_ONLY_MASK = 0o440
 FileAccess = tuple[int, int, int]  # owner uid, group gid, mode
 
 
-def secret_file_mode(volume: dict[str, Any], key: str, fs_group: int | None) -> FileAccess:
-    """The file `key` of a secret volume as the kubelet makes it."""
-    secret = volume["secret"]
-    modes = {item["key"]: item.get("mode") for item in secret.get("items", [])}
-    mode = modes.get(key) or secret.get("defaultMode", SECRET_DEFAULT_MODE)
+class MountFailure(Exception):
+    """The kubelet cannot set the volume up: the pod stays in ContainerCreating."""
+
+
+def secret_sources(volume: dict[str, Any]) -> list[tuple[dict[str, Any], int]]:
+    """The Secrets a `secret` or `projected` volume takes its files from, each as (source, the
+    mode its files get unless an item says otherwise), the source as a projected one's:
+    `name`, `items`, `optional`."""
+    if "secret" in volume:
+        secret = volume["secret"]
+        source = {**secret, "name": secret["secretName"]}
+        return [(source, secret.get("defaultMode", SECRET_DEFAULT_MODE))]
+    if "projected" in volume:
+        mode = volume["projected"].get("defaultMode", SECRET_DEFAULT_MODE)
+        return [(s["secret"], mode) for s in volume["projected"]["sources"] if "secret" in s]
+    return []
+
+
+def volume_files(volume: dict[str, Any], secrets: dict[str, set[str]]) -> dict[str, int]:
+    """The files (path -> mode) the kubelet puts in a secret or projected volume, given the
+    keys each Secret holds (pkg/volume/secret MakePayload, pkg/volume/projected collectData):
+    without `items` every key of the Secret; with them each item, and an item whose key the
+    Secret lacks fails the mount unless the source is `optional: true`, when it is left out
+    (as is the whole source of an optional Secret that does not exist)."""
+    files: dict[str, int] = {}
+    for source, default_mode in secret_sources(volume):
+        optional = source.get("optional", False)
+        keys = secrets.get(source["name"])
+        if keys is None:
+            if optional:
+                continue
+            raise MountFailure(f'secret "{source["name"]}" not found')
+        items = source.get("items") or [{"key": k, "path": k} for k in sorted(keys)]
+        for item in items:
+            if item["key"] not in keys:
+                if optional:
+                    continue
+                raise MountFailure(f"references non-existent secret key: {item['key']}")
+            files[item["path"]] = item.get("mode", default_mode)
+    return files
+
+
+def secret_files(
+    volume: dict[str, Any], keys: set[str], fs_group: int | None
+) -> dict[str, FileAccess]:
+    """The files of a secret or projected volume as the kubelet makes them, its Secret holding
+    `keys`: path -> (owner, group, mode)."""
+    files = volume_files(volume, {source["name"]: keys for source, _ in secret_sources(volume)})
     if fs_group is None:
-        return 0, 0, mode
-    return 0, fs_group, mode | FS_GROUP_READ_ONLY_MASK
+        return {path: (0, 0, mode) for path, mode in files.items()}
+    return {path: (0, fs_group, mode | FS_GROUP_READ_ONLY_MASK) for path, mode in files.items()}
 
 
 def can_read(uid: int, gids: set[int], file: FileAccess) -> bool:
@@ -644,11 +848,12 @@ def can_read(uid: int, gids: set[int], file: FileAccess) -> bool:
 
 
 def unreadable_secrets(pod: dict[str, Any], keys: set[str]) -> list[str]:
-    """Every (container, secret file) whose process cannot read the file: computed from the pod's
-    and the container's runAsUser/runAsGroup, fsGroup, supplementalGroups and defaultMode."""
+    """Every (container, secret file) whose process cannot read the file, the Secret holding
+    `keys`: computed from the pod's and the container's runAsUser/runAsGroup, fsGroup,
+    supplementalGroups and the volume's modes."""
     pod_ctx = pod.get("securityContext", {})
     fs_group = pod_ctx.get("fsGroup")
-    volumes = {v["name"]: v for v in pod["volumes"] if "secret" in v}
+    volumes = {v["name"]: v for v in pod["volumes"] if secret_sources(v)}
     problems = []
     for container in [*pod.get("initContainers", []), *pod["containers"]]:
         ctx = {**pod_ctx, **container.get("securityContext", {})}
@@ -660,9 +865,9 @@ def unreadable_secrets(pod: dict[str, Any], keys: set[str]) -> list[str]:
             volume = volumes.get(mount["name"])
             if volume is None:
                 continue
-            for key in sorted(keys):
-                if not can_read(uid, gids, secret_file_mode(volume, key, fs_group)):
-                    problems.append(f"{container['name']}: {mount['mountPath']}/{key}")
+            for path, file in sorted(secret_files(volume, keys, fs_group).items()):
+                if not can_read(uid, gids, file):
+                    problems.append(f"{container['name']}: {mount['mountPath']}/{path}")
     return problems
 
 
@@ -676,16 +881,165 @@ def test_the_pods_user_can_read_every_mounted_secret() -> None:
     assert pod["securityContext"]["runAsUser"] != 0
     assert unreadable_secrets(pod, keys) == []
     # Only the pod's own group reads them, not every user of the node.
-    volume = next(v for v in pod["volumes"] if "secret" in v)
-    for key in keys:
-        assert not secret_file_mode(volume, key, pod["securityContext"].get("fsGroup"))[2] & 0o007
+    fs_group = pod["securityContext"].get("fsGroup")
+    (volume,) = [v for v in pod["volumes"] if secret_sources(v)]
+    files = secret_files(volume, keys, fs_group)
+    assert set(files) == keys
+    for path, (_, _, mode) in files.items():
+        assert not mode & 0o007, path
     # The check sees the shipped mistake: 0400 without fsGroup.
     planted = yaml.safe_load(yaml.safe_dump(pod))
     del planted["securityContext"]["fsGroup"]
     for v in planted["volumes"]:
-        if "secret" in v:
-            v["secret"]["defaultMode"] = 0o400
+        for kind in ("secret", "projected"):
+            if kind in v:
+                v[kind]["defaultMode"] = 0o400
     assert len(unreadable_secrets(planted, keys)) == len(keys) * 2  # the migration and the relay
+
+
+# Every secret the relay reads, with a value its settings accept.
+SECRET_VALUES = {
+    "database_url": "postgresql://relay:pw@pgbouncer:6432/relay",
+    "listen_database_url": "postgresql://relay:pw@pg-direct:5432/relay",
+    "ingress_token": "ingress-token-value",
+    "signing_secret": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+    "ui_token": "0123456789abcdef0123",
+    "ingress_proxy": "http://proxy.internal:3128",
+}
+
+
+def start_pod(pod: dict[str, Any], secret: dict[str, str], root: Path) -> dict[str, dict[str, str]]:
+    """What the kubelet makes of `pod` with the Secret `ledger-relay` holding `secret`: its
+    secret volumes written under `root` (MountFailure when one cannot be set up), and each
+    container's environment, its paths moved under `root` alike (a fieldRef reads the pod's
+    name). Container name -> environment."""
+    mounts: dict[str, Path] = {}
+    volumes = {v["name"]: v for v in pod["volumes"] if secret_sources(v)}
+    for name, volume in volumes.items():
+        files = volume_files(volume, {"ledger-relay": set(secret)})
+        (root / name).mkdir(parents=True)
+        for path in files:
+            key = next(
+                item["key"]
+                for source, _ in secret_sources(volume)
+                for item in source.get("items") or [{"key": path, "path": path}]
+                if item["path"] == path
+            )
+            (root / name / path).write_text(secret[key] + "\n")
+        mounts[name] = root / name
+    out = {}
+    for container in [*pod.get("initContainers", []), *pod["containers"]]:
+        moved = {m["mountPath"]: mounts[m["name"]] for m in container.get("volumeMounts", [])}
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(root)}
+        for e in container.get("env", []):
+            value = e.get("value", "ledger-relay-5d4f7-abcde")
+            for mount_path, real in moved.items():
+                if value == mount_path or value.startswith(mount_path + "/"):
+                    value = str(real) + value[len(mount_path) :]
+            env[e["name"]] = value
+        out[container["name"]] = env
+    return out
+
+
+def relay_settings(env: dict[str, str]) -> dict[str, str | None]:
+    """The secrets `relay run` reads from `env` (relay/settings.py load, as at start), each as
+    its text or None when unset."""
+    from relay.settings import load
+
+    settings = load({}, env)
+    return {name: secret_text(getattr(settings, name)) for name in sorted(SECRET_OPTIONS)}
+
+
+def secret_text(value: Any) -> str | None:
+    if not value:  # None, or signing_secret's empty tuple of keys
+        return None
+    if isinstance(value, tuple):
+        return " ".join(v.reveal() for v in value)
+    return str(value.reveal())
+
+
+def migrate_database_url(env: dict[str, str]) -> str | None:
+    """The URL `relay migrate` reads from `env` (relay/cli.py _database_url)."""
+    from relay.settings import option_value
+
+    url = option_value("database_url", {}, env)
+    return None if url is None else str(url.reveal())
+
+
+def test_kubernetes_secret_keys_other_than_database_url_are_optional(tmp_path: Path) -> None:
+    """Issue 49 item 8: a Secret of database_url alone (what systemd needs) starts the pods; a
+    Secret with every key gives the relay every one of them, ui_token included (without it the
+    status page answers 403); a Secret without database_url keeps the pod from starting,
+    naming the key. The relay's environment read by the relay's own settings code."""
+    pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
+    only_url = {"database_url": SECRET_VALUES["database_url"]}
+    envs = start_pod(pod, only_url, tmp_path / "minimal")
+    got = relay_settings(envs["relay"])
+    assert got == {name: only_url.get(name) for name in SECRET_OPTIONS}
+    assert migrate_database_url(envs["migrate"]) == only_url["database_url"]
+
+    envs = start_pod(pod, SECRET_VALUES, tmp_path / "every")
+    assert relay_settings(envs["relay"]) == SECRET_VALUES
+    assert migrate_database_url(envs["migrate"]) == SECRET_VALUES["database_url"]
+
+    without_url = {k: v for k, v in SECRET_VALUES.items() if k != "database_url"}
+    with pytest.raises(MountFailure, match="database_url"):
+        start_pod(pod, without_url, tmp_path / "no-url")
+
+    # The check sees the shipped mistake: a RELAY_<NAME>_FILE for an optional key.
+    from relay.settings import ConfigError
+
+    planted = yaml.safe_load(yaml.safe_dump(pod))
+    (relay,) = [c for c in planted["containers"] if c["name"] == "relay"]
+    mount = relay["volumeMounts"][0]["mountPath"]
+    relay["env"].append({"name": "RELAY_SIGNING_SECRET_FILE", "value": f"{mount}/signing_secret"})
+    envs = start_pod(planted, only_url, tmp_path / "planted")
+    with pytest.raises(ConfigError, match="RELAY_SIGNING_SECRET_FILE"):
+        relay_settings(envs["relay"])
+
+
+def test_kubernetes_secret_example_names_only_keys_the_pods_read() -> None:
+    """Every key of the example Secret is one the volume projects (a key it does not would be
+    silently ignored), and ui_token is among them."""
+    pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
+    (example,) = load_all(DEPLOY / "k8s-examples" / "secret.example.yaml")
+    (volume,) = [v for v in pod["volumes"] if secret_sources(v)]
+    projected = {item["key"] for source, _ in secret_sources(volume) for item in source["items"]}
+    assert set(example["stringData"]) <= projected == set(SECRET_OPTIONS)
+    assert "ui_token" in example["stringData"]
+
+
+def test_kubernetes_probes_ask_only_what_the_replica_itself_can_fix() -> None:
+    """Issue 49 item 8: the database, LISTEN, the schema and the ingress are shared by every
+    replica, so a probe that asks about them fails on every pod at once (`/readyz` did: the
+    Deployment unavailable, the disruption budget at zero, node drains blocked while the fleet
+    was hurt). Every probe asks `/healthz` (the loops turn), which answers 200 while the
+    database is out; `/readyz` answers 503 then (relay/serving/health.py)."""
+    from relay.serving.health import readiness, waiting_route
+
+    pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
+    (relay,) = [c for c in pod["containers"] if c["name"] == "relay"]
+    probes = {
+        p: relay[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe", "startupProbe")
+    }
+    # While the database is out (the relay waiting for it at start), every probe passes...
+    for probe, path in probes.items():
+        assert waiting_route("GET", path, "")[0] == 200, (probe, path)
+    # ...which /readyz does not, at start or running.
+    assert waiting_route("GET", "/readyz", "")[0] == 503
+    down = {"started": True, "schema_problem": None, "listen_up": True, "ingress_ok": True}
+    assert readiness(database=False, **down)[0] is False
+    ops = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    assert "What each probe means" in ops
+
+
+def test_the_disruption_budget_never_waits_for_an_unhealthy_pod() -> None:
+    """Issue 49 item 8: a pod that is not Ready may always be evicted, so a drain never blocks
+    on a pod that cannot turn Ready (the default, IfHealthyBudget, counts it against the
+    budget)."""
+    pdb = k8s_objects()["PodDisruptionBudget"]
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert pdb["spec"]["maxUnavailable"] == 1
 
 
 def test_kubernetes_image_is_one_you_build_and_name() -> None:
