@@ -76,7 +76,7 @@ class TransportFailure(Exception):
 class Reply:
     """What one POST got back, as read: the status, at most READ_LIMIT bytes of the body (one
     byte past MAX_BODY tells the caller it was cut), its Retry-After, and whether only the
-    connection's close marked the body's end (no Content-Length, not chunked)."""
+    connection's close marked the body's end (no Content-Length, no final `chunked` coding)."""
 
     status: int
     body: bytes
@@ -263,13 +263,24 @@ async def _read_some(response: httpx.Response) -> tuple[bytes, bool]:
 
 def _framed(response: httpx.Response) -> bool:
     """Whether the wire said where the body ends (a length, chunks, a status without a body,
-    HTTP/2's frames) rather than only the connection's close, which a reset mimics."""
-    return (
-        "content-length" in response.headers
-        or "chunked" in response.headers.get("transfer-encoding", "").lower()
-        or response.status_code in NO_BODY_STATUSES
-        or response.http_version == "HTTP/2"
-    )
+    HTTP/2's frames) rather than only the connection's close, which a reset mimics.
+
+    RFC 9112 §6.3: a Transfer-Encoding overrides any Content-Length, and only a final
+    `chunked` coding frames the body; with any other last coding (`chunked, gzip`, `xchunked`)
+    the body runs to the connection's close, and aiohttp reads it so (issue 48 item 2)."""
+    if response.status_code in NO_BODY_STATUSES or response.http_version == "HTTP/2":
+        return True
+    if "transfer-encoding" in response.headers:
+        return transfer_codings(response.headers)[-1:] == ["chunked"]
+    return "content-length" in response.headers
+
+
+def transfer_codings(headers: httpx.Headers) -> list[str]:
+    """The transfer codings an answer names, in the order applied: every Transfer-Encoding
+    header's values joined by commas (RFC 9110 §5.3, as a second header counts), each trimmed
+    and lower-cased (codings are case-insensitive), empty list elements dropped."""
+    joined = ",".join(headers.get_list("transfer-encoding"))
+    return [coding for part in joined.split(",") if (coding := part.strip().lower())]
 
 
 def _describe(exc: BaseException) -> str:

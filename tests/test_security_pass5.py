@@ -1,0 +1,103 @@
+"""The fifth hostile pass (issue 48), each finding against a real hostile server on real sockets
+and, end to end, a relay and a real database.
+
+- Item 2: an empty 2xx whose Transfer-Encoding does not end in `chunked` (`chunked, gzip`,
+  `xchunked`, two headers) runs to the connection's close (RFC 9112 §6.3): it is not framed, so
+  it cannot accept a batch. The relay's framing check used to find the substring "chunked".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psycopg
+import pytest
+
+from relay.edges.http_client import open_sender
+from relay.edges.ingress import TransportFailure
+from relay.runner import Relay
+from tests.support import HTTP_TRANSPORTS, q, settings, wait_for
+from tests.test_http_client import client_settings, settled
+from tests.test_security import LAST_ATTEMPT, Answerer, RawIngress, enqueue_some
+
+pytestmark = pytest.mark.anyio
+
+
+# --- item 2: only a final `chunked` frames a body --------------------------------------------
+
+# Transfer-Encoding lines whose last coding is not `chunked`: the body runs to the close.
+CLOSE_DELIMITED = {
+    "chunked-then-gzip": b"transfer-encoding: chunked, gzip\r\n",
+    "xchunked": b"transfer-encoding: xchunked\r\n",
+    "two-headers": b"transfer-encoding: chunked\r\ntransfer-encoding: gzip\r\n",
+}
+
+
+def empty_200_then_close(te_lines: bytes) -> Answerer:
+    """`200 OK` with the given Transfer-Encoding lines and no body, then the connection closed:
+    the body's end is the close's, which a reset mimics for aiohttp."""
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n" + te_lines + b"\r\n")
+        await writer.drain()
+        writer.close()
+
+    return answer
+
+
+@pytest.mark.parametrize("http_transport", HTTP_TRANSPORTS)
+@pytest.mark.parametrize("te_lines", CLOSE_DELIMITED.values(), ids=CLOSE_DELIMITED.keys())
+async def test_a_coding_list_not_ending_in_chunked_is_no_framing(
+    te_lines: bytes, http_transport: str
+) -> None:
+    """The sender's own judgement: aiohttp reads such an answer as a 200 with an empty body
+    ended by the close, which must come back unframed; h11 (httpx's own transport) refuses the
+    head, a transport failure. Neither may be a framed empty 200."""
+    ingress = RawIngress(empty_200_then_close(te_lines))
+    cfg = client_settings(http_transport=http_transport)
+    async with ingress.serving() as url, open_sender(cfg, 1) as sender:
+        try:
+            reply = await sender.send(url + "/runs/te", b"{}", {})
+        except TransportFailure:
+            assert http_transport == "httpx", "aiohttp reads these heads"
+            return
+    assert (reply.status, reply.body) == (200, b"")
+    assert reply.unframed, "a coding list that does not end in chunked was taken as framing"
+
+
+@pytest.mark.parametrize("http_transport", HTTP_TRANSPORTS)
+async def test_a_final_chunked_coding_still_frames_an_empty_answer(http_transport: str) -> None:
+    """The other side of the rule: `chunked` last, in any case and spacing, frames the body
+    (a properly chunked empty 200 accepts the batch as before)."""
+
+    async def chunked_empty(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding:  Chunked \r\n\r\n0\r\n\r\n")
+        await writer.drain()
+
+    ingress = RawIngress(chunked_empty)
+    cfg = client_settings(http_transport=http_transport)
+    async with ingress.serving() as url, open_sender(cfg, 1) as sender:
+        reply = await sender.send(url + "/runs/te", b"{}", {})
+    assert (reply.status, reply.body, reply.unframed) == (200, b"", False)
+
+
+@pytest.mark.parametrize("http_transport", HTTP_TRANSPORTS)
+@pytest.mark.parametrize("te_lines", CLOSE_DELIMITED.values(), ids=CLOSE_DELIMITED.keys())
+async def test_an_empty_2xx_not_framed_by_a_final_chunked_is_not_an_ack(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], te_lines: bytes, http_transport: str
+) -> None:
+    """End to end (issue 48 item 2): the ingress answers the POST with such a head and closes.
+    The event stays pending, rescheduled: aiohttp's empty body is the unframed-2xx rule's
+    (relay/core/policy.py), h11's refusal a transport failure. Before the fix aiohttp's answer
+    was taken as chunked, and the batch was acked."""
+    ingress = RawIngress(empty_200_then_close(te_lines))
+    async with ingress.serving() as url:
+        cfg = settings(pg_url, schema, url, http_transport=http_transport, max_backoff="60s")
+        enqueue_some(conn, schema, 1, 1, prefix="te")
+        async with Relay(cfg).running():
+            await wait_for(lambda: settled(conn, schema, "te0"), what="rescheduled or acked")
+    assert ingress.requests, "the POST never reached the ingress"
+    ((state, error),) = conn.execute(q(schema, LAST_ATTEMPT)).fetchall()
+    assert state == "pending", error
+    assert "Content-Length or chunked" in error or "Transfer-Encoding" in error, error
