@@ -4,19 +4,28 @@ and, end to end, a relay and a real database.
 - Item 2: an empty 2xx whose Transfer-Encoding does not end in `chunked` (`chunked, gzip`,
   `xchunked`, two headers) runs to the connection's close (RFC 9112 §6.3): it is not framed, so
   it cannot accept a batch. The relay's framing check used to find the substring "chunked".
+- Item 4: the OTLP endpoint's password is redacted in the `tracing_on` line and in the error
+  for a wrong scheme.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
+import os
+import uuid
 from typing import Any
 
 import psycopg
 import pytest
 
+from relay import logs
 from relay.edges.http_client import open_sender
 from relay.edges.ingress import TransportFailure
+from relay.edges.tracing import config_from_env
+from relay.integrations import start_tracing
 from relay.runner import Relay
+from relay.settings import ConfigError
 from tests.support import HTTP_TRANSPORTS, q, settings, wait_for
 from tests.test_http_client import client_settings, settled
 from tests.test_security import LAST_ATTEMPT, Answerer, RawIngress, enqueue_some
@@ -101,3 +110,41 @@ async def test_an_empty_2xx_not_framed_by_a_final_chunked_is_not_an_ack(
     ((state, error),) = conn.execute(q(schema, LAST_ATTEMPT)).fetchall()
     assert state == "pending", error
     assert "Content-Length or chunked" in error or "Transfer-Encoding" in error, error
+
+
+# --- item 4: a configured endpoint's URL is shown redacted --------------------------------
+
+OTLP_PASSWORD = f"otlp-{uuid.uuid4().hex}-pw"
+
+
+@pytest.mark.parametrize(
+    "variable", ["OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
+)
+def test_the_otlp_endpoints_password_is_in_no_error(variable: str) -> None:
+    """A collector URL of the wrong scheme is refused naming the variable and showing the URL,
+    its password redacted (issue 48 item 4: it was shown as given)."""
+    environ = {variable: f"ftp://otel:{OTLP_PASSWORD}@collector:4318"}
+    with pytest.raises(ConfigError) as info:
+        config_from_env(environ)
+    assert variable in str(info.value) and "collector:4318" in str(info.value)
+    assert OTLP_PASSWORD not in str(info.value)
+
+
+def test_the_tracing_on_line_shows_the_endpoint_without_its_password(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The `tracing_on` line names the collector it exports to, its userinfo redacted; the SDK
+    still reads the endpoint as given from the environment."""
+    endpoint = f"http://otel:{OTLP_PASSWORD}@127.0.0.1:4318"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+    stream = io.StringIO()
+    logs.configure("json", "info", stream)
+    try:
+        tracer = start_tracing(os.environ)
+    finally:
+        logs.configure("json", "warning")
+    assert tracer.shutdown(10)
+    line = stream.getvalue()
+    assert '"event":"tracing_on"' in line, line
+    assert OTLP_PASSWORD not in line, line
+    assert "http://***@127.0.0.1:4318/v1/traces" in line, line
