@@ -4,20 +4,31 @@ and, end to end, a relay and a real database.
 - Item 2: an empty 2xx whose Transfer-Encoding does not end in `chunked` (`chunked, gzip`,
   `xchunked`, two headers) runs to the connection's close (RFC 9112 §6.3): it is not framed, so
   it cannot accept a batch. The relay's framing check used to find the substring "chunked".
-- Item 4: the OTLP endpoint's password is redacted in the `tracing_on` line and in the error
-  for a wrong scheme.
+- Item 4: an ingress that echoes the request's headers, in a malformed head (which the
+  transport's error quotes), a 500 and a 400, never gets the relay's credentials (a bearer
+  token, an ingress URL's userinfo as Basic credentials) into the stored errors, the log lines,
+  `relay inspect` or the status page: every text that came from outside passes `scrub` at the
+  ingress client. The OTLP endpoint's password is redacted in the `tracing_on` line and in the
+  error for a wrong scheme.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import io
 import os
 import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
+import httpx
 import psycopg
 import pytest
+from psycopg import sql
 
 from relay import logs
 from relay.edges.http_client import open_sender
@@ -26,7 +37,8 @@ from relay.edges.tracing import config_from_env
 from relay.integrations import start_tracing
 from relay.runner import Relay
 from relay.settings import ConfigError
-from tests.support import HTTP_TRANSPORTS, q, settings, wait_for
+from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
+from tests.test_cli import RELAY, relay_env
 from tests.test_http_client import client_settings, settled
 from tests.test_security import LAST_ATTEMPT, Answerer, RawIngress, enqueue_some
 
@@ -110,6 +122,140 @@ async def test_an_empty_2xx_not_framed_by_a_final_chunked_is_not_an_ack(
     ((state, error),) = conn.execute(q(schema, LAST_ATTEMPT)).fetchall()
     assert state == "pending", error
     assert "Content-Length or chunked" in error or "Transfer-Encoding" in error, error
+
+
+# --- item 4: what the ingress echoes of the request is scrubbed at the door -------------------
+
+CANARY = "CANARY" + uuid.uuid4().hex[:12]
+TOKEN = f"tok-{CANARY}-ingress"
+URL_PASSWORD = f"up-{CANARY}-url"
+UI_TOKEN = uuid.uuid4().hex
+
+
+def echoes(auth: str) -> list[bytes]:
+    """An ingress's answers to three POSTs, each echoing the request's Authorization header:
+    a malformed head (both transports quote its line in their error), a 500, then a 400 (the
+    event is poison: its run blocked, the excerpt stored with it)."""
+    body = f'{{"error": "rejected", "you sent": {{"authorization": "{auth}"}}}}'.encode()
+    framed = f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    return [
+        f"HTTP/1.1 200 OK\r\nx-echo authorization={auth}\r\n\r\n".encode(),
+        b"HTTP/1.1 500 Internal Server Error\r\n" + framed.encode() + body,
+        b"HTTP/1.1 400 Bad Request\r\n" + framed.encode() + body,
+    ]
+
+
+class EchoingIngress:
+    """An HTTP/1.1 server on a real socket whose answers quote the request's Authorization
+    header (`script(auth)`: one answer per request, in order; the connection is closed after
+    each). Keeps each request's Authorization."""
+
+    def __init__(self, script: Callable[[str], list[bytes]]) -> None:
+        self.script = script
+        self.authorizations: list[str] = []
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+            fields = dict(
+                (name.strip().lower(), value.strip())
+                for name, _, value in (line.partition(":") for line in head.split("\r\n")[1:])
+            )
+            await reader.readexactly(int(fields.get("content-length", "0")))
+            auth = fields.get("authorization", "")
+            self.authorizations.append(auth)
+            answers = self.script(auth)
+            writer.write(answers[min(len(self.authorizations), len(answers)) - 1])
+            await writer.drain()
+        writer.close()
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        try:
+            yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        finally:
+            server.close()
+            await server.wait_closed()
+
+
+def assert_clean(text: str, where: str, needles: tuple[str, ...]) -> None:
+    for needle in needles:
+        at = text.find(needle)
+        assert at == -1, f"a secret leaked into {where}: ...{text[max(0, at - 200) : at + 60]}..."
+
+
+def stored(conn: psycopg.Connection[Any], schema: str) -> str:
+    """Every row of every table of the schema, as text: wherever an error may be stored."""
+    tables = conn.execute(
+        "select tablename from pg_tables where schemaname = %s", (schema,)
+    ).fetchall()
+    rows = []
+    for (table,) in tables:
+        query = sql.SQL("select to_jsonb(t)::text from {} t").format(sql.Identifier(schema, table))
+        rows += [r[0] for r in conn.execute(query).fetchall()]
+    return "\n".join(rows)
+
+
+@pytest.mark.parametrize("http_transport", HTTP_TRANSPORTS)
+@pytest.mark.parametrize("credential", ["token", "userinfo"])
+async def test_an_ingress_echoing_the_credentials_gets_them_nowhere(
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], credential: str, http_transport: str
+) -> None:
+    """End to end (issue 48 item 4): the ingress quotes the Authorization it got in a malformed
+    head, a 500 and a 400. The credential (a bearer token, or an ingress URL's userinfo sent
+    as Basic credentials) shows nowhere: not in what the database stores (the run's last
+    error, the failed event's), not in any log line (post_failed, retry_scheduled,
+    run_blocked), not in `relay inspect` (text and JSON), not in the status page's
+    /api/runs/<id>. Each shows the echo, with *** in place of the secret."""
+    ingress = EchoingIngress(echoes)
+    basic = base64.b64encode(f"relay:{URL_PASSWORD}".encode()).decode()
+    needles = (CANARY, basic)
+    stream = io.StringIO()
+    async with ingress.serving() as url:
+        flags: dict[str, str] = {"ingress_token": TOKEN} if credential == "token" else {}
+        if credential == "userinfo":
+            url = url.replace("http://", f"http://relay:{URL_PASSWORD}@")
+        cfg = settings(
+            pg_url, schema, url, http_transport=http_transport, max_backoff="0.2s",
+            metrics_addr="127.0.0.1:0", ui_token=UI_TOKEN, log_level="debug", **flags,
+        )  # fmt: skip
+        enqueue_some(conn, schema, 1, 1, prefix="echo")
+        logs.configure("json", "debug", stream)
+        try:
+            async with Relay(cfg).running() as r:
+                await wait_for(lambda: count(conn, schema, "state = 'failed'") == 1, what="poison")
+                assert r.endpoints is not None
+                async with httpx.AsyncClient() as client:
+                    page = await client.get(
+                        f"http://127.0.0.1:{r.endpoints.port}/api/runs/echo0",
+                        headers={"authorization": f"Bearer {UI_TOKEN}"},
+                    )
+        finally:
+            logs.configure("json", "warning")
+    # The requests carried the secret, and the ingress echoed it three times.
+    assert len(ingress.authorizations) == 3
+    sent = {"token": f"Bearer {TOKEN}", "userinfo": f"Basic {basic}"}[credential]
+    assert set(ingress.authorizations) == {sent}
+    shown = sent.split(" ")[0] + " ***"
+    checks = {
+        "the database": stored(conn, schema),
+        "the logs": stream.getvalue(),
+        "/api/runs/echo0": page.text,
+    }
+    env = relay_env(pg_url, schema)
+    for args in (("inspect", "echo0"), ("inspect", "echo0", "--json")):
+        with anyio.fail_after(60):
+            out = await anyio.run_process([*RELAY, *args], env=env, check=False)
+        assert out.returncode == 0, out.stderr.decode()
+        checks["relay " + " ".join(args)] = out.stdout.decode() + out.stderr.decode()
+    for where, text in checks.items():
+        assert_clean(text, where, needles)
+        assert shown in text, f"{where} does not show the echo: {text[:2000]}"
+    log = checks["the logs"]
+    for event in ("post_failed", "run_blocked"):
+        assert f'"event":"{event}"' in log, event
+    assert "illegal header line" in log or "Invalid header token" in log, "the malformed head"
 
 
 # --- item 4: a configured endpoint's URL is shown redacted --------------------------------

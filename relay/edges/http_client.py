@@ -46,7 +46,7 @@ from httpx_aiohttp import AiohttpTransport, HttpxAiohttpClient
 
 from relay import logs
 from relay.logs import redact_text
-from relay.settings import ConfigError, Settings, redact_url
+from relay.settings import ConfigError, Settings, configured_secrets, redact_url
 
 MAX_BODY = 64 * 1024
 READ_LIMIT = MAX_BODY + 1  # what is read of an answer: one byte more than is kept
@@ -240,10 +240,35 @@ def without_userinfo(url: str, headers: dict[str, str]) -> tuple[str, dict[str, 
     if not parsed.userinfo:
         return url, headers
     if "authorization" not in headers:
-        user, _, password = parsed.userinfo.partition(b":")
-        raw = unquote_to_bytes(user) + b":" + unquote_to_bytes(password)
-        headers = headers | {"authorization": "Basic " + base64.b64encode(raw).decode()}
+        headers = headers | {"authorization": "Basic " + basic_credentials(parsed.userinfo)}
     return str(parsed.copy_with(userinfo=b"")), headers
+
+
+def basic_credentials(userinfo: bytes) -> str:
+    """A URL's userinfo (`user:password`, percent-encoded) as HTTP Basic credentials: base64
+    of the decoded pair, as sent for the ingress here and for a proxy by httpx."""
+    user, _, password = userinfo.partition(b":")
+    return base64.b64encode(unquote_to_bytes(user) + b":" + unquote_to_bytes(password)).decode()
+
+
+def sent_secrets(settings: Settings, environ: Mapping[str, str] | None = None) -> list[str]:
+    """What of the secrets an answer or an error may quote back: every secret the settings
+    hold, and each form an http URL's credentials travel in (the ingress's and the proxies':
+    the password as written and percent-decoded, the Basic credentials). An ingress or proxy
+    that echoes the request's headers echoes these (issue 48 item 4)."""
+    env = os.environ if environ is None else environ
+    out = configured_secrets(settings)
+    urls = [settings.ingress_url, settings.ingress_batch_url, *configured_proxies(settings, env)]
+    for url in filter(None, urls):
+        try:
+            userinfo = httpx.URL(url.strip()).userinfo
+        except httpx.InvalidURL:  # a proxy variable httpx will refuse as well: nothing is sent
+            continue
+        if userinfo:
+            password = userinfo.partition(b":")[2]
+            out += [password.decode(), unquote_to_bytes(password).decode(errors="replace")]
+            out.append(basic_credentials(userinfo))
+    return [x for x in out if x]
 
 
 async def _read_some(response: httpx.Response) -> tuple[bytes, bool]:
