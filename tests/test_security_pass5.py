@@ -22,6 +22,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 import anyio
@@ -31,12 +32,13 @@ import pytest
 from psycopg import sql
 
 from relay import logs
+from relay.core.policy import BODY_EXCERPT, Ack, decide
 from relay.edges.http_client import open_sender
-from relay.edges.ingress import TransportFailure
+from relay.edges.ingress import Answer, TransportFailure
 from relay.edges.tracing import config_from_env
 from relay.integrations import start_tracing
 from relay.runner import Relay
-from relay.settings import ConfigError
+from relay.settings import ConfigError, Secret
 from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
 from tests.test_cli import RELAY, relay_env
 from tests.test_http_client import client_settings, settled
@@ -294,3 +296,17 @@ def test_the_tracing_on_line_shows_the_endpoint_without_its_password(
     assert '"event":"tracing_on"' in line, line
     assert OTLP_PASSWORD not in line, line
     assert "http://***@127.0.0.1:4318/v1/traces" in line, line
+
+
+def test_the_excerpt_is_scrubbed_whole_and_the_decision_reads_the_body_as_sent() -> None:
+    """A secret across the excerpt's cut leaves no prefix behind; and a secret that happens to
+    be part of what the answer says (a password `1` and `{"accepted": 1}`) changes only what
+    people are shown, never what the answer means."""
+    secret = "s3cr3t-" + uuid.uuid4().hex
+    body = b"x" * (BODY_EXCERPT - 10) + secret.encode() + b" and more"
+    cut = Answer(500, body, None, 0.01, secrets=(Secret(secret),))
+    assert secret[:7] not in cut.excerpt and "x***" in cut.excerpt
+    partial = Answer(200, b'{"accepted": 1}', None, 0.01, secrets=(Secret("1"),))
+    now = datetime.now(UTC)
+    assert decide(partial, 3, attempt=0, now=now, rand=0.5, cap=60.0) == Ack(1)
+    assert partial.excerpt == '{"accepted": ***}'
