@@ -151,6 +151,23 @@ def scrub(text: str, secrets: Sequence[str]) -> str:
     return text
 
 
+def configured_secrets(s: Settings) -> list[str]:
+    """Every secret the settings hold, for `scrub`: each secret option's value, and the
+    passwords inside the database URLs as libpq reads them (a server may quote one alone, e.g.
+    percent-decoded). How an http URL's userinfo travels is the HTTP client's to add
+    (relay/edges/http_client.py `sent_secrets`)."""
+    out: list[str] = []
+    for name in sorted(SECRET_OPTIONS):
+        value = getattr(s, name)
+        for secret in value if isinstance(value, tuple) else (value,):
+            if secret is not None:
+                out.append(secret.reveal())
+    for url in (s.database_url, s.listen_database_url):
+        if url is not None:
+            out.extend(passwords_in(url.reveal()))
+    return [x for x in out if x]
+
+
 def _default_replica_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 

@@ -62,6 +62,8 @@ class HttpAnswer(Protocol):
     def truncated(self) -> bool: ...
     @property
     def unframed(self) -> bool: ...
+    @property
+    def excerpt(self) -> str: ...  # the start of the body, scrubbed of secrets: for people
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +132,7 @@ def decide(
         if status != 409 and answer.truncated:
             # Cut at the read limit: even a prefix that parses cannot say what was taken.
             delay = backoff(attempt, base=base, cap=cap, rand=rand)
-            error = f"answer body cut at the read limit: {excerpt(answer.body)}"
+            error = f"answer body cut at the read limit: {answer.excerpt}"
             return Retry(delay, status, error, None, quick=False, endpoint_ok=True)
         if status != 409 and answer.unframed and not answer.body.strip():
             # No length, not chunked, nothing read: the connection's end ended it, and a reset
@@ -146,7 +148,7 @@ def decide(
         if k is None:
             # Cut at the read limit, or garbled: nobody can say what the ingress took.
             delay = backoff(attempt, base=base, cap=cap, rand=rand)
-            error = f"answer body is not JSON: {excerpt(answer.body)}"
+            error = f"answer body is not JSON: {answer.excerpt}"
             return Retry(delay, status, error, None, quick=False, endpoint_ok=True)
         if k == 0:
             delay = backoff(attempt, base=base, cap=cap, rand=rand)
@@ -158,10 +160,10 @@ def decide(
         delay = retry_delay(attempt, retry_after=after, base=base, cap=cap, rand=rand)
         # With a Retry-After the ingress said when: no quick retry sooner than that.
         quick = answer.retry_after is None
-        return Retry(delay, status, excerpt(answer.body), after, quick=quick)
+        return Retry(delay, status, answer.excerpt, after, quick=quick)
     if outcome is Outcome.MISCONFIGURED:
-        return Pause(status, excerpt(answer.body))
-    return Poison(status, excerpt(answer.body), rejected_event_id(answer.body))
+        return Pause(status, answer.excerpt)
+    return Poison(status, answer.excerpt, rejected_event_id(answer.body))
 
 
 def _accepted(body: bytes, n_events: int) -> int | None:
@@ -203,7 +205,8 @@ def _json(body: bytes) -> object:
 
 
 def excerpt(body: bytes) -> str:
-    """The start of an answer, for errors and logs."""
+    """The start of an answer, for errors and logs (an answer's `excerpt` is this of its body
+    once scrubbed of secrets: relay/edges/ingress.py)."""
     return body[:BODY_EXCERPT].decode("utf-8", "replace")
 
 

@@ -46,7 +46,7 @@ from httpx_aiohttp import AiohttpTransport, HttpxAiohttpClient
 
 from relay import logs
 from relay.logs import redact_text
-from relay.settings import ConfigError, Settings, redact_url
+from relay.settings import ConfigError, Settings, configured_secrets, redact_url
 
 MAX_BODY = 64 * 1024
 READ_LIMIT = MAX_BODY + 1  # what is read of an answer: one byte more than is kept
@@ -76,7 +76,7 @@ class TransportFailure(Exception):
 class Reply:
     """What one POST got back, as read: the status, at most READ_LIMIT bytes of the body (one
     byte past MAX_BODY tells the caller it was cut), its Retry-After, and whether only the
-    connection's close marked the body's end (no Content-Length, not chunked)."""
+    connection's close marked the body's end (no Content-Length, no final `chunked` coding)."""
 
     status: int
     body: bytes
@@ -240,10 +240,35 @@ def without_userinfo(url: str, headers: dict[str, str]) -> tuple[str, dict[str, 
     if not parsed.userinfo:
         return url, headers
     if "authorization" not in headers:
-        user, _, password = parsed.userinfo.partition(b":")
-        raw = unquote_to_bytes(user) + b":" + unquote_to_bytes(password)
-        headers = headers | {"authorization": "Basic " + base64.b64encode(raw).decode()}
+        headers = headers | {"authorization": "Basic " + basic_credentials(parsed.userinfo)}
     return str(parsed.copy_with(userinfo=b"")), headers
+
+
+def basic_credentials(userinfo: bytes) -> str:
+    """A URL's userinfo (`user:password`, percent-encoded) as HTTP Basic credentials: base64
+    of the decoded pair, as sent for the ingress here and for a proxy by httpx."""
+    user, _, password = userinfo.partition(b":")
+    return base64.b64encode(unquote_to_bytes(user) + b":" + unquote_to_bytes(password)).decode()
+
+
+def sent_secrets(settings: Settings, environ: Mapping[str, str] | None = None) -> list[str]:
+    """What of the secrets an answer or an error may quote back: every secret the settings
+    hold, and each form an http URL's credentials travel in (the ingress's and the proxies':
+    the password as written and percent-decoded, the Basic credentials). An ingress or proxy
+    that echoes the request's headers echoes these (issue 48 item 4)."""
+    env = os.environ if environ is None else environ
+    out = configured_secrets(settings)
+    urls = [settings.ingress_url, settings.ingress_batch_url, *configured_proxies(settings, env)]
+    for url in filter(None, urls):
+        try:
+            userinfo = httpx.URL(url.strip()).userinfo
+        except httpx.InvalidURL:  # a proxy variable httpx will refuse as well: nothing is sent
+            continue
+        if userinfo:
+            password = userinfo.partition(b":")[2]
+            out += [password.decode(), unquote_to_bytes(password).decode(errors="replace")]
+            out.append(basic_credentials(userinfo))
+    return [x for x in out if x]
 
 
 async def _read_some(response: httpx.Response) -> tuple[bytes, bool]:
@@ -263,13 +288,24 @@ async def _read_some(response: httpx.Response) -> tuple[bytes, bool]:
 
 def _framed(response: httpx.Response) -> bool:
     """Whether the wire said where the body ends (a length, chunks, a status without a body,
-    HTTP/2's frames) rather than only the connection's close, which a reset mimics."""
-    return (
-        "content-length" in response.headers
-        or "chunked" in response.headers.get("transfer-encoding", "").lower()
-        or response.status_code in NO_BODY_STATUSES
-        or response.http_version == "HTTP/2"
-    )
+    HTTP/2's frames) rather than only the connection's close, which a reset mimics.
+
+    RFC 9112 §6.3: a Transfer-Encoding overrides any Content-Length, and only a final
+    `chunked` coding frames the body; with any other last coding (`chunked, gzip`, `xchunked`)
+    the body runs to the connection's close, and aiohttp reads it so (issue 48 item 2)."""
+    if response.status_code in NO_BODY_STATUSES or response.http_version == "HTTP/2":
+        return True
+    if "transfer-encoding" in response.headers:
+        return transfer_codings(response.headers)[-1:] == ["chunked"]
+    return "content-length" in response.headers
+
+
+def transfer_codings(headers: httpx.Headers) -> list[str]:
+    """The transfer codings an answer names, in the order applied: every Transfer-Encoding
+    header's values joined by commas (RFC 9110 §5.3, as a second header counts), each trimmed
+    and lower-cased (codings are case-insensitive), empty list elements dropped."""
+    joined = ",".join(headers.get_list("transfer-encoding"))
+    return [coding for part in joined.split(",") if (coding := part.strip().lower())]
 
 
 def _describe(exc: BaseException) -> str:

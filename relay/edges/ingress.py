@@ -4,7 +4,9 @@ client (relay/edges/http_client.py, httpx).
 Builds the exact body bytes once (payloads embedded as `orjson.Fragment`, never decoded),
 signs them when a Standard Webhooks secret is configured, never follows redirects, reads at
 most `MAX_BODY` bytes of the answer, and bounds the whole request with one deadline (httpx's
-timeouts are per phase: a slow-drip server could otherwise hold a request open forever).
+timeouts are per phase: a slow-drip server could otherwise hold a request open forever). It is
+the door outside text comes in through: an answer's excerpt and a failure's text leave it
+scrubbed of every secret the request could carry (issue 48 item 4).
 
 The client sends plain request values (`Batch`: a run's id, epoch and events, and the database's
 clock as it goes out): it never sees a lease, and imports nothing from relay/edges/store.py.
@@ -17,7 +19,7 @@ import base64
 import hashlib
 import hmac
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 from urllib.parse import quote
@@ -28,6 +30,7 @@ import orjson
 
 from relay import __version__
 from relay.core import clock
+from relay.core.policy import excerpt
 from relay.edges.http_client import (
     MAX_BODY,
     HttpxSender,
@@ -35,8 +38,9 @@ from relay.edges.http_client import (
     Sender,
     TransportFailure,
     no_cookies,
+    sent_secrets,
 )
-from relay.settings import Secret, Settings
+from relay.settings import Secret, Settings, scrub
 
 __all__ = ["MAX_BODY", "Answer", "Batch", "IngressClient", "TransportFailure"]
 
@@ -52,6 +56,24 @@ class Answer:
     seconds: float
     truncated: bool = False  # the answer went on past MAX_BODY: `body` is cut
     unframed: bool = False  # only the connection's close ended it: a reset cannot be told apart
+    # What the request carried that its answer may echo: scrubbed from the excerpt.
+    secrets: tuple[Secret, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def excerpt(self) -> str:
+        """The start of the body, for errors, logs and the status page: the ingress's own text,
+        which may echo the request's credentials (issue 48 item 4), so scrubbed of them, whole
+        before it is cut (no secret straddles the cut). The body itself stays as sent: what the
+        answer means never depends on a secret's text."""
+        if not self.secrets:
+            return excerpt(self.body)
+        return excerpt(scrubbed(self.body.decode("utf-8", "replace"), self.secrets).encode())
+
+
+def scrubbed(text: str, secrets: Sequence[Secret]) -> str:
+    """Text from outside (an answer, a transport's error) with every secret a request may
+    carry replaced by *** (relay.settings.scrub)."""
+    return scrub(text, [s.reveal() for s in secrets])
 
 
 class Event(Protocol):
@@ -199,6 +221,9 @@ class IngressClient:
             )
             sender = HttpxSender(client)
         self.sender = sender
+        # Scrubbed from every answer's excerpt and every failure's text: the one door outside
+        # text comes in through on its way to the store, the logs and the page.
+        self.secrets = tuple(Secret(x) for x in sent_secrets(settings))
         self.on_request = (
             on_request  # metrics (relay/serving/metrics.py): status class and duration
         )
@@ -282,15 +307,17 @@ class IngressClient:
                 raise TransportFailure(
                     f"timed out after {self.settings.http_timeout:g}s", timed_out=True
                 )
-        except TransportFailure:
+        except TransportFailure as exc:
             self._observe(None, clock.now() - started)
-            raise
+            # A transport's error may quote what the server sent (aiohttp quotes a bad head).
+            text = scrubbed(str(exc), self.secrets)
+            raise TransportFailure(text, timed_out=exc.timed_out) from None
         finally:
             self.deadlines.discard(scope)
         # (A POST cancelled because its lease was lost is neither answered nor failed: it is
         # not observed.)
         seconds = clock.now() - started
-        result = answer_from(reply, seconds)
+        result = answer_from(reply, seconds, self.secrets)
         self._observe(result.status, result.seconds)
         return result
 
@@ -299,9 +326,9 @@ class IngressClient:
             self.on_request(status, seconds)
 
 
-def answer_from(reply: Reply, seconds: float) -> Answer:
+def answer_from(reply: Reply, seconds: float, secrets: tuple[Secret, ...] = ()) -> Answer:
     body, cut = reply.body[:MAX_BODY], len(reply.body) > MAX_BODY
-    return Answer(reply.status, body, reply.retry_after, seconds, cut, reply.unframed)
+    return Answer(reply.status, body, reply.retry_after, seconds, cut, reply.unframed, secrets)
 
 
 def encode_group(batches: Sequence[Batch]) -> bytes:
@@ -339,7 +366,7 @@ def split_results(answer: Answer, run_ids: Sequence[str]) -> dict[str, Answer | 
             body = orjson.dumps({"accepted": item["accepted"]})
         elif "rejected_event_id" in item:
             body = orjson.dumps({"rejected_event_id": item["rejected_event_id"]})
-        out[run_id] = Answer(status, body, None, answer.seconds)
+        out[run_id] = Answer(status, body, None, answer.seconds, secrets=answer.secrets)
     for run_id in run_ids:
         if run_id not in out:
             out[run_id] = TransportFailure("the multi-run reply had no result for this run")

@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
-from relay.settings import ConfigError
+from relay.settings import ConfigError, redact_url
 
 if TYPE_CHECKING:
     from relay.edges.store import AckResult
@@ -56,7 +56,9 @@ class TracingConfig:
     """What the relay reads itself of the variables (for its checks and the `tracing_on` log
     line); the SDK reads the rest."""
 
-    endpoint: str  # the traces URL (OTEL_EXPORTER_OTLP_ENDPOINT's + /v1/traces)
+    # The traces URL (OTEL_EXPORTER_OTLP_ENDPOINT's + /v1/traces) as shown: its userinfo and
+    # credential-named query parameters redacted (issue 48 item 4). The SDK reads the real one.
+    endpoint: str
     sampler: str
 
 
@@ -66,7 +68,8 @@ def _flag(environ: Mapping[str, str], name: str) -> bool:
 
 
 def _endpoint(environ: Mapping[str, str]) -> str | None:
-    """The traces URL: the signal's own variable as given, or the base one + `/v1/traces`."""
+    """The traces URL, redacted (relay.settings.redact_url: a collector's URL may carry a
+    password): the signal's own variable as given, or the base one + `/v1/traces`."""
     for name, suffix in (
         ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", ""),
         ("OTEL_EXPORTER_OTLP_ENDPOINT", "/v1/traces"),
@@ -75,8 +78,8 @@ def _endpoint(environ: Mapping[str, str]) -> str | None:
         if value:
             parts = urlsplit(value)
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ConfigError(f"{name}: an http:// or https:// URL, got {value!r}")
-            return value.rstrip("/") + suffix if suffix else value
+                raise ConfigError(f"{name}: an http:// or https:// URL, got {redact_url(value)!r}")
+            return redact_url(value.rstrip("/") + suffix if suffix else value)
     return None
 
 
