@@ -79,12 +79,13 @@ class Delivery:
     async def _let_go(self, holds: list[Held], settled: dict[str, bool], turn: Turn) -> None:
         """After a delivery job: hand back the leases it left unsettled, free its turn if it
         took one and still holds it, and wake discovery after critical work."""
+        critical_work = self.name == "critical" or _any_critical(holds)
         for h in holds:
             if not settled.get(h.claim.run_id):
                 await self.completer.hand_back(h.claim)  # as widened, if it was
         self.post_turn.done(holds)
         turn.free()
-        if self.name == "critical" or _any_critical(holds):
+        if critical_work:
             self.critical_done()
 
     def _error(self, holds: list[Held], exc: Exception) -> None:
