@@ -271,6 +271,14 @@ def _duration_in(lo: float, hi: float) -> Callable[[str], float]:
 
 
 def _http_url(text: str) -> str:
+    """An http(s) URL, as the relay's HTTP client will take it."""
+    _http_url_shape(text)
+    _usable_by_httpx(text)
+    return text
+
+
+def _http_url_shape(text: str) -> None:
+    """An http or https scheme and a host; anything else is refused without its userinfo."""
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         scheme = _SCHEME_RE.match(text)
@@ -282,11 +290,34 @@ def _http_url(text: str) -> str:
         # Redacted as an http URL (its whole userinfo masked), whatever its scheme.
         shown = scheme.group(0) + redact_url("http://" + text[scheme.end() :])[len("http://") :]
         raise ValueError(f"must be an http(s) URL, got {shown!r}")
-    return text
+
+
+# A run id put in the ingress URL template at start, to see the URL a POST goes to.
+SAMPLE_RUN_ID = "sample-run"
+
+
+def _usable_by_httpx(url: str) -> None:
+    """The URL parsed by httpx, as every POST will be: a port that is no number (a typo such as
+    `:80a80`) or out of range, or a host httpx cannot encode, fails here at start. Found at the
+    first POST instead, it is a transport error that `relay run` retries forever.
+
+    httpx's reason quotes the part it refused (the port, the host); with an '@' anywhere in the
+    URL that part may be a password's start (an unencoded '/' ends the authority early), so it
+    is then left out."""
+    import httpx
+
+    try:
+        port = httpx.URL(url).port
+    except httpx.InvalidURL as exc:
+        why = "httpx's reason is not shown: the URL has userinfo" if "@" in url else str(exc)
+        raise ValueError(f"is not a URL the HTTP client can send to ({why})") from None
+    if port is not None and not 1 <= port <= 65535:
+        shown = "" if "@" in url else f", got {port}"
+        raise ValueError(f"its port must be from 1 to 65535{shown}")
 
 
 def _ingress_template(text: str) -> str:
-    _http_url(text)
+    _http_url_shape(text)
     if "{run_id}" not in text:
         raise ValueError(
             "must contain {run_id}, e.g. https://ingress.internal/runs/{run_id}/events"
@@ -299,6 +330,7 @@ def _ingress_template(text: str) -> str:
     # including "{run_id.x}", "{run_id[0]}" or an escaped "{{run_id}}", would reach the URL.
     if "{" in text.replace("{run_id}", "") or "}" in text.replace("{run_id}", ""):
         raise ValueError("may contain no placeholder other than {run_id}")
+    _usable_by_httpx(text.replace("{run_id}", SAMPLE_RUN_ID))
     return text
 
 

@@ -1,0 +1,116 @@
+"""Settings refused at start (issue 49 item 1): an ingress URL parsed as httpx will send to it.
+Each through the real CLI (`relay run`, `relay check` in subprocesses: exit code and the one
+line) and as a unit of the parsing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from relay.settings import ConfigError, load
+
+INGRESS = "http://127.0.0.1:9/runs/{run_id}/events"
+DB = "postgresql://app@127.0.0.1:1/appdb"
+
+
+def settings_error(**flags: str) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load({"database_url": DB, "ingress_url": INGRESS, **flags}, environ={})
+    return str(caught.value)
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """No database and no ingress: every case here must be refused before either is tried."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    env.update(RELAY_DATABASE_URL=DB, RELAY_INGRESS_URL=INGRESS, RELAY_STARTUP_TIMEOUT="0.5s")
+    env.update(extra)
+    return env
+
+
+def relay(command: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    args = ["check", "--timeout", "1"] if command == "check" else [command]
+    return subprocess.run(
+        [sys.executable, "-m", "relay.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+
+
+def refusal(command: str, env: dict[str, str]) -> str:
+    """The one line `relay run` or `relay check` refuses the configuration with, exit 2."""
+    got = relay(command, env)
+    assert got.returncode == 2, (got.returncode, got.stdout, got.stderr)
+    assert "Traceback" not in got.stderr, got.stderr
+    if command == "run":
+        lines = got.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("relay: invalid configuration: "), lines
+    else:
+        lines = got.stdout.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("FAIL configuration"), lines
+    return lines[0]
+
+
+# --- item 1: the ingress URLs as httpx will use them ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("http://ingress.internal:80a80/runs/{run_id}/events", "Invalid port: '80a80'"),
+        ("http://ingress.internal:99999/runs/{run_id}/events", "from 1 to 65535, got 99999"),
+        ("https://ingress.internal:0/runs/{run_id}/events", "from 1 to 65535, got 0"),
+        ("http://10.0.0.300/runs/{run_id}/events", "Invalid IPv4 address: '10.0.0.300'"),
+    ],
+)
+def test_an_ingress_url_httpx_cannot_send_to_is_refused(url: str, why: str) -> None:
+    message = settings_error(ingress_url=url)
+    assert message.startswith("ingress_url (--ingress-url / RELAY_INGRESS_URL): "), message
+    assert why in message, message
+
+
+def test_the_batch_url_is_parsed_as_httpx_will_too() -> None:
+    message = settings_error(ingress_batch_url="http://ingress.internal:80a80/batch")
+    assert message.startswith("ingress_batch_url") and "Invalid port: '80a80'" in message
+
+
+def test_a_port_that_may_be_a_passwords_start_is_not_quoted() -> None:
+    """An unencoded '/' in the userinfo ends the authority: 'Kq7v' would be the port."""
+    message = settings_error(ingress_url="http://bot:Kq7v/x9@ingress.internal/r/{run_id}")
+    assert message.startswith("ingress_url") and "Kq7v" not in message, message
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://ingress.internal:8080/runs/{run_id}/events",
+        "https://[::1]:8443/runs/{run_id}/events",
+        "https://ingress.internal/e?run={run_id}",
+        "http://bot:pw@ingress.internal:65535/runs/{run_id}",
+    ],
+)
+def test_ingress_urls_httpx_takes_still_start(url: str) -> None:
+    assert load({"database_url": DB, "ingress_url": url}, environ={}).ingress_url == url
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+@pytest.mark.parametrize(
+    ("option", "url", "needle"),
+    [
+        ("INGRESS_URL", "http://127.0.0.1:80a80/runs/{run_id}/events", "Invalid port: '80a80'"),
+        ("INGRESS_URL", "http://127.0.0.1:99999/runs/{run_id}/events", "from 1 to 65535"),
+        ("INGRESS_BATCH_URL", "http://127.0.0.1:80a80/batch", "Invalid port: '80a80'"),
+    ],
+)
+def test_relay_refuses_an_ingress_url_with_a_bad_port(
+    command: str, option: str, url: str, needle: str
+) -> None:
+    """`relay check` died with httpx.InvalidURL's traceback (exit 1), `relay run` looped on
+    delivery_error: now both exit 2 with one line naming the setting."""
+    line = refusal(command, cli_env(**{f"RELAY_{option}": url}))
+    assert option.lower() in line and needle in line, line
