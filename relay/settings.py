@@ -72,6 +72,9 @@ _QUERY_PASSWORD_RE = re.compile(r"(?i)([?&](?:ssl)?password=)[^&#]*")
 _DSN_PASSWORD_RE = re.compile(
     r"(?i)((?<!\S)(?:ssl)?password\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|(?:\\.|[^\s\\])*\\?)", re.S
 )
+# A parameter's name in a key=value conninfo, and in a database URL's query.
+_CONNINFO_NAME_RE = re.compile(r"(?:^|\s)([A-Za-z_][A-Za-z0-9_]*)\s*=")
+_QUERY_NAME_RE = re.compile(r"(?:^|&)([^&=]*)=")
 # Query parameters of an http URL whose name says they carry a credential (`?code=` of a
 # serverless function, `?token=`, `?api_key=`, `?sig=` ...).
 _HTTP_QUERY_SECRET_RE = re.compile(
@@ -389,6 +392,8 @@ def _database_url(text: str) -> Secret:
     try:
         parts = conninfo_to_dict(text)
     except Exception:  # psycopg.ProgrammingError, whose message quotes the URL
+        if unknown := _unknown_parameter(text):
+            raise ValueError(unknown) from None
         raise ValueError(
             "is not a PostgreSQL URL (postgresql://USER:PASSWORD@HOST:PORT/DBNAME) or key=value "
             f"conninfo{_url_hint(text)} (the value is not shown: it may hold a password)"
@@ -407,7 +412,92 @@ def _database_url(text: str) -> Secret:
             "its port is not a number: percent-encode '/', '?', '#' and '@' in a password "
             "(e.g. %2F for '/') (the value is not shown: it may hold a password)"
         )
+    if problem := _libpq_value_problem(parts):
+        raise ValueError(problem)
     return Secret(text)
+
+
+# The values libpq takes for the parameters that have a fixed set of them (the libpq manual,
+# "Parameter Key Words"), and whether it compares them ignoring case. libpq checks them only
+# when it connects, where a wrong one reads as an outage: `relay run` would wait forever.
+LIBPQ_CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
+    "sslmode": (("disable", "allow", "prefer", "require", "verify-ca", "verify-full"), False),
+    "gssencmode": (("disable", "prefer", "require"), False),
+    "channel_binding": (("disable", "prefer", "require"), False),
+    "sslnegotiation": (("postgres", "direct"), False),
+    "sslcertmode": (("disable", "allow", "require"), False),
+    "load_balance_hosts": (("disable", "random"), False),
+    "target_session_attrs": (
+        ("any", "read-write", "read-only", "primary", "standby", "prefer-standby"),
+        True,
+    ),
+    "ssl_min_protocol_version": (("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"), True),
+    "ssl_max_protocol_version": (("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"), True),
+}
+# Parameters libpq reads as an integer (seconds, counts), or a port per host.
+LIBPQ_INTEGERS = frozenset(
+    {
+        "connect_timeout",
+        "keepalives",
+        "keepalives_idle",
+        "keepalives_interval",
+        "keepalives_count",
+        "tcp_user_timeout",
+    }
+)
+
+
+def _libpq_value_problem(parts: Mapping[str, Any]) -> str | None:
+    """What libpq would refuse when connecting, in the parameters it parsed: a value outside a
+    parameter's fixed set, an integer parameter that is not one, a port outside 1 to 65535.
+    None of these values is a secret: each is named with its parameter."""
+    for key, (choices, any_case) in LIBPQ_CHOICES.items():
+        value = parts.get(key)
+        if value is None:
+            continue
+        known = [c.lower() for c in choices] if any_case else list(choices)
+        if (str(value).lower() if any_case else str(value)) not in known:
+            return f"{key}={value!r} is not one of libpq's values: {', '.join(choices)}"
+    for key in sorted(LIBPQ_INTEGERS & parts.keys()):
+        if not str(parts[key]).strip().lstrip("-").isdigit():
+            return f"{key}={parts[key]!r} is not an integer"
+    for port in str(parts.get("port") or "").split(","):
+        if port.strip() and not 1 <= int(port) <= 65535:
+            return f"port {port.strip()} is not from 1 to 65535"
+    return None
+
+
+def _unknown_parameter(text: str) -> str | None:
+    """Which parameter of a database URL or conninfo libpq does not know (`sslmod=`,
+    `pasword=`), with the one it resembles; None when there is none or when the name might be
+    a password's part (what follows is never named)."""
+    from psycopg import pq
+
+    known = sorted(option.keyword.decode() for option in pq.Conninfo.get_defaults())
+    names = _parameter_names(text)
+    if _SCHEME_RE.match(text) is None and not set(names) & set(known):
+        return None  # no known name: not evidently a conninfo (a password given as the URL?)
+    for before, name in zip([None, *names], names, strict=False):
+        if name in known or name == "ssl":  # a URL's ?ssl=true, libpq's alias of sslmode
+            continue
+        if before in ("password", "sslpassword"):
+            return None  # the password's rest, after a blank or an unencoded '&'?
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return f"libpq has no parameter {name!r}{hint}"
+    return None
+
+
+def _parameter_names(text: str) -> list[str]:
+    """The parameter names of a key=value conninfo, or of a database URL's query: its part
+    after the first '?' that follows the last '@', so that no part of a password is taken for
+    one, whatever it holds unencoded ('?', '&', '/': the query libpq read may then be the
+    password's rest, and none is found)."""
+    scheme = _SCHEME_RE.match(text)
+    if scheme is None:
+        return _CONNINFO_NAME_RE.findall(text)
+    query = text[scheme.end() :].rpartition("@")[2].partition("?")[2]
+    return _QUERY_NAME_RE.findall(query)
 
 
 def _url_hint(text: str) -> str:

@@ -1,6 +1,7 @@
-"""Settings refused at start (issue 49 item 1): an ingress URL parsed as httpx will send to it.
-Each through the real CLI (`relay run`, `relay check` in subprocesses: exit code and the one
-line) and as a unit of the parsing."""
+"""Settings refused at start (issue 49 items 1, 2 and 7; issue 48 item 7): an ingress URL parsed
+as httpx will send to it, the database URL's libpq parameters read as libpq will read them,
+`relay check` validating what `relay run` validates. Each through the real CLI (`relay run`,
+`relay check` in subprocesses: exit code and the one line) and as a unit of the parsing."""
 
 from __future__ import annotations
 
@@ -113,4 +114,93 @@ def test_relay_refuses_an_ingress_url_with_a_bad_port(
     """`relay check` died with httpx.InvalidURL's traceback (exit 1), `relay run` looped on
     delivery_error: now both exit 2 with one line naming the setting."""
     line = refusal(command, cli_env(**{f"RELAY_{option}": url}))
+    assert option.lower() in line and needle in line, line
+
+
+# --- item 2: libpq's parameters as libpq will read them ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        ("postgresql://app@db/ledger?sslmode=disabled", "sslmode='disabled' is not one of"),
+        ("host=db sslmode=verify_full", "sslmode='verify_full' is not one of"),
+        ("postgresql://app@db/ledger?target_session_attrs=writable", "target_session_attrs="),
+        ("postgresql://app@db/ledger?gssencmode=off", "gssencmode='off'"),
+        ("postgresql://app@db/ledger?connect_timeout=10s", "connect_timeout='10s' is not an"),
+        ("postgresql://app@db:99999/ledger", "port 99999 is not from 1 to 65535"),
+        ("postgresql://app@db1:5432,db2:0/ledger", "port 0 is not from 1 to 65535"),
+    ],
+)
+def test_a_value_libpq_would_refuse_at_connect_is_refused_at_start(url: str, needle: str) -> None:
+    message = settings_error(database_url=url)
+    assert message.startswith("database_url (--database-url / RELAY_DATABASE_URL): "), message
+    assert needle in message, message
+
+
+@pytest.mark.parametrize(
+    ("url", "needle"),
+    [
+        (
+            "postgresql://app@db/ledger?sslmod=require",
+            "no parameter 'sslmod' (did you mean sslmode",
+        ),
+        ("postgresql://app@db/ledger?pasword=x", "no parameter 'pasword' (did you mean password"),
+        ("host=db dbname=ledger sslmod=require", "no parameter 'sslmod' (did you mean sslmode?)"),
+        ("host=db pasword=secret", "no parameter 'pasword' (did you mean password?)"),
+        ("postgresql://app@db/ledger?colour=blue", "no parameter 'colour'"),
+    ],
+)
+def test_an_unknown_parameter_is_named(url: str, needle: str) -> None:
+    message = settings_error(database_url=url)
+    assert message.startswith("database_url") and needle in message, message
+    assert "secret" not in message.replace("--", "")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://app@db/ledger?password=Kq7v&Zx9w=1",  # an unencoded '&' in a password
+        "postgresql://app:Kq7v/Zx9w?Zx9w=1@db/ledger",  # unencoded "/" and "?": a path, a query
+        "host=db password='Kq7v Zx9w=1' x",  # a password's blank, its quote unclosed later
+        "Zx9w=Kq7v",  # a password (base64's '=') given as the URL
+    ],
+)
+def test_a_name_that_may_be_a_passwords_part_is_not_shown(url: str) -> None:
+    message = settings_error(database_url=url)
+    assert message.startswith("database_url") and "not a PostgreSQL URL" in message, message
+    assert "Kq7v" not in message and "Zx9w" not in message, message
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://app:pw@db.internal:5432/ledger?sslmode=verify-full&sslrootcert=/ca.pem",
+        "postgresql://app@db1:5432,db2:5433/ledger?target_session_attrs=Read-Write",
+        "postgresql://app@db/ledger?ssl=true&load_balance_hosts=random&connect_timeout=5",
+        "postgresql:///ledger?host=/run/postgresql",
+        "host=db port=5432 dbname=ledger sslmode=prefer gssencmode=disable channel_binding=require",
+        "postgresql://app@db/ledger?ssl_min_protocol_version=tlsv1.2&keepalives_idle=30",
+    ],
+)
+def test_urls_libpq_takes_still_start(url: str) -> None:
+    assert load({"database_url": url, "ingress_url": INGRESS}, environ={}).database_url
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+@pytest.mark.parametrize(
+    ("option", "url", "needle"),
+    [
+        ("DATABASE_URL", "postgresql://app:pw@127.0.0.1:1/appdb?sslmode=disabled", "sslmode"),
+        ("DATABASE_URL", "postgresql://app:pw@127.0.0.1:1/appdb?sslmod=require", "'sslmod'"),
+        ("LISTEN_DATABASE_URL", "host=127.0.0.1 port=1 pasword=pw", "'pasword'"),
+    ],
+)
+def test_relay_refuses_a_libpq_parameter_at_once(
+    command: str, option: str, url: str, needle: str
+) -> None:
+    """sslmode=disabled was waited on as an outage (`database_wait ... invalid sslmode value`,
+    forever by default); the key typos read only "is not a PostgreSQL URL"."""
+    env = cli_env(**{f"RELAY_{option}": url}, RELAY_STARTUP_TIMEOUT="0")  # 0: wait forever
+    line = refusal(command, env)
     assert option.lower() in line and needle in line, line
