@@ -1,6 +1,6 @@
-"""Settings refused at start (issue 49 items 1, 2 and 7; issue 48 item 7): an ingress URL parsed
-as httpx will send to it, the database URL's libpq parameters read as libpq will read them,
-`relay check` validating what `relay run` validates. Each through the real CLI (`relay run`,
+"""Settings refused at start (issue 49 items 1, 2 and 7): an ingress URL parsed as httpx will
+send to it, the database URL's libpq parameters read as libpq will read them, `relay check`
+validating what `relay run` validates. Each through the real CLI (`relay run`,
 `relay check` in subprocesses: exit code and the one line) and as a unit of the parsing."""
 
 from __future__ import annotations
@@ -204,3 +204,37 @@ def test_relay_refuses_a_libpq_parameter_at_once(
     env = cli_env(**{f"RELAY_{option}": url}, RELAY_STARTUP_TIMEOUT="0")  # 0: wait forever
     line = refusal(command, env)
     assert option.lower() in line and needle in line, line
+
+
+# --- item 7 of issue 49: relay check validates what relay run validates --------------------------
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (  # OpenTelemetry's variables: relay run refused them, relay check did not read them
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_TRACES_SAMPLER": "x"},
+            "OTEL_TRACES_SAMPLER",
+        ),
+        (  # an extra the HTTP client needs: relay check called it an ingress failure (32)
+            {"RELAY_INGRESS_PROXY": "socks5://127.0.0.1:1080"},
+            "pip install 'ledger-relay[socks]'",
+        ),
+    ],
+)
+def test_check_refuses_what_run_refuses(command: str, extra: dict[str, str], needle: str) -> None:
+    line = refusal(command, cli_env(**extra))
+    assert needle in line, line
+
+
+def test_check_names_an_unknown_variable_and_says_so_in_its_report() -> None:
+    """The warning `relay run` logs (`unknown_variables`), from the same code; the report's
+    configuration line points to it, so that its `ok` does not read as nothing to fix."""
+    got = relay("check", cli_env(RELAY_CONCURENCY="8"))
+    assert got.returncode & 2 == 0, got  # a warning, as in relay run: not a refusal
+    (warning,) = got.stderr.strip().splitlines()
+    assert warning.startswith("relay: warning: ") and "RELAY_CONCURENCY" in warning
+    assert "did you mean RELAY_CONCURRENCY?" in warning
+    (config,) = [line for line in got.stdout.splitlines() if "configuration" in line]
+    assert config.startswith("ok") and "warned on stderr: unknown_variables" in config, config
