@@ -84,10 +84,15 @@ def start_warnings(
     args: argparse.Namespace, options: Sequence[str] = tuple(PARSERS)
 ) -> list[StartWarning]:
     """What a command warns about before it reads its settings, whatever they hold: secrets
-    given as flags and RELAY_* variables no option reads (a typo's likely intent named), for a
-    command that reads `options`. One list for every command:
+    given as flags, RELAY_* variables no option reads (a typo's likely intent named), and the
+    secret files of `options` that other users may read or change. One list for every command:
     `relay run` logs each in its log format, the others print each as one plain line."""
-    from relay.settings import unknown_variables, unknown_variables_warning
+    from relay.settings import (
+        exposed_secret_file_warning,
+        exposed_secret_files,
+        unknown_variables,
+        unknown_variables_warning,
+    )
 
     out: list[StartWarning] = []
     if flags := secret_flags(args):
@@ -95,6 +100,9 @@ def start_warnings(
     if unknown := unknown_variables(os.environ):
         names = [name for name, _ in unknown]
         out.append(("unknown_variables", {"names": names}, unknown_variables_warning(unknown)))
+    for source, path, mode in exposed_secret_files(options, _flags(args), os.environ):
+        fields = {"source": source, "file": str(path), "mode": f"{mode:04o}"}
+        out.append(("secret_file_exposed", fields, exposed_secret_file_warning(source, path, mode)))
     return out
 
 

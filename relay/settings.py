@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import ssl
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -673,16 +674,71 @@ def _raw_value(
     value = environ.get(env_name(option))
     if value is not None:
         return value
-    if option in SECRET_OPTIONS:
-        path = environ.get(env_name(option) + "_FILE")
-        if path:
-            return _read_secret(Path(path), f"{env_name(option)}_FILE")
-        creds = environ.get("CREDENTIALS_DIRECTORY")
-        if creds:
-            cred = Path(creds) / option
-            if cred.is_file():
-                return _read_secret(cred, f"{option} (CREDENTIALS_DIRECTORY)")
+    found = secret_file(option, flags, environ)
+    return None if found is None else _read_secret(*found)
+
+
+def secret_file(
+    option: str, flags: Mapping[str, str | None], environ: Mapping[str, str]
+) -> tuple[Path, str] | None:
+    """The file a secret option is read from, and how it was named: RELAY_<NAME>_FILE, else
+    systemd's $CREDENTIALS_DIRECTORY/<name>; None when a flag or RELAY_<NAME> gives the value
+    (or the option is no secret, or no file is named)."""
+    if option not in SECRET_OPTIONS or flags.get(option) is not None:
+        return None
+    if environ.get(env_name(option)) is not None:
+        return None
+    path = environ.get(env_name(option) + "_FILE")
+    if path:
+        return Path(path), f"{env_name(option)}_FILE"
+    creds = environ.get("CREDENTIALS_DIRECTORY")
+    if creds and (cred := Path(creds) / option).is_file():
+        return cred, f"{option} (CREDENTIALS_DIRECTORY)"
     return None
+
+
+def open_to_others(mode: int, owner: int, euid: int) -> bool:
+    """Whether a secret file's mode lets users other than the relay's read or change it, by
+    libpq's rule for a client key (`sslkey`): none of group's or others' bits when the relay's
+    user owns it; group read alone allowed when another user (root) does, which is how a
+    secret manager hands a file to a service's group (Kubernetes' `defaultMode: 0440` with
+    `fsGroup`); others' bits never."""
+    if mode & stat.S_IRWXO:
+        return True
+    if owner == euid:
+        return bool(mode & stat.S_IRWXG)
+    return bool(mode & (stat.S_IWGRP | stat.S_IXGRP))
+
+
+def exposed_secret_files(
+    options: Sequence[str], flags: Mapping[str, str | None], environ: Mapping[str, str]
+) -> list[tuple[str, Path, int]]:
+    """Each secret file these options are read from that is open to others (`open_to_others`):
+    its source (RELAY_<NAME>_FILE, ...), path and permission bits. A file that cannot be read is
+    left to `load`, which refuses it."""
+    out = []
+    for option in options:
+        found = secret_file(option, flags, environ)
+        if found is None:
+            continue
+        path, source = found
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if open_to_others(st.st_mode, st.st_uid, os.geteuid()):
+            out.append((source, path, stat.S_IMODE(st.st_mode)))
+    return out
+
+
+def exposed_secret_file_warning(source: str, path: Path, mode: int) -> str:
+    """One line naming the file and its mode. A warning, not a refusal (docs/configuration.md):
+    Kubernetes mounts a Secret's files 0644 unless told otherwise, and a relay that refused
+    them would not start on a default install."""
+    return (
+        f"{source}: {path} has mode {mode:04o}: other users can read it or change it; make it "
+        "0600 or 0400 (0440 owned by root for a service's group)"
+    )
 
 
 def _read_secret(path: Path, source: str) -> str:

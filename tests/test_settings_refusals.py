@@ -1,13 +1,15 @@
-"""Settings refused at start (issue 49 items 1, 2 and 7): an ingress URL parsed as httpx will
-send to it, the database URL's libpq parameters read as libpq will read them, `relay check`
-validating what `relay run` validates. Each through the real CLI (`relay run`,
+"""Settings refused at start (issue 49 items 1, 2 and 7; issue 48 item 7): an ingress URL parsed
+as httpx will send to it, the database URL's libpq parameters read as libpq will read them,
+`relay check` validating what `relay run` validates. Each through the real CLI (`relay run`,
 `relay check` in subprocesses: exit code and the one line) and as a unit of the parsing."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -238,3 +240,90 @@ def test_check_names_an_unknown_variable_and_says_so_in_its_report() -> None:
     assert "did you mean RELAY_CONCURRENCY?" in warning
     (config,) = [line for line in got.stdout.splitlines() if "configuration" in line]
     assert config.startswith("ok") and "warned on stderr: unknown_variables" in config, config
+
+
+# --- item 7 of issue 48: secret files other users may read or change -----------------------------
+
+ROOT, RELAY_USER = 0, 1000
+
+
+@pytest.mark.parametrize(
+    ("mode", "owner", "open_"),
+    [
+        (0o600, RELAY_USER, False),
+        (0o400, RELAY_USER, False),
+        (0o640, RELAY_USER, True),  # libpq: u=rw (0600) or less when the user owns it
+        (0o440, RELAY_USER, True),
+        (0o644, RELAY_USER, True),
+        (0o666, RELAY_USER, True),
+        (0o440, ROOT, False),  # Kubernetes' defaultMode 0440 with fsGroup, as deploy/k8s has
+        (0o640, ROOT, False),  # libpq: u=rw,g=r (0640) or less when root owns it
+        (0o660, ROOT, True),  # the group may change it
+        (0o644, ROOT, True),  # Kubernetes' default defaultMode: world-readable
+        (0o604, ROOT, True),
+    ],
+)
+def test_which_modes_are_open_to_others(mode: int, owner: int, open_: bool) -> None:
+    from relay.settings import open_to_others
+
+    assert open_to_others(0o100000 | mode, owner, RELAY_USER) is open_
+
+
+def secret_file(tmp_path: Path, name: str, content: str, mode: int) -> Path:
+    path = tmp_path / name
+    path.write_text(content)
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+@pytest.mark.parametrize("mode", [0o644, 0o666, 0o640])
+def test_a_secret_file_open_to_others_is_named_with_its_mode(
+    command: str, mode: int, tmp_path: Path
+) -> None:
+    token = secret_file(tmp_path, "ingress_token", "tok-0123456789", mode)
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    secret_file(creds, "database_url", DB, 0o600)  # private: not named
+    env = cli_env(RELAY_INGRESS_TOKEN_FILE=str(token), CREDENTIALS_DIRECTORY=str(creds))
+    del env["RELAY_DATABASE_URL"]  # read from the credential
+    got = relay(command, env)
+    assert got.returncode not in (0, 1), got  # the database and ingress are down: 2 or 36
+    assert "Traceback" not in got.stderr and "tok-0123456789" not in got.stdout + got.stderr
+    if command == "run":
+        records = [json.loads(line) for line in got.stderr.splitlines()]
+        warnings = [r for r in records if r.get("event") == "secret_file_exposed"]
+        assert [(w["source"], w["file"], w["mode"]) for w in warnings] == [
+            ("RELAY_INGRESS_TOKEN_FILE", str(token), f"{mode:04o}")
+        ], records
+        assert warnings[0]["level"] == "warning"
+    else:
+        (line,) = [x for x in got.stderr.splitlines() if "mode" in x]
+        assert line.startswith("relay: warning: RELAY_INGRESS_TOKEN_FILE: ")
+        assert str(token) in line and f"mode {mode:04o}" in line, line
+        assert "warned on stderr: secret_file_exposed" in got.stdout
+
+
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_a_private_secret_file_or_credential_says_nothing(command: str, tmp_path: Path) -> None:
+    token = secret_file(tmp_path, "ingress_token", "tok-0123456789", 0o400)
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    secret_file(creds, "database_url", DB, 0o600)
+    env = cli_env(RELAY_INGRESS_TOKEN_FILE=str(token), CREDENTIALS_DIRECTORY=str(creds))
+    del env["RELAY_DATABASE_URL"]
+    got = relay(command, env)
+    assert "mode" not in got.stderr and "warned" not in got.stdout, got
+
+
+def test_a_credential_open_to_others_is_named_and_one_not_read_is_not(tmp_path: Path) -> None:
+    """systemd writes credentials 0400 for the unit's user; a directory made by hand may not."""
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    secret_file(creds, "database_url", DB, 0o644)
+    secret_file(creds, "ingress_token", "tok-0123456789", 0o644)  # RELAY_INGRESS_TOKEN wins
+    env = cli_env(CREDENTIALS_DIRECTORY=str(creds), RELAY_INGRESS_TOKEN="tok-from-env-01")
+    del env["RELAY_DATABASE_URL"]
+    got = relay("check", env)
+    lines = [x for x in got.stderr.splitlines() if "mode" in x]
+    assert len(lines) == 1 and "database_url (CREDENTIALS_DIRECTORY)" in lines[0], lines
