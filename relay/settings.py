@@ -451,16 +451,17 @@ LIBPQ_INTEGERS = frozenset(
 def _libpq_value_problem(parts: Mapping[str, Any]) -> str | None:
     """What libpq would refuse when connecting, in the parameters it parsed: a value outside a
     parameter's fixed set, an integer parameter that is not one, a port outside 1 to 65535.
-    None of these values is a secret: each is named with its parameter."""
+    None of these values is a secret: each is named with its parameter. An empty value is
+    left to libpq, as if unset."""
     for key, (choices, any_case) in LIBPQ_CHOICES.items():
         value = parts.get(key)
-        if value is None:
+        if not value:
             continue
         known = [c.lower() for c in choices] if any_case else list(choices)
         if (str(value).lower() if any_case else str(value)) not in known:
             return f"{key}={value!r} is not one of libpq's values: {', '.join(choices)}"
     for key in sorted(LIBPQ_INTEGERS & parts.keys()):
-        if not str(parts[key]).strip().lstrip("-").isdigit():
+        if str(parts[key]).strip() and not str(parts[key]).strip().lstrip("-").isdigit():
             return f"{key}={parts[key]!r} is not an integer"
     for port in str(parts.get("port") or "").split(","):
         if port.strip() and not 1 <= int(port) <= 65535:

@@ -183,6 +183,7 @@ def test_a_name_that_may_be_a_passwords_part_is_not_shown(url: str) -> None:
         "postgresql:///ledger?host=/run/postgresql",
         "host=db port=5432 dbname=ledger sslmode=prefer gssencmode=disable channel_binding=require",
         "postgresql://app@db/ledger?ssl_min_protocol_version=tlsv1.2&keepalives_idle=30",
+        "postgresql://app@db/ledger?sslmode=&connect_timeout=",  # empty: left to libpq
     ],
 )
 def test_urls_libpq_takes_still_start(url: str) -> None:
