@@ -328,3 +328,19 @@ def test_a_credential_open_to_others_is_named_and_one_not_read_is_not(tmp_path: 
     got = relay("check", env)
     lines = [x for x in got.stderr.splitlines() if "mode" in x]
     assert len(lines) == 1 and "database_url (CREDENTIALS_DIRECTORY)" in lines[0], lines
+
+
+def test_the_shipped_kubernetes_secrets_get_no_warning_a_default_mount_does() -> None:
+    """The files as the kubelet makes them (tests/test_deploy.py): deploy/k8s's `defaultMode:
+    0440` with fsGroup passes; without `defaultMode` (0644) the warning is due."""
+    from relay.settings import open_to_others
+    from tests.test_deploy import k8s_objects, secret_file_mode
+
+    pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
+    uid, fs_group = pod["securityContext"]["runAsUser"], pod["securityContext"]["fsGroup"]
+    volume = next(v for v in pod["volumes"] if "secret" in v)
+    owner, _, mode = secret_file_mode(volume, "database_url", fs_group)
+    assert not open_to_others(0o100000 | mode, owner, uid)
+    del volume["secret"]["defaultMode"]
+    owner, _, mode = secret_file_mode(volume, "database_url", fs_group)
+    assert open_to_others(0o100000 | mode, owner, uid)
