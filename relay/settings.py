@@ -435,7 +435,7 @@ LIBPQ_CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
     "ssl_min_protocol_version": (("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"), True),
     "ssl_max_protocol_version": (("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"), True),
 }
-# Parameters libpq reads as an integer (seconds, counts), or a port per host.
+# Parameters libpq reads as an integer (seconds, counts); ports are checked on their own.
 LIBPQ_INTEGERS = frozenset(
     {
         "connect_timeout",
