@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 
@@ -76,28 +77,60 @@ def secret_flags_warning(flags: list[str]) -> str:
     )
 
 
-def _warn_secret_flags(args: argparse.Namespace) -> None:
-    """One plain line for the commands without a log format (migrate, status, check, ...)."""
-    flags = secret_flags(args)
-    if flags:
-        print(f"relay: warning: {secret_flags_warning(flags)}", file=sys.stderr)
+StartWarning = tuple[str, dict[str, Any], str]  # a log event, its fields, the hint in one line
 
 
-def _warn_unknown_variables() -> None:
-    """One plain line naming misspelled or unknown RELAY_* variables (commands without a log
-    format; `relay run` logs it)."""
-    from relay.settings import unknown_variables, unknown_variables_warning
+def start_warnings(
+    args: argparse.Namespace, options: Sequence[str] = tuple(PARSERS)
+) -> list[StartWarning]:
+    """What a command warns about before it reads its settings, whatever they hold: secrets
+    given as flags, RELAY_* variables no option reads (a typo's likely intent named), and the
+    secret files of `options` that other users may read or change. One list for every command:
+    `relay run` logs each in its log format, the others print each as one plain line."""
+    from relay.settings import (
+        exposed_secret_file_warning,
+        exposed_secret_files,
+        unknown_variables,
+        unknown_variables_warning,
+    )
 
+    out: list[StartWarning] = []
+    if flags := secret_flags(args):
+        out.append(("secrets_on_command_line", {"flags": flags}, secret_flags_warning(flags)))
     if unknown := unknown_variables(os.environ):
-        print(f"relay: warning: {unknown_variables_warning(unknown)}", file=sys.stderr)
+        names = [name for name, _ in unknown]
+        out.append(("unknown_variables", {"names": names}, unknown_variables_warning(unknown)))
+    for source, path, mode in exposed_secret_files(options, _flags(args), os.environ):
+        fields = {"source": source, "file": str(path), "mode": f"{mode:04o}"}
+        out.append(("secret_file_exposed", fields, exposed_secret_file_warning(source, path, mode)))
+    return out
 
 
-def _settings(args: argparse.Namespace, *, warn: bool = True) -> Settings:
-    if warn:
-        _warn_secret_flags(args)
-        _warn_unknown_variables()
-    flags = {k: getattr(args, k, None) for k in PARSERS}
-    return load(flags)
+def _say_warnings(args: argparse.Namespace, options: Sequence[str] = tuple(PARSERS)) -> list[str]:
+    """The start warnings as plain lines on stderr (the commands without a log format, and an
+    invalid `relay run`); the events said."""
+    warnings = start_warnings(args, options)
+    for _, _, hint in warnings:
+        print(f"relay: warning: {hint}", file=sys.stderr)
+    return [event for event, _, _ in warnings]
+
+
+def _flags(args: argparse.Namespace) -> dict[str, str | None]:
+    return {k: getattr(args, k, None) for k in PARSERS}
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """The settings `relay run` starts with and `relay check` checks, refused alike: read and
+    parsed (relay/settings.py), then what else `relay run` refuses before it connects:
+    OpenTelemetry's variables (relay/edges/tracing.py) and an extra the HTTP client would need
+    (relay/edges/http_client.py)."""
+    from relay.edges.http_client import require_extras
+    from relay.edges.tracing import config_from_env
+
+    settings = load(_flags(args))
+    config_from_env(os.environ)
+    require_extras(settings, os.environ)
+    return settings
 
 
 def _database_url(args: argparse.Namespace) -> str:
@@ -108,8 +141,7 @@ def _database_url(args: argparse.Namespace) -> str:
 
     from relay.settings import option_value
 
-    _warn_secret_flags(args)
-    _warn_unknown_variables()
+    _say_warnings(args, ["database_url"])
     url = option_value("database_url", {"database_url": getattr(args, "database_url", None)},
                        os.environ)  # fmt: skip
     if url is None:
@@ -216,19 +248,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
-    settings = _settings(args, warn=False)
+    settings = _settings(args)
     logs.configure(settings.log_format, settings.log_level, replica=settings.replica_id)
     logs.install_hooks()
-    if flags := secret_flags(args):  # in the log format: every stderr line of run is a log line
-        logs.warning("secrets_on_command_line", flags=flags, hint=secret_flags_warning(flags))
-    from relay.settings import unknown_variables, unknown_variables_warning
-
-    if unknown := unknown_variables(os.environ):
-        logs.warning(
-            "unknown_variables",
-            names=[name for name, _ in unknown],
-            hint=unknown_variables_warning(unknown),
-        )
+    # In the log format: every stderr line of run is a log line.
+    for event, fields, hint in start_warnings(args):
+        logs.warning(event, **fields, hint=hint)
     if args.migrate:
         from relay.maintenance.migrate import migrate
 
@@ -345,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     # ----------------------------------------------------------
     from relay.ops.checks import add_command as add_check_command
 
-    add_check_command(sub, _add_settings, _settings)
+    add_check_command(sub, _add_settings, _settings, _say_warnings)
     # -- end relay check ------------------------------------------------------------------------
 
     sub.add_parser("sink", help="run the reference ingress [extra: sink]", add_help=False)
@@ -365,8 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except ConfigError as exc:
-        if args.command == "run":  # (the others said it before reading the configuration)
-            _warn_unknown_variables()  # a typo may be the cause: RELAY_DATABSE_URL
+        if args.command == "run":  # (the others said them before reading the configuration)
+            _say_warnings(args)  # a typo may be the cause: RELAY_DATABSE_URL
         print(f"relay: invalid configuration: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

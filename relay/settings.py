@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import ssl
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -72,6 +73,9 @@ _QUERY_PASSWORD_RE = re.compile(r"(?i)([?&](?:ssl)?password=)[^&#]*")
 _DSN_PASSWORD_RE = re.compile(
     r"(?i)((?<!\S)(?:ssl)?password\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|(?:\\.|[^\s\\])*\\?)", re.S
 )
+# A parameter's name in a key=value conninfo, and in a database URL's query.
+_CONNINFO_NAME_RE = re.compile(r"(?:^|\s)([A-Za-z_][A-Za-z0-9_]*)\s*=")
+_QUERY_NAME_RE = re.compile(r"(?:^|&)([^&=]*)=")
 # Query parameters of an http URL whose name says they carry a credential (`?code=` of a
 # serverless function, `?token=`, `?api_key=`, `?sig=` ...).
 _HTTP_QUERY_SECRET_RE = re.compile(
@@ -288,6 +292,14 @@ def _duration_in(lo: float, hi: float) -> Callable[[str], float]:
 
 
 def _http_url(text: str) -> str:
+    """An http(s) URL, as the relay's HTTP client will take it."""
+    _http_url_shape(text)
+    _usable_by_httpx(text)
+    return text
+
+
+def _http_url_shape(text: str) -> None:
+    """An http or https scheme and a host; anything else is refused without its userinfo."""
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         scheme = _SCHEME_RE.match(text)
@@ -299,11 +311,34 @@ def _http_url(text: str) -> str:
         # Redacted as an http URL (its whole userinfo masked), whatever its scheme.
         shown = scheme.group(0) + redact_url("http://" + text[scheme.end() :])[len("http://") :]
         raise ValueError(f"must be an http(s) URL, got {shown!r}")
-    return text
+
+
+# A run id put in the ingress URL template at start, to see the URL a POST goes to.
+SAMPLE_RUN_ID = "sample-run"
+
+
+def _usable_by_httpx(url: str) -> None:
+    """The URL parsed by httpx, as every POST will be: a port that is no number (a typo such as
+    `:80a80`) or out of range, or a host httpx cannot encode, fails here at start. Found at the
+    first POST instead, it is a transport error that `relay run` retries forever.
+
+    httpx's reason quotes the part it refused (the port, the host); with an '@' anywhere in the
+    URL that part may be a password's start (an unencoded '/' ends the authority early), so it
+    is then left out."""
+    import httpx
+
+    try:
+        port = httpx.URL(url).port
+    except httpx.InvalidURL as exc:
+        why = "httpx's reason is not shown: the URL has userinfo" if "@" in url else str(exc)
+        raise ValueError(f"is not a URL the HTTP client can send to ({why})") from None
+    if port is not None and not 1 <= port <= 65535:
+        shown = "" if "@" in url else f", got {port}"
+        raise ValueError(f"its port must be from 1 to 65535{shown}")
 
 
 def _ingress_template(text: str) -> str:
-    _http_url(text)
+    _http_url_shape(text)
     if "{run_id}" not in text:
         raise ValueError(
             "must contain {run_id}, e.g. https://ingress.internal/runs/{run_id}/events"
@@ -316,6 +351,7 @@ def _ingress_template(text: str) -> str:
     # including "{run_id.x}", "{run_id[0]}" or an escaped "{{run_id}}", would reach the URL.
     if "{" in text.replace("{run_id}", "") or "}" in text.replace("{run_id}", ""):
         raise ValueError("may contain no placeholder other than {run_id}")
+    _usable_by_httpx(text.replace("{run_id}", SAMPLE_RUN_ID))
     return text
 
 
@@ -374,6 +410,8 @@ def _database_url(text: str) -> Secret:
     try:
         parts = conninfo_to_dict(text)
     except Exception:  # psycopg.ProgrammingError, whose message quotes the URL
+        if unknown := _unknown_parameter(text):
+            raise ValueError(unknown) from None
         raise ValueError(
             "is not a PostgreSQL URL (postgresql://USER:PASSWORD@HOST:PORT/DBNAME) or key=value "
             f"conninfo{_url_hint(text)} (the value is not shown: it may hold a password)"
@@ -392,7 +430,93 @@ def _database_url(text: str) -> Secret:
             "its port is not a number: percent-encode '/', '?', '#' and '@' in a password "
             "(e.g. %2F for '/') (the value is not shown: it may hold a password)"
         )
+    if problem := _libpq_value_problem(parts):
+        raise ValueError(problem)
     return Secret(text)
+
+
+# The values libpq takes for the parameters that have a fixed set of them (the libpq manual,
+# "Parameter Key Words"), and whether it compares them ignoring case. libpq checks them only
+# when it connects, where a wrong one reads as an outage: `relay run` would wait forever.
+LIBPQ_CHOICES: dict[str, tuple[tuple[str, ...], bool]] = {
+    "sslmode": (("disable", "allow", "prefer", "require", "verify-ca", "verify-full"), False),
+    "gssencmode": (("disable", "prefer", "require"), False),
+    "channel_binding": (("disable", "prefer", "require"), False),
+    "sslnegotiation": (("postgres", "direct"), False),
+    "sslcertmode": (("disable", "allow", "require"), False),
+    "load_balance_hosts": (("disable", "random"), False),
+    "target_session_attrs": (
+        ("any", "read-write", "read-only", "primary", "standby", "prefer-standby"),
+        True,
+    ),
+    "ssl_min_protocol_version": (("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"), True),
+    "ssl_max_protocol_version": (("TLSv1", "TLSv1.1", "TLSv1.2", "TLSv1.3"), True),
+}
+# Parameters libpq reads as an integer (seconds, counts); ports are checked on their own.
+LIBPQ_INTEGERS = frozenset(
+    {
+        "connect_timeout",
+        "keepalives",
+        "keepalives_idle",
+        "keepalives_interval",
+        "keepalives_count",
+        "tcp_user_timeout",
+    }
+)
+
+
+def _libpq_value_problem(parts: Mapping[str, Any]) -> str | None:
+    """What libpq would refuse when connecting, in the parameters it parsed: a value outside a
+    parameter's fixed set, an integer parameter that is not one, a port outside 1 to 65535.
+    None of these values is a secret: each is named with its parameter. An empty value is
+    left to libpq, as if unset."""
+    for key, (choices, any_case) in LIBPQ_CHOICES.items():
+        value = parts.get(key)
+        if not value:
+            continue
+        known = [c.lower() for c in choices] if any_case else list(choices)
+        if (str(value).lower() if any_case else str(value)) not in known:
+            return f"{key}={value!r} is not one of libpq's values: {', '.join(choices)}"
+    for key in sorted(LIBPQ_INTEGERS & parts.keys()):
+        if str(parts[key]).strip() and not str(parts[key]).strip().lstrip("-").isdigit():
+            return f"{key}={parts[key]!r} is not an integer"
+    for port in str(parts.get("port") or "").split(","):
+        if port.strip() and not 1 <= int(port) <= 65535:
+            return f"port {port.strip()} is not from 1 to 65535"
+    return None
+
+
+def _unknown_parameter(text: str) -> str | None:
+    """Which parameter of a database URL or conninfo libpq does not know (`sslmod=`,
+    `pasword=`), with the one it resembles; None when there is none or when the name might be
+    a password's part (what follows is never named)."""
+    from psycopg import pq
+
+    known = sorted(option.keyword.decode() for option in pq.Conninfo.get_defaults())
+    names = _parameter_names(text)
+    if _SCHEME_RE.match(text) is None and not set(names) & set(known):
+        return None  # no known name: not evidently a conninfo (a password given as the URL?)
+    for before, name in zip([None, *names], names, strict=False):
+        if name in known or name == "ssl":  # a URL's ?ssl=true, libpq's alias of sslmode
+            continue
+        if before in ("password", "sslpassword"):
+            return None  # the password's rest, after a blank or an unencoded '&'?
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return f"libpq has no parameter {name!r}{hint}"
+    return None
+
+
+def _parameter_names(text: str) -> list[str]:
+    """The parameter names of a key=value conninfo, or of a database URL's query: its part
+    after the first '?' that follows the last '@', so that no part of a password is taken for
+    one, whatever it holds unencoded ('?', '&', '/': the query libpq read may then be the
+    password's rest, and none is found)."""
+    scheme = _SCHEME_RE.match(text)
+    if scheme is None:
+        return _CONNINFO_NAME_RE.findall(text)
+    query = text[scheme.end() :].rpartition("@")[2].partition("?")[2]
+    return _QUERY_NAME_RE.findall(query)
 
 
 def _url_hint(text: str) -> str:
@@ -568,16 +692,71 @@ def _raw_value(
     value = environ.get(env_name(option))
     if value is not None:
         return value
-    if option in SECRET_OPTIONS:
-        path = environ.get(env_name(option) + "_FILE")
-        if path:
-            return _read_secret(Path(path), f"{env_name(option)}_FILE")
-        creds = environ.get("CREDENTIALS_DIRECTORY")
-        if creds:
-            cred = Path(creds) / option
-            if cred.is_file():
-                return _read_secret(cred, f"{option} (CREDENTIALS_DIRECTORY)")
+    found = secret_file(option, flags, environ)
+    return None if found is None else _read_secret(*found)
+
+
+def secret_file(
+    option: str, flags: Mapping[str, str | None], environ: Mapping[str, str]
+) -> tuple[Path, str] | None:
+    """The file a secret option is read from, and how it was named: RELAY_<NAME>_FILE, else
+    systemd's $CREDENTIALS_DIRECTORY/<name>; None when a flag or RELAY_<NAME> gives the value
+    (or the option is no secret, or no file is named)."""
+    if option not in SECRET_OPTIONS or flags.get(option) is not None:
+        return None
+    if environ.get(env_name(option)) is not None:
+        return None
+    path = environ.get(env_name(option) + "_FILE")
+    if path:
+        return Path(path), f"{env_name(option)}_FILE"
+    creds = environ.get("CREDENTIALS_DIRECTORY")
+    if creds and (cred := Path(creds) / option).is_file():
+        return cred, f"{option} (CREDENTIALS_DIRECTORY)"
     return None
+
+
+def open_to_others(mode: int, owner: int, euid: int) -> bool:
+    """Whether a secret file's mode lets users other than the relay's read or change it, by
+    libpq's rule for a client key (`sslkey`): none of group's or others' bits when the relay's
+    user owns it; group read alone allowed when another user (root) does, which is how a
+    secret manager hands a file to a service's group (Kubernetes' `defaultMode: 0440` with
+    `fsGroup`); others' bits never."""
+    if mode & stat.S_IRWXO:
+        return True
+    if owner == euid:
+        return bool(mode & stat.S_IRWXG)
+    return bool(mode & (stat.S_IWGRP | stat.S_IXGRP))
+
+
+def exposed_secret_files(
+    options: Sequence[str], flags: Mapping[str, str | None], environ: Mapping[str, str]
+) -> list[tuple[str, Path, int]]:
+    """Each secret file these options are read from that is open to others (`open_to_others`):
+    its source (RELAY_<NAME>_FILE, ...), path and permission bits. A file that cannot be read is
+    left to `load`, which refuses it."""
+    out = []
+    for option in options:
+        found = secret_file(option, flags, environ)
+        if found is None:
+            continue
+        path, source = found
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if open_to_others(st.st_mode, st.st_uid, os.geteuid()):
+            out.append((source, path, stat.S_IMODE(st.st_mode)))
+    return out
+
+
+def exposed_secret_file_warning(source: str, path: Path, mode: int) -> str:
+    """One line naming the file and its mode. A warning, not a refusal (docs/configuration.md):
+    Kubernetes mounts a Secret's files 0644 unless told otherwise, and a relay that refused
+    them would not start on a default install."""
+    return (
+        f"{source}: {path} has mode {mode:04o}: other users can read it or change it; make it "
+        "0600 or 0400 (0440 owned by root for a service's group)"
+    )
 
 
 def _read_secret(path: Path, source: str) -> str:

@@ -24,6 +24,7 @@ def base_env(creds: Path, **extra: str) -> dict[str, str]:
 @pytest.fixture
 def creds(pg_url: str, tmp_path: Path) -> Path:
     (tmp_path / "database_url").write_text(pg_url + "\n")
+    (tmp_path / "database_url").chmod(0o400)  # as systemd writes a credential
     return tmp_path
 
 

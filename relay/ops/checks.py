@@ -264,11 +264,14 @@ def _misconfigured(status: int, location: str | None, setting: str, s: Settings)
     return f"no such endpoint; fix {setting} (its path)"
 
 
-async def run_checks(s: Settings, within: float = 5.0) -> list[Result]:
+async def run_checks(s: Settings, within: float = 5.0, warned: Sequence[str] = ()) -> list[Result]:
+    """Every check in order; `warned`: the start warnings said on stderr (their log events),
+    which the configuration line names so that an `ok` does not read as "nothing to fix"."""
+    note = f" (warned on stderr: {', '.join(warned)})" if warned else ""
     config = Result(
         "configuration",
         True,
-        f"schema={s.schema} ingress={redact_url(s.ingress_url)} replica={s.replica_id}",
+        f"schema={s.schema} ingress={redact_url(s.ingress_url)} replica={s.replica_id}{note}",
     )
     database, schema = await check_database(s, within)
     if database.ok or s.listen_database_url is not None:
@@ -288,7 +291,10 @@ def add_command(
     sub: Subcommands,
     add_settings: Callable[[argparse.ArgumentParser], None],
     load_settings: Callable[[argparse.Namespace], Settings],
+    say_warnings: Callable[[argparse.Namespace], list[str]],
 ) -> None:
+    """`relay check`, its settings read, refused and warned about as `relay run`'s are: by
+    relay/cli.py's `load_settings` and `say_warnings`, the ones `relay run` uses."""
     p = sub.add_parser(
         "check",
         help="check configuration, database, schema, LISTEN and ingress; exit code says which",
@@ -299,12 +305,13 @@ def add_command(
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per check (default 5)")
 
     def cmd_check(args: argparse.Namespace) -> int:
+        warned = say_warnings(args)
         try:
             s = load_settings(args)
         except ConfigError as exc:
             print(Result("configuration", False, str(exc)).line())
             return CONFIGURATION
-        results = anyio.run(run_checks, s, args.timeout)
+        results = anyio.run(run_checks, s, args.timeout, warned)
         for r in results:
             print(r.line())
         return exit_code(results)
