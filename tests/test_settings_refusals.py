@@ -331,16 +331,16 @@ def test_a_credential_open_to_others_is_named_and_one_not_read_is_not(tmp_path: 
 
 
 def test_the_shipped_kubernetes_secrets_get_no_warning_a_default_mount_does() -> None:
-    """The files as the kubelet makes them (tests/test_deploy.py): deploy/k8s's `defaultMode:
-    0440` with fsGroup passes; without `defaultMode` (0644) the warning is due."""
+    """The files as the kubelet makes them (tests/test_deploy.py): deploy/k8s's projected volume
+    with `defaultMode: 0440` and fsGroup passes; without `defaultMode` (0644) the warning is due."""
     from relay.settings import open_to_others
-    from tests.test_deploy import k8s_objects, secret_file_mode
+    from tests.test_deploy import k8s_objects, secret_files
 
     pod = k8s_objects()["Deployment"]["spec"]["template"]["spec"]
     uid, fs_group = pod["securityContext"]["runAsUser"], pod["securityContext"]["fsGroup"]
-    volume = next(v for v in pod["volumes"] if "secret" in v)
-    owner, _, mode = secret_file_mode(volume, "database_url", fs_group)
+    volume = next(v for v in pod["volumes"] if "projected" in v or "secret" in v)
+    owner, _, mode = secret_files(volume, {"database_url"}, fs_group)["database_url"]
     assert not open_to_others(0o100000 | mode, owner, uid)
-    del volume["secret"]["defaultMode"]
-    owner, _, mode = secret_file_mode(volume, "database_url", fs_group)
+    del (volume.get("projected") or volume["secret"])["defaultMode"]
+    owner, _, mode = secret_files(volume, {"database_url"}, fs_group)["database_url"]
     assert open_to_others(0o100000 | mode, owner, uid)
