@@ -23,16 +23,20 @@ answer are read (then the connection is dropped, not drained); the answer's body
 (`accept-encoding: identity`, so no decompression bomb); no cookie is kept (a hostile ingress
 could grow the jar without bound); every error of one request (httpx's, or aiohttp's that the
 transport passes through unmapped, such as a malformed status line) becomes a
-`TransportFailure` naming it. The whole-request deadline against slow-drip answers is the
-ingress client's (relay/edges/ingress.py `Deadlines`): httpx's timeouts are per phase.
+`TransportFailure` naming it, and naming what it was (refused, DNS, TLS, reset, timed out) from
+the chain of errors under it, since httpx-aiohttp raises every aiohttp connection error as
+`httpx.ConnectTimeout` (issue 49 item 4). The whole-request deadline against slow-drip answers
+is the ingress client's (relay/edges/ingress.py `Deadlines`): httpx's timeouts are per phase.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import os
+import socket
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -60,6 +64,22 @@ PROXY_VARIABLES = frozenset({"http_proxy", "https_proxy", "all_proxy"})
 NO_BODY_STATUSES = frozenset({204, 304})
 # What httpx and aiohttp raise about one request.
 REQUEST_ERRORS = (httpx.HTTPError, httpx.InvalidURL, aiohttp.ClientError, ssl.SSLError, OSError)
+TIMED_OUT = "timed out"
+# What a request's failure was, read from the errors under it (`failure_kind`): the first row
+# one of them matches, by type or by an OSError's errno (aiohttp re-raises the OS's error as its
+# own ClientOSError, keeping the errno). A timeout is named only when no row matches: under
+# httpx-aiohttp every connection error wears a timeout's type.
+FAILURE_KINDS: tuple[tuple[str, tuple[type[BaseException], ...], frozenset[int]], ...] = (
+    ("DNS: name not resolved", (socket.gaierror, aiohttp.ClientConnectorDNSError), frozenset()),
+    ("TLS failure", (ssl.SSLError, ssl.CertificateError, aiohttp.ClientSSLError), frozenset()),
+    ("connection refused", (ConnectionRefusedError,), frozenset({errno.ECONNREFUSED})),
+    (
+        "connection reset",
+        (ConnectionResetError, ConnectionAbortedError, BrokenPipeError),
+        frozenset({errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE}),
+    ),
+    ("disconnected before an answer", (aiohttp.ServerDisconnectedError,), frozenset()),
+)
 
 
 class TransportFailure(Exception):
@@ -220,8 +240,8 @@ class HttpxSender:
             finally:
                 await response.aclose()
         except REQUEST_ERRORS as exc:
-            timed_out = isinstance(exc, httpx.TimeoutException | TimeoutError)
-            raise TransportFailure(_describe(exc), timed_out=timed_out) from exc
+            kind = failure_kind(exc)
+            raise TransportFailure(_describe(exc, kind), timed_out=kind == TIMED_OUT) from exc
         return Reply(
             response.status_code,
             read,
@@ -308,11 +328,62 @@ def transfer_codings(headers: httpx.Headers) -> list[str]:
     return [coding for part in joined.split(",") if (coding := part.strip().lower())]
 
 
-def _describe(exc: BaseException) -> str:
-    """An error of one request, named: its type and message, URLs' credentials redacted."""
-    text = str(exc).strip()
+def failure_kind(exc: BaseException) -> str | None:
+    """What a request's failure was (`FAILURE_KINDS`, or TIMED_OUT), None when no error under
+    it says. Read from the errors the request's error was raised from, not from its type:
+    httpx-aiohttp raises a refused, reset, TLS or DNS failure and a disconnect alike as
+    `httpx.ConnectTimeout` (its table maps aiohttp's ClientConnectionError so, and every
+    connection error is one), so taken at its word a dead ingress reads as an overloaded one to
+    the adaptive POST limit (relay/admission/limit.py, issue 48 item 5)."""
+    chain = list(_causes(exc))
+    for kind, types, errnos in FAILURE_KINDS:
+        for error in chain:
+            if isinstance(error, types) or (isinstance(error, OSError) and error.errno in errnos):
+                return kind
+    if any(_timed_out(error) for error in chain):
+        return TIMED_OUT
+    return None
+
+
+def _timed_out(error: BaseException) -> bool:
+    """A timeout: the OS's, asyncio's and aiohttp's (`ServerTimeoutError` is a TimeoutError), or
+    an httpx timeout that httpx-aiohttp did not make out of an aiohttp error that is none."""
+    if isinstance(error, TimeoutError):
+        return True
+    return isinstance(error, httpx.TimeoutException) and not isinstance(
+        error.__cause__, aiohttp.ClientError
+    )
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """The error and those under it: its `__cause__`, its `__context__` even where a traceback
+    would not show it (httpcore's pool re-raises a connection's error `from None`, which hides
+    the OS's error under it but keeps it as the context), and an exception group's members
+    (anyio raises one when every address of a name failed). Nearest first."""
+    seen: set[int] = set()
+    todo = [exc]
+    for error in todo:  # grows as it goes: breadth first
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        yield error
+        if isinstance(error, BaseExceptionGroup):
+            todo.extend(error.exceptions)
+        todo.extend(below for below in (error.__cause__, error.__context__) if below is not None)
+
+
+def _describe(exc: BaseException, kind: str | None = None) -> str:
+    """An error of one request, named: what it was (`failure_kind`), then its type and message,
+    URLs' credentials redacted. An httpx error that httpx-aiohttp raised from an aiohttp one is
+    named by the aiohttp one: its type is the truer (the message is the same). Without a message
+    of its own (httpx's ReadError over a reset), the nearest error under it that has one says
+    it."""
+    if isinstance(exc, httpx.HTTPError) and isinstance(exc.__cause__, aiohttp.ClientError):
+        exc = exc.__cause__
+    text = next((said for error in _causes(exc) if (said := str(error).strip())), "")
     name = type(exc).__name__
-    return redact_text(f"{name}: {text}" if text else name)
+    described = f"{name}: {text}" if text else name
+    return redact_text(f"{kind}: {described}" if kind else described)
 
 
 @asynccontextmanager
