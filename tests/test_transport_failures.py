@@ -4,6 +4,9 @@ timeout, each against a real socket and over both transports. httpx-aiohttp rais
 connection error as `httpx.ConnectTimeout`, so the logs and `relay check` said ConnectTimeout
 for a refused connection, and the adaptive POST limit (which reads `timed_out`) took a dead
 ingress for an overloaded one.
+
+And a proxy's 407: the operator's configuration, not the events', so the lane pauses
+(`ingress_misconfigured`) rather than blocking runs one at a time as poison.
 """
 
 from __future__ import annotations
@@ -13,17 +16,22 @@ import contextlib
 import socket
 import ssl
 import struct
+from typing import Any
 
 import anyio
+import psycopg
 import pytest
 import trustme
 
 from relay.edges.http_client import open_sender
 from relay.edges.ingress import TransportFailure
-from tests.support import HTTP_TRANSPORTS
+from relay.runner import Relay
+from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
 from tests.test_check import UNREACHABLE_DB, check, marks
 from tests.test_cli import relay_env
+from tests.test_failures import LogLines, log_lines  # noqa: F401 - a fixture
 from tests.test_http_client import client_settings
+from tests.test_relay import enqueue_runs
 from tests.test_security import RawIngress, proxy_environment
 
 pytestmark = pytest.mark.anyio
@@ -179,3 +187,52 @@ async def test_relay_check_names_a_refused_ingress_refused(http_transport: str) 
     assert marks(lines)["ingress"] == "FAIL", lines
     (line,) = [line for line in lines if line.split()[1] == "ingress"]
     assert "connection refused" in line and "ConnectTimeout" not in line, line
+
+
+# --- a proxy's 407 -----------------------------------------------------------------------------
+
+
+async def proxy_wants_credentials(writer: asyncio.StreamWriter) -> None:
+    writer.write(
+        b"HTTP/1.1 407 Proxy Authentication Required\r\n"
+        b'proxy-authenticate: Basic realm="egress"\r\ncontent-length: 13\r\n\r\nwho are you?\n'
+    )
+    await writer.drain()
+
+
+async def test_a_proxys_407_pauses_the_lane_and_blocks_no_run(
+    monkeypatch: pytest.MonkeyPatch,
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    http_transport: str,
+    log_lines: LogLines,  # noqa: F811 - the fixture
+) -> None:
+    """A server standing in as `HTTP_PROXY` answers every forwarded POST 407: nothing is failed
+    or blocked and no attempt is charged (as poison, the runs were blocked one at a time); once
+    the proxy lets the POSTs through, every event is delivered."""
+    proxy = RawIngress(proxy_wants_credentials)
+    enqueue_runs(conn, schema, 3, 2, terminal=False)
+    async with proxy.serving() as proxy_url:
+        proxy_environment(monkeypatch, HTTP_PROXY=proxy_url)
+        # The ingress is the proxy's to reach: this port is never connected to by the relay.
+        cfg = settings(pg_url, schema, "http://127.0.0.1:9", http_transport=http_transport)
+        async with Relay(cfg).running() as r:
+            await wait_for(
+                lambda: not r.health.ingress_ok or count(conn, schema, "state <> 'pending'") > 0,
+                what="the lane paused (or an event failed)",
+            )
+            assert count(conn, schema, "state <> 'pending'") == 0, "a 407 failed an event"
+            assert count(conn, schema, "attempts > 0") == 0
+            blocked = conn.execute(
+                q(schema, "select count(*) from {s}.runs where blocked_seq is not null")
+            ).fetchone()
+            assert blocked == (0,)
+            proxy.answer = ok  # the operator fixes the proxy's credentials
+            await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 6, what="recovery")
+    assert proxy.requests and all(
+        path.startswith("http://127.0.0.1:9/") for _, path in proxy.requests
+    )
+    line = next(x for x in log_lines() if x["event"] == "ingress_misconfigured")
+    assert (line["level"], line["status"]) == ("error", 407)
+    assert not [x for x in log_lines() if x["event"] in ("run_blocked", "poison_narrowing")]

@@ -24,9 +24,11 @@ class Outcome(enum.Enum):
 
 
 TRANSIENT_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
-# 405 beside DESIGN §5's list: a POST refused for its method is refused whatever it carries, so
-# treating it as poison would block every run one event at a time (issue 41 item 3).
-MISCONFIGURED_STATUSES = frozenset({401, 403, 404, 405, 410})
+# 405: a POST refused for its method is refused whatever it carries, so treating it as poison
+# would block every run one event at a time (issue 41 item 3). 407 likewise: a proxy between the
+# relay and the ingress wants credentials, the operator's configuration (`ingress_proxy`,
+# HTTP(S)_PROXY), whatever the batch holds (issue 48 item 5).
+MISCONFIGURED_STATUSES = frozenset({401, 403, 404, 405, 407, 410})
 BACKOFF_BASE = 0.5  # seconds: the first transient retry waits up to this long
 BODY_EXCERPT = 512  # bytes of an answer kept in errors and logs
 SMALL_RUN_EVENTS = 10  # runs at most this long share a multi-run POST when the ingress offers one
