@@ -1,10 +1,11 @@
 """The documentation holds: every ```sql block of README.md runs as written against a migrated
 database, every `DESIGN §N(.M)` citation in the tree names a section of docs/design.md, no file
-points at design documents outside the repository, and relative links in README.md and docs/
-resolve."""
+points at design documents outside the repository, relative links in README.md and docs/
+resolve, and docs/operations.md's log table names every event the production wing logs."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -148,6 +149,166 @@ def test_relative_links_of_the_readme_and_docs_resolve() -> None:
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert broken == []
+
+
+# -- the log table names every event the relay logs ----------------------------------------------
+
+OPERATIONS = ROOT / "docs" / "operations.md"
+# What relay/logs.py writes a line with: `logs.info("event", ...)`, ...; its own `_logger` for
+# uncaught exceptions (`_logger.log`, the one forwarding point, is not a line of its own).
+LOG_LEVELS = {"debug", "info", "warning", "error", "critical", "log"}
+
+
+def production_sources() -> dict[str, str]:
+    """The production wing's modules (relay/ outside relay/tools/), by path."""
+    return {
+        str(p.relative_to(ROOT)): p.read_text()
+        for p in sorted((ROOT / "relay").rglob("*.py"))
+        if "tools" not in p.relative_to(ROOT / "relay").parts
+    }
+
+
+def _log_calls(tree: ast.AST) -> Iterator[tuple[ast.expr, list[ast.AST]]]:
+    """Each log line's event argument, with the functions it is written in (innermost last)."""
+
+    def walk(node: ast.AST, scope: list[ast.AST]) -> Iterator[tuple[ast.expr, list[ast.AST]]]:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            scope = [*scope, node]
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.attr in LOG_LEVELS
+            and node.args
+            and (node.func.value.id == "logs" or node.func.value.id == "_logger")
+            and not (node.func.value.id == "_logger" and node.func.attr == "log")
+        ):
+            yield node.args[0], scope
+        for child in ast.iter_child_nodes(node):
+            yield from walk(child, scope)
+
+    yield from walk(tree, [])
+
+
+def _literals(node: ast.expr) -> list[str] | None:
+    """The event names an argument may be: a literal, or each literal of a conditional."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, ast.IfExp):
+        body, orelse = _literals(node.body), _literals(node.orelse)
+        return body + orelse if body is not None and orelse is not None else None
+    return None
+
+
+def _called(name: str, trees: list[ast.AST]) -> Iterator[ast.Call]:
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                if (isinstance(f, ast.Name) and f.id == name) or (
+                    isinstance(f, ast.Attribute) and f.attr == name
+                ):
+                    yield node
+
+
+def _forwarded(name: str, scope: list[ast.AST], trees: list[ast.AST]) -> list[str] | None:
+    """The names a variable event carries: a parameter of the function that logs it (the
+    literal first arguments of its calls, as `_say_once("event", ...)`), or the first element
+    of the tuples a loop reads from a function's result (`for event, ... in start_warnings()`,
+    that function's `("event", ...)` literals)."""
+    func = scope[-1] if scope else None
+    if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+        return None
+    if name in {a.arg for a in func.args.args}:
+        return [v for c in _called(func.name, trees) if c.args for v in _literals(c.args[0]) or []]
+    for loop in ast.walk(func):
+        if not (isinstance(loop, ast.For) and isinstance(loop.target, ast.Tuple)):
+            continue
+        first = loop.target.elts[0]
+        if not (isinstance(first, ast.Name) and first.id == name):
+            continue
+        if isinstance(loop.iter, ast.Call) and isinstance(loop.iter.func, ast.Name):
+            source = loop.iter.func.id
+            return [
+                v
+                for tree in trees
+                for d in ast.walk(tree)
+                if isinstance(d, ast.FunctionDef) and d.name == source
+                for t in ast.walk(d)
+                if isinstance(t, ast.Tuple) and t.elts
+                for v in _literals(t.elts[0]) or []
+            ]
+    return None
+
+
+def logged_events(sources: dict[str, str]) -> dict[str, str]:
+    """Every event name these modules log, and where (the first place); raises naming a log
+    call whose event this reader cannot tell, so that none escapes the check unseen."""
+    trees = {path: ast.parse(text) for path, text in sources.items()}
+    found: dict[str, str] = {}
+    for path, tree in trees.items():
+        for arg, scope in _log_calls(tree):
+            names = _literals(arg)
+            if names is None and isinstance(arg, ast.Name):
+                names = _forwarded(arg.id, scope, list(trees.values()))
+            if not names:
+                raise AssertionError(f"{path}:{arg.lineno}: an event name this check cannot read")
+            for name in names:
+                found.setdefault(name, f"{path}:{arg.lineno}")
+    return found
+
+
+def log_table(markdown: str) -> set[str]:
+    """The event names of the log table (docs/operations.md §8): each row's first cell."""
+    start = markdown.index("\n## 8. Logs")
+    end = HEADING.search(markdown, start + 1 + len("## 8. Logs"))
+    section = markdown[start : end.start() if end else len(markdown)]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return {name for row in rows for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+
+
+def test_the_event_reader_reads_every_form_and_refuses_what_it_cannot() -> None:
+    sources = {
+        "relay/a.py": (
+            "def f(up):\n"
+            "    logs.info('plain', x=1)\n"
+            "    logs.log('leveled', logging.WARNING)\n"
+            "    logs.warning('lost' if up else 'connect_failed')\n"
+            "    _logger.critical('uncaught', exc_info=None)\n"
+            "    _logger.log(level, event)\n"
+            "    logs.error_text(exc)\n"
+            "def _say_once(event, **fields):\n"
+            "    logs.warning(event, **fields)\n"
+            "def g():\n"
+            "    _say_once('said_once', why='x')\n"
+            "def warnings():\n"
+            "    out.append(('start_warning', {}, 'hint'))\n"
+            "def run():\n"
+            "    for event, fields, hint in warnings():\n"
+            "        logs.warning(event, **fields)\n"
+        )
+    }
+    assert set(logged_events(sources)) == {
+        "plain", "leveled", "lost", "connect_failed", "uncaught", "said_once", "start_warning",
+    }  # fmt: skip
+    with pytest.raises(AssertionError, match=r"relay/b\.py:2: an event name"):
+        logged_events({"relay/b.py": "def f(names):\n    logs.info(names[0])\n"})
+    table = "## 8. Logs\n| event |\n|---|\n| `a` / `b` | x |\n| `c`, `d` | `not_me` |\n## 9. x\n"
+    assert log_table("# t\n" + table + "| `e` | after |\n") == {"a", "b", "c", "d"}
+
+
+def test_the_log_table_of_operations_md_names_every_event_the_relay_logs() -> None:
+    """docs/operations.md §8 is where an operator looks up a line: every event the production
+    wing logs has its row (issue 49 named five without one; 29 were), and no row names one it
+    no longer logs."""
+    logged = logged_events(production_sources())
+    assert {"delivered", "retry_deferred", "secret_file_exposed", "http_transport_chosen"} <= set(
+        logged
+    ), "the reader found too few events"
+    table = log_table(OPERATIONS.read_text())
+    missing = {name: where for name, where in logged.items() if name not in table}
+    assert missing == {}, f"events without a row in docs/operations.md's log table: {missing}"
+    assert table - set(logged) == set(), "rows of the log table for events nothing logs"
 
 
 # -- the README's SQL runs as written ---------------------------------------------------------

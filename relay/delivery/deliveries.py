@@ -25,6 +25,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from relay import logs
+from relay.core import clock
 from relay.core.policy import Poison
 from relay.delivery.complete import Completer
 from relay.delivery.execute import Executor, LeaseLost, Outcome
@@ -97,6 +98,18 @@ class Delivery:
                 "delivery_error", lane=self.name, runs=len(holds), error=logs.error_text(exc)
             )
 
+    def _abandoned(self, holds: list[Held], in_flight: float) -> None:
+        """The POST was cut short (the lane's deliveries cancelled once `shutdown_timeout`
+        ran out, the ingress still silent): its answer is never read, so nothing is acked or
+        counted as an attempt, and `run()` hands the leases back at once (`next`), so another
+        replica, or this one restarted, sends the runs again. The one line that says so."""
+        if len(holds) == 1:
+            who = self.completer.who(holds[0].claim)
+        else:
+            runs = [h.claim.run_id for h in holds]
+            who = {"lane": self.name, "runs": len(runs), "run_ids": runs}
+        logs.warning("post_abandoned", **who, in_flight_s=round(in_flight, 3), next="hand_back")
+
     async def _deliver(
         self, holds: list[Held], turn: Turn, *, free_early: bool = True
     ) -> dict[str, bool]:
@@ -104,7 +117,12 @@ class Delivery:
         request) and the completer writes what each run's outcome means. Returns, per run,
         whether its lease was settled. The turn is given back early, once only the acks are
         left (`free_early`), and told of every answer."""
-        outcomes = await self.executor.execute(holds, turn.answered)
+        began = clock.now()
+        try:
+            outcomes = await self.executor.execute(holds, turn.answered)
+        except anyio.get_cancelled_exc_class():
+            self._abandoned(holds, clock.now() - began)
+            raise
         if len(holds) > 1 and _refused_whole(posted := _posted(outcomes)):
             return await self._send_alone(outcomes, posted, turn)
         if free_early and _only_acks_left(outcomes):
