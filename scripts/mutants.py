@@ -662,8 +662,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "answer-401-poison",
         "§5 row misconfigured: 401 pauses the lane, never fails events",
         "relay/core/policy.py",
-        "MISCONFIGURED_STATUSES = frozenset({401, 403, 404, 405, 410})",
-        "MISCONFIGURED_STATUSES = frozenset({403, 404, 405, 410})",
+        "MISCONFIGURED_STATUSES = frozenset({401, 403, 404, 405, 407, 410})",
+        "MISCONFIGURED_STATUSES = frozenset({403, 404, 405, 407, 410})",
         (f"{DECIDE}::test_misconfigured_endpoint_pauses_the_lane",),
     ),
     Mutant(
