@@ -621,10 +621,10 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "lane-critical-claims-as-ordinary",
-        "§4.3: the critical lane never takes ordinary work (end to end)",
+        "§4.3/issue 50: the critical lane takes targeted terminals only, no backlog (end to end)",
         "relay/delivery/lane.py",
-        "claims = await self.store.claim(self.name, want)",
-        "claims = await self.store.claim('ordinary', want)",
+        'self.targeted_only = name == "critical"',
+        "self.targeted_only = False",
         ("tests/test_lanes_e2e.py",),
         ci=True,
     ),
@@ -847,6 +847,36 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             f"{POST_TURN}::test_the_ordinary_lane_cannot_take_the_reserve_a_critical_post_gets_at_once",
         ),
+    ),
+    Mutant(
+        "classes-finished-always-first",
+        "issue 50: finished runs go first 3:1, and due runs are not starved beside them",
+        "relay/core/classes.py",
+        "return Discovered.FINISHED if finished <= due else Discovered.DUE",
+        "return Discovered.FINISHED",
+        ("tests/test_classes.py",),
+        ci=True,
+    ),
+    Mutant(
+        "classes-credit-banked-while-idle",
+        "issue 50: a class with no due work banks no credit (it cannot take every claim after)",
+        "relay/core/classes.py",
+        "self._pass[kind] = max(self._pass[kind], self._pass[other])",
+        "pass",
+        ("tests/test_classes.py::test_no_credit_is_banked_while_finished_runs_have_none_due",),
+    ),
+    Mutant(
+        "post-turn-finished-runs-take-the-reserve",
+        "issue 50: a finished run found by discovery is not control traffic: no reserve, no"
+        " jumping the slot queue",
+        "relay/delivery/post_turn.py",
+        "    for h in holds:  # a loop, not any(): once per POST\n        if h.claim.targeted:",
+        "    for h in holds:  # a loop, not any(): once per POST\n        if h.claim.critical:",
+        (
+            f"{POST_TURN}::test_the_ordinary_lane_cannot_take_the_reserve_a_critical_post_gets_at_once",
+            "tests/test_lane_slots.py::test_a_finished_run_found_by_discovery_waits_its_turn_in_queue_order",
+        ),
+        ci=True,
     ),
     Mutant(
         "admission-reserve-ignored",

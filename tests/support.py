@@ -299,15 +299,18 @@ class InThread:
 CLAIMED_AT = datetime(2024, 5, 17, 12, 0, 0, tzinfo=UTC)
 
 
-def one_event_claim(run_id: str, *, critical: bool = False) -> Claim:
+def one_event_claim(run_id: str, *, critical: bool = False, targeted: bool = False) -> Claim:
     """A claim of one step event, trusted for 30 s from 0.0: for the unit tests of what a lane
-    does with claims (its holdings, slots and POST turn), which never reach a database."""
+    does with claims (its holdings, slots and POST turn), which never reach a database.
+    `critical`: a run with a pending terminal (as discovery finds one); `targeted`: a targeted
+    terminal (issue 50), critical too."""
     return Claim(
         run_id=run_id,
         epoch=1,
         token=uuid.uuid4(),
         attempts=0,
-        critical=critical,
+        critical=critical or targeted,
+        targeted=targeted,
         claimed_at=CLAIMED_AT,
         trust=Trust(started=0.0, ttl=30.0, margin=6.0),
         events=(ClaimedEvent(1, f"{run_id}-1", "step", "{}", False, CLAIMED_AT, None, None),),

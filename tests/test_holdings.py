@@ -55,3 +55,15 @@ def test_under_the_adaptive_limit_an_idle_post_may_claim() -> None:
 def test_with_a_batch_url_a_round_of_posts_is_counted_in_claims() -> None:
     settings = cfg(ingress_batch_url="http://127.0.0.1:1/batch")
     assert Holdings(settings, 32, lambda: 3).capacity == (3 + 1) * 64
+
+
+def test_the_claim_gate_never_holds_a_targeted_terminal_while_the_lane_has_room() -> None:
+    """Issue 50: discovery waits for half a claim of room, a targeted terminal does not; only
+    the lane's capacity and byte budget bound it (a flood of them)."""
+    holdings = Holdings(cfg(), 4)  # the critical lane's default: 4 + 64 runs
+    for i in range(holdings.capacity - 1):
+        holdings.hold(claim(f"r{i}"))
+    assert not holdings.may_claim()  # room for one run: no discovery claim
+    assert holdings.may_target()  # but a targeted terminal is claimed at once
+    holdings.hold(claim("last"))
+    assert not holdings.may_target()  # full: the next waits for one to settle

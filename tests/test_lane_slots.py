@@ -21,8 +21,8 @@ from tests.support import one_event_claim, wait_for
 pytestmark = pytest.mark.anyio
 
 
-def held(run_id: str, *, critical: bool = False) -> Held:
-    return Held(one_event_claim(run_id, critical=critical))
+def held(run_id: str, *, critical: bool = False, targeted: bool = False) -> Held:
+    return Held(one_event_claim(run_id, critical=critical, targeted=targeted))
 
 
 def lane(concurrency: int = 1) -> Lane:
@@ -87,15 +87,26 @@ async def slot_taken() -> AsyncIterator[tuple[Lane, Takers]]:
 
 
 async def test_a_freed_slot_goes_to_the_critical_claim_before_an_earlier_group() -> None:
-    """A group queued first waits behind a critical claim queued after it (before the queue
-    was one, a group took the raw semaphore and a freed slot went to it first)."""
+    """A group queued first waits behind a targeted terminal's claim queued after it (before
+    the queue was one, a group took the raw semaphore and a freed slot went to it first)."""
     async with slot_taken() as (ln, takers):
         await takers.queue("group", [held("g1"), held("g2")])
-        await takers.queue("critical", [held("c", critical=True)])
+        await takers.queue("critical", [held("c", targeted=True)])
         assert queue(ln) == [(("g1", "g2"), False), (("c",), True)]  # the group queued first
         await takers.release(2)
         assert takers.took == ["critical", "group"]
         assert {"first", "g1", "g2", "c"} <= ln.post_turn.posting_runs
+
+
+async def test_a_finished_run_found_by_discovery_waits_its_turn_in_queue_order() -> None:
+    """A run whose prefix ends in a terminal, found by discovery (critical, not targeted), is
+    prioritised work, not control traffic (issue 50): it does not jump the queue."""
+    async with slot_taken() as (ln, takers):
+        await takers.queue("group", [held("g1"), held("g2")])
+        await takers.queue("finished", [held("f", critical=True)])
+        assert queue(ln) == [(("g1", "g2"), False), (("f",), False)]
+        await takers.release(2)
+        assert takers.took == ["group", "finished"]
 
 
 async def test_a_promoted_run_makes_its_queued_group_critical() -> None:

@@ -1,7 +1,8 @@
 """Which lane delivered what (DESIGN §4.3, invariant 6), read from the relay's own decision log:
 terminal events committed behind a full ordinary lane are claimed and delivered by the critical
-lane, the critical lane never delivers a run that has no terminal event, and each terminal event
-reaches the ingress before more than a small, stated number of backlog events."""
+lane, the critical lane delivers nothing but them (issue 50: not even a backlog of finished
+runs, each ending in its terminal, as an outage leaves behind), and each terminal event reaches
+the ingress before more than a small, stated number of backlog events."""
 
 from __future__ import annotations
 
@@ -34,32 +35,42 @@ def decisions() -> Iterator[Decisions]:
         yield handler
 
 
-def backlog(conn: psycopg.Connection[Any], schema: str) -> None:
+def backlog(conn: psycopg.Connection[Any], schema: str, *, finished: bool) -> None:
+    """BACKLOG_RUNS runs; with `finished`, each ends in its terminal event."""
+    last = EVENTS_PER_BACKLOG_RUN - 1
     with conn.transaction():
         for r in range(BACKLOG_RUNS):
             relay.enqueue_many(
                 conn,
                 f"b{r}",
                 [
-                    relay.Event(event_id=f"b{r}-{i}", event_type="step", payload={"i": i})
+                    relay.Event(
+                        event_id=f"b{r}-{i}",
+                        event_type="step",
+                        payload={"i": i},
+                        terminal=finished and i == last,
+                    )
                     for i in range(EVENTS_PER_BACKLOG_RUN)
                 ],
                 schema=schema,
             )
 
 
+@pytest.mark.parametrize("finished", [False, True], ids=["open-runs", "finished-runs"])
 async def test_terminal_events_go_critical_and_the_critical_lane_takes_no_ordinary_work(
-    rig: Rig, decisions: Decisions
+    rig: Rig, decisions: Decisions, finished: bool
 ) -> None:
     s, conn, schema = rig.sink, rig.conn, rig.schema
     for r in range(BACKLOG_RUNS):  # every backlog POST is slow: the ordinary lane stays full
         s.faults.delay(0.2, run_id=f"b{r}")
-    backlog(conn, schema)
+    # Committed before the relay starts, as an outage's backlog is: its terminals, if any, are
+    # found by discovery, not targeted.
+    backlog(conn, schema, finished=finished)
     # A long safety-net poll: the critical lane finds the terminal runs by their targeted drain
     # (the terminal channel), not by polling for them.
     cfg = rig.settings(concurrency=CONCURRENCY, critical_concurrency=2, poll_interval=10)
     committed_at: dict[str, float] = {}
-    async with Relay(cfg).running():
+    async with Relay(cfg).running() as r:
         await wait_for(lambda: len(s.state.deliveries) >= 6, what="backlog delivery to start")
         for t in range(TERMINAL_RUNS):
             run_id = f"t{t}"
@@ -78,6 +89,11 @@ async def test_terminal_events_go_critical_and_the_critical_lane_takes_no_ordina
         backlog_left = BACKLOG_RUNS * EVENTS_PER_BACKLOG_RUN - sum(
             e.startswith("b") for e in s.state.deliveries
         )
+        by_class = {name: lane.stats.by_class for name, lane in r.lanes.items()}
+    # What the lanes claimed, by class (issue 50; ledger_relay_claimed_runs_by_class_total).
+    assert by_class["critical"] == {"targeted": TERMINAL_RUNS, "finished": 0, "due": 0}
+    assert by_class["ordinary"]["targeted"] == 0
+    assert (by_class["ordinary"]["finished"] > 0) is finished, by_class
     assert backlog_left > 0, "the backlog drained before the terminal events: nothing was shown"
 
     delivered = decisions.named("delivered")
@@ -89,7 +105,7 @@ async def test_terminal_events_go_critical_and_the_critical_lane_takes_no_ordina
             f"t{t}: delivered by {by_run.get(f't{t}')}, not by the critical lane alone"
         )
     taken = [d["run_id"] for d in delivered if d["lane"] == "critical" and d["run_id"][0] != "t"]
-    assert not taken, f"the critical lane delivered runs without a terminal event: {taken}"
+    assert not taken, f"the critical lane delivered backlog runs, not targeted terminals: {taken}"
     claimed = {(c["run_id"], c["lane"]) for c in decisions.named("claimed")}
     for t in range(TERMINAL_RUNS):
         assert (f"t{t}", "critical") in claimed, f"t{t} was not claimed by its critical drain"

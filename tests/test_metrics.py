@@ -123,12 +123,14 @@ def test_every_metric_of_the_table_is_exported_with_its_type_help_and_labels() -
         v: v.labels for v in vars(metrics).values() if isinstance(v, metrics.Instrument)
     }
     table |= {metrics.DELIVERED: ("lane", "type"), metrics.MISCONFIGURED: ()}
+    table |= {metrics.CLAIMED_BY_CLASS: ("lane", "class")}
     table |= {v: ("lane",) for v in metrics.PER_LANE}
     table |= {v: () for v in metrics.OF_LISTENER}
     table |= {metrics.POST_LIMIT: (), metrics.POST_LIMIT_CEILING: (), metrics.POST_MIN_RTT: ()}
     table |= {metrics.POSTS_IN_FLIGHT: ("class",), metrics.POSTS_WAITING: ("class",)}
     table |= {metrics.RETRY_BUDGET_TOKENS: ()}
-    lanes = [LaneView("ordinary", LaneStats(by_type={"step": 1}), 0, 0, 0.0, False)]
+    stats = LaneStats(by_type={"step": 1}, by_class={"due": 1})
+    lanes = [LaneView("ordinary", stats, 0, 0, 0.0, False)]
     m = Metrics(
         views=lambda: lanes,
         admission=lambda: admission_view(min_rtt=0.04),
@@ -155,7 +157,7 @@ def test_every_metric_of_the_table_is_exported_with_its_type_help_and_labels() -
 def test_the_collector_reads_the_views_it_was_given_and_the_observers_count() -> None:
     stats = LaneStats(
         claims=2, claimed_runs=3, ack_groups=6, lease_lost=1, failed=2, retries=4,
-        by_type={"step": 5},
+        by_type={"step": 5}, by_class={"targeted": 1, "finished": 7, "due": 8},
     )  # fmt: skip
     lanes = [LaneView("ordinary", stats, inflight=2, turns=9, turned_at=1.0, misconfigured=False)]
     listener = ListenerView(up=True, reconnects=3, received=7)
@@ -170,6 +172,16 @@ def test_the_collector_reads_the_views_it_was_given_and_the_observers_count() ->
     assert total(samples, "ledger_relay_delivered_events_total", lane="ordinary", type="step") == 5
     assert total(samples, "ledger_relay_claimed_runs_total", lane="ordinary") == 3
     assert total(samples, "ledger_relay_claims_total", lane="ordinary") == 2
+    assert total(samples, "ledger_relay_claimed_runs_by_class_total", lane="ordinary") == 16
+    assert (
+        total(
+            samples,
+            "ledger_relay_claimed_runs_by_class_total",
+            lane="ordinary",
+            **{"class": "finished"},
+        )
+        == 7
+    )
     assert total(samples, "ledger_relay_ack_groups_total", lane="ordinary") == 6
     assert total(samples, "ledger_relay_leases_lost_total", lane="ordinary") == 1
     assert total(samples, "ledger_relay_runs_blocked_total", lane="ordinary") == 2

@@ -24,8 +24,8 @@ from tests.support import one_event_claim
 pytestmark = pytest.mark.anyio
 
 
-def held(run_id: str, *, critical: bool = False) -> Held:
-    return Held(one_event_claim(run_id, critical=critical))
+def held(run_id: str, *, critical: bool = False, targeted: bool = False) -> Held:
+    return Held(one_event_claim(run_id, critical=critical, targeted=targeted))
 
 
 def permits(limit: int = 2) -> Permits:
@@ -285,7 +285,7 @@ async def test_the_ordinary_lane_cannot_take_the_reserve_a_critical_post_gets_at
     allowed, reserve = p.view().limit.allowed, p.view().reserve
     assert reserve >= 1
     async with (
-        lane_turns(p, concurrency=8) as ordinary,
+        lane_turns(p, concurrency=9) as ordinary,  # a slot left for the finished run's turn
         lane_turns(p, concurrency=2, lane="critical") as critical,
     ):
         for i in range(8):
@@ -293,13 +293,18 @@ async def test_the_ordinary_lane_cannot_take_the_reserve_a_critical_post_gets_at
         assert len(ordinary.took) == allowed - reserve
         assert inflight(p)[Priority.ORDINARY] == allowed - reserve
         assert waiting(p)[Priority.ORDINARY] == 8 - (allowed - reserve)
-        await critical.queue("terminal", [held("t", critical=True)])
+        # A finished run the ordinary lane found (its prefix ends in a terminal) is not control
+        # traffic (issue 50): it waits for the ordinary share like the rest, not the reserve.
+        await ordinary.queue("finished", [held("f", critical=True)])
+        assert "finished" not in ordinary.took
+        assert inflight(p)[Priority.CRITICAL] == 0
+        await critical.queue("terminal", [held("t", targeted=True)])
         assert critical.took == ["terminal"]  # at once: no ordinary POST had to end first
         await critical.free("terminal")
         while ordinary.turns:  # each freed permit lets one more ordinary POST go, no more
             await ordinary.free(next(iter(ordinary.turns)))
             assert inflight(p)[Priority.ORDINARY] <= allowed - reserve
-        assert len(ordinary.took) == 8
+        assert len(ordinary.took) == 9
     assert inflight(p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}
 
 

@@ -90,6 +90,12 @@ class Holdings:
         """Runs the byte budget has room for, each at max_batch_bytes."""
         return (self.settings.max_lane_bytes - self.held_bytes) // self.settings.max_batch_bytes
 
+    def may_target(self) -> bool:
+        """Room for a targeted terminal (issue 50): the claim gate does not hold it, only the
+        lane's capacity and byte budget do (a flood of targeted terminals, first come first
+        claimed as room frees)."""
+        return not self.inflight or (self.room() >= 1 and self.fits() >= 1)
+
     def may_claim(self) -> bool:
         """The byte budget has room for one more run (or nothing is held), and the lane for half
         a claim of runs (or a POST slot is idle)."""

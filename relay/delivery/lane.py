@@ -1,10 +1,11 @@
 """Fetch, a lane's first part: discovery of due runs, their claims, and the hand-over of terminal
 runs (DESIGN §4.2-4.3).
 
-The relay has two: `critical` (runs with a pending terminal event; targeted drains) and
-`ordinary` (any due run, critical ones included when it has room). Each has its own
-concurrency, database pool, HTTP client and ack group, so a full ordinary lane cannot delay
-the critical one.
+The relay has two (issue 50; docs/design.md, "Scheduling"): `critical` claims targeted terminals
+only (a terminal event committed while the relay runs, drained by id at once whatever the lane
+holds: control traffic), and `ordinary` discovers the rest, finished runs (a pending terminal)
+and any due run sharing its claims (relay/core/classes.py). Each has its own concurrency,
+database pool, HTTP client and ack group, so a full ordinary lane cannot delay the critical one.
 
 The lane claims runs, holds them (relay/delivery/holdings.py: under the adaptive limit, what its
 share of the limit can POST soon), and starts each single claim or multi-run group as a delivery
@@ -13,9 +14,9 @@ reused, waited for when the lane stops): the delivery takes a turn to POST from 
 (relay/delivery/post_turn.py: the lane's slots, then the replica's permits, critical first), the
 lane's executor POSTs (relay/delivery/execute.py) and its completer writes what the answers mean
 (relay/delivery/complete.py, the one writer of results). The lane reads the others only through
-views (`gate()`, `view()`) and the delivery's two callbacks. A single critical claim that would have
-to wait for a slot of the ordinary lane is handed to the critical lane instead: a terminal
-event never queues behind ordinary work.
+views (`gate()`, `view()`) and the delivery's two callbacks. A single claim promoted to a
+targeted terminal that would have to wait for a slot of the ordinary lane is handed to the
+critical lane instead: a targeted terminal never queues behind other work.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import psycopg
 
 from relay import logs
 from relay.admission.retry_budget import RetryBudget
+from relay.core.classes import Discovered, Shares
 from relay.core.policy import backoff, plan_groups
 from relay.delivery.complete import Completer
 from relay.delivery.deliveries import Deliveries, Delivery
@@ -98,6 +100,10 @@ class Lane:
         )
         self.wake = Wake()
         self.slot_freed = Wake()
+        # The critical lane claims targeted terminals only; the ordinary lane discovers the rest,
+        # finished runs and any due run sharing its claims (relay/core/classes.py).
+        self.targeted_only = name == "critical"
+        self.shares = Shares(recheck=settings.poll_interval)
         self.targets: list[str] = []  # runs to drain now (critical lane)
         self.wanted: set[str] = set()  # terminal runs we could not claim yet
         # Each claim's or group's turn to POST: the lane's slots and the replica's permits,
@@ -152,10 +158,12 @@ class Lane:
     # -- wakes ------------------------------------------------------------------------------
 
     def drain(self, run_id: str) -> None:
-        """A targeted drain: claim this run at once, without waiting for a discovery pass."""
+        """A targeted drain: claim this run at once, without waiting for a discovery pass. Its
+        wake ends any wait of the loop, for a freed slot included."""
         if run_id not in self.inflight and run_id not in self.targets:
             self.targets.append(run_id)
         self.wake.set()
+        self.slot_freed.set()
 
     def delivered_elsewhere(self, run_id: str) -> None:
         if run_id in self.wanted:
@@ -202,16 +210,21 @@ class Lane:
         if now < paused_until:
             await self.wake.wait(min(paused_until - now, self.settings.poll_interval))
             return False
-        if not self.holdings.may_claim():  # the byte budget is spent, or too little room
-            await self.slot_freed.wait(self.settings.poll_interval)
-            return True
-        if self.targets:
+        if self.targets and self.holdings.may_target():  # before the claim gate: control traffic
             run_id = self.targets.pop(0)
             self.fetched.claims += 1
             claims = await self.store.claim(self.name, 1, run_id)
             if not claims and run_id not in self.inflight:
                 self.wanted.add(run_id)  # leased elsewhere or backing off; retried on delivery
             self._start(claims)
+            return True
+        if self.targeted_only:
+            if self.targets:  # a flood of them fills the lane: the next as one settles
+                await self.slot_freed.wait(self.settings.poll_interval)
+                return True
+            return False
+        if not self.holdings.may_claim():  # the byte budget is spent, or too little room
+            await self.slot_freed.wait(self.settings.poll_interval)
             return True
         # Space out passes that find nothing, so a burst of wakes costs a handful of passes.
         since = now - self._last_empty_pass
@@ -220,13 +233,26 @@ class Lane:
         holdings = self.holdings
         want = max(1, min(holdings.room(), self.settings.claim_runs, holdings.fits()))
         self.fetched.passes += 1
-        self.fetched.claims += 1
-        claims = await self.store.claim(self.name, want)
+        claims = await self._discover_claims(want)
         self._start(claims)
         if len(claims) < want:
             self._last_empty_pass = anyio.current_time()
             return False
         return True
+
+    async def _discover_claims(self, want: int) -> list[Claim]:
+        """Up to `want` runs by discovery: finished ones and any due run in their shares
+        (relay/core/classes.py), what the first class lacks filled from any due run."""
+        first = self.shares.first(anyio.current_time())
+        self.fetched.claims += 1
+        claims = await self.store.claim(first.value, want)
+        self.shares.claimed(first, len(claims), want, anyio.current_time())
+        if first is Discovered.FINISHED and len(claims) < want:
+            self.fetched.claims += 1
+            more = await self.store.claim(Discovered.DUE.value, want - len(claims))
+            self.shares.claimed(Discovered.DUE, len(more), want - len(claims), anyio.current_time())
+            claims += more
+        return claims
 
     def _settled(self) -> None:
         """Wake the discovery loop when it may claim again (not at each settle: for nothing)."""
@@ -237,8 +263,10 @@ class Lane:
         assert self.deliveries.started
         held: list[Held] = []
         reclaimed: dict[str, list[str]] = {}  # dead owner -> the runs this claim took from it
+        by_class = self.fetched.by_class
         for claim in claims:
             self.fetched.claimed_runs += 1
+            by_class[_class_of(claim)] += 1
             held.append(self.holdings.hold(claim))
             self.wanted.discard(claim.run_id)
             if claim.reclaimed_from is not None:
@@ -305,3 +333,10 @@ class Lane:
         self.fetched.adopted += 1
         self.deliveries.start([held])
         return True
+
+
+def _class_of(claim: Claim) -> str:
+    """Its class for the counters (issue 50; docs/design.md, "Scheduling")."""
+    if claim.targeted:
+        return "targeted"
+    return "finished" if claim.critical else "due"

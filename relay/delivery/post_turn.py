@@ -5,18 +5,20 @@ The lane (relay/delivery/lane.py) keeps discovery and claims; for each single cl
 `PostTurn.take()` for a turn, and the executor (relay/delivery/execute.py) POSTs only once it has
 one. A turn is two things, taken in this order and given back together:
 
-1. **a slot of the lane's own** (relay/delivery/slots.py: `concurrency` of them, critical
-   waiters first). A single critical claim of the ordinary lane that would have to wait for one
-   is handed to the critical lane instead (`handoff`), so a terminal event never queues behind
-   ordinary work in the relay;
+1. **a slot of the lane's own** (relay/delivery/slots.py: `concurrency` of them, targeted
+   terminals first). A single targeted claim of the ordinary lane (promoted while it waited)
+   that would have to wait for one is handed to the critical lane instead (`handoff`), so a
+   targeted terminal never queues behind other work in the relay;
 2. **a permit of the replica's** (`Permits`, one per replica, shared by both lanes): the
-   adaptive limit on POSTs in flight to the ingress, with a reserve the ordinary lane cannot
-   take (relay/admission/permits.py, relay/admission/limit.py), so a terminal event never queues
-   behind more than a few ordinary POSTs at the ingress either. Without `Permits` (`post_limit =
+   adaptive limit on POSTs in flight to the ingress, with a reserve only targeted terminals
+   may take (relay/admission/permits.py, relay/admission/limit.py), so a targeted terminal never
+   queues behind more than a few other POSTs at the ingress either. A run that discovery found
+   with a pending terminal is prioritised work, not control traffic: it takes the ordinary
+   share (issue 50, docs/design.md "Scheduling"). Without `Permits` (`post_limit =
    fixed`) the slots alone bound the POSTs, as before issue 42.
 
 A promotion (a terminal event committed for a run whose claim waits for its turn) wakes the
-waiter, which queues again as critical: for a slot, or for a permit if it holds its slot.
+waiter, which queues again as targeted: for a slot, or for a permit if it holds its slot.
 The turn is freed once (`Turn.free`): early when only the acks are left, else at the end. Each
 answer to a POST under the turn goes to the limit (`Turn.answered`).
 """
@@ -243,8 +245,8 @@ class PostTurn:
                 self.permits.wake(run_id)
 
     def promote(self, run_id: str) -> None:
-        """The run's claim turned critical while it waits: its waiter queues again, as critical
-        (a single claim without a slot hands itself over to the critical lane)."""
+        """The run's claim turned targeted while it waits: its waiter queues again, first (a
+        single claim without a slot hands itself over to the critical lane)."""
         self.slots.wake(run_id)
         if self.permits is not None:
             self.permits.wake(run_id)
@@ -257,7 +259,7 @@ class PostTurn:
     async def take(self, holds: Sequence[Held]) -> Turn:
         """A turn for these claims (one, or a group that shares one POST): a slot of the lane's,
         then a permit of the replica's. Each wait reads the claims anew from their holders: a
-        promotion while they wait makes them critical."""
+        promotion while they wait makes them targeted."""
         slot = await self._take_slot(holds)
         if slot is not Slot.POSTING:
             return Turn(slot)
@@ -277,7 +279,7 @@ class PostTurn:
 
     async def _take_permit(self, holds: Sequence[Held]) -> Permit | None:
         assert self.permits is not None
-        priority = Priority.CRITICAL if _critical(self.lane, holds) else Priority.ORDINARY
+        priority = Priority.CRITICAL if _targeted(self.lane, holds) else Priority.ORDINARY
         permit = None if self.stopping else self.permits.try_take(priority)
         if permit is not None:  # the common case at an ingress that keeps up: no wait to mark
             return permit
@@ -285,7 +287,7 @@ class PostTurn:
         self._waiting_for_permits.update(run_ids)
         try:
             while not self.stopping:
-                priority = Priority.CRITICAL if _critical(self.lane, holds) else Priority.ORDINARY
+                priority = Priority.CRITICAL if _targeted(self.lane, holds) else Priority.ORDINARY
                 permit = await self.permits.take(priority, run_ids)
                 if permit is None:
                     continue  # woken without one: promoted (asks again, as critical) or stopping
@@ -299,23 +301,23 @@ class PostTurn:
 
     async def _take_slot(self, holds: Sequence[Held]) -> Slot:
         """Wait for a slot of the lane's: POSTING once they have one, STOPPING on shutdown,
-        HANDED_OFF when a single critical claim that would wait went to the critical lane."""
+        HANDED_OFF when a single targeted claim that would wait went to the critical lane."""
         while not self.stopping:
             if self.slots.take_nowait():
                 return Slot.POSTING
             single = holds[0].claim if len(holds) == 1 else None
-            if single is not None and single.critical and self.handoff(single):
+            if single is not None and single.targeted and self.handoff(single):
                 return Slot.HANDED_OFF
-            # Queued: handed a freed slot when these claims are next (critical ones first), or
-            # woken without one when promoted (they may turn critical) or on shutdown.
-            critical = any(h.claim.critical for h in holds)
+            # Queued: handed a freed slot when these claims are next (targeted ones first), or
+            # woken without one when promoted (they may turn targeted) or on shutdown.
+            first = _targeted(self.lane, holds)
             run_ids = [h.claim.run_id for h in holds]
             got = False
-            if single is not None and single.critical:  # tries the handoff again each poll
+            if single is not None and single.targeted:  # tries the handoff again each poll
                 with anyio.move_on_after(self.poll_interval):
-                    got = await self.slots.take(critical, run_ids)
+                    got = await self.slots.take(first, run_ids)
             else:  # no timer: one per queued claim was measurable (docs/performance.md)
-                got = await self.slots.take(critical, run_ids)
+                got = await self.slots.take(first, run_ids)
             if got:
                 if self.stopping:  # the lane stopped meanwhile: the claims are handed back
                     self.slots.release()
@@ -324,11 +326,13 @@ class PostTurn:
         return Slot.STOPPING
 
 
-def _critical(lane: str, holds: Sequence[Held]) -> bool:
-    """The critical lane's POSTs, and the ordinary lane's that carry a terminal event, go first."""
+def _targeted(lane: str, holds: Sequence[Held]) -> bool:
+    """The critical lane's POSTs (it holds targeted terminals only), and the ordinary lane's
+    that carry a targeted terminal (promoted while they waited), go first. A run discovery found
+    with a pending terminal does not (issue 50): it is prioritised work, not control traffic."""
     if lane == "critical":
         return True
     for h in holds:  # a loop, not any(): once per POST
-        if h.claim.critical:
+        if h.claim.targeted:
             return True
     return False

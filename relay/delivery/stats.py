@@ -16,6 +16,11 @@ class FetchStats:
     claimed_runs: int = 0
     adopted: int = 0  # critical runs taken over from the ordinary lane's queue
     reclaimed: int = 0  # runs claimed from a dead owner before their lease expired (issue 18)
+    # Runs claimed by class (issue 50): "targeted" terminals, "finished" runs (a pending
+    # terminal found by discovery), "due" (the rest).
+    by_class: dict[str, int] = field(
+        default_factory=lambda: {"targeted": 0, "finished": 0, "due": 0}
+    )
 
 
 @dataclass
@@ -65,6 +70,7 @@ class LaneStats:
     by_type: dict[str, int] = field(default_factory=dict)
     renewals: int = 0  # leases renewed while their POST was on the wire
     deferred: int = 0  # retries the retry budget held back in the outbox
+    by_class: dict[str, int] = field(default_factory=dict)  # runs claimed by class (issue 50)
 
     @classmethod
     def of(cls, fetch: FetchStats, execute: ExecuteStats, complete: CompleteStats) -> LaneStats:
@@ -85,6 +91,7 @@ class LaneStats:
             adopted=fetch.adopted,
             widened=execute.widened,
             reclaimed=fetch.reclaimed,
+            by_class=fetch.by_class,
             by_type=complete.by_type,
             renewals=execute.renewals,
             deferred=execute.deferred,

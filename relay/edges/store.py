@@ -105,15 +105,20 @@ class Claim:
     widen: bool = False
     # The dead owner whose unexpired lease this claim took (issue 18), else None.
     reclaimed_from: str | None = None
+    # A targeted terminal (issue 50): claimed for the terminal event committed while the relay
+    # runs (a drain on `terminal`), or promoted by one. Control traffic: its claim, slot and
+    # permit go ahead of everything held, and only it may use the critical reserve. A run that
+    # discovery found with a pending terminal is `critical` but not targeted.
+    targeted: bool = False
 
     def renewed(self, trust: Trust) -> Claim:
         """The claim once its lease was renewed: the same prefix under a new trust window."""
         return replace(self, trust=trust)
 
     def promoted(self) -> Claim:
-        """A terminal event was committed for the run after the claim: it is critical now, and
-        its prefix is widened before its first POST."""
-        return replace(self, critical=True, widen=True)
+        """A terminal event was committed for the run after the claim: it is a targeted terminal
+        now, and its prefix is widened before its first POST."""
+        return replace(self, critical=True, widen=True, targeted=True)
 
     def widened(self, more: Sequence[ClaimedEvent]) -> Claim:
         """The prefix grown by `more` (the run's events committed since,
@@ -290,6 +295,7 @@ class Store:
                 trust=trust,
                 events=tuple(events),
                 reclaimed_from=r[14],
+                targeted=run_id is not None,
             )
             for r, events in runs.values()
         ]

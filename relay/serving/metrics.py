@@ -332,6 +332,12 @@ POST_MIN_RTT = Family(
     "The recent minimum round trip of a POST, against which the limit judges queueing (absent "
     "before the first answer and with post_limit = fixed).",
 )
+CLAIMED_BY_CLASS = Family(
+    CounterMetricFamily,
+    "claimed_runs_by_class",
+    "Run prefixes claimed, by lane and class (issue 50): targeted (a terminal committed while "
+    "the relay runs), finished (a pending terminal found by discovery), due (the rest).",
+)
 RETRY_BUDGET_TOKENS = Family(
     GaugeMetricFamily,
     "retry_budget_tokens",
@@ -352,6 +358,11 @@ class _StatsCollector(Collector):
             for event_type, n in type_labels(lane.stats.by_type).items():
                 delivered.add_metric([lane.name, event_type], n)
         yield delivered
+        by_class = CLAIMED_BY_CLASS.make(["lane", "class"])
+        for lane in lanes:
+            for name, n in lane.stats.by_class.items():
+                by_class.add_metric([lane.name, name], n)
+        yield by_class
         for scraped in PER_LANE:
             family = scraped.make(["lane"])
             for lane in lanes:

@@ -7,9 +7,12 @@ their defaults deliver a backlog committed up front (`--capacity-events` over `-
 while a terminal event, its run otherwise empty, is committed every `--capacity-terminal-every`
 seconds until the backlog has drained.
 
-Two variants:
-- `steady`: the capacity fixed throughout; its figures are judged against issue 42's targets
-  (main.py's `_capacity`);
+Three variants:
+- `steady`: the capacity fixed throughout, the backlog's runs finished: each ends in its
+  terminal event, as the backlog an ingress outage leaves behind does (issue 50); its figures
+  are judged against issue 42's and issue 50's targets (main.py's `_capacity`);
+- `plain`: the same with a backlog that carries no terminal event (the scenario before issue
+  50, kept beside it: a terminal-free backlog cannot compete with a fresh terminal);
 - `drop`: the capacity divided by `--capacity-drop-factor` (10) from `--capacity-drop-at`
   seconds after the backlog's commit for `--capacity-drop-for` seconds, then back. By default
   (`--capacity-drop-kind workers`) the pool shrinks from `--capacity-drop-workers` (20) to a
@@ -103,7 +106,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--capacity-terminal-every", type=positive(float), default=1.0, help="terminals (1 s)"
     )
-    g.add_argument("--capacity-variants", default="steady,drop", help="of: steady, drop (both)")
+    g.add_argument(
+        "--capacity-variants", default="steady,plain,drop", help="of: steady, plain, drop (all)"
+    )
     g.add_argument("--capacity-drop-at", type=positive(float), default=5.0, help="(5 s)")
     g.add_argument("--capacity-drop-for", type=positive(float), default=5.0, help="(5 s)")
     g.add_argument(
@@ -274,7 +279,7 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
         anyio.create_task_group() as tg,
     ):
         tg.start_soon(_scrape, procs, scrapes)
-        start = await backlog(env, runs, per_run, prefix)
+        start = await backlog(env, runs, per_run, prefix, terminals=variant != "plain")
         if variant == "drop":
 
             async def dropping() -> None:
@@ -373,8 +378,8 @@ COLUMNS = [
 
 
 def _metrics(f: Figures, o: Outcome, prefix: str) -> dict[str, Any]:
-    """The steady variant's keys: `capacity_*` (the judged mode's, main.py's `_capacity`) or
-    `capacity_fixed_*` (beside them)."""
+    """A steady variant's keys: `capacity_*` (the judged mode's, main.py's `_capacity`) or
+    `capacity_fixed_*` (beside them); `capacity_plain_*` for the terminal-free backlog."""
     m: dict[str, Any] = {
         "in_flight_p90": f.in_flight_p90,
         "in_flight_ratio": round(f.in_flight_x, 3),
@@ -477,7 +482,7 @@ def _drop_notes(label: str, follow: dict[str, Any], limit: Follow, scraped: bool
 
 async def capacity(env: Env, a: argparse.Namespace) -> Result:
     variants = [v.strip() for v in a.capacity_variants.split(",") if v.strip()]
-    if unknown := set(variants) - {"steady", "drop"}:
+    if unknown := set(variants) - {"steady", "plain", "drop"}:
         raise BenchFailed(f"--capacity-variants: unknown {sorted(unknown)}")
     rows: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {}
@@ -490,13 +495,13 @@ async def capacity(env: Env, a: argparse.Namespace) -> Result:
         for mode, (label, _) in MODES.items():
             o = await _variant(env, a, mode, variant)
             data[f"{mode}.{variant}"] = _series(o)
-            if variant == "steady":
+            if variant in ("steady", "plain"):
                 f = figures(
                     o.sink.posts, o.sink.pool.changes, o.committed_at, o.drained_at, o.terminals
                 )
-                rows.append(_row(f"{label}, steady", f, o))
-                prefix = "capacity_" if mode == JUDGED else f"capacity_{mode}_"
-                metrics |= _metrics(f, o, prefix)
+                rows.append(_row(f"{label}, {variant}", f, o))
+                prefix = "capacity_" if variant == "steady" else "capacity_plain_"
+                metrics |= _metrics(f, o, prefix if mode == JUDGED else f"{prefix}{mode}_")
                 continue
             if o.drop is None:
                 raise BenchFailed("capacity drop: the backlog drained before the drop was over")
@@ -531,7 +536,8 @@ async def capacity(env: Env, a: argparse.Namespace) -> Result:
             f"({a.capacity_workers / service * 1000:g} POSTs/s), the rest queued first come first "
             f"served; {a.capacity_replicas} `relay run` replicas; backlog "
             f"{a.capacity_runs * per_run:,} events over {a.capacity_runs:,} runs committed up "
-            f"front, a terminal event (its own run) every {a.capacity_terminal_every:g} s until "
+            "front, each run ending in its terminal event (steady, drop) or in none (plain); "
+            f"a fresh terminal event (its own run) every {a.capacity_terminal_every:g} s until "
             "it drained",
             "in flight: at the ingress (queued + in service) every 10 ms, p90 (× the workers); "
             "queueing p99 (× the service time); goodput: POSTs answered / what the capacity "
@@ -561,32 +567,25 @@ def _drop_what(a: argparse.Namespace) -> str:
     return f"service × {a.capacity_drop_factor:g} (same {a.capacity_workers} workers)"
 
 
+STEADY = (  # each steady-state variant's figures, per mode
+    "in_flight_p90",
+    "in_flight_ratio",
+    "queueing_p99_ms",
+    "queueing_ratio",
+    "goodput",
+    "terminal_p99_ms",
+    "terminal_ratio",
+    "lost",
+    "order_violations",
+)
 KEYS = (
-    "capacity_in_flight_p90",
-    "capacity_in_flight_ratio",
-    "capacity_queueing_p99_ms",
-    "capacity_queueing_ratio",
-    "capacity_goodput",
-    "capacity_terminal_p99_ms",
-    "capacity_terminal_ratio",
-    "capacity_lost",
-    "capacity_order_violations",
+    *(
+        f"{prefix}{k}"
+        for prefix in ("capacity_", "capacity_fixed_", "capacity_plain_", "capacity_plain_fixed_")
+        for k in STEADY
+    ),
     "capacity_follow_down_s",
     "capacity_follow_up_s",
-    *(
-        f"capacity_fixed_{k}"
-        for k in (
-            "in_flight_p90",
-            "in_flight_ratio",
-            "queueing_p99_ms",
-            "queueing_ratio",
-            "goodput",
-            "terminal_p99_ms",
-            "terminal_ratio",
-            "lost",
-            "order_violations",
-        )
-    ),
 )
 
 SCENARIOS = [

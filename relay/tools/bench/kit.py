@@ -173,12 +173,20 @@ async def reset(env: Env) -> None:
 
 
 async def backlog(
-    env: Env, runs: int, per_run: int, prefix: str = "b", *, notify: bool = True
+    env: Env,
+    runs: int,
+    per_run: int,
+    prefix: str = "b",
+    *,
+    notify: bool = True,
+    terminals: bool = False,
 ) -> float:
     """A pending backlog written straight into the tables with generate_series (the rows
     `enqueue` writes, without 10^6 function calls; as tests/support.py `bulk_backlog`), in one
     transaction that also wakes the relay like one producer commit would. Returns the
-    monotonic time of its commit."""
+    monotonic time of its commit. With `terminals`, each run's last event is its terminal
+    (with its `pending_terminals` row, as enqueue writes it): the finished runs an outage
+    leaves behind (issue 50)."""
     async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
         async with conn.transaction():
             await conn.execute(
@@ -197,13 +205,23 @@ async def backlog(
             )
             await conn.execute(
                 env.q(
-                    "insert into {s}.outbox (run_id, seq, event_id, event_type, payload)"
+                    "insert into {s}.outbox (run_id, seq, event_id, event_type, payload, terminal)"
                     " select %s || r, i, %s || r || '-' || i, 'step',"
-                    " jsonb_build_object('run', %s || r, 'step', i, 'note', 'benchmark event')"
+                    " jsonb_build_object('run', %s || r, 'step', i, 'note', 'benchmark event'),"
+                    " %s and i = %s"
                     " from generate_series(1, %s) r, generate_series(1, %s) i"
                 ),
-                (prefix, prefix, prefix, runs, per_run),
+                (prefix, prefix, prefix, terminals, per_run, runs, per_run),
             )
+            if terminals:
+                await conn.execute(
+                    env.q(
+                        "insert into {s}.pending_terminals (run_id, seq, created_at)"
+                        " select run_id, seq, created_at from {s}.outbox"
+                        " where run_id like %s and terminal"
+                    ),
+                    (f"{prefix}%",),
+                )
             await conn.execute(env.q("analyze {s}.outbox, {s}.runs"))
             if notify:
                 await conn.execute("select pg_notify('absurd_wake', 'bench')")
