@@ -24,6 +24,7 @@ _HELP = {
     "signing_secret": "Standard Webhooks whsec_ secret(s), comma separated (secret)",
     "ingress_ca_file": "PEM CA bundle to verify the ingress's TLS certificate (default: system)",
     "http_transport": "transport under httpx's client: aiohttp (default) or httpx (its own)",
+    "event_loop": "auto (default: uvloop where installed, else asyncio), uvloop or asyncio",
     "http2": "HTTP/2 to the ingress: true or false (default); httpx's transport, the http2 extra",
     "ingress_proxy": "proxy for the ingress, e.g. http://proxy:3128 (default: HTTP_PROXY etc.; "
     "secret)",
