@@ -260,10 +260,15 @@ def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
 
         migrate(settings.database_url.reveal(), settings.schema)
 
+    from relay.core import loop
     from relay.integrations import start_tracing
     from relay.maintenance.migrate import SchemaError
     from relay.runner import Relay, tune_gc
 
+    try:  # refused by name before anything starts, as a bad setting is (exit 2)
+        chosen = loop.choose(settings.event_loop, loop.uvloop_installed())
+    except loop.LoopUnavailable as exc:
+        raise ConfigError(str(exc)) from None
     # OpenTelemetry's own variables (OTEL_*), read like any instrumented service's; a bad value
     # is a ConfigError here, before anything starts.
     relay = Relay(settings, tracer=start_tracing(os.environ))
@@ -291,7 +296,7 @@ def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
     code = 0
     early.in_loop = True
     try:
-        anyio.run(main)
+        anyio.run(main, backend="asyncio", backend_options=loop.backend_options(chosen))
     except* SchemaError as group:
         code = _refused(group, 3)
     except* ConnectionError as group:

@@ -22,6 +22,7 @@ from relay import logs
 from relay.admission.limit import Limit
 from relay.admission.permits import Admission, AdmissionView
 from relay.admission.retry_budget import BudgetView, RetryBudget
+from relay.core import loop
 from relay.delivery.lane import Lane, LaneView
 from relay.delivery.post_turn import LoopLag, Permits
 from relay.edges.http_client import Sender, open_sender, require_extras
@@ -246,6 +247,7 @@ class Relay:
                     critical_concurrency=self.settings.critical_concurrency,
                     post_limit=self.settings.post_limit,
                     batch_size=self.settings.batch_size,
+                    event_loop=loop.running(),
                 )
                 self._started.set()
                 task_status.started(self)

@@ -3,6 +3,7 @@ through anyio's public `use_uvloop` option of its asyncio backend, else asyncio'
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from typing import Any
 
@@ -27,3 +28,9 @@ def choose(setting: str, installed: bool) -> str:
 def backend_options(loop: str) -> dict[str, Any]:
     """anyio.run's backend_options for the chosen loop."""
     return {"use_uvloop": loop == "uvloop"}
+
+
+def running() -> str:
+    """The loop this task runs on, by name: `uvloop` or `asyncio` (for the start line)."""
+    module = type(asyncio.get_running_loop()).__module__
+    return "uvloop" if module.split(".")[0] == "uvloop" else "asyncio"
