@@ -34,6 +34,7 @@ import orjson
 import psycopg
 from psycopg import sql
 
+from relay.core import loop
 from relay.core.policy import Outcome, classify
 from relay.edges.http_client import TransportFailure, open_sender
 from relay.edges.ingress import USER_AGENT, render_url, sign
@@ -271,7 +272,8 @@ async def run_checks(s: Settings, within: float = 5.0, warned: Sequence[str] = (
     config = Result(
         "configuration",
         True,
-        f"schema={s.schema} ingress={redact_url(s.ingress_url)} replica={s.replica_id}{note}",
+        f"schema={s.schema} ingress={redact_url(s.ingress_url)} replica={s.replica_id}"
+        f" event_loop={loop.running()}{note}",
     )
     database, schema = await check_database(s, within)
     if database.ok or s.listen_database_url is not None:
@@ -308,10 +310,14 @@ def add_command(
         warned = say_warnings(args)
         try:
             s = load_settings(args)
-        except ConfigError as exc:
+            chosen = loop.choose(s.event_loop, loop.uvloop_installed())
+        except (ConfigError, loop.LoopUnavailable) as exc:
             print(Result("configuration", False, str(exc)).line())
             return CONFIGURATION
-        results = anyio.run(run_checks, s, args.timeout, warned)
+        # On the loop `relay run` would choose, which the configuration line names.
+        results = anyio.run(
+            run_checks, s, args.timeout, warned, backend_options=loop.backend_options(chosen)
+        )
         for r in results:
             print(r.line())
         return exit_code(results)
