@@ -26,7 +26,8 @@ MAX_JOB_WORDS = 75
 INTEGRATIONS = {"relay.integrations": "otel"}
 # In the core install although nothing imports it: none since issue 40 (every core dependency
 # is one the production wing imports).
-INSTALLED_NOT_IMPORTED: set[str] = set()
+# uvloop: anyio imports it (use_uvloop, relay/core/loop.py); the relay names it, never imports it
+INSTALLED_NOT_IMPORTED: set[str] = {"uvloop"}
 
 
 def module_name(path: Path) -> str:
