@@ -250,7 +250,7 @@ def render_inspect(data: Mapping[str, Any], limit: int | None, width: int) -> st
     counts = ", ".join(f"{k} {run[k]}" for k in ("pending", "delivered", "failed", "skipped"))
     head: list[tuple[str, object]] = [
         ("state", run_state(run)),
-        ("lane", "critical (terminal event pending)" if run["critical"] else "ordinary"),
+        ("class", "finished (terminal event pending)" if run["critical"] else "open"),
         ("lease", f"{lease}, epoch {run['epoch']}"),
     ]
     if run["blocked_seq"] is None:  # a blocked run has no next attempt until an operator acts
