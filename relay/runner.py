@@ -224,6 +224,7 @@ class Relay:
                 background.start_soon(Retention(store, s.retention, self.prune_interval).run)
             if self.permits is not None:
                 background.start_soon(self.loop_lag.run)
+                background.start_soon(self.permits.settle_when_idle)
             # Operations (relay/serving/health.py, relay/serving/sdnotify.py), each only when
             # configured.
             if metrics is not None and port is not None:

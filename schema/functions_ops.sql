@@ -330,7 +330,10 @@ $$;
 -- of the event, the successful one not counted: those event_failures kept (a failure, retried
 -- since) and, for the run's head while it is not blocked, the run's failed attempts of it
 -- since (runs.attempts: counted on the run while it backs off), so the head's count is the
--- run's (inspect_run_summary) and grows with each failed attempt.
+-- run's (inspect_run_summary) and grows with each failed attempt. Its last answer likewise:
+-- once the head has failed attempts of its own since (backing off), `last_status` and
+-- `last_error` are the run's, the latest answer (issue 49 item 6: inspect showed `-` for a head
+-- whose last answer was a 500); else the event's failure kept, if any.
 create or replace function inspect_run(
     p_run_id text, p_from_seq bigint default 1, p_limit int default null
 ) returns table (
@@ -352,8 +355,11 @@ begin
         select e.seq, e.event_id, e.event_type, e.terminal, e.state,
                e.attempts + case when e.seq = r.delivered_seq + 1 and r.blocked_seq is null
                                  then r.attempts else 0 end,
-               e.last_status,
-               e.last_error, e.created_at, e.delivered_at, e.failed_at, e.retried_by,
+               case when e.seq = r.delivered_seq + 1 and r.blocked_seq is null
+                         and r.attempts > 0 then r.last_status else e.last_status end,
+               case when e.seq = r.delivered_seq + 1 and r.blocked_seq is null
+                         and r.attempts > 0 then r.last_error else e.last_error end,
+               e.created_at, e.delivered_at, e.failed_at, e.retried_by,
                e.retried_role, e.retried_at, e.retries, e.skipped_by, e.skipped_role, e.skip_reason,
                case when e.state = 'skipped' then e.done_at end, e.wake_queue, e.wake_event
         from events e

@@ -938,6 +938,42 @@ MUTANTS: tuple[Mutant, ...] = (
         "            pass",
         (f"{ADMISSION_E2E}::test_the_limit_falls_on_503s_and_recovers_after",),
     ),
+    # -- an operator's second week (issue 49) ------------------------------------------------------
+    Mutant(
+        "limit-fell-warns-on-queueing",
+        "issue 49 item 5: a fall of the limit for queueing alone is info, not a warning",
+        "relay/admission/limit.py",
+        "Level.FALLEN, now, overload",
+        "Level.FALLEN, now, True",
+        (
+            "tests/test_limit_events.py::"
+            "test_a_fall_for_queueing_is_info_and_one_for_overload_a_warning",
+        ),
+    ),
+    Mutant(
+        "limit-fallen-when-idle",
+        "issue 49 item 5: an idle replica's limit is not left fallen",
+        "relay/runner.py",
+        "                background.start_soon(self.permits.settle_when_idle)",
+        "                pass",
+        (f"{ADMISSION_E2E}::test_an_idle_replica_that_fell_recovers",),
+    ),
+    Mutant(
+        "inspect-head-status-not-the-runs",
+        "issue 49 item 6: relay inspect shows the last answer of a head that backs off",
+        "schema/functions_ops.sql",
+        "                         and r.attempts > 0 then r.last_status else e.last_status end,",
+        "                         and false then r.last_status else e.last_status end,",
+        ("tests/test_inspect_answer.py",),
+    ),
+    Mutant(
+        "build-info-without-commit",
+        "issue 49 item 10: build_info names the commit a replica runs",
+        "relay/serving/metrics.py",
+        "labels(__version__, build.commit(), platform.python_version())",
+        "labels(__version__, __version__, platform.python_version())",
+        ("tests/test_build_info.py::test_a_scrape_carries_the_version_and_the_commit",),
+    ),
     Mutant(
         "budget-not-wired",
         "issue 42: retries stay within the replica's retry budget",
