@@ -1062,6 +1062,16 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_tracing.py::test_a_collector_that_drips_its_answer_cannot_hold_a_stopping_relay",
         ),
     ),
+    Mutant(
+        "tracing-answer-unbounded",
+        "memory bounds: the OTLP exporter reads a collector's endless answer without limit"
+        " (issue 48 item 3)",
+        "relay/integrations/otel.py",
+        '    session.hooks["response"].append(_cut_answer)\n',
+        "",
+        ("tests/test_collector_answer.py",),
+        ci=True,
+    ),
 )
 
 
