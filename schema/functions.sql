@@ -18,17 +18,36 @@
 --   40001 serialization_failure     repeatable read / serializable: the transaction's snapshot
 --                                   predates a rotation of the outbox's parts (retry)
 
--- The advisory-lock key of a replica's liveness (issue 18): held as a session lock by the
--- replica's LISTEN connection for as long as its process lives. Namespaced by schema too.
+-- The advisory-lock key of a replica's liveness as schema version 8 and older took it (issue
+-- 18): derived from the owner id alone, so any role could compute it and take it first (issue
+-- 48 item 6). Kept for the `replicas` rows such a hold recorded (liveness_key_of) and for
+-- their calls in flight across an upgrade.
 create or replace function liveness_key(p_owner text) returns bigint
 language sql immutable parallel safe
 set search_path from current
 as $$ select hashtextextended('ledger-relay:live:' || current_schema() || ':' || p_owner, 0) $$;
 
--- Whether the calling session holds p_owner's liveness lock: the exclusive advisory lock
--- hold_liveness takes on the replica's LISTEN connection. pg_locks shows a bigint advisory key
--- as classid (its high 32 bits) and objid (its low 32 bits) with objsubid 1.
-create or replace function session_holds_liveness(p_owner text) returns boolean
+-- The advisory-lock key of the liveness a `replicas` row records (issue 48 item 6): a hold
+-- records `<process incarnation>/<hold secret>`, the secret random at each hold_liveness
+-- (gen_random_uuid) and in no other place than the row, which no role but the schema's owner
+-- reads, so no other role can compute the key before the replica takes it. A new key at each
+-- hold: one that was seen in pg_locks (which every role reads) is worth nothing once its
+-- session is gone. A row without the `/` was recorded by a hold of schema version 8 or older,
+-- whose session (still running across an upgrade) holds the owner's old key.
+create or replace function liveness_key_of(p_owner text, p_incarnation text) returns bigint
+language sql immutable parallel safe
+set search_path from current
+as $$
+    select case when strpos(p_incarnation, '/') > 0
+                then hashtextextended('ledger-relay:live:' || current_schema() || ':' || p_owner
+                                      || ':' || p_incarnation, 0)
+                else liveness_key(p_owner) end
+$$;
+
+-- Whether the calling session holds the advisory lock `p_key` (exclusive, as hold_liveness
+-- takes a liveness lock). pg_locks shows a bigint advisory key as classid (its high 32 bits)
+-- and objid (its low 32 bits) with objsubid 1.
+create or replace function session_holds_key(p_key bigint) returns boolean
 language sql stable
 set search_path from current
 as $$
@@ -37,7 +56,33 @@ as $$
         where l.locktype = 'advisory' and l.objsubid = 1 and l.mode = 'ExclusiveLock'
           and l.granted and l.pid = pg_backend_pid()
           and l.database = (select d.oid from pg_database d where d.datname = current_database())
-          and ((l.classid::int8 << 32) | l.objid::int8) = liveness_key(p_owner))
+          and ((l.classid::int8 << 32) | l.objid::int8) = p_key)
+$$;
+
+-- Whether the calling session holds p_owner's liveness lock: the key its `replicas` row
+-- records, which hold_liveness took on the replica's LISTEN connection (false without a row).
+create or replace function session_holds_liveness(p_owner text) returns boolean
+language sql stable
+set search_path from current
+as $$
+    select coalesce((select session_holds_key(liveness_key_of(rp.owner, rp.incarnation))
+                     from replicas rp where rp.owner = p_owner), false)
+$$;
+
+-- Whether a session that may hold a liveness (a role with EXECUTE on hold_liveness: a relay's,
+-- the schema's owner) holds the advisory lock `p_key`. A key held by any other role (one read
+-- from pg_locks and taken after its replica's session ended) proves no replica alive.
+create or replace function key_held_by_a_replica(p_key bigint) returns boolean
+language sql stable
+set search_path from current
+as $$
+    select exists (
+        select 1 from pg_locks l join pg_stat_activity a on a.pid = l.pid
+        where l.locktype = 'advisory' and l.objsubid = 1 and l.mode = 'ExclusiveLock'
+          and l.granted
+          and l.database = (select d.oid from pg_database d where d.datname = current_database())
+          and ((l.classid::int8 << 32) | l.objid::int8) = p_key
+          and has_function_privilege(a.usesysid, 'hold_liveness(text, text)', 'execute'))
 $$;
 
 -- A replica's own acts (its report, its clean stop) come from the session that holds its
@@ -482,16 +527,20 @@ $$;
 -- as the connection, and the database drops it when the process dies) and records the owner in
 -- `replicas`, which makes its leases claimable at once after its death (see claim). Call it on a
 -- connection that lives as long as the process, never through a transaction-mode pooler.
--- Returns false, and records nothing, when another session holds the lock: a process with the
--- same owner id, or this process's previous session that the server has not dropped yet (the
--- caller tries again later). Call it once per session: the lock is re-entrant.
+-- The lock's key is new and secret at each hold (liveness_key_of): no other role can take it
+-- first (issue 48 item 6). Holds of one owner take turns on its `replicas` row. Returns false,
+-- and changes nothing, while a session that may hold a liveness (key_held_by_a_replica) holds
+-- the key the row records: a process with the same owner id, or this process's previous
+-- session that the server has not dropped yet (the caller tries again later). A key held by
+-- another role proves nothing: that owner is dead. Called again on the session that holds it,
+-- it keeps its lock and returns true.
 -- p_incarnation names the calling process (random at each start; null from a relay of schema
--- version 3). A replica restarted under the same owner id (a fixed replica_id, or host:pid in a
--- container, where the pid is always 1) would otherwise be taken for its dead predecessor, whose
--- leases then wait out their TTL: when the lock is free and the row names another incarnation,
--- the predecessor is dead, so its unexpired leases end now (claimable at once; the fence as
--- ever: a new token and epoch at the next claim). The same process reconnecting keeps them.
--- (Version 3 took only p_owner: migration 0007 drops that one.)
+-- version 3; no `/`). A replica restarted under the same owner id (a fixed replica_id, or
+-- host:pid in a container, where the pid is always 1) would otherwise be taken for its dead
+-- predecessor, whose leases then wait out their TTL: when the lock is free and the row names
+-- another incarnation, the predecessor is dead, so its unexpired leases end now (claimable at
+-- once; the fence as ever: a new token and epoch at the next claim). The same process
+-- reconnecting keeps them. (Version 3 took only p_owner: migration 0007 drops that one.)
 create or replace function hold_liveness(p_owner text, p_incarnation text default null)
 returns boolean
 language plpgsql volatile
@@ -499,39 +548,67 @@ set search_path from current
 security definer
 as $$
 declare
+    v_mine text := coalesce(p_incarnation, '') || '/' || gen_random_uuid();
     v_prev text;
+    v_prev_key bigint;
+    v_prev_process text;  -- the process part of v_prev
+    v_recorded boolean;
 begin
     if p_owner is null or p_owner = '' then
         raise exception 'relay.hold_liveness: owner must be a non-empty string' using errcode = '22023';
     end if;
-    if char_length(p_incarnation) > 200 then
-        raise exception 'relay.hold_liveness: p_incarnation is over 200 characters'
-            using errcode = '22023';
+    if char_length(p_incarnation) > 200 or strpos(p_incarnation, '/') > 0 then
+        raise exception 'relay.hold_liveness: p_incarnation must be at most 200 characters, '
+                        'without "/"' using errcode = '22023';
     end if;
-    if not pg_try_advisory_lock(liveness_key(p_owner)) then
-        return false;
+    loop  -- the owner's row: ours if there was none, else locked until commit
+        insert into replicas (owner, incarnation, server_started_at)
+        values (p_owner, v_mine, pg_postmaster_start_time())
+        on conflict (owner) do nothing;
+        v_recorded := found;
+        exit when v_recorded;
+        select rp.incarnation into v_prev from replicas rp where rp.owner = p_owner for update;
+        exit when found;  -- else deleted meanwhile (a dead owner forgotten): insert again
+    end loop;
+    if not v_recorded then
+        v_prev_key := liveness_key_of(p_owner, v_prev);
+        if session_holds_key(v_prev_key) then
+            v_mine := v_prev;  -- held by this session already: kept
+        elsif key_held_by_a_replica(v_prev_key) then
+            return false;
+        else
+            -- The predecessor is dead. Another process's leases end now.
+            v_prev_process := case when strpos(v_prev, '/') > 0 then split_part(v_prev, '/', 1)
+                                   else v_prev end;
+            if p_incarnation is not null and v_prev_process is distinct from p_incarnation then
+                update runs r
+                set lease_expires_at = clock_timestamp(), updated_at = clock_timestamp(),
+                    next_attempt_at = least(r.next_attempt_at, clock_timestamp())
+                where r.lease_owner = p_owner and r.lease_expires_at > clock_timestamp();
+            end if;
+        end if;
+        -- The server's lifetime with it: the lock lives no longer than the server (see claim).
+        update replicas rp set incarnation = v_mine, seen_at = clock_timestamp(),
+            server_started_at = pg_postmaster_start_time()
+        where rp.owner = p_owner;
     end if;
-    select rp.incarnation into v_prev from replicas rp where rp.owner = p_owner;
-    if found and p_incarnation is not null and v_prev is distinct from p_incarnation then
-        update runs r
-        set lease_expires_at = clock_timestamp(), updated_at = clock_timestamp(),
-            next_attempt_at = least(r.next_attempt_at, clock_timestamp())
-        where r.lease_owner = p_owner and r.lease_expires_at > clock_timestamp();
+    if v_mine is distinct from v_prev and not pg_try_advisory_lock(liveness_key_of(p_owner, v_mine)) then
+        -- a new random key already taken (odds of 2^-64): nothing of this call stays
+        raise exception 'relay.hold_liveness: the new liveness key is taken; try again'
+            using errcode = '55P03';
     end if;
-    -- The server's lifetime with it: the lock lives no longer than the server (see claim).
-    insert into replicas as rp (owner, incarnation, server_started_at)
-    values (p_owner, p_incarnation, pg_postmaster_start_time())
-    on conflict (owner) do update set seen_at = clock_timestamp(),
-        incarnation = coalesce(excluded.incarnation, rp.incarnation),
-        server_started_at = excluded.server_started_at;
     -- Forget dead replicas that hold no unexpired lease, as prune does: every claim looks at
     -- each row, so the table stays as small as the set of replicas that matter, even when
-    -- retention is off and prune never runs (each restart brings a new owner id).
+    -- retention is off and prune never runs (each restart brings a new owner id). A row that
+    -- another hold has locked is passed over, never waited for.
     delete from replicas d
-    where d.owner <> p_owner
-      and not exists (select 1 from runs w
-                      where w.lease_owner = d.owner and w.lease_expires_at > clock_timestamp())
-      and pg_try_advisory_xact_lock(liveness_key(d.owner));
+    where d.owner in (
+        select x.owner from replicas x
+        where x.owner <> p_owner
+          and not exists (select 1 from runs w
+                          where w.lease_owner = x.owner and w.lease_expires_at > clock_timestamp())
+          and pg_try_advisory_xact_lock(liveness_key_of(x.owner, x.incarnation))
+        for update skip locked);
     return true;
 end
 $$;
@@ -553,16 +630,19 @@ set search_path from current
 security definer
 as $$
 declare
+    v_key bigint;
     v_forgotten boolean;
 begin
     perform require_liveness_holder(p_owner, 'replica_stopped');
+    select liveness_key_of(rp.owner, rp.incarnation) into v_key
+    from replicas rp where rp.owner = p_owner;
     delete from replicas rp
     where rp.owner = p_owner
       and not exists (select 1 from runs w
                       where w.lease_owner = rp.owner and w.lease_expires_at > clock_timestamp());
     v_forgotten := found;
-    while session_holds_liveness(p_owner) loop
-        perform pg_advisory_unlock(liveness_key(p_owner));
+    while session_holds_key(v_key) loop
+        perform pg_advisory_unlock(v_key);
     end loop;
     return v_forgotten;
 end
@@ -585,11 +665,12 @@ set search_path from current
 as $$
 begin
     delete from replicas me
-    where me.owner = p_owner and pg_try_advisory_xact_lock_shared(liveness_key(me.owner));
+    where me.owner = p_owner and pg_try_advisory_xact_lock_shared(
+              liveness_key_of(me.owner, me.incarnation));
     return array(select rp.owner from replicas rp
                  where rp.owner <> p_owner
                    and rp.server_started_at = pg_postmaster_start_time()
-                   and pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)));
+                   and pg_try_advisory_xact_lock_shared(liveness_key_of(rp.owner, rp.incarnation)));
 end
 $$;
 
@@ -1232,11 +1313,15 @@ begin
     perform forget_finished_runs(p_retention, p_limit);
     -- Forget dead replicas (liveness lock free) that hold no unexpired lease: nothing of theirs
     -- is left to reclaim. The exclusive try-lock keeps a replica from taking its lock (and
-    -- recording itself again) between the check and the delete.
+    -- recording itself again) between the check and the delete; a row a hold_liveness has
+    -- locked is passed over, never waited for.
     delete from replicas rp
-    where not exists (select 1 from runs w
-                      where w.lease_owner = rp.owner and w.lease_expires_at > clock_timestamp())
-      and pg_try_advisory_xact_lock(liveness_key(rp.owner));
+    where rp.owner in (
+        select x.owner from replicas x
+        where not exists (select 1 from runs w
+                          where w.lease_owner = x.owner and w.lease_expires_at > clock_timestamp())
+          and pg_try_advisory_xact_lock(liveness_key_of(x.owner, x.incarnation))
+        for update skip locked);
     return v_removed;
 end
 $$;

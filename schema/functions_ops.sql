@@ -575,7 +575,8 @@ as $$
         'replicas', coalesce((
             select jsonb_agg(jsonb_build_object(
                        'owner', rp.owner,
-                       'alive', not pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)),
+                       'alive', not pg_try_advisory_xact_lock_shared(
+                           liveness_key_of(rp.owner, rp.incarnation)),
                        'started_at', rp.started_at, 'seen_at', rp.seen_at,
                        'limit', replica_limit(rp.report, rp.reported_at, p_now))
                    order by rp.owner)

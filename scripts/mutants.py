@@ -70,7 +70,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "liveness-every-owner-dead",
         "§4.2 liveness: a lease is taken early only when its owner's liveness lock is free",
         SQL,
-        "and pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)));",
+        "and pg_try_advisory_xact_lock_shared(liveness_key_of(rp.owner, rp.incarnation)));",
         "and true);",
         (
             f"{LIVE}::test_a_live_owners_lease_is_not_claimable",
@@ -82,7 +82,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "liveness-restart-keeps-old-leases",
         "§4.2 liveness: a restart under the same owner id ends its dead predecessor's leases",
         SQL,
-        "if found and p_incarnation is not null and v_prev is distinct from p_incarnation then",
+        "if p_incarnation is not null and v_prev_process is distinct from p_incarnation then",
         "if false then",
         (f"{LIVE}::test_a_restart_under_the_same_owner_id_ends_its_predecessors_leases_at_once",),
     ),
@@ -90,8 +90,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "liveness-reconnect-ends-own-leases",
         "§4.2 liveness: the same process taking its lock again on a reconnect keeps its leases",
         SQL,
-        "if found and p_incarnation is not null and v_prev is distinct from p_incarnation then",
-        "if found then",
+        "if p_incarnation is not null and v_prev_process is distinct from p_incarnation then",
+        "if true then",
         (f"{LIVE}::test_a_restart_under_the_same_owner_id_ends_its_predecessors_leases_at_once",),
     ),
     Mutant(
@@ -129,8 +129,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "liveness-server-lifetime-not-renewed",
         "§4.2 liveness: an owner recorded again after a restart is judged by its lock at once",
         SQL,
-        "        server_started_at = excluded.server_started_at;\n",
-        "        server_started_at = rp.server_started_at;\n",
+        "            server_started_at = pg_postmaster_start_time()\n        where rp.owner",
+        "            server_started_at = rp.server_started_at\n        where rp.owner",
         (f"{LIVE}::test_an_owner_recorded_before_a_restart_is_not_judged_dead_by_its_free_lock",),
     ),
     Mutant(
@@ -152,6 +152,29 @@ MUTANTS: tuple[Mutant, ...] = (
         " clock_timestamp());\n    v_forgotten := found;",
         ";\n    v_forgotten := found;",
         (f"{LIVE}::test_a_clean_stop_that_still_holds_a_lease_leaves_it_to_be_reclaimed",),
+    ),
+    Mutant(
+        "liveness-key-predictable",
+        "§4.2 liveness: no other role can take a replica's liveness lock first (issue 48 item 6:"
+        " the key derived from the owner id alone)",
+        SQL,
+        "    select case when strpos(p_incarnation, '/') > 0\n",
+        "    select case when false\n",
+        (
+            "tests/test_liveness_key.py::test_the_producer_cannot_take_a_replicas_liveness_lock_before_it_starts",
+            "tests/test_liveness_key.py::test_a_key_taken_after_its_replica_died_keeps_no_one_out",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "liveness-squatter-keeps-out",
+        "§4.2 liveness: a key another role took after its replica's session ended keeps no"
+        " replica out (issue 48 item 6)",
+        SQL,
+        "          and has_function_privilege(a.usesysid, 'hold_liveness(text, text)',"
+        " 'execute'))\n",
+        "          and true)\n",
+        ("tests/test_liveness_key.py::test_a_key_taken_after_its_replica_died_keeps_no_one_out",),
     ),
     # -- the lease clock (DESIGN §4.2): statement time, never transaction time ------------------
     Mutant(
@@ -1127,6 +1150,16 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/test_tracing.py::test_a_collector_that_drips_its_answer_cannot_hold_a_stopping_relay",
         ),
+    ),
+    Mutant(
+        "tracing-answer-unbounded",
+        "memory bounds: the OTLP exporter reads a collector's endless answer without limit"
+        " (issue 48 item 3)",
+        "relay/integrations/otel.py",
+        '    session.hooks["response"].append(_cut_answer)\n',
+        "",
+        ("tests/test_collector_answer.py",),
+        ci=True,
     ),
 )
 
