@@ -2,21 +2,27 @@
 used through httpx's public API only.
 
 What httpx gives, the relay takes as it is: proxies (`HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY`,
-`NO_PROXY` read by the client's `trust_env`, or the `ingress_proxy` setting; SOCKS with httpx's
+`NO_PROXY` by httpx's rules, or the `ingress_proxy` setting: read by the client's `trust_env`
+under httpx's own transport, written out by `proxy_routes` for the default's; SOCKS with httpx's
 `socks` extra), TLS (verified always, against `ingress_ca_file` or the operating system's trust
 store), timeouts per phase, connection limits, HTTP/2 (the `http2` setting, httpx's `http2`
 extra), never following redirects. Under the client sits a published transport, one setting
 choosing (`http_transport`):
 
-- `aiohttp` (the default): `httpx_aiohttp.HttpxAiohttpClient`, httpx's client over aiohttp's
-  connection pool and its C parser. It reads each answer on its own connection's terms: an
-  ingress that writes one answer twice has its connection dropped rather than reused, so the
-  stale answer is never handed to the next POST (tests/test_http_client.py). A third of httpx's own
-  transport's CPU per POST (docs/performance.md).
+- `aiohttp` (the default): `httpx_aiohttp.AiohttpTransport`, httpx's client over aiohttp's
+  connection pool and its C parser, every route (straight, and one per proxy: `proxy_routes`)
+  over a session of the relay's own (`aiohttp_session`). Its connector (`FreshConnector`) hands
+  out no connection holding bytes no request asked for: an ingress that writes one answer twice,
+  at once or while the connection sits idle, never has the copy read as the next POST's
+  (issue 48 item 1; tests/test_stale_answer.py). A third of httpx's own transport's CPU per POST
+  (docs/performance.md).
 - `httpx`: httpx's own transport (httpcore). The only one that speaks HTTP/2, so `http2=true`
-  uses it, and so does a SOCKS proxy (aiohttp takes HTTP proxies only). Over HTTP/1.1 it reuses
-  a connection with unread bytes in its buffer: an ingress that answers twice can hand a POST
-  the previous POST's answer (docs/security.md).
+  uses it, and so does a SOCKS proxy (aiohttp takes HTTP proxies only). It drops a connection on
+  which bytes arrived while idle, but over HTTP/1.1 reads a copy that came in the same segment as
+  the answer as the next POST's (docs/security.md).
+
+`ingress_keepalive=false` uses no connection twice, on either: what no reuse check can see (an
+answer arriving after it) cannot be read as another POST's.
 
 What the relay adds over httpx is small and written here once: at most `READ_LIMIT` bytes of an
 answer are read (then the connection is dropped, not drained); the answer's body is read raw
