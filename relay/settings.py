@@ -190,6 +190,8 @@ class Settings:
         "aiohttp"  # the transport under httpx's client (relay/edges/http_client.py)
     )
     http2: bool = False
+    # false: no connection to the ingress is used twice (issue 48 item 1: docs/security.md)
+    ingress_keepalive: bool = True
     ingress_proxy: Secret | None = None  # else the environment's (HTTP_PROXY ...), read by httpx
     batch_size: int = 100
     lease_ttl: float = 30.0
@@ -600,6 +602,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "ingress_ca_file": _ca_file,
     "http_transport": _http_transport,
     "http2": _boolean,
+    "ingress_keepalive": _boolean,
     "ingress_proxy": _proxy_url,
     "batch_size": _int_in(1, 10_000),
     "lease_ttl": _duration_in(1.0, 3600.0),
