@@ -231,3 +231,9 @@ def test_a_waiver_nobody_took_lapses() -> None:
         assert budget.try_retry(later)
         budget.record(Result.FAILED, retry=True, now=later)
     assert not budget.try_retry(later, ["r1"])
+
+
+def test_ready_in_does_not_wait_for_the_tokens_retries_in_flight_hold() -> None:
+    budget = RetryBudget()
+    assert budget.try_retry(100.0) and budget.try_retry(100.0)
+    assert budget.spent(100.0) and budget.ready_in(100.0) == 0.0

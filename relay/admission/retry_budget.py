@@ -110,12 +110,14 @@ class RetryBudget:
 
     def ready_in(self, now: float) -> float:
         """Seconds until a retry asking would get a token if nothing more happened: the charged
-        retries age out of the window slice by slice (the deposits too). 0 when one would now;
-        at most the window's span (the reserve alone, once everything aged out)."""
+        retries age out of the window slice by slice (the deposits too). The tokens retries in
+        flight hold are not waited for: they come back with their answers, within a request's
+        timeout, or are charged. 0 when one would now; at most the window's span (the reserve
+        alone, once everything aged out)."""
         width = self.span / SLICES
         when = now
         for _ in range(SLICES + 1):
-            if self.balance(when) >= 1.0:
+            if self.balance(when) + self._retrying >= 1.0:
                 return when - now
             when = (math.floor(when / width) + 1) * width + width * 1e-6  # the next slice's
         return self.span
