@@ -49,6 +49,8 @@ CLOCK = "tests/test_lease_clock.py"
 POST_TURN = "tests/test_post_turn.py"
 ADMISSION_E2E = "tests/test_admission_e2e.py"
 BUDGET_TEST = "test_retries_stay_within_the_budget_and_the_rest_wait_in_the_outbox"
+OUTAGE_LOGS = "tests/test_outage_logs.py"
+OUTAGE_TEST = "test_an_outage_logs_a_warning_per_failed_post_and_sums_up_the_deferrals"
 LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
 LIVE = "tests/test_liveness.py"
@@ -1032,6 +1034,42 @@ MUTANTS: tuple[Mutant, ...] = (
             "tests/test_admission_budget.py::"
             "test_an_ingress_failing_every_first_attempt_and_serving_every_retry_is_held_to_it",
         ),
+    ),
+    Mutant(
+        "outage-last-try-warns-twice",
+        "issue 49 item 3: one warning per failed POST (an attempt's last try is told by its "
+        "retry_scheduled warning)",
+        "relay/delivery/execute.py",
+        "logging.WARNING if retry_in is not None else logging.INFO,",
+        "logging.WARNING,",
+        (f"{OUTAGE_LOGS}::{OUTAGE_TEST}",),
+    ),
+    Mutant(
+        "outage-deferral-line-per-run",
+        "issue 49 item 3: a deferral is a count in its lane's retries_deferred line, its own line "
+        "at debug",
+        "relay/delivery/release.py",
+        """        logs.debug(
+            "retry_deferred",""",
+        """        logs.info(
+            "retry_deferred",""",
+        (f"{OUTAGE_LOGS}::{OUTAGE_TEST}",),
+    ),
+    Mutant(
+        "outage-reschedule-ignores-budget",
+        "issue 49 item 3: retry_scheduled says when the run really goes, the budget considered",
+        "relay/delivery/execute.py",
+        "decision = self.books.scheduled(decision, held.claim.attempts)",
+        "decision = decision",
+        (f"{OUTAGE_LOGS}::{OUTAGE_TEST}",),
+    ),
+    Mutant(
+        "operator-retry-held-by-budget",
+        "issue 49 item 3: relay retry sends a run at once, past the retry budget",
+        "relay/runner.py",
+        "        self.budget.waive(run_id, clock.now())",
+        "        pass",
+        (f"{OUTAGE_LOGS}::test_relay_retry_sends_a_run_the_budget_holds_back_at_once",),
     ),
     Mutant(
         "ack-unknown-not-sent-again",

@@ -322,7 +322,8 @@ def render_due(runs: Sequence[Mapping[str, Any]], width: int) -> str:
     ]  # fmt: skip
     title = (
         f"{len(runs)} run{'s' if len(runs) != 1 else ''} due now"
-        " (was backing off; a relay claims it at once; times UTC)"
+        " (was backing off; a relay claims it at once and sends it past the retry budget;"
+        " times UTC)"
     )
     columns = ("run", "att", "status", "failed", "was due", "error")
     return table(title, columns, rows, width)
