@@ -765,10 +765,11 @@ $$;
 -- p_runs runs with the least such tickets. A key's pass is at least the lane's clock
 -- (fairness_clock): a key back from idle starts level with the least pass of the keys that had
 -- work at the lane's last shared claim, with no credit for the time it had nothing to send.
--- The tickets a round considers are bounded by the least of the p_runs-th smallest pass and
--- every key's own p_runs-th ticket: no ticket above that bound can be among the p_runs least.
--- A key that gives fewer runs than its tickets (it has no more due, or another claimer holds
--- them) is left out of the next round, which shares what is left among the others.
+-- The tickets are numbers until the p_runs least are chosen (bounded first by the least of the
+-- p_runs-th smallest pass and every key's own p_runs-th ticket: none above it can be among
+-- them); only then are the chosen keys' runs read, as many of each as it has tickets. A key that
+-- gives fewer (it has no more due, or another claimer holds them) is left out of the next round,
+-- which shares what is left among the others.
 -- Claims of one lane that share are serialised by the lane's clock row (read, then written
 -- with the passes); the passes are written in key order, so two lanes never deadlock.
 create or replace function pick_shared(p_lane text, p_runs int, p_dead text[], p_exclude text[])
@@ -824,12 +825,20 @@ begin
         ), bound as (
             select least((select min(k.pass + (v_left - 1) * k.stride) from k),
                          (select k.pass from k order by k.pass offset v_left - 1 limit 1)) as upto
-        ), quota as (
-            select k.key, k.pass, k.stride, least(v_left, (b.upto - k.pass) / k.stride + 1)::int as n
+        ), tickets as (
+            -- the v_left least tickets, by arithmetic alone: no run is read for the others
+            select k.key, k.pass + j * k.stride as ticket
             from k cross join bound b
+            cross join lateral generate_series(0, least(v_left, (b.upto - k.pass) / k.stride + 1) - 1) j
             where k.pass <= b.upto
+            order by 2, 1
+            limit v_left
+        ), quota as (
+            select t.key, min(t.ticket) as first, count(*)::int as n, min(k.stride) as stride
+            from tickets t join k on k.key = t.key
+            group by t.key
         ), candidates as materialized (
-            select q.key, q.pass + (c.i - 1) * q.stride as ticket,
+            select q.key, q.first + (c.i - 1) * q.stride as ticket,
                    c.run_id, c.prev_owner, c.prev_expires
             from quota q
             cross join lateral pick_of_key(p_lane, q.key, q.n, p_dead, p_exclude || v_runs)
