@@ -18,7 +18,7 @@ from relay import Event
 from relay.maintenance.migrate import migrate
 from relay.maintenance.roles import Roles
 from tests.conftest import unique
-from tests.support import fn
+from tests.support import InThread, fn, wait_until, waits_for_a_lock
 
 
 def enq(
@@ -276,3 +276,46 @@ def test_one_key_claims_as_before_and_writes_no_pass(
     assert claim(conn, schema, 10) == [f"solo-{i}" for i in range(1, 11)]
     rows = conn.execute(sql.SQL("select count(*) from {}").format(fn(schema, "fairness_keys")))
     assert rows.fetchone() == (0,)
+
+
+# --- no hot row, no deadlock ------------------------------------------------------------------
+
+
+def test_producers_of_one_key_do_not_wait_for_each_other(
+    pg_url: str, conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """Two open transactions enqueue new runs of one key: neither waits for the other (no
+    per-key row is written by enqueue; a wait would end in the lock timeout below)."""
+    backlog(conn, schema, "busy", 3)
+    weight(conn, schema, "busy", 2)
+    claim(conn, schema, 1)  # one key: nothing written; the key's row exists from the weight
+    with psycopg.connect(pg_url) as a, psycopg.connect(pg_url) as b:
+        for c in (a, b):
+            c.execute("set lock_timeout = '1s'")
+        enq(a, schema, "a1", "a1.1", "busy")
+        enq(b, schema, "b1", "b1.1", "busy")  # while a's transaction is open
+        enq(a, schema, "a2", "a2.1", "busy", terminal=True)
+        enq(b, schema, "b2", "b2.1", "busy", terminal=True)
+        a.commit()
+        b.commit()
+    assert {key_of(conn, schema, r) for r in ("a1", "a2", "b1", "b2")} == {"busy"}
+
+
+def test_a_shared_claim_in_an_open_transaction_holds_the_other_lane_back_then_both_take_runs(
+    pg_url: str, conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """Shared claims of the two lanes write the same keys' rows (each its own lane's pass): the
+    second waits for the first to commit, then takes other runs; neither fails."""
+    for key in ("a", "b", "c"):
+        backlog(conn, schema, key, 30, terminal=True)
+    with psycopg.connect(pg_url) as one, psycopg.connect(pg_url) as two:
+        for c in (one, two):
+            c.execute("set deadlock_timeout = '100ms'")
+        first = claim(one, schema, 6, "critical")  # transaction left open
+        waiter = InThread(lambda: claim(two, schema, 6, "ordinary"))
+        wait_until(lambda: waits_for_a_lock(pg_url, two.info.backend_pid), what="a wait")
+        one.commit()
+        second = waiter.result()
+        two.commit()
+    assert len(first) == 6 and len(second) == 6
+    assert not set(first) & set(second)
