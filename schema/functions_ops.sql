@@ -321,6 +321,35 @@ begin
 end
 $$;
 
+-- A fairness key's weight (schema version 9; docs/design.md "Scheduling: fair shares between
+-- keys"): among the keys with due work, each lane shares its claims in proportion to the
+-- weights, 1 to 1,000 (a key never set has 1). The default key, of runs enqueued without one, is
+-- the empty string. The schema owner's: neither the producer nor the relay role may call it
+-- (nothing is granted, and `relay migrate` revokes it from PUBLIC). It takes effect at the next
+-- claim that shares; the key's pass is kept, so a changed weight earns no credit for the past.
+-- Returns the weight it replaced (1 for a key never set).
+create or replace function set_fairness_weight(p_key text, p_weight int) returns int
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_was int;
+begin
+    if p_key is null or octet_length(p_key) > setting('max_id_bytes')::int then
+        raise exception 'relay.set_fairness_weight: p_key must be a string of at most % bytes (the default key is the empty string)',
+            setting('max_id_bytes') using errcode = '22023';
+    end if;
+    if p_weight is null or p_weight not between 1 and 1000 then
+        raise exception 'relay.set_fairness_weight: p_weight must be between 1 and 1000, got %',
+            coalesce(p_weight::text, 'NULL') using errcode = '22023';
+    end if;
+    select f.weight into v_was from fairness_keys f where f.key = p_key for update;
+    insert into fairness_keys (key, weight) values (p_key, p_weight)
+    on conflict (key) do update set weight = excluded.weight;
+    return coalesce(v_was, 1);
+end
+$$;
+
 -- Inspect, part 1: the run's events in seq order (from p_from_seq, at most p_limit of them;
 -- null = all), with their delivery history and audit trail, read through the `events` view
 -- (0007_delivery_cursor.sql), the one definition of each event's state: filtered on one run,

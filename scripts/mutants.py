@@ -55,6 +55,7 @@ LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
 LIVE = "tests/test_liveness.py"
 EMPTY = "tests/test_claim_empty.py"
+FAIR = "tests/test_fairness.py"
 MIGRATE = "tests/test_migrate_cursor.py"
 PREPARE = "schema/0007_delivery_cursor.prepare.sql"
 CURSOR_MIGRATION = "schema/0007_delivery_cursor.sql"
@@ -200,8 +201,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-claim-ordinary-due",
         "§4.2 lease clock: the ordinary lane judges due/expired at the statement",
         SQL,
-        "r.next_attempt_at <= clock_timestamp()\n        order by r.next_attempt_at",
-        "r.next_attempt_at <= now()\n        order by r.next_attempt_at",
+        "and r.next_attempt_at <= clock_timestamp()\n          and not (r.run_id = any(p_exclude))",
+        "and r.next_attempt_at <= now()\n          and not (r.run_id = any(p_exclude))",
         (f"{CLOCK}::test_a_lease_that_expired_while_the_transaction_waited_is_claimable",),
     ),
     Mutant(
@@ -639,8 +640,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "lane-critical-takes-ordinary",
         "§4.3: the critical lane never takes ordinary work",
         SQL,
-        "    from pending_terminals t join runs r on r.run_id = t.run_id\n",
-        "    from runs r left join pending_terminals t on t.run_id = r.run_id\n",
+        "        from pending_terminals t join runs r on r.run_id = t.run_id\n"
+        "        where t.fairness_key = p_key",
+        "        from runs r left join pending_terminals t on t.run_id = r.run_id\n"
+        "        where r.fairness_key = p_key",
         (f"{LEASE}::test_the_critical_lane_takes_only_runs_with_a_pending_terminal_event",),
         ci=True,
     ),
@@ -661,6 +664,43 @@ MUTANTS: tuple[Mutant, ...] = (
         'self.lanes["ordinary"].drain(run_id)',
         ("tests/test_lanes_e2e.py",),
         ci=True,
+    ),
+    # -- fair shares between keys (issue 50 item 3, schema version 9) ----------------------------
+    Mutant(
+        "fair-key-ignored",
+        "issue 50: the claim takes a key's runs, not the oldest of any key",
+        SQL,
+        "where r.fairness_key = p_key and not r.idle",
+        "where not r.idle",
+        (
+            f"{FAIR}::test_a_quiet_key_goes_in_the_first_claim_beside_a_noisy_backlog",
+            f"{FAIR}::test_weights_5_3_2_share_the_first_600_runs",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "fair-weights-ignored",
+        "issue 50: keys share in proportion to their weights",
+        SQL,
+        "array_agg(1000000 / coalesce(f.weight, 1) order by k.key)",
+        "array_agg(1000000::bigint order by k.key)",
+        (f"{FAIR}::test_weights_5_3_2_share_the_first_600_runs",),
+    ),
+    Mutant(
+        "fair-idle-banks-credit",
+        "issue 50: a key back from idle starts level with the others, no credit banked",
+        SQL,
+        "else f.pass_ordinary end, 0), v_clock)",
+        "else f.pass_ordinary end, 0), 0)",
+        (f"{FAIR}::test_a_key_back_from_idle_has_no_banked_credit",),
+    ),
+    Mutant(
+        "fair-run-changes-key",
+        "issue 50: a run has one key; a later event naming another is refused",
+        SQL,
+        "elsif p_fairness_key is not null and p_fairness_key <> v_key then",
+        "elsif false then",
+        (f"{FAIR}::test_a_later_event_naming_another_key_is_refused",),
     ),
     # -- the §5 answer table (relay/core/policy.py decide: one pure function, a test per row) ---
     Mutant(
@@ -1103,10 +1143,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "order-blocked-run-claimed",
         "§9.2: nothing after a failed event is delivered until retried or skipped",
         SQL,
-        "where not r.idle and r.blocked_seq is null and r.next_attempt_at <= clock_timestamp()\n"
-        "        order by r.next_attempt_at",
-        "where not r.idle and r.next_attempt_at <= clock_timestamp()\n"
-        "        order by r.next_attempt_at",
+        "where r.fairness_key = p_key and not r.idle and r.blocked_seq is null\n",
+        "where r.fairness_key = p_key and not r.idle\n",
         (f"{LEASE}::test_fail_event_blocks_the_run_until_an_operator_acts",),
     ),
     # -- acknowledgement and wakes (§6, §9.1, §9.4) ----------------------------------------------
