@@ -51,16 +51,26 @@ class Event:
         return out
 
 
-def _enqueue_query(schema: str) -> sql.Composed:
-    return sql.SQL("select {}.enqueue(%s, %s, %s, %s::jsonb, %s, %s, %s, %s, %s)").format(
+# Without a fairness key the calls name only the parameters schema version 8 has, so a
+# producer of this release enqueues on a database not migrated yet (a rolling upgrade deploys
+# the application first); the key, when given, needs version 9.
+def _enqueue_query(schema: str, keyed: bool) -> sql.Composed:
+    key = ", %s" if keyed else ""
+    return sql.SQL("select {}.enqueue(%s, %s, %s, %s::jsonb, %s, %s, %s, %s" + key + ")").format(
         sql.Identifier(validate_schema_name(schema))
     )
 
 
-def _many_query(schema: str) -> sql.Composed:
-    return sql.SQL("select {}.enqueue_many(%s, %s::jsonb, %s)").format(
+def _many_query(schema: str, keyed: bool) -> sql.Composed:
+    key = ", %s" if keyed else ""
+    return sql.SQL("select {}.enqueue_many(%s, %s::jsonb" + key + ")").format(
         sql.Identifier(validate_schema_name(schema))
     )
+
+
+def _many_args(run_id: str, events: Sequence[Event], fairness_key: str | None) -> tuple[Any, ...]:
+    body = orjson.dumps([e.as_json() for e in events]).decode()
+    return (run_id, body) if fairness_key is None else (run_id, body, fairness_key)
 
 
 def _args(
@@ -83,7 +93,7 @@ def _args(
         queue,
         name,
         traceparent,
-        fairness_key,
+        *(() if fairness_key is None else (fairness_key,)),
     )
 
 
@@ -107,7 +117,7 @@ def enqueue(
     by their weights. A run's first event sets it; a later event may omit it (the run keeps its
     key) but not name another (InvalidParameterValue)."""
     row = conn.execute(
-        _enqueue_query(schema),
+        _enqueue_query(schema, fairness_key is not None),
         _args(run_id, event_id, event_type, payload, terminal, wake, traceparent, fairness_key),
         prepare=False,
     ).fetchone()
@@ -130,7 +140,7 @@ async def enqueue_async(
 ) -> int:
     """Async form of `enqueue`."""
     cur = await conn.execute(
-        _enqueue_query(schema),
+        _enqueue_query(schema, fairness_key is not None),
         _args(run_id, event_id, event_type, payload, terminal, wake, traceparent, fairness_key),
         prepare=False,
     )
@@ -150,8 +160,8 @@ def enqueue_many(
     """Enqueue several events of one run in order; all or nothing. Returns their seqs.
     `fairness_key` as for `enqueue`, for every one of them."""
     row = conn.execute(
-        _many_query(schema),
-        (run_id, orjson.dumps([e.as_json() for e in events]).decode(), fairness_key),
+        _many_query(schema, fairness_key is not None),
+        _many_args(run_id, events, fairness_key),
         prepare=False,
     ).fetchone()
     assert row is not None
@@ -168,8 +178,8 @@ async def enqueue_many_async(
 ) -> list[int]:
     """Async form of `enqueue_many`."""
     cur = await conn.execute(
-        _many_query(schema),
-        (run_id, orjson.dumps([e.as_json() for e in events]).decode(), fairness_key),
+        _many_query(schema, fairness_key is not None),
+        _many_args(run_id, events, fairness_key),
         prepare=False,
     )
     row = await cur.fetchone()
