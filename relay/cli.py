@@ -342,11 +342,24 @@ def run_tool(command: str, argv: list[str]) -> int:
     return code
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from relay import __version__
+class _Version(argparse.Action):
+    """`relay --version`: the version and the commit, as `build_info` reports them. The commit
+    is read only when asked (git may be run for it: relay/serving/build.py)."""
 
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from relay import __version__
+        from relay.serving import build
+
+        print(f"ledger-relay {__version__} (commit {build.commit()})")
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="relay", description="ledger-relay: outbox → HTTP ingress")
-    p.add_argument("--version", action="version", version=f"ledger-relay {__version__}")
+    p.add_argument("--version", action=_Version, help="print the version and commit, and exit")
     sub = p.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("migrate", help="create or upgrade the schema")

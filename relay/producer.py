@@ -51,16 +51,26 @@ class Event:
         return out
 
 
-def _enqueue_query(schema: str) -> sql.Composed:
-    return sql.SQL("select {}.enqueue(%s, %s, %s, %s::jsonb, %s, %s, %s, %s)").format(
+# Without a fairness key the calls name only the parameters schema version 8 has, so a
+# producer of this release enqueues on a database not migrated yet (a rolling upgrade deploys
+# the application first); the key, when given, needs version 9.
+def _enqueue_query(schema: str, keyed: bool) -> sql.Composed:
+    key = ", %s" if keyed else ""
+    return sql.SQL("select {}.enqueue(%s, %s, %s, %s::jsonb, %s, %s, %s, %s" + key + ")").format(
         sql.Identifier(validate_schema_name(schema))
     )
 
 
-def _many_query(schema: str) -> sql.Composed:
-    return sql.SQL("select {}.enqueue_many(%s, %s::jsonb)").format(
+def _many_query(schema: str, keyed: bool) -> sql.Composed:
+    key = ", %s" if keyed else ""
+    return sql.SQL("select {}.enqueue_many(%s, %s::jsonb" + key + ")").format(
         sql.Identifier(validate_schema_name(schema))
     )
+
+
+def _many_args(run_id: str, events: Sequence[Event], fairness_key: str | None) -> tuple[Any, ...]:
+    body = orjson.dumps([e.as_json() for e in events]).decode()
+    return (run_id, body) if fairness_key is None else (run_id, body, fairness_key)
 
 
 def _args(
@@ -71,6 +81,7 @@ def _args(
     terminal: bool,
     wake: tuple[str, str] | None,
     traceparent: str | None,
+    fairness_key: str | None,
 ) -> tuple[Any, ...]:
     queue, name = wake if wake is not None else (None, None)
     return (
@@ -82,6 +93,7 @@ def _args(
         queue,
         name,
         traceparent,
+        *(() if fairness_key is None else (fairness_key,)),
     )
 
 
@@ -95,14 +107,18 @@ def enqueue(
     terminal: bool = False,
     wake: tuple[str, str] | None = None,
     traceparent: str | None = None,
+    fairness_key: str | None = None,
     schema: str = "relay",
 ) -> int:
     """Enqueue one event in `conn`'s current transaction; returns its seq.
 
-    `wake` is `(absurd_queue, event_name)`: emitted with the event's acknowledgement."""
+    `wake` is `(absurd_queue, event_name)`: emitted with the event's acknowledgement.
+    `fairness_key` names the tenant the run belongs to: the relay shares its POSTs between keys
+    by their weights. A run's first event sets it; a later event may omit it (the run keeps its
+    key) but not name another (InvalidParameterValue)."""
     row = conn.execute(
-        _enqueue_query(schema),
-        _args(run_id, event_id, event_type, payload, terminal, wake, traceparent),
+        _enqueue_query(schema, fairness_key is not None),
+        _args(run_id, event_id, event_type, payload, terminal, wake, traceparent, fairness_key),
         prepare=False,
     ).fetchone()
     assert row is not None
@@ -119,12 +135,13 @@ async def enqueue_async(
     terminal: bool = False,
     wake: tuple[str, str] | None = None,
     traceparent: str | None = None,
+    fairness_key: str | None = None,
     schema: str = "relay",
 ) -> int:
     """Async form of `enqueue`."""
     cur = await conn.execute(
-        _enqueue_query(schema),
-        _args(run_id, event_id, event_type, payload, terminal, wake, traceparent),
+        _enqueue_query(schema, fairness_key is not None),
+        _args(run_id, event_id, event_type, payload, terminal, wake, traceparent, fairness_key),
         prepare=False,
     )
     row = await cur.fetchone()
@@ -133,12 +150,18 @@ async def enqueue_async(
 
 
 def enqueue_many(
-    conn: psycopg.Connection[Any], run_id: str, events: Sequence[Event], *, schema: str = "relay"
+    conn: psycopg.Connection[Any],
+    run_id: str,
+    events: Sequence[Event],
+    *,
+    fairness_key: str | None = None,
+    schema: str = "relay",
 ) -> list[int]:
-    """Enqueue several events of one run in order; all or nothing. Returns their seqs."""
+    """Enqueue several events of one run in order; all or nothing. Returns their seqs.
+    `fairness_key` as for `enqueue`, for every one of them."""
     row = conn.execute(
-        _many_query(schema),
-        (run_id, orjson.dumps([e.as_json() for e in events]).decode()),
+        _many_query(schema, fairness_key is not None),
+        _many_args(run_id, events, fairness_key),
         prepare=False,
     ).fetchone()
     assert row is not None
@@ -150,12 +173,13 @@ async def enqueue_many_async(
     run_id: str,
     events: Sequence[Event],
     *,
+    fairness_key: str | None = None,
     schema: str = "relay",
 ) -> list[int]:
     """Async form of `enqueue_many`."""
     cur = await conn.execute(
-        _many_query(schema),
-        (run_id, orjson.dumps([e.as_json() for e in events]).decode()),
+        _many_query(schema, fairness_key is not None),
+        _many_args(run_id, events, fairness_key),
         prepare=False,
     )
     row = await cur.fetchone()

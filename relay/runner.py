@@ -22,7 +22,7 @@ from relay import logs
 from relay.admission.limit import Limit
 from relay.admission.permits import Admission, AdmissionView
 from relay.admission.retry_budget import BudgetView, RetryBudget
-from relay.core import loop
+from relay.core import clock, loop
 from relay.delivery.lane import Lane, LaneView
 from relay.delivery.post_turn import LoopLag, Permits
 from relay.edges.http_client import Sender, open_sender, require_extras
@@ -193,6 +193,7 @@ class Relay:
                     on_delivered=critical.delivered_elsewhere,
                     on_wake=self._wake_all,
                     on_connected=self._wake_all,
+                    on_due=self._operator_retried,
                     liveness=(s.schema, s.replica_id),
                 )
                 await self._serve(ordinary_store, metrics, port, task_status)
@@ -225,6 +226,7 @@ class Relay:
                 background.start_soon(Retention(store, s.retention, self.prune_interval).run)
             if self.permits is not None:
                 background.start_soon(self.loop_lag.run)
+                background.start_soon(self.permits.settle_when_idle)
             # Operations (relay/serving/health.py, relay/serving/sdnotify.py), each only when
             # configured.
             if metrics is not None and port is not None:
@@ -282,6 +284,10 @@ class Relay:
     def _on_terminal(self, run_id: str) -> None:
         self.lanes["ordinary"].promote(run_id)  # if the ordinary lane holds it, hand it over
         self.lanes["critical"].drain(run_id)
+
+    def _operator_retried(self, run_id: str) -> None:
+        """`relay retry` made the run due: its next retry is not one the budget holds back."""
+        self.budget.waive(run_id, clock.now())
 
     def _wake_all(self) -> None:
         for lane in self.lanes.values():

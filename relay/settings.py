@@ -190,6 +190,8 @@ class Settings:
         "aiohttp"  # the transport under httpx's client (relay/edges/http_client.py)
     )
     http2: bool = False
+    # false: no connection to the ingress is used twice (issue 48 item 1: docs/security.md)
+    ingress_keepalive: bool = True
     event_loop: str = "auto"  # auto (uvloop where installed), uvloop or asyncio: relay/core/loop.py
     ingress_proxy: Secret | None = None  # else the environment's (HTTP_PROXY ...), read by httpx
     batch_size: int = 100
@@ -601,6 +603,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "ingress_ca_file": _ca_file,
     "http_transport": _http_transport,
     "http2": _boolean,
+    "ingress_keepalive": _boolean,
     "event_loop": _choice("auto", "uvloop", "asyncio"),
     "ingress_proxy": _proxy_url,
     "batch_size": _int_in(1, 10_000),

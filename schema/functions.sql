@@ -18,17 +18,36 @@
 --   40001 serialization_failure     repeatable read / serializable: the transaction's snapshot
 --                                   predates a rotation of the outbox's parts (retry)
 
--- The advisory-lock key of a replica's liveness (issue 18): held as a session lock by the
--- replica's LISTEN connection for as long as its process lives. Namespaced by schema too.
+-- The advisory-lock key of a replica's liveness as schema version 8 and older took it (issue
+-- 18): derived from the owner id alone, so any role could compute it and take it first (issue
+-- 48 item 6). Kept for the `replicas` rows such a hold recorded (liveness_key_of) and for
+-- their calls in flight across an upgrade.
 create or replace function liveness_key(p_owner text) returns bigint
 language sql immutable parallel safe
 set search_path from current
 as $$ select hashtextextended('ledger-relay:live:' || current_schema() || ':' || p_owner, 0) $$;
 
--- Whether the calling session holds p_owner's liveness lock: the exclusive advisory lock
--- hold_liveness takes on the replica's LISTEN connection. pg_locks shows a bigint advisory key
--- as classid (its high 32 bits) and objid (its low 32 bits) with objsubid 1.
-create or replace function session_holds_liveness(p_owner text) returns boolean
+-- The advisory-lock key of the liveness a `replicas` row records (issue 48 item 6): a hold
+-- records `<process incarnation>/<hold secret>`, the secret random at each hold_liveness
+-- (gen_random_uuid) and in no other place than the row, which no role but the schema's owner
+-- reads, so no other role can compute the key before the replica takes it. A new key at each
+-- hold: one that was seen in pg_locks (which every role reads) is worth nothing once its
+-- session is gone. A row without the `/` was recorded by a hold of schema version 8 or older,
+-- whose session (still running across an upgrade) holds the owner's old key.
+create or replace function liveness_key_of(p_owner text, p_incarnation text) returns bigint
+language sql immutable parallel safe
+set search_path from current
+as $$
+    select case when strpos(p_incarnation, '/') > 0
+                then hashtextextended('ledger-relay:live:' || current_schema() || ':' || p_owner
+                                      || ':' || p_incarnation, 0)
+                else liveness_key(p_owner) end
+$$;
+
+-- Whether the calling session holds the advisory lock `p_key` (exclusive, as hold_liveness
+-- takes a liveness lock). pg_locks shows a bigint advisory key as classid (its high 32 bits)
+-- and objid (its low 32 bits) with objsubid 1.
+create or replace function session_holds_key(p_key bigint) returns boolean
 language sql stable
 set search_path from current
 as $$
@@ -37,7 +56,33 @@ as $$
         where l.locktype = 'advisory' and l.objsubid = 1 and l.mode = 'ExclusiveLock'
           and l.granted and l.pid = pg_backend_pid()
           and l.database = (select d.oid from pg_database d where d.datname = current_database())
-          and ((l.classid::int8 << 32) | l.objid::int8) = liveness_key(p_owner))
+          and ((l.classid::int8 << 32) | l.objid::int8) = p_key)
+$$;
+
+-- Whether the calling session holds p_owner's liveness lock: the key its `replicas` row
+-- records, which hold_liveness took on the replica's LISTEN connection (false without a row).
+create or replace function session_holds_liveness(p_owner text) returns boolean
+language sql stable
+set search_path from current
+as $$
+    select coalesce((select session_holds_key(liveness_key_of(rp.owner, rp.incarnation))
+                     from replicas rp where rp.owner = p_owner), false)
+$$;
+
+-- Whether a session that may hold a liveness (a role with EXECUTE on hold_liveness: a relay's,
+-- the schema's owner) holds the advisory lock `p_key`. A key held by any other role (one read
+-- from pg_locks and taken after its replica's session ended) proves no replica alive.
+create or replace function key_held_by_a_replica(p_key bigint) returns boolean
+language sql stable
+set search_path from current
+as $$
+    select exists (
+        select 1 from pg_locks l join pg_stat_activity a on a.pid = l.pid
+        where l.locktype = 'advisory' and l.objsubid = 1 and l.mode = 'ExclusiveLock'
+          and l.granted
+          and l.database = (select d.oid from pg_database d where d.datname = current_database())
+          and ((l.classid::int8 << 32) | l.objid::int8) = p_key
+          and has_function_privilege(a.usesysid, 'hold_liveness(text, text)', 'execute'))
 $$;
 
 -- A replica's own acts (its report, its clean stop) come from the session that holds its
@@ -140,7 +185,8 @@ create or replace function enqueue(
     p_terminal boolean default false,
     p_wake_queue text default null,
     p_wake_event text default null,
-    p_traceparent text default null
+    p_traceparent text default null,
+    p_fairness_key text default null
 ) returns bigint
 language plpgsql volatile
 set search_path from current
@@ -153,6 +199,7 @@ declare
     v_seq bigint;
     v_terminal_seq bigint;
     v_notify text;
+    v_key text;
 begin
     -- Validation first: bad input raises before anything is written.
     if p_run_id is null or p_run_id = '' then
@@ -214,6 +261,10 @@ begin
         raise exception 'relay.enqueue: traceparent % is not a W3C trace context', left(p_traceparent, 55)
             using errcode = '22023';
     end if;
+    if p_fairness_key = '' or octet_length(p_fairness_key) > v_max_id then
+        raise exception 'relay.enqueue: fairness_key must be NULL or a non-empty string of at most % bytes',
+            v_max_id using errcode = '22023';
+    end if;
     if p_wake_queue is not null then
         if to_regclass('absurd.queues') is null then
             raise exception 'relay.enqueue: event % has a wake for queue % but the Absurd schema is not installed',
@@ -271,19 +322,36 @@ begin
             p_run_id, v_terminal_seq using errcode = '55000';
     end if;
 
+    -- The run's fairness key is its first event's (schema version 9): read only when this
+    -- event names one (to refuse another) or is the terminal (pending_terminals carries it).
+    -- Under the run's lock, so the first event's key is seen once it committed. An event
+    -- without a key keeps the run's.
+    v_key := coalesce(p_fairness_key, '');
+    if p_fairness_key is not null or p_terminal then
+        select r.fairness_key into v_key from runs r where r.run_id = p_run_id;
+        if not found then
+            v_key := coalesce(p_fairness_key, '');
+        elsif p_fairness_key is not null and p_fairness_key <> v_key then
+            raise exception 'relay.enqueue: run % has fairness_key %, set by its first event; event % names fairness_key %',
+                p_run_id, case when v_key = '' then '(none)' else v_key end, p_event_id,
+                p_fairness_key using errcode = '22023';
+        end if;
+    end if;
+
     insert into outbox (run_id, seq, event_id, event_type, payload, terminal, wake_queue,
                         wake_event, traceparent)
     values (p_run_id, v_seq, p_event_id, p_event_type, p_payload, p_terminal, p_wake_queue,
             p_wake_event, p_traceparent);
     if p_terminal then
         update run_seqs set terminal_seq = v_seq where run_id = p_run_id;
-        insert into pending_terminals (run_id, seq, created_at)
-        values (p_run_id, v_seq, clock_timestamp());
+        insert into pending_terminals (run_id, seq, created_at, fairness_key)
+        values (p_run_id, v_seq, clock_timestamp(), v_key);
     end if;
 
     -- Make the run discoverable without touching a row the relay may be working on: a new run
     -- is inserted; an idle one is flipped (the WHERE matches nothing while it is active).
-    insert into runs (run_id, next_attempt_at) values (p_run_id, clock_timestamp())
+    insert into runs (run_id, next_attempt_at, fairness_key)
+    values (p_run_id, clock_timestamp(), v_key)
     on conflict (run_id) do nothing;
     if not found then
         update runs set idle = false, next_attempt_at = clock_timestamp(), updated_at = clock_timestamp()
@@ -318,8 +386,10 @@ end
 $$;
 
 -- Batch form: events is a JSON array of objects with the keys event_id, event_type, payload and
--- optionally terminal, wake_queue, wake_event, traceparent. Same checks; all or nothing.
-create or replace function enqueue_many(p_run_id text, p_events jsonb) returns bigint[]
+-- optionally terminal, wake_queue, wake_event, traceparent; p_fairness_key for every one of them.
+-- Same checks; all or nothing.
+create or replace function enqueue_many(p_run_id text, p_events jsonb,
+                                        p_fairness_key text default null) returns bigint[]
 language plpgsql volatile
 set search_path from current
 security definer
@@ -357,7 +427,8 @@ begin
             coalesce((v_item ->> 'terminal')::boolean, false),
             v_item ->> 'wake_queue',
             v_item ->> 'wake_event',
-            v_item ->> 'traceparent');
+            v_item ->> 'traceparent',
+            p_fairness_key);
         v_i := v_i + 1;
     end loop;
     return v_seqs;
@@ -381,8 +452,9 @@ begin
             coalesce(new.terminal, false), new.wake_queue, new.wake_event, new.traceparent,
             coalesce(new.created_at, clock_timestamp()));
     if coalesce(new.terminal, false) then
-        insert into pending_terminals (run_id, seq, created_at)
-        values (new.run_id, new.seq, coalesce(new.created_at, clock_timestamp()));
+        insert into pending_terminals (run_id, seq, created_at, fairness_key)
+        values (new.run_id, new.seq, coalesce(new.created_at, clock_timestamp()),
+                coalesce((select r.fairness_key from runs r where r.run_id = new.run_id), ''));
     end if;
     return new;
 end
@@ -411,8 +483,10 @@ begin
         update runs set delivered_seq = least(delivered_seq, new.seq - 1)
         where run_id = new.run_id;
         if new.terminal then
-            insert into pending_terminals (run_id, seq, created_at)
-            values (new.run_id, new.seq, new.created_at) on conflict (run_id) do nothing;
+            insert into pending_terminals (run_id, seq, created_at, fairness_key)
+            values (new.run_id, new.seq, new.created_at,
+                    (select r.fairness_key from runs r where r.run_id = new.run_id))
+            on conflict (run_id) do nothing;
         end if;
     elsif new.state = 'failed' and old.state <> 'failed' then
         insert into event_failures as f (run_id, seq, attempts, last_status, last_error, failed_at)
@@ -482,16 +556,20 @@ $$;
 -- as the connection, and the database drops it when the process dies) and records the owner in
 -- `replicas`, which makes its leases claimable at once after its death (see claim). Call it on a
 -- connection that lives as long as the process, never through a transaction-mode pooler.
--- Returns false, and records nothing, when another session holds the lock: a process with the
--- same owner id, or this process's previous session that the server has not dropped yet (the
--- caller tries again later). Call it once per session: the lock is re-entrant.
+-- The lock's key is new and secret at each hold (liveness_key_of): no other role can take it
+-- first (issue 48 item 6). Holds of one owner take turns on its `replicas` row. Returns false,
+-- and changes nothing, while a session that may hold a liveness (key_held_by_a_replica) holds
+-- the key the row records: a process with the same owner id, or this process's previous
+-- session that the server has not dropped yet (the caller tries again later). A key held by
+-- another role proves nothing: that owner is dead. Called again on the session that holds it,
+-- it keeps its lock and returns true.
 -- p_incarnation names the calling process (random at each start; null from a relay of schema
--- version 3). A replica restarted under the same owner id (a fixed replica_id, or host:pid in a
--- container, where the pid is always 1) would otherwise be taken for its dead predecessor, whose
--- leases then wait out their TTL: when the lock is free and the row names another incarnation,
--- the predecessor is dead, so its unexpired leases end now (claimable at once; the fence as
--- ever: a new token and epoch at the next claim). The same process reconnecting keeps them.
--- (Version 3 took only p_owner: migration 0007 drops that one.)
+-- version 3; no `/`). A replica restarted under the same owner id (a fixed replica_id, or
+-- host:pid in a container, where the pid is always 1) would otherwise be taken for its dead
+-- predecessor, whose leases then wait out their TTL: when the lock is free and the row names
+-- another incarnation, the predecessor is dead, so its unexpired leases end now (claimable at
+-- once; the fence as ever: a new token and epoch at the next claim). The same process
+-- reconnecting keeps them. (Version 3 took only p_owner: migration 0007 drops that one.)
 create or replace function hold_liveness(p_owner text, p_incarnation text default null)
 returns boolean
 language plpgsql volatile
@@ -499,39 +577,67 @@ set search_path from current
 security definer
 as $$
 declare
+    v_mine text := coalesce(p_incarnation, '') || '/' || gen_random_uuid();
     v_prev text;
+    v_prev_key bigint;
+    v_prev_process text;  -- the process part of v_prev
+    v_recorded boolean;
 begin
     if p_owner is null or p_owner = '' then
         raise exception 'relay.hold_liveness: owner must be a non-empty string' using errcode = '22023';
     end if;
-    if char_length(p_incarnation) > 200 then
-        raise exception 'relay.hold_liveness: p_incarnation is over 200 characters'
-            using errcode = '22023';
+    if char_length(p_incarnation) > 200 or strpos(p_incarnation, '/') > 0 then
+        raise exception 'relay.hold_liveness: p_incarnation must be at most 200 characters, '
+                        'without "/"' using errcode = '22023';
     end if;
-    if not pg_try_advisory_lock(liveness_key(p_owner)) then
-        return false;
+    loop  -- the owner's row: ours if there was none, else locked until commit
+        insert into replicas (owner, incarnation, server_started_at)
+        values (p_owner, v_mine, pg_postmaster_start_time())
+        on conflict (owner) do nothing;
+        v_recorded := found;
+        exit when v_recorded;
+        select rp.incarnation into v_prev from replicas rp where rp.owner = p_owner for update;
+        exit when found;  -- else deleted meanwhile (a dead owner forgotten): insert again
+    end loop;
+    if not v_recorded then
+        v_prev_key := liveness_key_of(p_owner, v_prev);
+        if session_holds_key(v_prev_key) then
+            v_mine := v_prev;  -- held by this session already: kept
+        elsif key_held_by_a_replica(v_prev_key) then
+            return false;
+        else
+            -- The predecessor is dead. Another process's leases end now.
+            v_prev_process := case when strpos(v_prev, '/') > 0 then split_part(v_prev, '/', 1)
+                                   else v_prev end;
+            if p_incarnation is not null and v_prev_process is distinct from p_incarnation then
+                update runs r
+                set lease_expires_at = clock_timestamp(), updated_at = clock_timestamp(),
+                    next_attempt_at = least(r.next_attempt_at, clock_timestamp())
+                where r.lease_owner = p_owner and r.lease_expires_at > clock_timestamp();
+            end if;
+        end if;
+        -- The server's lifetime with it: the lock lives no longer than the server (see claim).
+        update replicas rp set incarnation = v_mine, seen_at = clock_timestamp(),
+            server_started_at = pg_postmaster_start_time()
+        where rp.owner = p_owner;
     end if;
-    select rp.incarnation into v_prev from replicas rp where rp.owner = p_owner;
-    if found and p_incarnation is not null and v_prev is distinct from p_incarnation then
-        update runs r
-        set lease_expires_at = clock_timestamp(), updated_at = clock_timestamp(),
-            next_attempt_at = least(r.next_attempt_at, clock_timestamp())
-        where r.lease_owner = p_owner and r.lease_expires_at > clock_timestamp();
+    if v_mine is distinct from v_prev and not pg_try_advisory_lock(liveness_key_of(p_owner, v_mine)) then
+        -- a new random key already taken (odds of 2^-64): nothing of this call stays
+        raise exception 'relay.hold_liveness: the new liveness key is taken; try again'
+            using errcode = '55P03';
     end if;
-    -- The server's lifetime with it: the lock lives no longer than the server (see claim).
-    insert into replicas as rp (owner, incarnation, server_started_at)
-    values (p_owner, p_incarnation, pg_postmaster_start_time())
-    on conflict (owner) do update set seen_at = clock_timestamp(),
-        incarnation = coalesce(excluded.incarnation, rp.incarnation),
-        server_started_at = excluded.server_started_at;
     -- Forget dead replicas that hold no unexpired lease, as prune does: every claim looks at
     -- each row, so the table stays as small as the set of replicas that matter, even when
-    -- retention is off and prune never runs (each restart brings a new owner id).
+    -- retention is off and prune never runs (each restart brings a new owner id). A row that
+    -- another hold has locked is passed over, never waited for.
     delete from replicas d
-    where d.owner <> p_owner
-      and not exists (select 1 from runs w
-                      where w.lease_owner = d.owner and w.lease_expires_at > clock_timestamp())
-      and pg_try_advisory_xact_lock(liveness_key(d.owner));
+    where d.owner in (
+        select x.owner from replicas x
+        where x.owner <> p_owner
+          and not exists (select 1 from runs w
+                          where w.lease_owner = x.owner and w.lease_expires_at > clock_timestamp())
+          and pg_try_advisory_xact_lock(liveness_key_of(x.owner, x.incarnation))
+        for update skip locked);
     return true;
 end
 $$;
@@ -553,16 +659,19 @@ set search_path from current
 security definer
 as $$
 declare
+    v_key bigint;
     v_forgotten boolean;
 begin
     perform require_liveness_holder(p_owner, 'replica_stopped');
+    select liveness_key_of(rp.owner, rp.incarnation) into v_key
+    from replicas rp where rp.owner = p_owner;
     delete from replicas rp
     where rp.owner = p_owner
       and not exists (select 1 from runs w
                       where w.lease_owner = rp.owner and w.lease_expires_at > clock_timestamp());
     v_forgotten := found;
-    while session_holds_liveness(p_owner) loop
-        perform pg_advisory_unlock(liveness_key(p_owner));
+    while session_holds_key(v_key) loop
+        perform pg_advisory_unlock(v_key);
     end loop;
     return v_forgotten;
 end
@@ -585,11 +694,12 @@ set search_path from current
 as $$
 begin
     delete from replicas me
-    where me.owner = p_owner and pg_try_advisory_xact_lock_shared(liveness_key(me.owner));
+    where me.owner = p_owner and pg_try_advisory_xact_lock_shared(
+              liveness_key_of(me.owner, me.incarnation));
     return array(select rp.owner from replicas rp
                  where rp.owner <> p_owner
                    and rp.server_started_at = pg_postmaster_start_time()
-                   and pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)));
+                   and pg_try_advisory_xact_lock_shared(liveness_key_of(rp.owner, rp.incarnation)));
 end
 $$;
 
@@ -621,8 +731,245 @@ begin
 end
 $$;
 
+-- Fair shares between keys (schema version 9; docs/design.md "Scheduling: fair shares between
+-- keys"). Each lane shares its claims among the fairness keys that have due work, in proportion
+-- to their weights, by stride scheduling: the key with the least pass goes next, one run, and
+-- its pass advances by 1,000,000 / weight. Within a key the lane's own order holds (critical:
+-- the oldest pending terminal first; ordinary: the run due longest), and a run's events are
+-- untouched. When one key has work, which is the usual case, the lane takes its runs as before,
+-- from that key's index, and no pass is read or written.
+
+-- The keys that have runs in the lane (up to p_limit of them, in key order): one descent of the
+-- lane's index by key per key (a loose index scan). For the ordinary lane also the key's
+-- earliest due time, the first entry of the key in runs_due_by_key (null for the critical lane:
+-- pick_shared asks which of its keys have a due run).
+create or replace function lane_keys(p_lane text, p_limit int)
+returns table (key text, due_at timestamptz)
+language plpgsql volatile
+set search_path from current
+as $$
+begin
+    if p_lane = 'critical' then
+        return query
+        with recursive k(key) as (
+            (select t.fairness_key from pending_terminals t order by t.fairness_key limit 1)
+            union all
+            select n.key from k
+            cross join lateral (select t.fairness_key as key from pending_terminals t
+                                where t.fairness_key > k.key
+                                order by t.fairness_key limit 1) n
+        )
+        select k.key, null::timestamptz from k
+        limit p_limit;
+    else
+        return query
+        with recursive k(key, due_at) as (
+            (select r.fairness_key, r.next_attempt_at from runs r
+             where not r.idle and r.blocked_seq is null
+             order by r.fairness_key, r.next_attempt_at limit 1)
+            union all
+            select n.key, n.due_at from k
+            cross join lateral (select r.fairness_key as key, r.next_attempt_at as due_at
+                                from runs r
+                                where not r.idle and r.blocked_seq is null
+                                  and r.fairness_key > k.key
+                                order by r.fairness_key, r.next_attempt_at limit 1) n
+        )
+        select k.key, k.due_at from k
+        limit p_limit;
+    end if;
+end
+$$;
+
+-- Up to p_runs due runs of one key in the lane's order, locked (a run another claimer holds is
+-- passed over), but none of p_exclude (taken already by this claim).
 -- The critical lane: runs whose terminal event is not delivered yet (pending_terminals), the
--- oldest terminal event first, when due (or their owner died).
+-- oldest terminal event first, when due (or their owner died). The ordinary lane: any due run,
+-- the one due longest first.
+create or replace function pick_of_key(p_lane text, p_key text, p_runs int, p_dead text[],
+                                       p_exclude text[])
+returns table (run_id text, prev_owner text, prev_expires timestamptz)
+language plpgsql volatile
+rows 10  -- a claim's size: the planner's default of 1,000 would scan runs to join them
+set search_path from current
+as $$
+begin
+    if p_lane = 'critical' then
+        return query
+        select r.run_id, r.lease_owner, r.lease_expires_at
+        from pending_terminals t join runs r on r.run_id = t.run_id
+        where t.fairness_key = p_key and not r.idle and r.blocked_seq is null
+          and (r.next_attempt_at <= clock_timestamp() or r.lease_owner = any(p_dead))
+          and not (r.run_id = any(p_exclude))
+        order by t.created_at
+        limit p_runs
+        for update of r skip locked;
+    else
+        return query
+        select r.run_id, r.lease_owner, r.lease_expires_at
+        from runs r
+        where r.fairness_key = p_key and not r.idle and r.blocked_seq is null
+          and r.next_attempt_at <= clock_timestamp()
+          and not (r.run_id = any(p_exclude))
+        order by r.next_attempt_at
+        limit p_runs
+        for update skip locked;
+    end if;
+end
+$$;
+
+-- A lane's pick over its keys: the one key's runs when one key has runs in the lane, else the
+-- fair share of each key with due work (pick_shared).
+create or replace function pick_lane(p_lane text, p_runs int, p_dead text[], p_exclude text[])
+returns table (run_id text, prev_owner text, prev_expires timestamptz)
+language plpgsql volatile
+rows 10
+set search_path from current
+as $$
+declare
+    v_keys text[];
+begin
+    if p_runs <= 0 then
+        return;
+    end if;
+    v_keys := array(select k.key from lane_keys(p_lane, 2) k);
+    if cardinality(v_keys) = 1 then
+        return query select * from pick_of_key(p_lane, v_keys[1], p_runs, p_dead, p_exclude);
+    elsif cardinality(v_keys) > 1 then
+        return query select * from pick_shared(p_lane, p_runs, p_dead, p_exclude);
+    end if;
+end
+$$;
+
+-- Stride scheduling over the keys with due work. A key's j-th next run (j = 0, 1, ...) is
+-- served at the virtual time pass + j * stride, stride = 1,000,000 / weight; the claim takes the
+-- p_runs runs with the least such tickets. A key's pass is at least the lane's clock
+-- (fairness_clock): a key back from idle starts level with the least pass of the keys that had
+-- work at the lane's last shared claim, with no credit for the time it had nothing to send.
+-- The tickets are numbers until the p_runs least are chosen (bounded first by the least of the
+-- p_runs-th smallest pass and every key's own p_runs-th ticket: none above it can be among
+-- them); only then are the chosen keys' runs read, as many of each as it has tickets. A key that
+-- gives fewer (it has no more due, or another claimer holds them) is left out of the next round,
+-- which shares what is left among the others.
+-- Claims of one lane that share are serialised by the lane's clock row (read, then written
+-- with the passes); the passes are written in key order, so two lanes never deadlock.
+create or replace function pick_shared(p_lane text, p_runs int, p_dead text[], p_exclude text[])
+returns table (run_id text, prev_owner text, prev_expires timestamptz)
+language plpgsql volatile
+rows 10
+set search_path from current
+as $$
+declare
+    v_clock bigint;
+    v_keys text[];            -- every key with due work, and its pass and stride
+    v_passes bigint[];
+    v_strides bigint[];
+    v_short text[] := '{}';   -- keys that ran out of runs in this claim
+    v_left int := p_runs;
+    v_runs text[] := '{}';
+    v_owners text[] := '{}';
+    v_expires timestamptz[] := '{}';
+    v_served text[] := '{}';  -- the key of each run taken, in v_runs' order
+    v_round_runs text[];
+    v_round_owners text[];
+    v_round_expires timestamptz[];
+    v_round_keys text[];
+    v_round_short text[];
+begin
+    select c.vtime into v_clock from fairness_clock c where c.lane = p_lane for update;
+    select array_agg(k.key order by k.key),
+           array_agg(greatest(coalesce(case when p_lane = 'critical' then f.pass_critical
+                                            else f.pass_ordinary end, 0), v_clock)
+                     order by k.key),
+           array_agg(1000000 / coalesce(f.weight, 1) order by k.key)
+    into v_keys, v_passes, v_strides
+    from lane_keys(p_lane, null) k
+    left join fairness_keys f on f.key = k.key
+    where case when p_lane = 'critical'
+               then exists (select 1 from pending_terminals t join runs r on r.run_id = t.run_id
+                            where t.fairness_key = k.key and not r.idle and r.blocked_seq is null
+                              and (r.next_attempt_at <= clock_timestamp()
+                                   or r.lease_owner = any(p_dead)))
+               else k.due_at <= clock_timestamp() end;
+    if v_keys is null then
+        return;
+    end if;
+
+    for v_round in 1 .. 8 loop
+        exit when v_left <= 0 or v_keys <@ v_short;
+        with k as (
+            select u.key, u.pass + u.stride * (select count(*) from unnest(v_served) s
+                                               where s = u.key) as pass,
+                   u.stride
+            from unnest(v_keys, v_passes, v_strides) as u(key, pass, stride)
+            where not (u.key = any(v_short))
+        ), bound as (
+            select least((select min(k.pass + (v_left - 1) * k.stride) from k),
+                         (select k.pass from k order by k.pass offset v_left - 1 limit 1)) as upto
+        ), tickets as (
+            -- the v_left least tickets, by arithmetic alone: no run is read for the others
+            select k.key, k.pass + j * k.stride as ticket
+            from k cross join bound b
+            cross join lateral generate_series(0, least(v_left, (b.upto - k.pass) / k.stride + 1) - 1) j
+            where k.pass <= b.upto
+            order by 2, 1
+            limit v_left
+        ), quota as (
+            select t.key, min(t.ticket) as first, count(*)::int as n, min(k.stride) as stride
+            from tickets t join k on k.key = t.key
+            group by t.key
+        ), candidates as materialized (
+            select q.key, q.first + (c.i - 1) * q.stride as ticket,
+                   c.run_id, c.prev_owner, c.prev_expires
+            from quota q
+            cross join lateral pick_of_key(p_lane, q.key, q.n, p_dead, p_exclude || v_runs)
+                with ordinality as c(run_id, prev_owner, prev_expires, i)
+        ), chosen as materialized (
+            select * from candidates c order by c.ticket, c.key limit v_left
+        )
+        select array(select c.run_id from chosen c order by c.ticket, c.key),
+               array(select c.prev_owner from chosen c order by c.ticket, c.key),
+               array(select c.prev_expires from chosen c order by c.ticket, c.key),
+               array(select c.key from chosen c order by c.ticket, c.key),
+               array(select q.key from quota q
+                     where q.n > (select count(*) from candidates c where c.key = q.key))
+        into v_round_runs, v_round_owners, v_round_expires, v_round_keys, v_round_short;
+        exit when cardinality(v_round_runs) = 0 and cardinality(v_round_short) = 0;
+        v_runs := v_runs || v_round_runs;
+        v_owners := v_owners || v_round_owners;
+        v_expires := v_expires || v_round_expires;
+        v_served := v_served || v_round_keys;
+        v_short := v_short || v_round_short;
+        v_left := v_left - cardinality(v_round_runs);
+    end loop;
+
+    -- The passes after this claim: every key with due work, its runs taken counted.
+    select array_agg(u.pass + u.stride * (select count(*) from unnest(v_served) s where s = u.key)
+                     order by u.key)
+    into v_passes
+    from unnest(v_keys, v_passes, v_strides) as u(key, pass, stride);
+    if p_lane = 'critical' then
+        insert into fairness_keys as f (key, pass_critical)
+        select u.key, u.pass from unnest(v_keys, v_passes) as u(key, pass)
+        where u.key = any(v_served)
+        order by u.key
+        on conflict (key) do update set pass_critical = excluded.pass_critical;
+    else
+        insert into fairness_keys as f (key, pass_ordinary)
+        select u.key, u.pass from unnest(v_keys, v_passes) as u(key, pass)
+        where u.key = any(v_served)
+        order by u.key
+        on conflict (key) do update set pass_ordinary = excluded.pass_ordinary;
+    end if;
+    update fairness_clock c
+    set vtime = greatest(c.vtime, (select min(p) from unnest(v_passes) p))
+    where c.lane = p_lane;
+
+    return query select * from unnest(v_runs, v_owners, v_expires);
+end
+$$;
+
+-- The critical lane: runs whose terminal event is not delivered yet, shared among their keys.
 create or replace function pick_critical(p_runs int, p_dead text[])
 returns table (run_id text, prev_owner text, prev_expires timestamptz)
 language plpgsql volatile
@@ -630,49 +977,39 @@ rows 10  -- a claim's size: the planner's default of 1,000 would scan runs to jo
 set search_path from current
 as $$
 begin
-    return query
-    select r.run_id, r.lease_owner, r.lease_expires_at
-    from pending_terminals t join runs r on r.run_id = t.run_id
-    where not r.idle and r.blocked_seq is null
-      and (r.next_attempt_at <= clock_timestamp() or r.lease_owner = any(p_dead))
-    order by t.created_at
-    limit p_runs
-    for update of r skip locked;
+    return query select * from pick_lane('critical', p_runs, p_dead, '{}');
 end
 $$;
 
--- The ordinary lane takes any due run (work-conserving), a dead owner's runs first. Those are
--- found through runs_leased (nothing to do while none died); their order is by an expression
--- runs_due cannot give: walking runs_due in order to its leased runs (due an hour on) read every
--- due run first, a claim O(backlog).
+-- The ordinary lane takes any due run (work-conserving), a dead owner's runs first, whatever
+-- their key (recovery of a replica's leases, bounded by what it held), then shares the rest
+-- among the keys. Those are found through runs_leased (nothing to do while none died); their
+-- order is by an expression runs_due cannot give: walking runs_due in order to its leased runs
+-- (due an hour on) read every due run first, a claim O(backlog).
 create or replace function pick_ordinary(p_runs int, p_dead text[])
 returns table (run_id text, prev_owner text, prev_expires timestamptz)
 language plpgsql volatile
 rows 10  -- a claim's size: the planner's default of 1,000 would scan runs to join them
 set search_path from current
 as $$
+declare
+    v_dead_runs text[] := '{}';
 begin
-    return query
-    with dead_owners_runs as (
-        select r.run_id, r.lease_owner, r.lease_expires_at
-        from runs r
-        where cardinality(p_dead) > 0
-          and r.lease_owner = any(p_dead) and not r.idle and r.blocked_seq is null
-        order by r.next_attempt_at + interval '0'
-        limit p_runs
-        for update skip locked
-    ), due as (
-        select r.run_id, r.lease_owner, r.lease_expires_at
-        from runs r
-        where not r.idle and r.blocked_seq is null and r.next_attempt_at <= clock_timestamp()
-        order by r.next_attempt_at
-        limit p_runs
-        for update skip locked
-    )
-    select d.run_id, d.lease_owner, d.lease_expires_at
-    from (select o.*, 0 as pri from dead_owners_runs o union all select o.*, 1 from due o) d
-    order by d.pri
-    limit p_runs;
+    if cardinality(p_dead) > 0 then
+        for run_id, prev_owner, prev_expires in
+            select r.run_id, r.lease_owner, r.lease_expires_at
+            from runs r
+            where r.lease_owner = any(p_dead) and not r.idle and r.blocked_seq is null
+            order by r.next_attempt_at + interval '0'
+            limit p_runs
+            for update skip locked
+        loop
+            v_dead_runs := v_dead_runs || run_id;
+            return next;
+        end loop;
+    end if;
+    return query select * from pick_lane('ordinary', p_runs - cardinality(v_dead_runs), p_dead,
+                                         v_dead_runs);
 end
 $$;
 
@@ -1232,11 +1569,15 @@ begin
     perform forget_finished_runs(p_retention, p_limit);
     -- Forget dead replicas (liveness lock free) that hold no unexpired lease: nothing of theirs
     -- is left to reclaim. The exclusive try-lock keeps a replica from taking its lock (and
-    -- recording itself again) between the check and the delete.
+    -- recording itself again) between the check and the delete; a row a hold_liveness has
+    -- locked is passed over, never waited for.
     delete from replicas rp
-    where not exists (select 1 from runs w
-                      where w.lease_owner = rp.owner and w.lease_expires_at > clock_timestamp())
-      and pg_try_advisory_xact_lock(liveness_key(rp.owner));
+    where rp.owner in (
+        select x.owner from replicas x
+        where not exists (select 1 from runs w
+                          where w.lease_owner = x.owner and w.lease_expires_at > clock_timestamp())
+          and pg_try_advisory_xact_lock(liveness_key_of(x.owner, x.incarnation))
+        for update skip locked);
     return v_removed;
 end
 $$;

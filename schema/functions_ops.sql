@@ -321,6 +321,35 @@ begin
 end
 $$;
 
+-- A fairness key's weight (schema version 9; docs/design.md "Scheduling: fair shares between
+-- keys"): among the keys with due work, each lane shares its claims in proportion to the
+-- weights, 1 to 1,000 (a key never set has 1). The default key, of runs enqueued without one, is
+-- the empty string. The schema owner's: neither the producer nor the relay role may call it
+-- (nothing is granted, and `relay migrate` revokes it from PUBLIC). It takes effect at the next
+-- claim that shares; the key's pass is kept, so a changed weight earns no credit for the past.
+-- Returns the weight it replaced (1 for a key never set).
+create or replace function set_fairness_weight(p_key text, p_weight int) returns int
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_was int;
+begin
+    if p_key is null or octet_length(p_key) > setting('max_id_bytes')::int then
+        raise exception 'relay.set_fairness_weight: p_key must be a string of at most % bytes (the default key is the empty string)',
+            setting('max_id_bytes') using errcode = '22023';
+    end if;
+    if p_weight is null or p_weight not between 1 and 1000 then
+        raise exception 'relay.set_fairness_weight: p_weight must be between 1 and 1000, got %',
+            coalesce(p_weight::text, 'NULL') using errcode = '22023';
+    end if;
+    select f.weight into v_was from fairness_keys f where f.key = p_key for update;
+    insert into fairness_keys (key, weight) values (p_key, p_weight)
+    on conflict (key) do update set weight = excluded.weight;
+    return coalesce(v_was, 1);
+end
+$$;
+
 -- Inspect, part 1: the run's events in seq order (from p_from_seq, at most p_limit of them;
 -- null = all), with their delivery history and audit trail, read through the `events` view
 -- (0007_delivery_cursor.sql), the one definition of each event's state: filtered on one run,
@@ -330,7 +359,10 @@ $$;
 -- of the event, the successful one not counted: those event_failures kept (a failure, retried
 -- since) and, for the run's head while it is not blocked, the run's failed attempts of it
 -- since (runs.attempts: counted on the run while it backs off), so the head's count is the
--- run's (inspect_run_summary) and grows with each failed attempt.
+-- run's (inspect_run_summary) and grows with each failed attempt. Its last answer likewise:
+-- once the head has failed attempts of its own since (backing off), `last_status` and
+-- `last_error` are the run's, the latest answer (issue 49 item 6: inspect showed `-` for a head
+-- whose last answer was a 500); else the event's failure kept, if any.
 create or replace function inspect_run(
     p_run_id text, p_from_seq bigint default 1, p_limit int default null
 ) returns table (
@@ -352,8 +384,11 @@ begin
         select e.seq, e.event_id, e.event_type, e.terminal, e.state,
                e.attempts + case when e.seq = r.delivered_seq + 1 and r.blocked_seq is null
                                  then r.attempts else 0 end,
-               e.last_status,
-               e.last_error, e.created_at, e.delivered_at, e.failed_at, e.retried_by,
+               case when e.seq = r.delivered_seq + 1 and r.blocked_seq is null
+                         and r.attempts > 0 then r.last_status else e.last_status end,
+               case when e.seq = r.delivered_seq + 1 and r.blocked_seq is null
+                         and r.attempts > 0 then r.last_error else e.last_error end,
+               e.created_at, e.delivered_at, e.failed_at, e.retried_by,
                e.retried_role, e.retried_at, e.retries, e.skipped_by, e.skipped_role, e.skip_reason,
                case when e.state = 'skipped' then e.done_at end, e.wake_queue, e.wake_event
         from events e
@@ -569,7 +604,8 @@ as $$
         'replicas', coalesce((
             select jsonb_agg(jsonb_build_object(
                        'owner', rp.owner,
-                       'alive', not pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)),
+                       'alive', not pg_try_advisory_xact_lock_shared(
+                           liveness_key_of(rp.owner, rp.incarnation)),
                        'started_at', rp.started_at, 'seen_at', rp.seen_at,
                        'limit', replica_limit(rp.report, rp.reported_at, p_now))
                    order by rp.owner)

@@ -49,10 +49,13 @@ CLOCK = "tests/test_lease_clock.py"
 POST_TURN = "tests/test_post_turn.py"
 ADMISSION_E2E = "tests/test_admission_e2e.py"
 BUDGET_TEST = "test_retries_stay_within_the_budget_and_the_rest_wait_in_the_outbox"
+OUTAGE_LOGS = "tests/test_outage_logs.py"
+OUTAGE_TEST = "test_an_outage_logs_a_warning_per_failed_post_and_sums_up_the_deferrals"
 LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
 LIVE = "tests/test_liveness.py"
 EMPTY = "tests/test_claim_empty.py"
+FAIR = "tests/test_fairness.py"
 MIGRATE = "tests/test_migrate_cursor.py"
 PREPARE = "schema/0007_delivery_cursor.prepare.sql"
 CURSOR_MIGRATION = "schema/0007_delivery_cursor.sql"
@@ -70,7 +73,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "liveness-every-owner-dead",
         "§4.2 liveness: a lease is taken early only when its owner's liveness lock is free",
         SQL,
-        "and pg_try_advisory_xact_lock_shared(liveness_key(rp.owner)));",
+        "and pg_try_advisory_xact_lock_shared(liveness_key_of(rp.owner, rp.incarnation)));",
         "and true);",
         (
             f"{LIVE}::test_a_live_owners_lease_is_not_claimable",
@@ -82,7 +85,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "liveness-restart-keeps-old-leases",
         "§4.2 liveness: a restart under the same owner id ends its dead predecessor's leases",
         SQL,
-        "if found and p_incarnation is not null and v_prev is distinct from p_incarnation then",
+        "if p_incarnation is not null and v_prev_process is distinct from p_incarnation then",
         "if false then",
         (f"{LIVE}::test_a_restart_under_the_same_owner_id_ends_its_predecessors_leases_at_once",),
     ),
@@ -90,8 +93,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "liveness-reconnect-ends-own-leases",
         "§4.2 liveness: the same process taking its lock again on a reconnect keeps its leases",
         SQL,
-        "if found and p_incarnation is not null and v_prev is distinct from p_incarnation then",
-        "if found then",
+        "if p_incarnation is not null and v_prev_process is distinct from p_incarnation then",
+        "if true then",
         (f"{LIVE}::test_a_restart_under_the_same_owner_id_ends_its_predecessors_leases_at_once",),
     ),
     Mutant(
@@ -129,8 +132,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "liveness-server-lifetime-not-renewed",
         "§4.2 liveness: an owner recorded again after a restart is judged by its lock at once",
         SQL,
-        "        server_started_at = excluded.server_started_at;\n",
-        "        server_started_at = rp.server_started_at;\n",
+        "            server_started_at = pg_postmaster_start_time()\n        where rp.owner",
+        "            server_started_at = rp.server_started_at\n        where rp.owner",
         (f"{LIVE}::test_an_owner_recorded_before_a_restart_is_not_judged_dead_by_its_free_lock",),
     ),
     Mutant(
@@ -152,6 +155,29 @@ MUTANTS: tuple[Mutant, ...] = (
         " clock_timestamp());\n    v_forgotten := found;",
         ";\n    v_forgotten := found;",
         (f"{LIVE}::test_a_clean_stop_that_still_holds_a_lease_leaves_it_to_be_reclaimed",),
+    ),
+    Mutant(
+        "liveness-key-predictable",
+        "§4.2 liveness: no other role can take a replica's liveness lock first (issue 48 item 6:"
+        " the key derived from the owner id alone)",
+        SQL,
+        "    select case when strpos(p_incarnation, '/') > 0\n",
+        "    select case when false\n",
+        (
+            "tests/test_liveness_key.py::test_the_producer_cannot_take_a_replicas_liveness_lock_before_it_starts",
+            "tests/test_liveness_key.py::test_a_key_taken_after_its_replica_died_keeps_no_one_out",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "liveness-squatter-keeps-out",
+        "§4.2 liveness: a key another role took after its replica's session ended keeps no"
+        " replica out (issue 48 item 6)",
+        SQL,
+        "          and has_function_privilege(a.usesysid, 'hold_liveness(text, text)',"
+        " 'execute'))\n",
+        "          and true)\n",
+        ("tests/test_liveness_key.py::test_a_key_taken_after_its_replica_died_keeps_no_one_out",),
     ),
     # -- the lease clock (DESIGN §4.2): statement time, never transaction time ------------------
     Mutant(
@@ -175,8 +201,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-claim-ordinary-due",
         "§4.2 lease clock: the ordinary lane judges due/expired at the statement",
         SQL,
-        "r.next_attempt_at <= clock_timestamp()\n        order by r.next_attempt_at",
-        "r.next_attempt_at <= now()\n        order by r.next_attempt_at",
+        "and r.next_attempt_at <= clock_timestamp()\n          and not (r.run_id = any(p_exclude))",
+        "and r.next_attempt_at <= now()\n          and not (r.run_id = any(p_exclude))",
         (f"{CLOCK}::test_a_lease_that_expired_while_the_transaction_waited_is_claimable",),
     ),
     Mutant(
@@ -614,8 +640,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "lane-critical-takes-ordinary",
         "§4.3: the critical lane never takes ordinary work",
         SQL,
-        "    from pending_terminals t join runs r on r.run_id = t.run_id\n",
-        "    from runs r left join pending_terminals t on t.run_id = r.run_id\n",
+        "        from pending_terminals t join runs r on r.run_id = t.run_id\n"
+        "        where t.fairness_key = p_key",
+        "        from runs r left join pending_terminals t on t.run_id = r.run_id\n"
+        "        where r.fairness_key = p_key",
         (f"{LEASE}::test_the_critical_lane_takes_only_runs_with_a_pending_terminal_event",),
         ci=True,
     ),
@@ -636,6 +664,43 @@ MUTANTS: tuple[Mutant, ...] = (
         'self.lanes["ordinary"].drain(run_id)',
         ("tests/test_lanes_e2e.py",),
         ci=True,
+    ),
+    # -- fair shares between keys (issue 50 item 3, schema version 9) ----------------------------
+    Mutant(
+        "fair-key-ignored",
+        "issue 50: the claim takes a key's runs, not the oldest of any key",
+        SQL,
+        "where r.fairness_key = p_key and not r.idle",
+        "where not r.idle",
+        (
+            f"{FAIR}::test_a_quiet_key_goes_in_the_first_claim_beside_a_noisy_backlog",
+            f"{FAIR}::test_weights_5_3_2_share_the_first_600_runs",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "fair-weights-ignored",
+        "issue 50: keys share in proportion to their weights",
+        SQL,
+        "array_agg(1000000 / coalesce(f.weight, 1) order by k.key)",
+        "array_agg(1000000::bigint order by k.key)",
+        (f"{FAIR}::test_weights_5_3_2_share_the_first_600_runs",),
+    ),
+    Mutant(
+        "fair-idle-banks-credit",
+        "issue 50: a key back from idle starts level with the others, no credit banked",
+        SQL,
+        "else f.pass_ordinary end, 0), v_clock)",
+        "else f.pass_ordinary end, 0), 0)",
+        (f"{FAIR}::test_a_key_back_from_idle_has_no_banked_credit",),
+    ),
+    Mutant(
+        "fair-run-changes-key",
+        "issue 50: a run has one key; a later event naming another is refused",
+        SQL,
+        "elsif p_fairness_key is not null and p_fairness_key <> v_key then",
+        "elsif false then",
+        (f"{FAIR}::test_a_later_event_naming_another_key_is_refused",),
     ),
     # -- the §5 answer table (relay/core/policy.py decide: one pure function, a test per row) ---
     Mutant(
@@ -938,6 +1003,42 @@ MUTANTS: tuple[Mutant, ...] = (
         "            pass",
         (f"{ADMISSION_E2E}::test_the_limit_falls_on_503s_and_recovers_after",),
     ),
+    # -- an operator's second week (issue 49) ------------------------------------------------------
+    Mutant(
+        "limit-fell-warns-on-queueing",
+        "issue 49 item 5: a fall of the limit for queueing alone is info, not a warning",
+        "relay/admission/limit.py",
+        "Level.FALLEN, now, overload",
+        "Level.FALLEN, now, True",
+        (
+            "tests/test_limit_events.py::"
+            "test_a_fall_for_queueing_is_info_and_one_for_overload_a_warning",
+        ),
+    ),
+    Mutant(
+        "limit-fallen-when-idle",
+        "issue 49 item 5: an idle replica's limit is not left fallen",
+        "relay/runner.py",
+        "                background.start_soon(self.permits.settle_when_idle)",
+        "                pass",
+        (f"{ADMISSION_E2E}::test_an_idle_replica_that_fell_recovers",),
+    ),
+    Mutant(
+        "inspect-head-status-not-the-runs",
+        "issue 49 item 6: relay inspect shows the last answer of a head that backs off",
+        "schema/functions_ops.sql",
+        "                         and r.attempts > 0 then r.last_status else e.last_status end,",
+        "                         and false then r.last_status else e.last_status end,",
+        ("tests/test_inspect_answer.py",),
+    ),
+    Mutant(
+        "build-info-without-commit",
+        "issue 49 item 10: build_info names the commit a replica runs",
+        "relay/serving/metrics.py",
+        "labels(__version__, build.commit(), platform.python_version())",
+        "labels(__version__, __version__, platform.python_version())",
+        ("tests/test_build_info.py::test_a_scrape_carries_the_version_and_the_commit",),
+    ),
     Mutant(
         "budget-not-wired",
         "issue 42: retries stay within the replica's retry budget",
@@ -975,6 +1076,42 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "outage-last-try-warns-twice",
+        "issue 49 item 3: one warning per failed POST (an attempt's last try is told by its "
+        "retry_scheduled warning)",
+        "relay/delivery/execute.py",
+        "logging.WARNING if retry_in is not None else logging.INFO,",
+        "logging.WARNING,",
+        (f"{OUTAGE_LOGS}::{OUTAGE_TEST}",),
+    ),
+    Mutant(
+        "outage-deferral-line-per-run",
+        "issue 49 item 3: a deferral is a count in its lane's retries_deferred line, its own line "
+        "at debug",
+        "relay/delivery/release.py",
+        """        logs.debug(
+            "retry_deferred",""",
+        """        logs.info(
+            "retry_deferred",""",
+        (f"{OUTAGE_LOGS}::{OUTAGE_TEST}",),
+    ),
+    Mutant(
+        "outage-reschedule-ignores-budget",
+        "issue 49 item 3: retry_scheduled says when the run really goes, the budget considered",
+        "relay/delivery/execute.py",
+        "decision = self.books.scheduled(decision, held.claim.attempts)",
+        "decision = decision",
+        (f"{OUTAGE_LOGS}::{OUTAGE_TEST}",),
+    ),
+    Mutant(
+        "operator-retry-held-by-budget",
+        "issue 49 item 3: relay retry sends a run at once, past the retry budget",
+        "relay/runner.py",
+        "        self.budget.waive(run_id, clock.now())",
+        "        pass",
+        (f"{OUTAGE_LOGS}::test_relay_retry_sends_a_run_the_budget_holds_back_at_once",),
+    ),
+    Mutant(
         "ack-unknown-not-sent-again",
         "§9.5: an ack that did not commit (the database away) is sent again, not redelivered",
         "relay/delivery/ack.py",
@@ -1006,10 +1143,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "order-blocked-run-claimed",
         "§9.2: nothing after a failed event is delivered until retried or skipped",
         SQL,
-        "where not r.idle and r.blocked_seq is null and r.next_attempt_at <= clock_timestamp()\n"
-        "        order by r.next_attempt_at",
-        "where not r.idle and r.next_attempt_at <= clock_timestamp()\n"
-        "        order by r.next_attempt_at",
+        "where r.fairness_key = p_key and not r.idle and r.blocked_seq is null\n",
+        "where r.fairness_key = p_key and not r.idle\n",
         (f"{LEASE}::test_fail_event_blocks_the_run_until_an_operator_acts",),
     ),
     # -- acknowledgement and wakes (§6, §9.1, §9.4) ----------------------------------------------
@@ -1091,6 +1226,16 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/test_tracing.py::test_a_collector_that_drips_its_answer_cannot_hold_a_stopping_relay",
         ),
+    ),
+    Mutant(
+        "tracing-answer-unbounded",
+        "memory bounds: the OTLP exporter reads a collector's endless answer without limit"
+        " (issue 48 item 3)",
+        "relay/integrations/otel.py",
+        '    session.hooks["response"].append(_cut_answer)\n',
+        "",
+        ("tests/test_collector_answer.py",),
+        ci=True,
     ),
 )
 

@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 
-from relay.admission.retry_budget import SPAN, Result, RetryBudget
+from relay.admission.retry_budget import SPAN, WAIVER_TTL, Result, RetryBudget
 from relay.admission.windows import WindowedMin, WindowedSum
 
 # --- a simulated ingress ----------------------------------------------------------------------
@@ -188,3 +188,52 @@ def test_a_windowed_sum_keeps_a_bounded_number_of_slices() -> None:
     assert len(window._values) <= 10
     with pytest.raises(ValueError):
         WindowedSum(0.0)
+
+
+# --- when a retry would go, and an operator's retry (issue 49 item 3) ----------------------------
+
+
+def spent_budget(now: float) -> RetryBudget:
+    """A budget of the default reserve (2 tokens) whose two retries failed at `now`."""
+    budget = RetryBudget()
+    for _ in range(2):
+        assert budget.try_retry(now)
+        budget.record(Result.FAILED, retry=True, now=now)
+    assert budget.spent(now)
+    return budget
+
+
+def test_ready_in_is_when_the_charged_retries_age_out_of_the_window() -> None:
+    budget = spent_budget(100.2)
+    ready = budget.ready_in(100.5)
+    # The charges of the slice [100, 101) leave the window once it starts at 101: at 110.
+    assert ready == pytest.approx(9.5, abs=1e-3)
+    assert not budget.spent(100.5 + ready) and budget.spent(100.5 + ready - 0.01)
+    assert RetryBudget().ready_in(100.5) == 0.0  # a token now: no wait
+
+
+def test_an_operators_retry_passes_a_spent_budget_once_and_is_charged_as_any_retry() -> None:
+    budget = spent_budget(100.0)
+    assert not budget.try_retry(100.5, ["r1"])
+    budget.waive("r1", 100.5)
+    assert not budget.try_retry(100.6, ["r2"])  # another run's retry is still held back
+    assert budget.try_retry(100.7, ["r2", "r1"])  # a POST with r1 in it goes
+    budget.record(Result.FAILED, retry=True, now=101.0)
+    assert budget.balance(101.0) == pytest.approx(-1.0)
+    assert not budget.try_retry(101.1, ["r1"])  # the waiver was taken
+
+
+def test_a_waiver_nobody_took_lapses() -> None:
+    budget = RetryBudget()
+    budget.waive("r1", 100.0)
+    later = 100.0 + WAIVER_TTL + 1.0
+    for _ in range(2):  # the budget spent since, and the waiver's time is up
+        assert budget.try_retry(later)
+        budget.record(Result.FAILED, retry=True, now=later)
+    assert not budget.try_retry(later, ["r1"])
+
+
+def test_ready_in_does_not_wait_for_the_tokens_retries_in_flight_hold() -> None:
+    budget = RetryBudget()
+    assert budget.try_retry(100.0) and budget.try_retry(100.0)
+    assert budget.spent(100.0) and budget.ready_in(100.0) == 0.0

@@ -23,9 +23,10 @@ import psycopg
 import pytest
 
 import relay
-from relay.admission.limit import MIN_LIMIT
+from relay.admission.limit import IDLE_SPAN, MIN_LIMIT, Sample, Signal
 from relay.admission.permits import AdmissionView, Priority
 from relay.admission.retry_budget import PER_SECOND, RATIO, SPAN
+from relay.core import clock
 from relay.runner import Relay
 from relay.settings import Settings
 from relay.tools.bench.capacity_ingress import CapacitySink, Post
@@ -309,3 +310,34 @@ def fell_since(decisions: Decisions, start: int) -> list[dict[str, Any]]:
 
 def recovered_since(decisions: Decisions, start: int) -> list[dict[str, Any]]:
     return [f for name, f in decisions.records[start:] if name == "limit_recovered"]
+
+
+async def test_an_idle_replica_that_fell_recovers(
+    pg_url: str, schema: str, decisions: Decisions
+) -> None:
+    """Issue 49 item 5: an idle healthy replica stayed "limit 5/36 (fallen)". Its limit fell
+    under a burst (the burst's answers given to the limit here, as relay/admission/limit.py's
+    tests give them); with nothing to send, it is not fallen IDLE_SPAN later, with a line
+    saying so (the runner asks the limit every second)."""
+    sink = Sink()
+    async with serving(sink) as url:
+        r = Relay(settings(pg_url, schema, url, concurrency=30, critical_concurrency=6))
+        assert r.permits is not None
+        limit = r.permits.admission.limit
+        now = clock.now()
+        while limit.allowed < limit.ceiling:  # a burst at an ingress that keeps up: 4, 8, .. 36
+            now += 0.010
+            for k in range(limit.allowed):
+                limit.observe(Sample(0.010, Signal.ANSWERED), inflight=k + 1, now=now)
+        limit.observe(Sample(0.010, Signal.OVERLOADED), inflight=1, now=now + 0.010)  # a 503
+        assert limit.view(now).fallen
+        async with r.running():
+            assert r.permits.view().limit.fallen
+            await wait_for(
+                lambda: bool(decisions.named("limit_recovered")),
+                timeout=IDLE_SPAN + 10,
+                what="limit_recovered",
+            )
+            assert not r.permits.view().limit.fallen
+    [recovered] = decisions.named("limit_recovered")
+    assert recovered["reason"] == "idle"

@@ -251,12 +251,14 @@ def test_reports_a_sharp_fall_once_and_its_recovery_once() -> None:
     assert ingress.events == []
     ingress.round(0.200, signal=Signal.OVERLOADED)  # 19 -> 9: under half of 32
     ingress.round(0.200, signal=Signal.OVERLOADED)  # 9 -> 4: still fallen, no second line
-    assert ingress.events == [LimitEvent(Change.FELL, 9, 32, "overload")]
+    assert ingress.events == [LimitEvent(Change.FELL, 9, 32, "overload", warning=True)]
     assert ingress.limit.view(ingress.now).fallen
     ingress.rounds(20, 0.200)  # 4 -> 24: not yet back
     assert len(ingress.events) == 1
     ingress.rounds(5, 0.200)  # back to 29 >= 0.9 * 32
-    assert ingress.events[1:] == [LimitEvent(Change.RECOVERED, 29, 32, "growth")]
+    [recovered] = ingress.events[1:]
+    assert (recovered.change, recovered.limit, recovered.level) == (Change.RECOVERED, 29, 32)
+    assert recovered.reason == "growth" and not recovered.warning
     assert not ingress.limit.view(ingress.now).fallen
 
 

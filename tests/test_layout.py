@@ -24,9 +24,9 @@ TOOLS = "relay.tools"
 MAX_JOB_WORDS = 75
 # Optional integrations: each needs an extra, loaded only when configured (relay/edges/tracing.py).
 INTEGRATIONS = {"relay.integrations": "otel"}
-# In the core install although nothing imports it: none since issue 40 (every core dependency
-# is one the production wing imports).
-# uvloop: anyio imports it (use_uvloop, relay/core/loop.py); the relay names it, never imports it
+# In the core install although nothing imports it (every other core dependency is one the
+# production wing imports, since issue 40). uvloop: anyio imports it (use_uvloop,
+# relay/core/loop.py); the relay names it, never imports it.
 INSTALLED_NOT_IMPORTED: set[str] = {"uvloop"}
 
 

@@ -1248,8 +1248,9 @@ def test_claim_is_index_backed_whatever_the_backlog(
     assert set(got) == {f"due{i}" for i in range(1, 6)}  # the five longest due
     assert delta["runs"][0] == 0, delta  # no sequential scan of runs
     assert delta["outbox"][0] == 0, delta  # nor of the events
-    assert delta["runs_due"][0] >= 1, delta
-    assert delta["runs_due"][1] <= 10, delta  # reads what it takes, not the backlog
+    # through the key's index (schema version 9): one key here, so its due runs in order
+    assert delta["runs_due_by_key"][0] >= 1, delta
+    assert delta["runs_due_by_key"][1] <= 10, delta  # reads what it takes, not the backlog
 
     got, delta = _claim_scans(conn, schema, "critical")
     assert set(got) == {"due17", "due4242"}
@@ -1257,22 +1258,22 @@ def test_claim_is_index_backed_whatever_the_backlog(
     assert delta["outbox"][0] == 0, delta
     # pending_terminals holds only the critical backlog (two rows here, scanned whole; through
     # pending_terminals_created_at when it is large): nothing of the ordinary backlog is read
-    read = delta["pending_terminals"][1] + delta["pending_terminals_created_at"][1]
+    read = delta["pending_terminals"][1] + delta["pending_terminals_by_key"][1]
     assert 1 <= read <= 10, delta
 
-    # The same through the planner: EXPLAIN of the ordinary pick as installed.
+    # The same through the planner: EXPLAIN of the ordinary pick of one key as installed.
     src = conn.execute(
-        "select prosrc from pg_proc where proname = 'pick_ordinary'"
+        "select prosrc from pg_proc where proname = 'pick_of_key'"
         " and pronamespace = %s::regnamespace",
         (schema,),
     ).fetchone()
     assert src is not None
-    found = re.search(r"\), due as \((.*?)\n\s*\)\n", src[0], flags=re.S)
-    assert found, "the ordinary pick (pick_ordinary) is not where this test looks for it"
+    found = re.search(r"else\n\s*return query\n(.*?);\n", src[0], flags=re.S)
+    assert found, "the ordinary pick (pick_of_key) is not where this test looks for it"
     query = (
         found.group(1)
-        .replace("p_run_id", "null::text")
-        .replace("p_lane", "'ordinary'")
+        .replace("p_key", "''")
+        .replace("p_exclude", "'{}'::text[]")
         .replace("p_runs", "5")
     )
     with conn.transaction():
@@ -1289,11 +1290,17 @@ def test_claim_is_index_backed_whatever_the_backlog(
             walk(child)
 
     walk(plan[0][0]["Plan"])
-    assert any(n.get("Index Name") == "runs_due" for n in nodes), nodes
+    assert any(n.get("Index Name") == "runs_due_by_key" for n in nodes), nodes
     assert not any(n["Node Type"] in ("Seq Scan", "Sort", "Bitmap Heap Scan") for n in nodes), nodes
 
     # A dead owner's runs (issue 18) are found through runs_leased, not by scanning runs.
-    found = re.search(r"dead_owners_runs as \((.*?)\n\s*\), due as", src[0], flags=re.S)
+    src = conn.execute(
+        "select prosrc from pg_proc where proname = 'pick_ordinary'"
+        " and pronamespace = %s::regnamespace",
+        (schema,),
+    ).fetchone()
+    assert src is not None
+    found = re.search(r" in\n(.*?)\n\s*loop\n", src[0], flags=re.S)
     assert found, "the dead owners' pick (pick_ordinary) is not where this test looks for it"
     query = found.group(1).replace("p_runs", "5").replace("p_dead", "array['gone']::text[]")
     with conn.transaction():
@@ -1349,7 +1356,8 @@ def test_a_dead_owners_runs_are_claimed_through_runs_leased_on_the_functions_own
     assert delta["runs"][0] == 0, delta  # no sequential scan of runs
     assert delta["outbox"][0] == 0, delta
     assert delta["runs_leased"][0] >= 1, delta
-    assert delta["runs_due"][1] <= 10, delta  # not a walk past every due run to the leased ones
+    # not a walk past every due run to the leased ones
+    assert delta["runs_due_by_key"][1] <= 10, delta
 
 
 def test_an_ack_never_moves_the_cursor_past_what_it_names_or_what_exists(

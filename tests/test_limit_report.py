@@ -236,7 +236,10 @@ async def test_functions_older_than_the_relay_refuse_its_report_harmlessly(rig: 
         assert listener is not None and listener.up
         await deliver_some(rig, r)  # still delivering
         alive = rig.conn.execute(
-            rig.q("select not pg_try_advisory_xact_lock_shared({s}.liveness_key(%s))"),
+            rig.q(
+                "select not pg_try_advisory_xact_lock_shared("
+                "{s}.liveness_key_of(owner, incarnation)) from {s}.replicas where owner = %s"
+            ),
             (cfg.replica_id,),
         ).fetchone()
         assert alive == (True,)

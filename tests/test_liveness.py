@@ -402,14 +402,23 @@ def stopped(c: psycopg.Connection[Any], schema: str, owner: str) -> bool:
     return bool(got[0])
 
 
-def lock_free(conn: psycopg.Connection[Any], schema: str, owner: str) -> bool:
-    """Whether no session holds the owner's liveness lock (tried, and given back, from `conn`)."""
-    key = conn.execute(sql.SQL("select {}(%s)").format(fn(schema, "liveness_key")), (owner,))
-    row = key.fetchone()
+def recorded_key(conn: psycopg.Connection[Any], schema: str, owner: str) -> int:
+    """The liveness key the owner's `replicas` row records (liveness_key_of)."""
+    row = conn.execute(
+        sql.SQL("select {}(owner, incarnation) from {} where owner = %s").format(
+            fn(schema, "liveness_key_of"), fn(schema, "replicas")
+        ),
+        (owner,),
+    ).fetchone()
     assert row is not None
-    taken = conn.execute("select pg_try_advisory_lock(%s)", (row[0],)).fetchone()
+    return int(row[0])
+
+
+def lock_free(conn: psycopg.Connection[Any], key: int) -> bool:
+    """Whether no session holds the advisory lock `key` (tried, and given back, from `conn`)."""
+    taken = conn.execute("select pg_try_advisory_lock(%s)", (key,)).fetchone()
     if taken == (True,):
-        conn.execute("select pg_advisory_unlock(%s)", (row[0],))
+        conn.execute("select pg_advisory_unlock(%s)", (key,))
         return True
     return False
 
@@ -430,10 +439,12 @@ async def test_a_clean_stop_forgets_the_owner_and_gives_its_lock_up(
         with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState, match="liveness lock"):
             stopped(c, schema, "stopping")
     assert alive(conn, schema) == {"other": True, "stopping": True}
+    key = recorded_key(conn, schema, "stopping")
+    assert not lock_free(conn, key)
 
     assert stopped(h.conn, schema, "stopping") is True
     assert alive(conn, schema) == {"other": True}
-    assert lock_free(conn, schema, "stopping")
+    assert lock_free(conn, key)
     assert h.conn.execute("select 1").fetchone() == (1,)
 
 
@@ -464,7 +475,8 @@ async def test_a_relay_stopped_cleanly_is_not_listed_and_takes_its_lock_no_more(
         async with Relay(s).running() as r:
             assert r.listener is not None and r.listener.liveness_held
             assert alive(conn, schema) == {"clean-one": True}
+            key = recorded_key(conn, schema, "clean-one")
             await wait_for(lambda: sink.state.first_order.get("r1") == [1], what="r1")
         assert not r.listener.liveness_held
     assert alive(conn, schema) == {}
-    assert lock_free(conn, schema, "clean-one")
+    assert lock_free(conn, key)

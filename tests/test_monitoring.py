@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from relay import __version__
 from relay.runner import Relay
+from relay.serving import build
 from relay.tools.sink import Sink, serve_sink
 from tests.support import count, settings, wait_for
 from tests.test_metrics import get, relay_port
@@ -171,8 +172,8 @@ async def test_every_metric_of_the_rules_and_dashboard_is_in_a_real_scrape(
     missing = sorted(used_metrics() - names)
     assert not missing, f"queried but not exported: {missing}"
     assert (
-        f'ledger_relay_build_info{{python="{sys.version.split()[0]}",version="{__version__}"}} 1.0'
-        in text
+        f'ledger_relay_build_info{{commit="{build.commit()}",python="{sys.version.split()[0]}",'
+        f'version="{__version__}"}} 1.0' in text
     )
     assert "process_resident_memory_bytes" in names and "python_info" in names
     assert re.search(r"^ledger_relay_blocked_runs 1\.0$", text, re.M), text
@@ -186,4 +187,5 @@ def test_relay_version_prints_the_version() -> None:
         timeout=60,
         check=False,
     )
-    assert got.returncode == 0 and got.stdout.strip() == f"ledger-relay {__version__}", got
+    want = f"ledger-relay {__version__} (commit {build.commit()})"
+    assert got.returncode == 0 and got.stdout.strip() == want, got

@@ -58,6 +58,9 @@ EXPECTED_TABLES = {
     "replicas": None,
     "schema_migrations": None,
     "schema_functions": None,
+    # 0009_fairness_keys: a key's weight and passes, each lane's clock (issue 50 item 3)
+    "fairness_keys": None,
+    "fairness_clock": None,
 }
 
 EXPECTED_COLUMNS = {
@@ -83,6 +86,8 @@ EXPECTED_COLUMNS = {
         ("delivered_seq", "bigint", True),
         ("delivered_at", "timestamp with time zone", False),
         ("last_status", "integer", False),
+        # 0009_fairness_keys: the run's key, set by its first event
+        ("fairness_key", "text", True),
     ],
     # 0007_delivery_cursor: written once; the delivery columns moved to the run and to
     # event_failures / event_skips. 0008_outbox_parts: the parts of the partitioned outbox.
@@ -132,6 +137,8 @@ EXPECTED_COLUMNS = {
         ("run_id", "text", True),
         ("seq", "bigint", True),
         ("created_at", "timestamp with time zone", True),
+        # 0009_fairness_keys: the run's key, for the critical lane's shares
+        ("fairness_key", "text", True),
     ],
     # 0003_replicas: replica liveness (issue 18)
     "replicas": [
@@ -158,6 +165,13 @@ EXPECTED_COLUMNS = {
         ("db_fingerprint", "text", True),
         ("applied_at", "timestamp with time zone", True),
     ],
+    "fairness_keys": [
+        ("key", "text", True),
+        ("weight", "integer", True),
+        ("pass_critical", "bigint", True),
+        ("pass_ordinary", "bigint", True),
+    ],
+    "fairness_clock": [("lane", "text", True), ("vtime", "bigint", True)],
 }
 
 # Index definitions with the schema name replaced by `S`.
@@ -199,6 +213,15 @@ EXPECTED_INDEXES = {
     " ON S.schema_migrations USING btree (version)",
     "schema_functions_pkey": "CREATE UNIQUE INDEX schema_functions_pkey"
     " ON S.schema_functions USING btree (id)",
+    # 0009_fairness_keys
+    "runs_due_by_key": "CREATE INDEX runs_due_by_key ON S.runs USING btree"
+    " (fairness_key, next_attempt_at) WHERE ((NOT idle) AND (blocked_seq IS NULL))",
+    "pending_terminals_by_key": "CREATE INDEX pending_terminals_by_key"
+    " ON S.pending_terminals USING btree (fairness_key, created_at)",
+    "fairness_keys_pkey": "CREATE UNIQUE INDEX fairness_keys_pkey ON S.fairness_keys"
+    " USING btree (key)",
+    "fairness_clock_pkey": "CREATE UNIQUE INDEX fairness_clock_pkey ON S.fairness_clock"
+    " USING btree (lane)",
 }
 
 # name -> identity arguments: the SQL API producers and the relay are written against. Other
@@ -210,9 +233,10 @@ EXPECTED_FUNCTIONS = {
     "terminal_channel": "",
     "setting": "p_key text",
     "enqueue": "p_run_id text, p_event_id text, p_event_type text, p_payload jsonb,"
-    " p_terminal boolean, p_wake_queue text, p_wake_event text, p_traceparent text",
+    " p_terminal boolean, p_wake_queue text, p_wake_event text, p_traceparent text,"
+    " p_fairness_key text",
     "exists_absurd_queue": "p_queue text",
-    "enqueue_many": "p_run_id text, p_events jsonb",
+    "enqueue_many": "p_run_id text, p_events jsonb, p_fairness_key text",
     "lock_run_for_enqueue": "p_run_id text",
     "has_pending": "p_run_id text, p_cursor bigint",
     "settle_run": "p_run_id text",
@@ -220,6 +244,10 @@ EXPECTED_FUNCTIONS = {
     "pick_run": "p_run_id text, p_dead text[]",
     "pick_critical": "p_runs integer, p_dead text[]",
     "pick_ordinary": "p_runs integer, p_dead text[]",
+    "lane_keys": "p_lane text, p_limit integer",
+    "pick_of_key": "p_lane text, p_key text, p_runs integer, p_dead text[], p_exclude text[]",
+    "pick_lane": "p_lane text, p_runs integer, p_dead text[], p_exclude text[]",
+    "pick_shared": "p_lane text, p_runs integer, p_dead text[], p_exclude text[]",
     "claim": "p_owner text, p_runs integer, p_batch integer, p_ttl interval, p_lane text,"
     " p_run_id text, p_max_bytes bigint",
     "claimed_prefixes": "p_taken text[], p_epochs bigint[], p_tokens uuid[],"
@@ -252,6 +280,7 @@ EXPECTED_FUNCTIONS = {
     "inspect_run": "p_run_id text, p_from_seq bigint, p_limit integer",
     "inspect_run_summary": "p_run_id text",
     "status": "p_blocked_limit integer",
+    "set_fairness_weight": "p_key text, p_weight integer",
 }
 
 EXPECTED_SETTINGS = {
@@ -569,7 +598,7 @@ def test_six_concurrent_migrates_end_with_one_correct_schema(pg_url: str, fresh:
         # a dropped function
         "drop function {s}.settle_run(text)",
         # a changed attribute, body untouched: the search_path pin is gone
-        "alter function {s}.enqueue(text, text, text, jsonb, boolean, text, text, text)"
+        "alter function {s}.enqueue(text, text, text, jsonb, boolean, text, text, text, text)"
         " reset search_path",
         # a changed attribute: volatility
         "alter function {s}.setting(text) volatile",

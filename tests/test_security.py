@@ -1042,7 +1042,7 @@ def test_migrate_keeps_the_grants_exact_after_drift_and_extra_grants(
     assert not may(roles.relay, "table", f"{schema}.events", "insert")
     assert not may(roles.relay, "table", f"{schema}.events", "update")
     assert not may(roles.producer, "table", f"{schema}.runs", "select")
-    assert may(roles.producer, "function", f"{schema}.enqueue_many(text, jsonb)", "execute")
+    assert may(roles.producer, "function", f"{schema}.enqueue_many(text, jsonb, text)", "execute")
 
 
 def test_role_names_are_validated() -> None:

@@ -52,6 +52,8 @@ MIN_RTT_SPAN = 10.0  # seconds: how long a minimum round trip is believed (BBR's
 SHARP_FALL = 0.5  # a fall to this share of the level before it is reported...
 SHARP_FALL_PERMITS = 4  # ...if it costs at least this many POSTs (not 4 -> 2 at a tiny ingress)
 RECOVERED_SHARE = 0.9  # back to this share of the level it fell from: reported recovered
+SUSTAINED = 60.0  # seconds fallen for queueing, not recovered: now a warning (docs/admission.md)
+IDLE_SPAN = MIN_RTT_SPAN  # seconds with no POST in flight and no answer: the pressure is gone
 
 
 class Signal(enum.Enum):
@@ -96,17 +98,24 @@ class Sample:
 
 class Change(enum.Enum):
     FELL = "fell"  # the limit fell sharply: the caller logs `limit_fell`
-    RECOVERED = "recovered"  # back near where it fell from: the caller logs `limit_recovered`
+    RECOVERED = "recovered"  # the pressure is gone: the caller logs `limit_recovered`
 
 
 @dataclass(frozen=True, slots=True)
 class LimitEvent:
-    """A sharp fall of the limit or its recovery, for a log line."""
+    """A sharp fall of the limit or its recovery, for a log line. A fall is a warning
+    (`warning`) when the ingress said it is full (429, 503, 504, a timeout), or when queueing
+    has held the limit down for SUSTAINED seconds (`fallen_for`, then a second FELL of the same
+    fall); a fall for queueing alone is the limit doing its job at a busy ingress."""
 
     change: Change
     limit: int  # the limit now
     level: int  # the level it fell from (for a recovery too)
-    reason: str  # what moved it last: "overload", "queueing" or "growth"
+    # What moved it: "overload" or "queueing" (fell); "growth" (back near its level), "unused"
+    # (a window used less than half of it) or "idle" (nothing in flight for IDLE_SPAN): recovered
+    reason: str
+    warning: bool = False
+    fallen_for: float = 0.0  # seconds since it fell (0.0 at the fall itself)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +172,9 @@ class Limit:
         self._slow_start = slow_start  # doubles per window until the first decrease
         self._level = Level.STEADY
         self._high = self.allowed  # the highest limit since it was last steady or reported
+        self._fell_at = -math.inf  # when it last fell sharply
+        self._warned = False  # this fall was reported as a warning already
+        self._answered_at = -math.inf  # the last answer (idle: none for IDLE_SPAN)
 
     @property
     def allowed(self) -> int:
@@ -184,6 +196,7 @@ class Limit:
         """Take one POST's answer, received at `now`; `inflight` counts the POSTs in flight
         once it was sent (itself included). Returns an event when the limit fell sharply or
         recovered."""
+        self._answered_at = now
         if sample.retry_after is not None:
             self._paused_until = max(self._paused_until, now + sample.retry_after)
         if sample.signal is Signal.SILENT:
@@ -205,6 +218,13 @@ class Limit:
         self._window = None
         return self._judge(window, now)
 
+    def settle(self, now: float, *, inflight: int) -> LimitEvent | None:
+        """Called now and then (a second or so) with the POSTs in flight: a fallen limit with
+        nothing in flight and no answer for IDLE_SPAN recovers ("idle"), since no pressure is
+        left to hold it down and no window will close to say so."""
+        idle = inflight == 0 and now - self._answered_at >= IDLE_SPAN
+        return self._recover("idle", now) if idle else None
+
     def _judge(self, window: _Window, now: float) -> LimitEvent | None:
         """One decision for a window's answers: decrease, increase by one, or stay."""
         decrease = self._decrease(window, now)
@@ -213,13 +233,15 @@ class Limit:
             self._value = max(float(self.min_limit), self._value * factor)
             self._decreased_at = now
             self._slow_start = False
-            return self._report(reason)
-        used = window.busiest * 2 >= self.allowed
-        if window.rtts and used and now >= self._paused_until:
+            return self._fall(reason, window, now)
+        if window.busiest * 2 < self.allowed:
+            # Unused: the limit holds back nothing (and does not grow, section 1 rule 3)
+            return self._recover("unused", now)
+        if window.rtts and now >= self._paused_until:
             step = self._value if self._slow_start else 1.0
             self._value = min(float(self.ceiling), self._value + step)
-            return self._report("growth")
-        return None
+            return self._rise(now)
+        return self._sustained(now)
 
     def _decrease(self, window: _Window, now: float) -> tuple[float, str] | None:
         """The factor to shrink the limit by, and why; None when the window shows neither
@@ -234,20 +256,51 @@ class Limit:
             return None  # the relay's own lateness is not the ingress's queueing
         return max(QUEUEING_FLOOR, floor / median), "queueing"
 
-    def _report(self, reason: str) -> LimitEvent | None:
-        """A FELL event when the limit fell to SHARP_FALL of its level, a RECOVERED one when it
-        is back near the level it fell from (or at the ceiling)."""
+    def _fall(self, reason: str, window: _Window, now: float) -> LimitEvent | None:
+        """A FELL event when the limit fell to SHARP_FALL of its level, by SHARP_FALL_PERMITS
+        at least, and a fall for queueing holds back POSTs the window had out; a warning for
+        overload. Fallen already: a warning once, for overload or sustained queueing."""
+        allowed = self.allowed
+        overload = reason == "overload"
+        if self._level is Level.FALLEN:
+            if overload and not self._warned:
+                self._warned = True
+                return self._fell(reason, now)
+            return self._sustained(now)
+        self._high = max(self._high, allowed)
+        sharp = allowed <= self._high * SHARP_FALL and self._high - allowed >= SHARP_FALL_PERMITS
+        if not sharp or not (overload or window.busiest > allowed):
+            return None
+        self._level, self._fell_at, self._warned = Level.FALLEN, now, overload
+        return self._fell(reason, now)
+
+    def _rise(self, now: float) -> LimitEvent | None:
+        """After growth: RECOVERED once the limit is back near the level it fell from (or at the
+        ceiling)."""
         allowed = self.allowed
         if self._level is Level.STEADY:
             self._high = max(self._high, allowed)
-            sharp = allowed <= self._high * SHARP_FALL
-            if sharp and self._high - allowed >= SHARP_FALL_PERMITS:
-                self._level = Level.FALLEN
-                return LimitEvent(Change.FELL, allowed, self._high, reason)
             return None
         if allowed >= min(self.ceiling, self._high * RECOVERED_SHARE):
-            self._level = Level.STEADY
-            event = LimitEvent(Change.RECOVERED, allowed, self._high, reason)
-            self._high = allowed
-            return event
-        return None
+            return self._recover("growth", now)
+        return self._sustained(now)
+
+    def _sustained(self, now: float) -> LimitEvent | None:
+        """A warning, once, when queueing has kept the limit fallen for SUSTAINED seconds."""
+        if self._level is Level.STEADY or self._warned or now - self._fell_at < SUSTAINED:
+            return None
+        self._warned = True
+        return self._fell("queueing", now)
+
+    def _fell(self, reason: str, now: float) -> LimitEvent:
+        """The FELL event of this fall: a warning once `_warned` says one is due."""
+        fallen_for = now - self._fell_at
+        return LimitEvent(Change.FELL, self.allowed, self._high, reason, self._warned, fallen_for)
+
+    def _recover(self, reason: str, now: float) -> LimitEvent | None:
+        if self._level is Level.STEADY:
+            return None
+        fallen_for = now - self._fell_at
+        event = LimitEvent(Change.RECOVERED, self.allowed, self._high, reason, False, fallen_for)
+        self._level, self._high, self._warned = Level.STEADY, self.allowed, False
+        return event

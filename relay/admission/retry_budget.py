@@ -22,15 +22,23 @@ traffic (Finagle's budget, which charges every retry always, would trickle them 
 refused here waits in the outbox (the caller hands its claim back with a delay): no event is
 ever dropped for want of a token.
 
+An operator's explicit retry is not one the budget holds back (issue 49 item 3): `relay retry`
+makes a run due and names it on the terminal channel; a replica that hears it `waive`s the budget
+for that run, and the run's next retry goes whatever the balance (it still holds a token while in
+flight and is charged as any retry is, so the budget's accounts stay whole). A waiver is taken by
+the run's next retry, or lapses after WAIVER_TTL seconds.
+
 Pure: no I/O; `now` is the monotonic clock, passed in.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from relay.admission.windows import WindowedSum
+from relay.admission.windows import SLICES, WindowedSum
 
 RATIO = 0.1  # tokens per POST served (gRPC's example token_ratio)
 # The reserve, in retries per second per replica (Finagle's minRetriesPerSec, scaled down): at
@@ -44,6 +52,10 @@ HEALTHY = 0.1  # at most this share of the window's POSTs failed: a served retry
 # a spent budget only sees the same runs claimed and handed back again (19,253 deferrals in a minute
 # at a 1 s floor in issue 42's bench, a claim and a release each).
 DEFER_AT_LEAST = SPAN / 2
+SLICE = SPAN / SLICES  # seconds: what the budget's window ages out at a time
+# How long an operator's `relay retry` of a run lets its next retry pass the budget: it is made due
+# at once and claimed within a poll interval; a waiver nobody took by then is dropped.
+WAIVER_TTL = 60.0
 
 
 class Result(enum.Enum):
@@ -71,11 +83,13 @@ class RetryBudget:
         if ratio < 0 or per_second < 0:
             raise ValueError("a retry budget's ratio and reserve are not negative")
         self.ratio = ratio
+        self.span = span
         self.reserve = per_second * span
         self._served = WindowedSum(span)
         self._failed = WindowedSum(span)  # POSTs that failed, first attempts and retries
         self._charged = WindowedSum(span)  # retries that kept their token
         self._retrying = 0
+        self._waived: dict[str, float] = {}  # run id -> until when its next retry passes
 
     def balance(self, now: float) -> float:
         """Tokens left: deposits and the reserve, less charged retries and retries in flight."""
@@ -90,12 +104,44 @@ class RetryBudget:
     def view(self, now: float) -> BudgetView:
         return BudgetView(self.balance(now), self._retrying)
 
-    def try_retry(self, now: float) -> bool:
-        """May a retry go out now? If so it holds a token until `record(retry=True, ...)`."""
-        if self.balance(now) < 1.0:
+    def spent(self, now: float) -> bool:
+        """A retry asking now would be held back (no operator's waiver counted)."""
+        return self.balance(now) < 1.0
+
+    def ready_in(self, now: float) -> float:
+        """Seconds until a retry asking would get a token if nothing more happened: the charged
+        retries age out of the window slice by slice (the deposits too). The tokens retries in
+        flight hold are not waited for: they come back with their answers, within a request's
+        timeout, or are charged. 0 when one would now; at most the window's span (the reserve
+        alone, once everything aged out)."""
+        width = self.span / SLICES
+        when = now
+        for _ in range(SLICES + 1):
+            if self.balance(when) + self._retrying >= 1.0:
+                return when - now
+            when = (math.floor(when / width) + 1) * width + width * 1e-6  # the next slice's
+        return self.span
+
+    def waive(self, run_id: str, now: float) -> None:
+        """An operator asked for `run_id` to be retried now: its next retry passes the budget."""
+        self._waived = {r: until for r, until in self._waived.items() if until > now}
+        self._waived[run_id] = now + WAIVER_TTL
+
+    def try_retry(self, now: float, runs: Iterable[str] = ()) -> bool:
+        """May a retry (of `runs`) go out now? If so it holds a token until
+        `record(retry=True, ...)`. One of `runs` an operator waived the budget for goes whatever
+        the balance, and takes its waiver."""
+        waived = self._take_waiver(runs, now)
+        if not waived and self.balance(now) < 1.0:
             return False
         self._retrying += 1
         return True
+
+    def _take_waiver(self, runs: Iterable[str], now: float) -> bool:
+        if not self._waived:  # the common case: nobody asked
+            return False
+        taken = [r for r in runs if self._waived.pop(r, 0.0) > now]
+        return bool(taken)
 
     def record(self, result: Result, *, retry: bool, now: float) -> None:
         """A POST is done (`retry`: one that `try_retry` let go; each is recorded once)."""

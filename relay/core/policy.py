@@ -86,6 +86,9 @@ class Retry:
     retry_after: float | None  # the ingress's Retry-After, parsed and clamped
     quick: bool  # a blip: tenacity may retry it at once, within this attempt
     endpoint_ok: bool = False  # a 2xx all the same: the endpoint is the right one
+    # The run's own backoff when the retry budget, spent, made it wait longer (`delay` is then a
+    # deferral's wait: relay/delivery/bookkeeping.py); None: `delay` is the backoff.
+    backoff: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

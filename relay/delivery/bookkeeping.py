@@ -15,11 +15,12 @@ are read here on the monotonic clock, and the sample is a pure function of the a
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 from relay import logs
 from relay.admission.limit import Sample
-from relay.admission.retry_budget import DEFER_AT_LEAST, Result, RetryBudget
+from relay.admission.retry_budget import DEFER_AT_LEAST, SLICE, Result, RetryBudget
 from relay.core import clock
 from relay.core.policy import BACKOFF_BASE, Decision, Retry, backoff
 from relay.delivery.stats import ExecuteStats
@@ -43,23 +44,48 @@ class Bookkeeping:
         self.settings = settings
         self.stats = stats
 
-    def may_retry(self, retried: bool) -> bool:
+    def may_retry(self, retried: bool, runs: Iterable[str] = ()) -> bool:
         """A first attempt always goes; a retry (`retried`: a run with earlier attempts, and a
-        multi-run POST is one if any of its runs is) only when the budget has a token for it."""
+        multi-run POST is one if any of its runs is) only when the budget has a token for it, or
+        an operator retried one of its `runs` (`relay retry`: the budget waives it)."""
         if self.budget is None or not retried:
             return True
-        return self.budget.try_retry(clock.now())
+        return self.budget.try_retry(clock.now(), runs)
 
     def deferral(self, attempts: int) -> float:
-        """How long a retry the budget refused waits: the run's own backoff, as if it had failed
-        again (so a long outage spaces its retries out as failures would), in the upper half of
-        its range and never less than DEFER_AT_LEAST. Returns the delay (the executor's
-        `Deferred` carries it to the completer)."""
+        """How long a retry the budget refused waits (`_held_back`). Counted in the executor's
+        `stats.deferred`; returns the delay (the executor's `Deferred` carries it to the
+        completer)."""
+        self.stats.deferred += 1
+        return self._held_back(attempts)
+
+    def scheduled(self, retry: Retry, attempts: int) -> Retry:
+        """The reschedule of a failed attempt (the run's `attempts` before it), with the time its
+        next attempt really goes (issue 49 item 3): the run's backoff, or, when the budget is
+        spent now (the attempt's own tries took what it had), the wait a deferral would give it,
+        if that is longer. Sooner, the run is claimed only for the budget to hand it back
+        (`retry_scheduled retry_in=0.2` followed by deferrals and no POST for 20 s, in issue 49's
+        outage). The returned `Retry` keeps the run's own backoff in `backoff`."""
+        if self.budget is None or not self.budget.spent(clock.now()):
+            return retry
+        held = self._held_back(attempts + 1)
+        if held <= retry.delay:
+            return retry
+        return replace(retry, delay=held, backoff=retry.delay)
+
+    def _held_back(self, attempts: int) -> float:
+        """How long a retry the budget holds back waits in the outbox: the run's own backoff, as
+        if it had failed again (so a long outage spaces its retries out as failures would), in
+        the upper half of its range, never less than DEFER_AT_LEAST, nor than the budget has
+        no token for (`ready_in`: claimed sooner, it would only be handed back again)."""
         cap = self.settings.max_backoff
         ceiling = backoff(attempts, base=BACKOFF_BASE, cap=cap, rand=random.random(), jitter=0.5)
-        delay = max(DEFER_AT_LEAST, ceiling)
-        self.stats.deferred += 1
-        return delay
+        if self.budget is None:
+            return max(DEFER_AT_LEAST, ceiling)
+        # Spread over a slice of the budget's window, so the runs held back together are not
+        # all claimed at the instant a token frees.
+        ready = self.budget.ready_in(clock.now()) + random.random() * SLICE
+        return max(DEFER_AT_LEAST, ceiling, ready)
 
     def quick_retry_allowed(self) -> bool:
         """The budget lets one more quick try go (it holds a token until its answer)."""

@@ -72,7 +72,11 @@ class Completer:
         self.narrowing = Narrowing(resend, self)  # resends through the executor's `resend`
 
     async def run(self) -> None:
-        await self.acks.run()
+        """The ack group, and the releases' summary of the retries the budget held back."""
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(self.releases.summarise)
+            await self.acks.run()
+            tasks.cancel_scope.cancel()
 
     def close(self) -> None:
         """For a completer never run: close its ack queue."""

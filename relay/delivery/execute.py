@@ -11,6 +11,7 @@ the lease lost, to the lane's completer (relay/delivery/complete.py), the only w
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -133,8 +134,9 @@ class Executor:
         """POST these claims (one, or a group of small runs in one request) and return one
         outcome per run. Each holder keeps its claim's current value: a widening before the POST
         and each renewal are kept there. `answered` is told of each answer (the turn's limit).
-        A retry (a claim with earlier attempts) goes only if the retry budget lets it."""
-        if not self.books.may_retry(retried(holds)):
+        A retry (a claim with earlier attempts) goes only if the retry budget lets it, or an
+        operator retried one of its runs (`relay retry`, which the budget waives)."""
+        if not self.books.may_retry(retried(holds), (h.claim.run_id for h in holds)):
             return [
                 Outcome(h, h.claim.events, Deferred(self.books.deferral(h.claim.attempts)))
                 for h in holds
@@ -216,6 +218,8 @@ class Executor:
                 outcomes.append(Outcome(held, events, LeaseLost("renewal_failed"), span=span))
             else:
                 answer, decision = replies.per_run[run_id]
+                if isinstance(decision, Retry):  # when it really goes, the budget considered
+                    decision = self.books.scheduled(decision, held.claim.attempts)
                 outcomes.append(Outcome(held, events, decision, answer, replies.whole, span))
         return outcomes
 
@@ -311,14 +315,17 @@ def _log_failed(
     connection error, a 5xx, 429, a garbled 2xx): the cause and what happens next, a quick
     try in `retry_in` seconds or the run's reschedule (its `retry_scheduled` line follows).
     Poison and misconfigured answers have lines of their own (run_blocked,
-    ingress_misconfigured)."""
+    ingress_misconfigured). A warning when a quick try follows; the attempt's last try at info,
+    since its `retry_scheduled` warning says the same failure with when the run goes next: one
+    warning per failed POST (issue 49 item 3)."""
     for held, _ in sends:
         answer, decision = replies.per_run[held.claim.run_id]
         if not isinstance(decision, Retry):
             continue
         claim = held.claim
-        logs.warning(
+        logs.log(
             "post_failed",
+            logging.WARNING if retry_in is not None else logging.INFO,
             lane=lane,
             run_id=claim.run_id,
             epoch=claim.epoch,

@@ -41,6 +41,7 @@ from relay.edges.store import Claim, Held
 
 LAG_TICK = 0.01  # seconds between the loop-lag probe's wakes
 LAG_SPAN = 1.0  # seconds over which the most the loop ran late counts
+SETTLE_TICK = 1.0  # seconds between asking the limit whether an idle replica is still fallen
 
 
 class Slot(enum.Enum):
@@ -135,6 +136,15 @@ class Permits:
             self._leave(waiter)
             waiter.woken.set()
 
+    async def settle_when_idle(self) -> None:
+        """The limit's idle rule (`Limit.settle`), asked every SETTLE_TICK (a background task
+        under the adaptive limit): an idle replica's limit is not left fallen."""
+        while True:
+            await anyio.sleep(SETTLE_TICK)
+            event = self.admission.limit.settle(clock.now(), inflight=self.admission.inflight)
+            if event is not None:
+                _log(event, self.admission.inflight)
+
     def answered(self, permit: Permit, sample: Sample) -> None:
         """An answer to a POST under `permit`: the limit judges it, and may let waiters go."""
         now = clock.now()
@@ -169,15 +179,19 @@ class Permits:
 
 
 def _log(event: LimitEvent, inflight: int) -> None:
-    """`limit_fell` when the limit fell sharply, `limit_recovered` once it is back. The level it
-    fell from is `from_limit`: a field named `level` would be logs.log's own argument."""
-    if event.change is Change.FELL:
-        logs.warning(
-            "limit_fell", limit=event.limit, from_limit=event.level, reason=event.reason,
-            inflight=inflight,
-        )  # fmt: skip
+    """`limit_fell` when the limit fell sharply (a warning when the event says so: overload, or
+    queueing sustained), `limit_recovered` once the pressure is gone. The level it fell from is
+    `from_limit`: a field named `level` would be logs.log's own argument."""
+    fields = {
+        "limit": event.limit, "from_limit": event.level, "reason": event.reason,
+        "inflight": inflight, "fallen_s": round(event.fallen_for, 1),
+    }  # fmt: skip
+    if event.change is Change.RECOVERED:
+        logs.info("limit_recovered", **fields)
+    elif event.warning:
+        logs.warning("limit_fell", **fields)
     else:
-        logs.info("limit_recovered", limit=event.limit, from_limit=event.level, inflight=inflight)
+        logs.info("limit_fell", **fields)
 
 
 @dataclass(eq=False)

@@ -2,21 +2,27 @@
 used through httpx's public API only.
 
 What httpx gives, the relay takes as it is: proxies (`HTTP_PROXY`, `HTTPS_PROXY`, `ALL_PROXY`,
-`NO_PROXY` read by the client's `trust_env`, or the `ingress_proxy` setting; SOCKS with httpx's
+`NO_PROXY` by httpx's rules, or the `ingress_proxy` setting: read by the client's `trust_env`
+under httpx's own transport, written out by `proxy_routes` for the default's; SOCKS with httpx's
 `socks` extra), TLS (verified always, against `ingress_ca_file` or the operating system's trust
 store), timeouts per phase, connection limits, HTTP/2 (the `http2` setting, httpx's `http2`
 extra), never following redirects. Under the client sits a published transport, one setting
 choosing (`http_transport`):
 
-- `aiohttp` (the default): `httpx_aiohttp.HttpxAiohttpClient`, httpx's client over aiohttp's
-  connection pool and its C parser. It reads each answer on its own connection's terms: an
-  ingress that writes one answer twice has its connection dropped rather than reused, so the
-  stale answer is never handed to the next POST (tests/test_http_client.py). A third of httpx's own
-  transport's CPU per POST (docs/performance.md).
+- `aiohttp` (the default): `httpx_aiohttp.AiohttpTransport`, httpx's client over aiohttp's
+  connection pool and its C parser, every route (straight, and one per proxy: `proxy_routes`)
+  over a session of the relay's own (`aiohttp_session`). Its connector (`FreshConnector`) hands
+  out no connection holding bytes no request asked for: an ingress that writes one answer twice,
+  at once or while the connection sits idle, never has the copy read as the next POST's
+  (issue 48 item 1; tests/test_stale_answer.py). A third of httpx's own transport's CPU per POST
+  (docs/performance.md).
 - `httpx`: httpx's own transport (httpcore). The only one that speaks HTTP/2, so `http2=true`
-  uses it, and so does a SOCKS proxy (aiohttp takes HTTP proxies only). Over HTTP/1.1 it reuses
-  a connection with unread bytes in its buffer: an ingress that answers twice can hand a POST
-  the previous POST's answer (docs/security.md).
+  uses it, and so does a SOCKS proxy (aiohttp takes HTTP proxies only). It drops a connection on
+  which bytes arrived while idle, but over HTTP/1.1 reads a copy that came in the same segment as
+  the answer as the next POST's (docs/security.md).
+
+`ingress_keepalive=false` uses no connection twice, on either: what no reuse check can see (an
+answer arriving after it) cannot be read as another POST's.
 
 What the relay adds over httpx is small and written here once: at most `READ_LIMIT` bytes of an
 answer are read (then the connection is dropped, not drained); the answer's body is read raw
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import ipaddress
 import os
 import socket
 import ssl
@@ -41,12 +48,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from importlib.util import find_spec
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import unquote_to_bytes
+from urllib.request import getproxies
 
 import aiohttp  # its errors: httpx_aiohttp passes some through unmapped (a bad status line)
 import httpx
-from httpx_aiohttp import AiohttpTransport, HttpxAiohttpClient
+from aiohttp.connector import Connection
+from httpx_aiohttp import AiohttpTransport
 
 from relay import logs
 from relay.logs import redact_text
@@ -162,46 +171,148 @@ def build_client(
     name, why = transport_for(settings, env)
     if why is not None:
         _say_once("http_transport_chosen", configured=settings.http_transport, using=name, why=why)
+    # `ingress_keepalive=false`: no idle connection is kept, so none is used for a second POST.
     limits = httpx.Limits(
         max_connections=connections,
-        max_keepalive_connections=connections,
+        max_keepalive_connections=connections if settings.ingress_keepalive else 0,
         keepalive_expiry=KEEPALIVE_EXPIRY,
     )
-    proxy = settings.ingress_proxy.reveal() if settings.ingress_proxy is not None else None
     # TLS is verified always: against `ingress_ca_file` when given, else the operating system's
     # store (OpenSSL's default paths; SSL_CERT_FILE / SSL_CERT_DIR honoured). `verify=True` would
     # load certifi's bundle instead and refuse an ingress whose CA the OS trusts (issue 30).
     verify = ssl.create_default_context(cafile=settings.ingress_ca_file)
-    kind = HttpxAiohttpClient if name == "aiohttp" else httpx.AsyncClient
-    direct = None
-    if name == "aiohttp" and not configured_proxies(settings, env):
-        # No proxy anywhere: the aiohttp session is built here, with aiohttp's jar that keeps
-        # no cookie (httpx's jar below does not reach aiohttp's own). Given a transport, httpx
-        # reads no proxy variable, and there is none to read.
-        direct = AiohttpTransport(
-            verify=verify, limits=limits, client=lambda: aiohttp_session(verify, connections)
-        )
+    # The default transport's routes are the relay's own (`aiohttp_routes`); httpx's own transport
+    # is built by httpx, proxies read by its `trust_env` (given a transport, it reads none).
     try:
-        return kind(
+        direct, mounts = (
+            aiohttp_routes(settings, verify, limits, connections)
+            if name == "aiohttp"
+            else (None, None)
+        )
+        proxy = settings.ingress_proxy if direct is None else None
+        return httpx.AsyncClient(
             verify=verify,
             http2=settings.http2,
             limits=limits,
             timeout=httpx.Timeout(settings.http_timeout),
-            proxy=proxy,
+            proxy=None if proxy is None else proxy.reveal(),
             trust_env=True,
             follow_redirects=False,
             cookies=no_cookies(),
             transport=direct,
+            mounts=mounts,
         )
     except ValueError as exc:  # httpx.Proxy: an unknown scheme
         raise ConfigError(f"proxy: {redact_url(str(exc))}") from None
 
 
-def aiohttp_session(verify: ssl.SSLContext, connections: int) -> aiohttp.ClientSession:
+def aiohttp_routes(
+    settings: Settings, verify: ssl.SSLContext, limits: httpx.Limits, connections: int
+) -> tuple[AiohttpTransport, dict[str, httpx.AsyncBaseTransport | None]]:
+    """The default transport's routes, every one built here over an aiohttp session of the
+    relay's own (`aiohttp_session`: its connector hands out no connection holding bytes, its jar
+    keeps no cookie): the transport straight to the ingress, and a mount per URL pattern the
+    proxies take elsewhere (`proxy_routes`; None: straight). Left to httpx-aiohttp, a proxied
+    route got a session it built itself, which neither reached (issue 48 item 1). Raises
+    ValueError for a proxy URL httpx does not take."""
+    keepalive = settings.ingress_keepalive
+
+    def route(proxy: str | None) -> AiohttpTransport:
+        return AiohttpTransport(
+            verify=verify,
+            limits=limits,
+            proxy=None if proxy is None else httpx.Proxy(proxy),
+            client=lambda: aiohttp_session(verify, connections, keepalive=keepalive),
+        )
+
+    mounts: dict[str, httpx.AsyncBaseTransport | None] = {
+        pattern: None if proxy is None else route(proxy)
+        for pattern, proxy in proxy_routes(settings).items()
+    }
+    return route(None), mounts
+
+
+def proxy_routes(settings: Settings) -> dict[str, str | None]:
+    """The proxy each URL pattern goes through (None: straight, as NO_PROXY says), decided by
+    httpx's rules (its client's proxy map): `ingress_proxy` for every URL, else the environment
+    as `urllib.request.getproxies()` reads it (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY, NO_PROXY,
+    either case). Written out here because given its transports, as the default transport's
+    routes are (`aiohttp_transports`), httpx reads no proxy variable; `NO_PROXY` entries become
+    patterns as httpx makes them (curl's rules: `*` bypasses every proxy, `.example.com`
+    matches its subdomains, `example.com` the domain and its subdomains)."""
+    if settings.ingress_proxy is not None:
+        return {"all://": settings.ingress_proxy.reveal()}
+    found = getproxies()
+    routes: dict[str, str | None] = {
+        f"{scheme}://": url if "://" in url else f"http://{url}"
+        for scheme in ("http", "https", "all")
+        if (url := found.get(scheme))
+    }
+    for host in (entry.strip() for entry in found.get("no", "").split(",")):
+        if host == "*":
+            return {}
+        if host:
+            routes[_bypass_pattern(host)] = None
+    return routes
+
+
+def _bypass_pattern(host: str) -> str:
+    """The URL pattern of one NO_PROXY entry, as httpx makes it."""
+    if "://" in host:
+        return host
+    if _is_address(host, ipaddress.IPv4Address):
+        return f"all://{host}"
+    if _is_address(host, ipaddress.IPv6Address):
+        return f"all://[{host}]"
+    if host.lower() == "localhost":
+        return f"all://{host}"
+    return f"all://*{host}"
+
+
+def _is_address(host: str, kind: type[ipaddress.IPv4Address | ipaddress.IPv6Address]) -> bool:
+    try:
+        kind(host.split("/")[0])  # an address, or a network's (`10.0.0.0/8`)
+    except ValueError:
+        return False
+    return True
+
+
+class FreshConnector(aiohttp.TCPConnector):
+    """aiohttp's connector, except that it never hands out a pooled connection holding bytes no
+    request asked for. aiohttp reuses an idle connection as long as it is open and young; an
+    ingress that wrote an answer a second time while the connection sat idle (issue 48 item 1)
+    left that copy parsed in the connection's buffer, and the next POST read it as its own
+    answer, its body never read by the ingress. Such a connection is closed and the next one
+    taken (a new one at the latest). A connection whose peer has closed is gone already:
+    aiohttp closes it when the end arrives, and does not reuse a closed one.
+
+    The check is `Connection.protocol.should_close` (aiohttp's own test at release: anything
+    buffered, a broken parse, a body still coming, `connection: close`), read when
+    `connect` (aiohttp's documented way to a connection) hands the connection out: attribute
+    reads, no system call. What it cannot see is an answer arriving after it: docs/security.md."""
+
+    async def connect(self, *args: Any, **kwargs: Any) -> Connection:
+        for _ in range(max(self.limit, 1) + 1):  # each stale one leaves the pool: a new one
+            connection = await super().connect(*args, **kwargs)
+            protocol = connection.protocol
+            if protocol is None or not protocol.should_close:
+                return connection
+            connection.close()
+        raise aiohttp.ServerConnectionError("every connection held bytes no request asked for")
+
+
+def aiohttp_session(
+    verify: ssl.SSLContext, connections: int, *, keepalive: bool = True
+) -> aiohttp.ClientSession:
     """aiohttp's session under the default transport, as httpx-aiohttp would build it (its
-    connection limit, keep-alive and TLS context), but with a jar that keeps no cookie."""
-    connector = aiohttp.TCPConnector(
-        limit=connections, keepalive_timeout=KEEPALIVE_EXPIRY, ssl=verify
+    connection limit, keep-alive and TLS context), but with a connector that hands out no
+    connection holding a stale answer (`FreshConnector`) and a jar that keeps no cookie.
+    `keepalive=False` (`ingress_keepalive=false`): every connection is closed after its answer."""
+    connector = FreshConnector(
+        limit=connections,
+        keepalive_timeout=KEEPALIVE_EXPIRY if keepalive else None,
+        force_close=not keepalive,
+        ssl=verify,
     )
     return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
 

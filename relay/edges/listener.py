@@ -46,6 +46,7 @@ class Listener:
         on_delivered: Callable[[str], None],
         on_wake: Callable[[], None],
         on_connected: Callable[[], None],
+        on_due: Callable[[str], None] = lambda run_id: None,
         check_interval: float = 5.0,
         check_timeout: float = 5.0,
         max_backoff: float = 10.0,
@@ -53,7 +54,9 @@ class Listener:
     ) -> None:
         """`liveness` is (schema, owner): the liveness lock to hold on every session. The lock is
         taken with this listener's incarnation (random, one per listener: one per relay run), so
-        that a restart under the same owner id ends its dead predecessor's leases at once."""
+        that a restart under the same owner id ends its dead predecessor's leases at once.
+        `on_due` is told of a run an operator made due (`relay retry`: kind `run_due`) before
+        the wake that claims it."""
         self.listening = Listening(
             conninfo,
             (terminal_channel, "absurd_wake"),
@@ -66,6 +69,7 @@ class Listener:
         self.on_terminal = on_terminal
         self.on_delivered = on_delivered
         self.on_wake = on_wake
+        self.on_due = on_due
         self.on_connected = on_connected
         self.up = False
         self.reconnects = 0
@@ -225,6 +229,9 @@ class Listener:
             self.on_terminal(run_id)
         elif kind == "outbox_delivered":
             self.on_delivered(run_id)
+        elif kind == "run_due":  # an operator's retry: it passes the retry budget, then a wake
+            self.on_due(run_id)
+            self.on_wake()
         else:
             self.on_wake()
 

@@ -19,7 +19,10 @@ read by the OpenTelemetry SDK itself. This module checks, before anything starts
 SDK would otherwise warn about and replace with a default (a relay that silently ran with
 another sampler than asked would be hard to notice): the endpoint's scheme, the protocol (the
 `otel` extra installs OTLP over HTTP with protobuf only), the sampler's name and its ratio. A
-bad value is a `ConfigError` naming the variable.
+bad value is a `ConfigError` naming the variable. So is the Python SDK's credential-provider
+variable for OTLP/HTTP: it hands the exporter a `requests` session of its own, which would
+replace the relay's (relay/integrations/otel.py: the one that bounds what is read of a
+collector's answer, issue 48 item 3), so the relay refuses it rather than ignore it.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ SAMPLERS = (
     "parentbased_traceidratio",
 )
 PROTOCOLS = ("http/protobuf",)
+# The Python SDK's variables naming an entry point that makes the OTLP/HTTP exporter's session.
+CREDENTIAL_PROVIDERS = (
+    "OTEL_PYTHON_EXPORTER_OTLP_HTTP_CREDENTIAL_PROVIDER",
+    "OTEL_PYTHON_EXPORTER_OTLP_HTTP_TRACES_CREDENTIAL_PROVIDER",
+)
 # The share of `shutdown_timeout` a stopping relay gives the export of the spans it still holds
 # (5 s at the default 20 s), after its in-flight batches: a collector that answers slowly or
 # not at all costs at most this, never the process's grace period (docs/operations.md).
@@ -94,6 +102,16 @@ def _protocol(environ: Mapping[str, str]) -> None:
             return
 
 
+def _no_credential_provider(environ: Mapping[str, str]) -> None:
+    for name in CREDENTIAL_PROVIDERS:
+        if environ.get(name, "").strip():
+            raise ConfigError(
+                f"{name}: not supported; the relay gives the OTLP exporter its own session, "
+                "which bounds what it reads of the collector's answer (use "
+                "OTEL_EXPORTER_OTLP_HEADERS for credentials)"
+            )
+
+
 def _sampler(environ: Mapping[str, str]) -> str:
     """The sampler's name, checked with its ratio (the SDK would log a warning and sample
     everything instead)."""
@@ -119,6 +137,7 @@ def config_from_env(environ: Mapping[str, str]) -> TracingConfig | None:
     if endpoint is None:
         return None
     _protocol(environ)
+    _no_credential_provider(environ)
     return TracingConfig(endpoint, _sampler(environ))
 
 

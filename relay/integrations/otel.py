@@ -17,6 +17,14 @@ ids, a resource from the environment (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIB
 trace-context propagator for the events' `traceparent` and the POST's, and the OTLP/HTTP
 exporter under a batch span processor, each configured by its own `OTEL_*` variables.
 
+What the exporter reads of a collector's answer is bounded (issue 48 item 3): the SDK looks only
+at an answer's status, but the `requests` session under it reads the whole body into memory
+first, however long a collector makes it (an endless chunked 200 grew a relay from 783 MB to
+2.4 GB in 25 s). The exporter takes a session (its public `session` argument); the relay's
+(`collector_session`) asks for no content coding and cuts every answer's body at
+`ANSWER_LIMIT` bytes, raw, through a response hook of requests' public API: past the limit the
+connection is closed, not drained, and the rest is never read.
+
 Shutdown is bounded: the SDK's `force_flush` does not honour its timeout and the exporter waits
 on a collector that drips its answer for as long as it drips (a stopping relay was held 718 s),
 so the flush and the provider's shutdown run in a daemon thread of their own that the relay
@@ -27,12 +35,13 @@ process's exit).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import requests
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -64,6 +73,9 @@ from relay.settings import ConfigError, redact_url
 PROPAGATOR = TraceContextTextMapPropagator()
 _ROOT = Context()  # a root delivery's parent context: none (never whatever is current)
 OUTCOME_NAMES = {Ack: "accepted", Retry: "transient", Pause: "misconfigured", Poison: "poison"}
+# The bytes of a collector's answer the exporter reads: an OTLP answer is a small protobuf (a
+# partial success and its message at most), and the SDK does not even look at it.
+ANSWER_LIMIT = 64 * 1024
 
 
 def span_limits() -> SpanLimits:
@@ -149,6 +161,49 @@ def said(outcome: Outcome) -> tuple[dict[str, Any], str | None]:
     return attributes, None if isinstance(decision, Ack) else error or name
 
 
+class _CutBody:
+    """A collector's answer's body as requests reads it (through `stream`, which requests calls
+    when the raw response has one, turning its errors into requests' own): at most `left` bytes,
+    never decompressed; past them the underlying response is closed, dropping the connection.
+    Everything else is the urllib3 response's (its close, its connection, its cookies)."""
+
+    def __init__(self, raw: Any, left: int) -> None:
+        self.raw = raw
+        self.left = left
+
+    def stream(self, amt: int | None = None, decode_content: bool | None = None) -> Iterator[bytes]:
+        for chunk in self.raw.stream(amt, decode_content=False):
+            yield chunk[: self.left]
+            self.left -= len(chunk)
+            if self.left <= 0:
+                self.raw.close()  # the rest is never read
+                return
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+
+def _cut_answer(response: requests.Response, *args: Any, **kwargs: Any) -> None:
+    """requests' `response` hook: runs before the body is read (requests reads it only after
+    its hooks), so the body it then reads is the cut one."""
+    response.raw = _CutBody(response.raw, ANSWER_LIMIT)
+
+
+def collector_session() -> requests.Session:
+    """The session the exporter POSTs with: no content coding asked for, every answer's body cut
+    at ANSWER_LIMIT bytes (the module says why). The exporter sets its TLS options on it."""
+    session = requests.Session()
+    session.headers["Accept-Encoding"] = "identity"
+    session.hooks["response"].append(_cut_answer)
+    return session
+
+
+def exporter() -> OTLPSpanExporter:
+    """The SDK's OTLP/HTTP exporter as its `OTEL_EXPORTER_OTLP_*` variables configure it, over
+    the relay's session."""
+    return OTLPSpanExporter(session=collector_session())
+
+
 class _OtelPost(PostSpan):
     """The POST: a CLIENT span, a child of its delivery's."""
 
@@ -220,7 +275,7 @@ class OtelTracer(Tracer):
         self.provider = TracerProvider(
             resource=resource(), span_limits=span_limits(), shutdown_on_exit=False
         )
-        self.provider.add_span_processor(processor or BatchSpanProcessor(OTLPSpanExporter()))
+        self.provider.add_span_processor(processor or BatchSpanProcessor(exporter()))
         self.tracer = self.provider.get_tracer("ledger-relay", __version__)
         self._stopping: threading.Thread | None = None
 

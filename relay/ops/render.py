@@ -250,7 +250,7 @@ def render_inspect(data: Mapping[str, Any], limit: int | None, width: int) -> st
     counts = ", ".join(f"{k} {run[k]}" for k in ("pending", "delivered", "failed", "skipped"))
     head: list[tuple[str, object]] = [
         ("state", run_state(run)),
-        ("lane", "critical (terminal event pending)" if run["critical"] else "ordinary"),
+        ("class", "finished (terminal event pending)" if run["critical"] else "open"),
         ("lease", f"{lease}, epoch {run['epoch']}"),
     ]
     if run["blocked_seq"] is None:  # a blocked run has no next attempt until an operator acts
@@ -322,7 +322,8 @@ def render_due(runs: Sequence[Mapping[str, Any]], width: int) -> str:
     ]  # fmt: skip
     title = (
         f"{len(runs)} run{'s' if len(runs) != 1 else ''} due now"
-        " (was backing off; a relay claims it at once; times UTC)"
+        " (was backing off; a relay claims it at once and sends it past the retry budget;"
+        " times UTC)"
     )
     columns = ("run", "att", "status", "failed", "was due", "error")
     return table(title, columns, rows, width)

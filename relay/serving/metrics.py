@@ -42,6 +42,7 @@ from prometheus_client.registry import Collector
 from relay import __version__
 from relay.edges.ingress import RequestObserver
 from relay.edges.store import AckResult
+from relay.serving import build
 from relay.serving.progress import ListenerView
 from relay.serving.ui.series import LagWindow
 
@@ -197,12 +198,14 @@ PROBE_FAILURES = Instrument(
     "database_probe_failures",
     "Background database probes (behind /readyz) that failed or ran out of time.",
 )
-# What runs where: the version as a label of a constant 1 (join it onto any series).
+# What runs where: the version and the commit as labels of a constant 1 (join them onto any
+# series): a rollout shows as two versions, or two commits of one (relay/serving/build.py).
 BUILD_INFO = Instrument(
     Gauge,
     "build_info",
-    "The relay's version and Python's, as labels; always 1.",
-    ("version", "python"),
+    "The relay's version, the commit it was built from ('unknown' if not known) and Python's"
+    " version, as labels; always 1.",
+    ("version", "commit", "python"),
 )
 
 DELIVERED = Family(
@@ -450,7 +453,7 @@ class Metrics:
             self.retention.set(retention)
         self.ready = READY.make(r)
         self.probe_failures = PROBE_FAILURES.make(r)
-        BUILD_INFO.make(r).labels(__version__, platform.python_version()).set(1)
+        BUILD_INFO.make(r).labels(__version__, build.commit(), platform.python_version()).set(1)
         # The standard process_* / python_* collectors, on this registry too.
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)

@@ -40,6 +40,7 @@ class Post:
     status: int
     events: int
     terminals: tuple[str, ...] = ()  # event ids of the terminal events it carried
+    run_id: str = ""  # the run its URL named
 
     @property
     def queued(self) -> float:
@@ -145,7 +146,7 @@ class CapacitySink(Sink):
             await anyio.sleep(service)
             reply = await super()._run_events(url_run_id, body, headers)
             end = clock()
-        self.posts.append(Post(arrival, start, end, reply.status, *_carried(body)))
+        self.posts.append(Post(arrival, start, end, reply.status, *_carried(body), url_run_id))
         return reply
 
 

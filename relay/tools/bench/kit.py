@@ -180,13 +180,15 @@ async def backlog(
     *,
     notify: bool = True,
     terminals: bool = False,
+    key: str | None = None,
 ) -> float:
     """A pending backlog written straight into the tables with generate_series (the rows
     `enqueue` writes, without 10^6 function calls; as tests/support.py `bulk_backlog`), in one
     transaction that also wakes the relay like one producer commit would. Returns the
     monotonic time of its commit. With `terminals`, each run's last event is its terminal
     (with its `pending_terminals` row, as enqueue writes it): the finished runs an outage
-    leaves behind (issue 50)."""
+    leaves behind (issue 50). `key`: the runs' fairness key (schema version 9; '' is the
+    default key, enqueue's without one)."""
     async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
         async with conn.transaction():
             await conn.execute(
@@ -198,10 +200,10 @@ async def backlog(
             )
             await conn.execute(
                 env.q(
-                    "insert into {s}.runs (run_id, next_attempt_at)"
-                    " select %s || r, clock_timestamp() from generate_series(1, %s) r"
+                    "insert into {s}.runs (run_id, next_attempt_at, fairness_key)"
+                    " select %s || r, clock_timestamp(), %s from generate_series(1, %s) r"
                 ),
-                (prefix, runs),
+                (prefix, key or "", runs),
             )
             await conn.execute(
                 env.q(
@@ -216,11 +218,11 @@ async def backlog(
             if terminals:
                 await conn.execute(
                     env.q(
-                        "insert into {s}.pending_terminals (run_id, seq, created_at)"
-                        " select run_id, seq, created_at from {s}.outbox"
+                        "insert into {s}.pending_terminals (run_id, seq, created_at, fairness_key)"
+                        " select run_id, seq, created_at, %s from {s}.outbox"
                         " where run_id like %s and terminal"
                     ),
-                    (f"{prefix}%",),
+                    (key or "", f"{prefix}%"),
                 )
             await conn.execute(env.q("analyze {s}.outbox, {s}.runs"))
             if notify:

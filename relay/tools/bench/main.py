@@ -51,6 +51,7 @@ from relay.tools.absurd import install_absurd
 from relay.tools.bench import capacity as bench_capacity
 from relay.tools.bench import cpu as bench_cpu
 from relay.tools.bench import enqueue_scaling as bench_enqueue_scaling
+from relay.tools.bench import fairness as bench_fairness
 from relay.tools.bench import flaky as bench_flaky
 from relay.tools.bench import latency as bench_latency
 from relay.tools.bench import throughput as bench_throughput
@@ -295,6 +296,7 @@ SCENARIOS: dict[str, Scenario] = {
         *bench_enqueue_scaling.SCENARIOS,
         *bench_tracing.SCENARIOS,
         *bench_capacity.SCENARIOS,
+        *bench_fairness.SCENARIOS,
         *bench_flaky.SCENARIOS,
         Scenario(
             "wake",
@@ -347,6 +349,7 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
         _enqueue,
         _tracing,
         _capacity,
+        _fairness,
         _flaky,
     )
     for family in families:
@@ -525,6 +528,21 @@ def _capacity(j: _Judged) -> None:
             need,
             worst <= need,
         )
+
+
+def _fairness(j: _Judged) -> None:
+    """Issue 50: a quiet key's runs beside a noisy key's backlog p99 ≤ 10× the service time with
+    the ingress ≥ 0.85 busy; weights 5:3:2 give each key its share of the first POSTs within 5
+    points."""
+    m, add, has = j.m, j.add, j.has
+    for key, rule, need, below in (
+        ("fairness_quiet_ratio", "a quiet key's runs p99 ≤ 10 × the service time", 10, True),
+        ("fairness_quiet_goodput", "beside it the ingress ≥ 0.85 busy", 0.85, False),
+        ("fairness_share_worst_points", "weights 5:3:2: shares within 5 points", 5, True),
+    ):
+        if has(key):
+            have = m[key]
+            add(f"fairness: {rule}", have, need, have <= need if below else have >= need)
 
 
 def _flaky(j: _Judged) -> None:

@@ -1,0 +1,196 @@
+"""The fair-shares scenarios of `relay bench` (issue 50, item 5): tenants are uneven.
+
+The ingress is the capacity scenario's (`capacity_ingress.CapacitySink`: `--fairness-workers`
+POSTs at a time for `--fairness-service-ms` each, the rest queued first come first served), two
+`relay run` replicas at their defaults (`--fairness-replicas`).
+
+- `quiet`: a noisy key's backlog (`--fairness-noisy-runs` runs of `--fairness-per-run` events)
+  committed up front, and a quiet key's run of `--fairness-per-run` events committed through
+  `enqueue_many_async(..., fairness_key="quiet")` every `--fairness-quiet-every` s until the
+  backlog has drained. Figures: the quiet runs' delay from commit to the end of their POST's
+  service, p99 and its multiple of the service time (target ≤ 10×); the ingress's goodput over
+  the window (target ≥ 0.85).
+- `weights`: keys with weights 5:3:2 (`set_fairness_weight`), each with a backlog of
+  `--fairness-weighted-runs` runs committed together; the share of each key among the first
+  `--fairness-first-posts` POSTs to reach the ingress (target: each within 5 points of its
+  weight's share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import anyio
+import psycopg
+
+from relay.producer import Event, enqueue_many_async
+from relay.tools.bench.capacity_ingress import CapacitySink, figures
+from relay.tools.bench.kit import (
+    BenchFailed,
+    Env,
+    Result,
+    Scenario,
+    backlog,
+    positive,
+    relay_processes,
+    reset,
+)
+from relay.tools.demo import percentile
+from relay.tools.sink import serve_sink
+
+WEIGHTS = {"heavy": 5, "middle": 3, "light": 2}
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fairness (issue 50)")
+    g.add_argument("--fairness-workers", type=positive(int), default=4, help="at once (4)")
+    g.add_argument("--fairness-service-ms", type=positive(float), default=40.0, help="(40)")
+    g.add_argument("--fairness-replicas", type=positive(int), default=2, help="relay run (2)")
+    g.add_argument("--fairness-noisy-runs", type=positive(int), default=1_500, help="(1,500)")
+    g.add_argument("--fairness-per-run", type=positive(int), default=2, help="events (2)")
+    g.add_argument("--fairness-quiet-every", type=positive(float), default=0.5, help="(0.5 s)")
+    g.add_argument("--fairness-weighted-runs", type=positive(int), default=400, help="per key")
+    g.add_argument("--fairness-first-posts", type=positive(int), default=600, help="(600)")
+
+
+SMOKE = {
+    "fairness_workers": 2,
+    "fairness_service_ms": 10.0,
+    "fairness_noisy_runs": 60,
+    "fairness_quiet_every": 0.1,
+    "fairness_weighted_runs": 40,
+    "fairness_first_posts": 60,
+}
+
+
+async def _until(sink: CapacitySink, want: int, what: str) -> None:
+    """Wait until `want` events reached the ingress, answered 2xx."""
+    deadline = time.monotonic() + max(120.0, want * 0.05)
+    while len(sink.state.deliveries) < want:
+        if time.monotonic() > deadline:
+            raise BenchFailed(f"fairness {what}: {len(sink.state.deliveries)}/{want} delivered")
+        await anyio.sleep(0.01)
+
+
+async def _quiet(env: Env, a: argparse.Namespace) -> dict[str, Any]:
+    await reset(env)
+    sink = CapacitySink(a.fairness_workers, a.fairness_service_ms / 1000)
+    committed: dict[str, float] = {}  # quiet run -> its commit (monotonic)
+    noisy = a.fairness_noisy_runs * a.fairness_per_run
+    async with (
+        serve_sink(sink) as base,
+        relay_processes(env, a.fairness_replicas, base),
+        await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn,
+    ):
+        start = await backlog(env, a.fairness_noisy_runs, a.fairness_per_run, "fn", key="noisy")
+        k = 0
+        while sum(1 for e in sink.state.deliveries if e.startswith("fn")) < noisy:
+            run = f"fq{k}"
+            events = [Event(f"{run}-{i}", "step", {"i": i}) for i in range(a.fairness_per_run)]
+            await enqueue_many_async(conn, run, events, schema=env.schema, fairness_key="quiet")
+            committed[run] = time.monotonic()
+            k += 1
+            await anyio.sleep(a.fairness_quiet_every)
+        drained = max(p.end for p in sink.posts)
+        await _until(sink, noisy + k * a.fairness_per_run, "quiet")
+    ends: dict[str, float] = {}
+    for post in sink.posts:
+        if post.run_id in committed and 200 <= post.status < 300:
+            ends[post.run_id] = max(ends.get(post.run_id, 0.0), post.end)
+    delays = [ends[r] - committed[r] for r in committed if r in ends]
+    service = a.fairness_service_ms / 1000
+    f = figures(sink.posts, sink.pool.changes, start, drained, {})
+    p99 = percentile(delays, 99)
+    if p99 is None:
+        raise BenchFailed("fairness quiet: no quiet run reached the ingress")
+    return {
+        "fairness_quiet_runs": len(delays),
+        "fairness_quiet_p99_ms": round(p99 * 1000, 1),
+        "fairness_quiet_ratio": round(p99 / service, 2),
+        "fairness_quiet_goodput": round(f.goodput, 3),
+    }
+
+
+async def _weights(env: Env, a: argparse.Namespace) -> dict[str, Any]:
+    await reset(env)
+    async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
+        for key, weight in WEIGHTS.items():
+            await conn.execute(env.q("select {s}.set_fairness_weight(%s, %s)"), (key, weight))
+    sink = CapacitySink(a.fairness_workers, a.fairness_service_ms / 1000)
+    runs = a.fairness_weighted_runs
+    async with serve_sink(sink) as base:
+        # One transaction each, before the relays start: every key's backlog is there at once.
+        for key in WEIGHTS:
+            await backlog(env, runs, a.fairness_per_run, f"fw{key}-", key=key, notify=False)
+        async with relay_processes(env, a.fairness_replicas, base):
+            await _until(sink, len(WEIGHTS) * runs * a.fairness_per_run, "weights")
+    first = sorted((p for p in sink.posts if 200 <= p.status < 300), key=lambda p: p.arrival)
+    first = first[: a.fairness_first_posts]
+    total = sum(WEIGHTS.values())
+    out: dict[str, Any] = {}
+    worst = 0.0
+    for key, weight in WEIGHTS.items():
+        share = sum(1 for p in first if p.run_id.startswith(f"fw{key}-")) / max(1, len(first))
+        out[f"fairness_share_{key}"] = round(share, 3)
+        worst = max(worst, abs(share - weight / total))
+    out["fairness_share_worst_points"] = round(worst * 100, 1)
+    return out
+
+
+async def fairness(env: Env, a: argparse.Namespace) -> Result:
+    quiet = await _quiet(env, a)
+    weights = await _weights(env, a)
+    service = a.fairness_service_ms
+    rows = [
+        {
+            "case": "quiet key beside a noisy backlog",
+            "figure": f"quiet runs p99 {quiet['fairness_quiet_p99_ms']:,} ms "
+            f"({quiet['fairness_quiet_ratio']}× service) of {quiet['fairness_quiet_runs']}; "
+            f"goodput {quiet['fairness_quiet_goodput']}",
+        },
+        {
+            "case": "weights 5:3:2",
+            "figure": ", ".join(f"{k} {weights[f'fairness_share_{k}']:.1%}" for k in WEIGHTS)
+            + f" of the first {a.fairness_first_posts} POSTs (worst "
+            f"{weights['fairness_share_worst_points']} points off)",
+        },
+    ]
+    return Result(
+        ["case", "figure"],
+        rows,
+        [
+            f"ingress: {a.fairness_workers} POSTs at a time, {service:g} ms each, the rest queued "
+            f"first come first served; {a.fairness_replicas} `relay run` replicas at their "
+            f"defaults; runs of {a.fairness_per_run} events",
+            f"quiet: a noisy key's {a.fairness_noisy_runs:,} runs committed up front, a quiet "
+            f"key's run every {a.fairness_quiet_every:g} s until they drained; delay: commit -> "
+            "the end of its POST's service",
+            f"weights: {a.fairness_weighted_runs:,} runs per key, committed before the relays "
+            "start; shares of the first POSTs by their arrival at the ingress",
+        ],
+        metrics=quiet | weights,
+    )
+
+
+KEYS = (
+    "fairness_quiet_runs",
+    "fairness_quiet_p99_ms",
+    "fairness_quiet_ratio",
+    "fairness_quiet_goodput",
+    *(f"fairness_share_{k}" for k in WEIGHTS),
+    "fairness_share_worst_points",
+)
+
+SCENARIOS = [
+    Scenario(
+        "fairness",
+        "uneven tenants: a quiet key's runs beside a noisy key's backlog, and three keys "
+        "weighted 5:3:2 sharing an ingress that serves 4 POSTs at a time (issue 50)",
+        fairness,
+        _arguments,
+        SMOKE,
+        KEYS,
+    ),
+]

@@ -1,0 +1,321 @@
+"""Fair shares between tenants (issue 50 item 3, schema version 9) against a real PostgreSQL:
+a run's fairness key and its refusals, the owner's weights, and the claim's stride scheduling
+within each lane, through claim() itself (docs/design.md "Scheduling: fair shares between keys").
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import errors, sql
+from psycopg.types.json import Jsonb
+
+import relay
+from relay import Event
+from relay.maintenance.migrate import migrate
+from relay.maintenance.roles import Roles
+from tests.conftest import unique
+from tests.support import InThread, fn, wait_until, waits_for_a_lock
+
+
+def enq(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    run_id: str,
+    event_id: str,
+    key: str | None,
+    *,
+    terminal: bool = False,
+) -> int:
+    row = conn.execute(
+        sql.SQL("select {}(%s, %s, 't', %s, p_terminal => %s, p_fairness_key => %s::text)").format(
+            fn(schema, "enqueue")
+        ),
+        (run_id, event_id, Jsonb({"id": event_id}), terminal, key),
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def backlog(
+    conn: psycopg.Connection[Any],
+    schema: str,
+    key: str | None,
+    runs: int,
+    *,
+    terminal: bool = False,
+    prefix: str | None = None,
+) -> None:
+    """`runs` one-event runs of `key`, enqueued in one statement (each its own run)."""
+    prefix = prefix or (key or "nokey")
+    conn.execute(
+        sql.SQL(
+            "select {}(%(p)s || i, %(p)s || i || '.1', 't', '{{}}', %(t)s, p_fairness_key => %(k)s)"
+            " from generate_series(1, %(n)s) i"
+        ).format(fn(schema, "enqueue")),
+        {"p": f"{prefix}-", "t": terminal, "k": key, "n": runs},
+    )
+
+
+def weight(conn: psycopg.Connection[Any], schema: str, key: str, w: int) -> int:
+    row = conn.execute(
+        sql.SQL("select {}(%s, %s)").format(fn(schema, "set_fairness_weight")), (key, w)
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def claim(
+    conn: psycopg.Connection[Any], schema: str, runs: int, lane: str = "ordinary"
+) -> list[str]:
+    """The runs one claim took, in the order it returned them."""
+    rows = conn.execute(
+        sql.SQL("select run_id from {}('o1', %s, 10, '1 hour'::interval, %s)").format(
+            fn(schema, "claim")
+        ),
+        (runs, lane),
+    ).fetchall()
+    return list(dict.fromkeys(r[0] for r in rows))
+
+
+def key_of(conn: psycopg.Connection[Any], schema: str, run_id: str) -> str:
+    row = conn.execute(
+        sql.SQL("select fairness_key from {} where run_id = %s").format(fn(schema, "runs")),
+        (run_id,),
+    ).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+# --- a run's key --------------------------------------------------------------------------
+
+
+def test_a_run_has_its_first_events_key(conn: psycopg.Connection[Any], schema: str) -> None:
+    enq(conn, schema, "r1", "e1", "tenant-a")
+    enq(conn, schema, "r1", "e2", None)  # no key: keeps the run's
+    enq(conn, schema, "r1", "e3", "tenant-a")  # the same key again
+    enq(conn, schema, "r2", "f1", None)
+    assert key_of(conn, schema, "r1") == "tenant-a"
+    assert key_of(conn, schema, "r2") == ""  # the default key
+    # the terminal's pending row carries the run's key, for the critical lane
+    enq(conn, schema, "r1", "e4", None, terminal=True)
+    row = conn.execute(
+        sql.SQL("select fairness_key from {} where run_id = 'r1'").format(
+            fn(schema, "pending_terminals")
+        )
+    ).fetchone()
+    assert row == ("tenant-a",)
+
+
+def test_a_later_event_naming_another_key_is_refused(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    enq(conn, schema, "r1", "e1", "tenant-a")
+    with pytest.raises(errors.InvalidParameterValue) as info:
+        enq(conn, schema, "r1", "e2", "tenant-b")
+    message = str(info.value)
+    assert "tenant-a" in message and "tenant-b" in message, message
+    assert info.value.sqlstate == "22023"
+    # a run begun without a key has the default one: naming a key later is another key
+    enq(conn, schema, "r2", "f1", None)
+    with pytest.raises(errors.InvalidParameterValue) as info:
+        enq(conn, schema, "r2", "f2", "tenant-b")
+    assert "(none)" in str(info.value) and "tenant-b" in str(info.value)
+    # nothing of a refused event was written
+    row = conn.execute(
+        sql.SQL("select count(*) from {} where event_id in ('e2', 'f2')").format(
+            fn(schema, "outbox")
+        )
+    ).fetchone()
+    assert row == (0,)
+
+
+def test_an_empty_key_is_refused(conn: psycopg.Connection[Any], schema: str) -> None:
+    with pytest.raises(errors.InvalidParameterValue, match="fairness_key"):
+        enq(conn, schema, "r1", "e1", "")
+
+
+def test_enqueue_many_and_the_python_helper_take_a_key(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    relay.enqueue(conn, "r1", "e1", "t", {}, fairness_key="tenant-a", schema=schema)
+    relay.enqueue_many(
+        conn, "r2", [Event("f1", "t", {}), Event("f2", "t", {})], fairness_key="b", schema=schema
+    )
+    assert key_of(conn, schema, "r1") == "tenant-a"
+    assert key_of(conn, schema, "r2") == "b"
+    with pytest.raises(errors.InvalidParameterValue, match="tenant-a"):
+        relay.enqueue_many(conn, "r1", [Event("e2", "t", {})], fairness_key="c", schema=schema)
+
+
+# --- weights --------------------------------------------------------------------------------
+
+
+def test_weights_are_bounded_and_return_the_one_replaced(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    assert weight(conn, schema, "a", 5) == 1
+    assert weight(conn, schema, "a", 1000) == 5
+    for bad in (0, 1001, -3):
+        with pytest.raises(errors.InvalidParameterValue, match=str(bad)):
+            weight(conn, schema, "a", bad)
+
+
+def test_the_producer_role_cannot_set_a_weight(pg_url: str) -> None:
+    schema = unique("t")
+    roles = Roles(producer=unique("prod"), relay=unique("rel"))
+    migrate(pg_url, schema, roles=roles)
+    try:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            for role in (roles.producer, roles.relay):
+                conn.execute(sql.SQL("set role {}").format(sql.Identifier(role)))
+                with pytest.raises(errors.InsufficientPrivilege):
+                    weight(conn, schema, "a", 5)
+                conn.execute("reset role")
+            # the producer may still enqueue with a key
+            conn.execute(sql.SQL("set role {}").format(sql.Identifier(roles.producer)))
+            enq(conn, schema, "r1", "e1", "a")
+            conn.execute("reset role")
+            assert weight(conn, schema, "a", 5) == 1  # the owner may
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("drop schema {} cascade").format(sql.Identifier(schema)))
+            for role in (roles.producer, roles.relay):
+                conn.execute(sql.SQL("drop role {}").format(sql.Identifier(role)))
+
+
+# --- the claim's shares ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lane", ["ordinary", "critical"])
+def test_weights_5_3_2_share_the_first_600_runs(
+    conn: psycopg.Connection[Any], schema: str, lane: str
+) -> None:
+    for key, w in (("five", 5), ("three", 3), ("two", 2)):
+        weight(conn, schema, key, w)
+        backlog(conn, schema, key, 500, terminal=lane == "critical")
+    taken: list[str] = []
+    while len(taken) < 600:
+        got = claim(conn, schema, 64, lane)
+        assert got, taken
+        taken += got
+    shares = Counter(key_of(conn, schema, r) for r in taken[:600])
+    for key, want in (("five", 0.5), ("three", 0.3), ("two", 0.2)):
+        assert abs(shares[key] / 600 - want) <= 0.05, shares
+
+
+def test_within_a_key_the_order_is_the_lanes(conn: psycopg.Connection[Any], schema: str) -> None:
+    backlog(conn, schema, "a", 20)
+    backlog(conn, schema, "b", 20)
+    taken = []
+    while got := claim(conn, schema, 7):
+        taken += got
+    for key in ("a", "b"):
+        mine = [r for r in taken if r.startswith(f"{key}-")]
+        assert mine == [f"{key}-{i}" for i in range(1, 21)], mine
+
+
+def test_a_quiet_key_goes_in_the_first_claim_beside_a_noisy_backlog(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    backlog(conn, schema, "noisy", 1500)
+    backlog(conn, schema, "quiet", 2)  # enqueued after the whole backlog
+    first = claim(conn, schema, 8)
+    assert {"quiet-1", "quiet-2"} <= set(first), first
+
+
+def test_the_default_key_has_its_share_beside_a_keyed_backlog(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    backlog(conn, schema, "noisy", 500)
+    backlog(conn, schema, None, 1)
+    assert "nokey-1" in claim(conn, schema, 4)
+
+
+def test_a_weight_1_key_is_not_starved_beside_a_weight_1000_key(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    weight(conn, schema, "heavy", 1000)
+    backlog(conn, schema, "heavy", 3000)
+    backlog(conn, schema, "light", 5)
+    taken: list[str] = []
+    for _ in range(40):  # 2,560 runs: the light key's share is 2.56 of them
+        taken += claim(conn, schema, 64)
+    light = [r for r in taken if r.startswith("light-")]
+    assert 2 <= len(light) <= 4, len(light)
+    # and once the heavy key is out of work, the light one takes every claim (work-conserving)
+    taken = []
+    while got := claim(conn, schema, 64):
+        taken += got
+    rest = {r for r in taken if r.startswith("light-")}
+    assert rest == {f"light-{i}" for i in range(1, 6)} - set(light)
+
+
+def test_a_key_back_from_idle_has_no_banked_credit(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """A key with nothing to send while others were served starts level with them: it gets its
+    share from then on, not every run until it has caught up."""
+    backlog(conn, schema, "a", 400)
+    backlog(conn, schema, "b", 400)
+    for _ in range(5):
+        claim(conn, schema, 64)  # 320 runs shared by a and b: their passes move on
+    backlog(conn, schema, "c", 400)
+    got = claim(conn, schema, 60)
+    shares = Counter(key_of(conn, schema, r) for r in got)
+    assert 15 <= shares["c"] <= 25, shares
+
+
+def test_one_key_claims_as_before_and_writes_no_pass(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    backlog(conn, schema, "solo", 30)
+    assert claim(conn, schema, 10) == [f"solo-{i}" for i in range(1, 11)]
+    rows = conn.execute(sql.SQL("select count(*) from {}").format(fn(schema, "fairness_keys")))
+    assert rows.fetchone() == (0,)
+
+
+# --- no hot row, no deadlock ------------------------------------------------------------------
+
+
+def test_producers_of_one_key_do_not_wait_for_each_other(
+    pg_url: str, conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """Two open transactions enqueue new runs of one key: neither waits for the other (no
+    per-key row is written by enqueue; a wait would end in the lock timeout below)."""
+    backlog(conn, schema, "busy", 3)
+    weight(conn, schema, "busy", 2)
+    claim(conn, schema, 1)  # one key: nothing written; the key's row exists from the weight
+    with psycopg.connect(pg_url) as a, psycopg.connect(pg_url) as b:
+        for c in (a, b):
+            c.execute("set lock_timeout = '1s'")
+        enq(a, schema, "a1", "a1.1", "busy")
+        enq(b, schema, "b1", "b1.1", "busy")  # while a's transaction is open
+        enq(a, schema, "a2", "a2.1", "busy", terminal=True)
+        enq(b, schema, "b2", "b2.1", "busy", terminal=True)
+        a.commit()
+        b.commit()
+    assert {key_of(conn, schema, r) for r in ("a1", "a2", "b1", "b2")} == {"busy"}
+
+
+def test_a_shared_claim_in_an_open_transaction_holds_the_other_lane_back_then_both_take_runs(
+    pg_url: str, conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """Shared claims of the two lanes write the same keys' rows (each its own lane's pass): the
+    second waits for the first to commit, then takes other runs; neither fails."""
+    for key in ("a", "b", "c"):
+        backlog(conn, schema, key, 30, terminal=True)
+    with psycopg.connect(pg_url) as one, psycopg.connect(pg_url) as two:
+        for c in (one, two):
+            c.execute("set deadlock_timeout = '100ms'")
+        first = claim(one, schema, 6, "critical")  # transaction left open
+        waiter = InThread(lambda: claim(two, schema, 6, "ordinary"))
+        wait_until(lambda: waits_for_a_lock(pg_url, two.info.backend_pid), what="a wait")
+        one.commit()
+        second = waiter.result()
+        two.commit()
+    assert len(first) == 6 and len(second) == 6
+    assert not set(first) & set(second)
