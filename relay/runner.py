@@ -317,7 +317,7 @@ def relay_view(relay: Relay) -> RelayView:
         return relay.permits.view() if relay.permits is not None else None
 
     def retry_budget() -> BudgetView:
-        return relay.budget.view(anyio.current_time())
+        return relay.budget.view(clock.now())
 
     async def on_liveness_session(
         query: sql.Composed, params: Sequence[Any]

@@ -1237,6 +1237,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_collector_answer.py",),
         ci=True,
     ),
+    # -- the clock on either event loop (issue 52 item 2) ---------------------------------------
+    Mutant(
+        "deadlines-trust-the-timer",
+        "a POST is cut no sooner than its http_timeout by the hot paths' clock: uvloop's timers"
+        " fire up to a millisecond before a deadline of that clock",
+        "relay/edges/ingress.py",
+        "        self._timer = None\n        now = clock.now()\n",
+        "        self._timer = None\n        now = self._timer_at\n",
+        (
+            "tests/test_clock_loops.py::"
+            "test_a_request_is_cut_only_once_the_hot_paths_clock_reached_its_deadline",
+        ),
+        ci=True,
+    ),
 )
 
 

@@ -1,5 +1,5 @@
-"""The hot paths' clock (relay/core/clock.py) is the event loop's: a trust window, a round trip or a
-permit stamped by one and read by the other must mean the same instant."""
+"""The hot paths' clock (relay/core/clock.py) is asyncio's loop's: a trust window, a round trip
+or a permit stamped by one and read by the other means the same instant there."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_the_hot_paths_clock_is_the_event_loops() -> None:
-    """Red if the relay's loop ever keeps a clock of its own (uvloop's is libuv's, cached per
-    loop turn in milliseconds): then relay.core.clock must read the loop's."""
+    """On asyncio's own loop the two are one clock. uvloop's is libuv's, in whole milliseconds:
+    how the relay keeps right on it is tests/test_clock_loops.py's."""
     for _ in range(50):
         before = anyio.current_time()
         ours = clock.now()

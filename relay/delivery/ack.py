@@ -17,6 +17,7 @@ import anyio
 import psycopg
 
 from relay import logs
+from relay.core import clock
 from relay.core.policy import backoff
 from relay.edges.store import AckResult, Claim, Store
 
@@ -113,7 +114,7 @@ class AckGroup:
         Never resolved while the lease is trusted: the lease is handed back or expires, and a
         redelivery is a duplicate at worst, never a loss."""
         attempt = 0
-        while p.claim.trust.remaining(anyio.current_time()) > 0:
+        while p.claim.trust.remaining(clock.now()) > 0:
             try:
                 p.result = await self._reread_or_resend(p)
             except (psycopg.Error, OSError, TimeoutError):

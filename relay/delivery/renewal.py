@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 import anyio
 import psycopg
 
+from relay.core import clock
 from relay.core.policy import renew_interval
 from relay.edges.store import Held, Store
 
@@ -81,7 +82,7 @@ class Renewer:
         interval = self.interval
         pause = 0.0
         while True:
-            now = anyio.current_time()
+            now = clock.now()
             first_due = min(
                 (
                     h.claim.trust.started + interval
@@ -91,9 +92,12 @@ class Renewer:
                 ),
                 default=now + interval,
             )
+            # On uvloop this sleep may end before first_due on the hot paths' clock (its timers
+            # keep whole milliseconds, relay/core/clock.py): nothing is due yet, and it sleeps
+            # again for what is left.
             await anyio.sleep(min(max(first_due - now, pause), interval / 4))
             pause = 0.0
-            now = anyio.current_time()
+            now = clock.now()
             due = {
                 h.claim.run_id: h
                 for r in self._renewals
@@ -105,7 +109,7 @@ class Renewer:
             try:
                 held = await self.renew(list(due.values()))
             except (psycopg.Error, OSError, TimeoutError):
-                now = anyio.current_time()
+                now = clock.now()
                 held = {run for run, h in due.items() if h.claim.trust.remaining(now) > interval}
                 pause = interval / 4  # their windows did not move: try again soon, not at once
             for r in list(self._renewals):

@@ -169,8 +169,12 @@ class Deadlines:
     registered with its deadline, one timer waits for the earliest, and the requests past
     theirs are cancelled when it fires; a request that ends only leaves the table.
 
-    The loop is asyncio's, as everywhere in the relay (psycopg's async needs it); anyio's own
-    deadlines cancel their scopes from a loop callback in the same way."""
+    The loop is asyncio's or uvloop's (relay/core/loop.py); anyio's own deadlines cancel their
+    scopes from a loop callback in the same way. The deadlines are the hot paths' clock's
+    (relay/core/clock.py), and uvloop's timers keep whole milliseconds of libuv's clock: the
+    timer may fire before the earliest deadline has passed on the hot paths' clock, so a scope
+    is cancelled only once that clock has reached its deadline, and the timer is armed again
+    for what is left (tests/test_clock_loops.py)."""
 
     def __init__(self) -> None:
         self._scopes: dict[anyio.CancelScope, float] = {}
