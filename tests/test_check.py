@@ -83,6 +83,28 @@ async def test_invalid_configuration_is_one_line_and_code_2(pg_url: str) -> None
     )
 
 
+@pytest.mark.parametrize(
+    ("setting", "running"), [("asyncio", "asyncio"), ("uvloop", "uvloop"), ("auto", "uvloop")]
+)
+async def test_the_event_loop_setting_chooses_the_loop_the_checks_run_on(
+    setting: str, running: str
+) -> None:
+    """The configuration line names the loop the checks ran on, the one `relay run` would
+    choose (uvloop is installed here: `auto` takes it). Issue 52 item 1."""
+    env = relay_env(UNREACHABLE_DB, "relay", UNREACHABLE_HTTP, RELAY_EVENT_LOOP=setting)
+    _, lines = await check(env)
+    assert marks(lines)["configuration"] == "ok", lines
+    assert lines[0].endswith(f" event_loop={running}"), lines
+
+
+async def test_a_bad_event_loop_is_refused_by_name() -> None:
+    env = relay_env(UNREACHABLE_DB, "relay", UNREACHABLE_HTTP, RELAY_EVENT_LOOP="trio")
+    code, lines = await check(env)
+    assert code == 2
+    assert len(lines) == 1 and lines[0].startswith("FAIL configuration"), lines
+    assert "event_loop" in lines[0] and "trio" in lines[0], lines
+
+
 async def test_database_and_ingress_down(pg_url: str) -> None:
     env = relay_env(UNREACHABLE_DB, "relay", UNREACHABLE_HTTP)
     code, lines = await check(env)

@@ -166,6 +166,22 @@ async def test_sigterm_exits_zero_and_hands_back_leases(rig: Rig, tmp_path: Path
     assert conn.execute(q(schema, "select owner from {s}.replicas")).fetchall() == []
 
 
+@pytest.mark.parametrize(("setting", "running"), [("asyncio", "asyncio"), ("uvloop", "uvloop")])
+async def test_the_event_loop_setting_chooses_the_loop_relay_run_runs_on(
+    rig: Rig, tmp_path: Path, setting: str, running: str
+) -> None:
+    """The started line names the loop the relay runs on, the one `event_loop` chose (issue
+    52 item 1; `auto`'s choice is relay/core/loop.py's, tests/test_loop_choice.py)."""
+    env = relay_env(rig.pg_url, rig.schema, rig.url, RELAY_EVENT_LOOP=setting)
+    log = tmp_path / "replica0.log"
+    async with replicas(1, env, tmp_path) as procs:
+        await wait_for(lambda: '"event":"started"' in log.read_text(), what="started")
+        codes = await stop_all(procs)
+    assert codes == [0]
+    started = next(line for line in log.read_text().splitlines() if '"event":"started"' in line)
+    assert json.loads(started)["event_loop"] == running
+
+
 async def test_status_tells_a_replica_stopped_cleanly_from_a_killed_one(
     rig: Rig, tmp_path: Path
 ) -> None:
@@ -248,6 +264,7 @@ def test_migrate_cli_from_many_processes_at_once(pg_url: str) -> None:
         ({"RELAY_LEASE_TTL": "-3"}, "lease_ttl"),
         ({"RELAY_INGRESS_URL": "http://x/no-placeholder"}, "ingress_url"),
         ({"RELAY_SCHEMA": "Bad-Name"}, "schema"),
+        ({"RELAY_EVENT_LOOP": "trio"}, "event_loop"),  # issue 52 item 1
         (  # OpenTelemetry's own variables are checked at start too (relay/edges/tracing.py)
             {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_TRACES_SAMPLER": "x"},
             "OTEL_TRACES_SAMPLER",
