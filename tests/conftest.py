@@ -14,6 +14,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from relay.core import loop
 from relay.maintenance.migrate import migrate
 from relay.tools.absurd import install_absurd
 from relay.tools.embedded import EmbeddedPostgres
@@ -24,6 +25,26 @@ from tests.support import Rig
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"
+
+
+# The loops the relay runs on (relay/core/loop.py, issue 52): a test marked `both_loops` runs on
+# each, by anyio's pytest plugin and its backend option `use_uvloop`.
+LOOPS = [
+    pytest.param("asyncio", id="asyncio"),
+    pytest.param(
+        ("asyncio", {"use_uvloop": True}),
+        id="uvloop",
+        marks=pytest.mark.skipif(not loop.uvloop_installed(), reason="uvloop is not installed"),
+    ),
+]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    marked = metafunc.definition.get_closest_marker
+    if marked("both_loops") is None or marked("one_loop") is not None:
+        return
+    if "anyio_backend" in metafunc.fixturenames:
+        metafunc.parametrize("anyio_backend", LOOPS)
 
 
 @pytest.fixture(scope="session")

@@ -12,16 +12,7 @@ import pytest
 from relay.core import clock, loop
 from relay.edges.ingress import Deadlines
 
-pytestmark = [
-    pytest.mark.anyio,
-    pytest.mark.parametrize(
-        "anyio_backend",
-        [
-            pytest.param("asyncio", id="asyncio"),
-            pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-        ],
-    ),
-]
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]
 
 
 async def test_the_test_runs_on_the_loop_it_names(anyio_backend: object) -> None:

@@ -18,7 +18,7 @@ from relay.edges.store import Held
 from relay.settings import load
 from tests.support import one_event_claim, wait_for
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]  # issue 52: asyncio and uvloop
 
 
 def held(run_id: str, *, critical: bool = False, targeted: bool = False) -> Held:

@@ -17,7 +17,7 @@ import relay
 from relay.runner import Relay
 from tests.support import Decisions, Rig, relay_logs, wait_for
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]  # issue 52: asyncio and uvloop
 
 BACKLOG_RUNS = 100
 EVENTS_PER_BACKLOG_RUN = 3

@@ -19,7 +19,7 @@ from relay.delivery.narrowing import Narrowing
 from relay.edges.ingress import Answer
 from relay.edges.store import Claim, ClaimedEvent, Held
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]  # issue 52: asyncio and uvloop
 
 AT = datetime(2024, 5, 17, 12, 0, 0)
 POISON = Poison(422, "bad", None)

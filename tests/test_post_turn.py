@@ -21,7 +21,7 @@ from relay.runner import post_permits
 from relay.settings import load
 from tests.support import one_event_claim
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]  # issue 52: asyncio and uvloop
 
 
 def held(run_id: str, *, critical: bool = False, targeted: bool = False) -> Held:

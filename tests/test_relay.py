@@ -30,7 +30,7 @@ from tests.support import (
     wait_for,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]  # issue 52: asyncio and uvloop
 
 
 def enqueue_runs(
@@ -133,6 +133,7 @@ async def test_request_matches_ingress_contract(
     assert h["traceparent"].startswith("00-0af7651916cd43dd8448eb211c80319c-")
 
 
+@pytest.mark.one_loop  # long: asyncio's own loop only (CI time)
 async def test_transient_answers_are_retried_and_nothing_is_dropped(
     pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
 ) -> None:
@@ -287,6 +288,7 @@ async def test_listen_connection_killed_reconnects_and_keeps_delivering(rig: Rig
         await wait_for(lambda: "after0-0" in s.state.deliveries, what="delivery by NOTIFY")
 
 
+@pytest.mark.one_loop  # long: asyncio's own loop only (CI time)
 async def test_delivers_by_polling_while_listen_is_down(
     pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
 ) -> None:
@@ -661,6 +663,7 @@ async def test_a_terminal_committed_for_a_queued_run_is_handed_to_the_critical_l
     assert [len(x["seqs"]) for x in s.state.received if x["run_id"] == "t0"] == [2]
 
 
+@pytest.mark.one_loop  # long: asyncio's own loop only (CI time)
 async def test_the_database_pools_do_not_grow_with_the_post_slots(
     pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sink, str]
 ) -> None:

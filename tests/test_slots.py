@@ -14,7 +14,7 @@ from anyio.abc import TaskGroup
 
 from relay.delivery.slots import Slots
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]  # issue 52: asyncio and uvloop
 
 
 class Takers:

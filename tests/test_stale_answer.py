@@ -38,7 +38,7 @@ from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
 from tests.test_http_client import OK_EMPTY, REFUSED, client_settings, settled
 from tests.test_security import ForwardingProxy, RawIngress, enqueue_some, proxy_environment
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]  # issue 52: asyncio and uvloop
 
 ROUTES = ["direct", "http_proxy", "connect"]
 LATE = 0.05  # seconds between run a's answer and its copy

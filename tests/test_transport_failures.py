@@ -34,7 +34,7 @@ from tests.test_http_client import client_settings
 from tests.test_relay import enqueue_runs
 from tests.test_security import RawIngress, proxy_environment
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]  # issue 52: asyncio and uvloop
 
 OK_EMPTY = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
 
