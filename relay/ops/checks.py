@@ -261,6 +261,8 @@ def _misconfigured(status: int, location: str | None, setting: str, s: Settings)
         return f"a redirect{to}, which relay run never follows; set {setting} to where it points"
     if status == 405:
         return f"this URL does not take POSTs; fix {setting}"
+    if status == 407:
+        return "the proxy wants credentials; fix ingress_proxy's (or HTTP_PROXY's) user:password"
     return f"no such endpoint; fix {setting} (its path)"
 
 
