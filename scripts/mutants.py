@@ -809,6 +809,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_http_client.py::test_the_ingress_cannot_set_cookies_on_the_client",),
     ),
     Mutant(
+        "stale-pooled-connection-reused",
+        "§9.1 (issue 48 item 1): a pooled connection holding an answer no request asked for is "
+        "never handed to the next POST",
+        "relay/edges/http_client.py",
+        "            if protocol is None or not protocol.should_close:",
+        "            if True:",
+        ("tests/test_stale_answer.py::test_the_next_post_reads_its_own_answer_after_a_late_copy",),
+        ci=True,
+    ),
+    Mutant(
         "unframed-empty-2xx-accepted",
         "§9.1 (issue 40): an empty 2xx ended only by the connection (maybe a reset) is no ack",
         "relay/core/policy.py",
