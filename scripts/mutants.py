@@ -933,6 +933,27 @@ MUTANTS: tuple[Mutant, ...] = (
         ci=True,
     ),
     Mutant(
+        "discovery-finished-claim-not-filled",
+        "issue 50: what finished runs lack in a claim, any due run fills in the same pass",
+        "relay/delivery/discovery.py",
+        "        if first is Discovered.FINISHED and len(claims) < want:",
+        "        if False:",
+        (
+            "tests/test_discovery.py::"
+            "test_a_short_claim_of_finished_runs_is_filled_from_any_due_run_in_the_same_pass",
+        ),
+    ),
+    Mutant(
+        "discovery-empty-passes-not-spaced",
+        "§4.1: wakes coalesce: the pass after one that found nothing waits for the spacing",
+        "relay/delivery/discovery.py",
+        "        if since < MIN_EMPTY_PASS_SPACING:",
+        "        if False:",
+        (
+            "tests/test_discovery.py::test_the_pass_after_one_that_found_nothing_waits_for_the_spacing",
+        ),
+    ),
+    Mutant(
         "classes-credit-banked-while-idle",
         "issue 50: a class with no due work banks no credit (it cannot take every claim after)",
         "relay/core/classes.py",
