@@ -1111,9 +1111,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "issue 49 item 3: one warning per failed POST (an attempt's last try is told by its "
         "retry_scheduled warning)",
         "relay/delivery/execute.py",
-        "logging.WARNING if retry_in is not None else logging.INFO,",
+        "logging.WARNING if warned else logging.INFO,",
         "logging.WARNING,",
         (f"{OUTAGE_LOGS}::{OUTAGE_TEST}",),
+    ),
+    Mutant(
+        "outage-batch-warns-per-run",
+        "issue 49 item 3: a multi-run POST that failed is one warning, not one per run in it",
+        "relay/delivery/release.py",
+        "            logging.INFO if echo else logging.WARNING,",
+        "            logging.WARNING,",
+        (f"{OUTAGE_LOGS}::{OUTAGE_TEST}[batch]",),
     ),
     Mutant(
         "outage-deferral-line-per-run",
@@ -1306,8 +1314,12 @@ def apply(copy: Path, m: Mutant) -> None:
 
 def run_tests(copy: Path, tests: tuple[str, ...], extra: tuple[str, ...]) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    # A basetemp of the copy's own: pytest's default one is shared by every run of this user, and
+    # a run clears it, stopping the embedded PostgreSQL of any other test run going on.
+    basetemp = f"--basetemp={copy / '.pytest-tmp'}"
+    pytest = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", basetemp]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *extra, *tests],
+        [*pytest, *extra, *tests],
         cwd=copy,
         env=env,
         capture_output=True,
