@@ -26,12 +26,16 @@ _HELP = {
     "http_transport": "transport under httpx's client: aiohttp (default) or httpx (its own)",
     "event_loop": "auto (default: uvloop where installed, else asyncio), uvloop or asyncio",
     "http2": "HTTP/2 to the ingress: true or false (default); httpx's transport, the http2 extra",
+    "ingress_keepalive": "true (default): a connection to the ingress carries many POSTs; false:"
+    " one POST a connection, so no late answer can be read as another POST's",
     "ingress_proxy": "proxy for the ingress, e.g. http://proxy:3128 (default: HTTP_PROXY etc.; "
     "secret)",
     "batch_size": "events per POST (default 100)",
     "lease_ttl": "lease time to live, e.g. 30s",
     "concurrency": "ordinary lane: runs in flight (default 32)",
     "critical_concurrency": "critical lane: runs in flight (default 4)",
+    "post_limit": "adaptive (default): POSTs in flight follow the ingress's latency; fixed: each"
+    " lane's concurrency",
     "claim_runs": "runs claimed per round trip (default 64)",
     "max_batch_bytes": "payload bytes per POST, e.g. 1MiB (default); a larger event goes alone",
     "max_lane_bytes": "payload bytes a lane holds claimed, e.g. 32MiB (default): the memory bound",

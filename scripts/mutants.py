@@ -809,6 +809,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_http_client.py::test_the_ingress_cannot_set_cookies_on_the_client",),
     ),
     Mutant(
+        "stale-pooled-connection-reused",
+        "§9.1 (issue 48 item 1): a pooled connection holding an answer no request asked for is "
+        "never handed to the next POST",
+        "relay/edges/http_client.py",
+        "            if protocol is None or not protocol.should_close:",
+        "            if True:",
+        ("tests/test_stale_answer.py::test_the_next_post_reads_its_own_answer_after_a_late_copy",),
+        ci=True,
+    ),
+    Mutant(
         "unframed-empty-2xx-accepted",
         "§9.1 (issue 40): an empty 2xx ended only by the connection (maybe a reset) is no ack",
         "relay/core/policy.py",
@@ -921,6 +931,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "return Discovered.FINISHED",
         ("tests/test_classes.py",),
         ci=True,
+    ),
+    Mutant(
+        "discovery-finished-claim-not-filled",
+        "issue 50: what finished runs lack in a claim, any due run fills in the same pass",
+        "relay/delivery/discovery.py",
+        "        if first is Discovered.FINISHED and len(claims) < want:",
+        "        if False:",
+        (
+            "tests/test_discovery.py::"
+            "test_a_short_claim_of_finished_runs_is_filled_from_any_due_run_in_the_same_pass",
+        ),
+    ),
+    Mutant(
+        "discovery-empty-passes-not-spaced",
+        "§4.1: wakes coalesce: the pass after one that found nothing waits for the spacing",
+        "relay/delivery/discovery.py",
+        "        if since < MIN_EMPTY_PASS_SPACING:",
+        "        if False:",
+        (
+            "tests/test_discovery.py::test_the_pass_after_one_that_found_nothing_waits_for_the_spacing",
+        ),
     ),
     Mutant(
         "classes-credit-banked-while-idle",
@@ -1080,9 +1111,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "issue 49 item 3: one warning per failed POST (an attempt's last try is told by its "
         "retry_scheduled warning)",
         "relay/delivery/execute.py",
-        "logging.WARNING if retry_in is not None else logging.INFO,",
+        "logging.WARNING if warned else logging.INFO,",
         "logging.WARNING,",
         (f"{OUTAGE_LOGS}::{OUTAGE_TEST}",),
+    ),
+    Mutant(
+        "outage-batch-warns-per-run",
+        "issue 49 item 3: a multi-run POST that failed is one warning, not one per run in it",
+        "relay/delivery/release.py",
+        "            logging.INFO if echo else logging.WARNING,",
+        "            logging.WARNING,",
+        (f"{OUTAGE_LOGS}::{OUTAGE_TEST}[batch]",),
     ),
     Mutant(
         "outage-deferral-line-per-run",
@@ -1289,8 +1328,12 @@ def apply(copy: Path, m: Mutant) -> None:
 
 def run_tests(copy: Path, tests: tuple[str, ...], extra: tuple[str, ...]) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1"}
+    # A basetemp of the copy's own: pytest's default one is shared by every run of this user, and
+    # a run clears it, stopping the embedded PostgreSQL of any other test run going on.
+    basetemp = f"--basetemp={copy / '.pytest-tmp'}"
+    pytest = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", basetemp]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *extra, *tests],
+        [*pytest, *extra, *tests],
         cwd=copy,
         env=env,
         capture_output=True,

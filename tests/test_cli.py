@@ -279,3 +279,12 @@ def test_invalid_configuration_fails_with_one_clear_line(
     assert got.returncode == 2
     lines = got.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], got.stderr
+
+
+def test_every_setting_has_its_help_line() -> None:
+    """`relay run --help` describes each setting (ingress_keepalive and post_limit had only
+    their variable's name)."""
+    from relay.cli import _HELP
+    from relay.settings import PARSERS
+
+    assert [option for option in PARSERS if not _HELP.get(option)] == []

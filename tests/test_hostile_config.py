@@ -323,8 +323,24 @@ async def test_a_connection_error_quoting_the_decoded_password_is_scrubbed() -> 
 
 
 def test_relay_check_scrubs_the_decoded_password() -> None:
-    from relay.ops.checks import scrub, secrets_of
+    from relay.ops.checks import _error
 
     s = load({"database_url": ENCODED_URL, "ingress_url": INGRESS}, environ={})
-    text = scrub(f"FATAL: bad password {HALVES[0]}/{HALVES[1]} for {ENCODED_URL}", secrets_of(s))
+    text = _error(OSError(f"FATAL: bad password {HALVES[0]}/{HALVES[1]} for {ENCODED_URL}"), s)
     assert_no_halves(text)
+
+
+def test_relay_check_scrubs_the_ingress_and_proxy_credentials() -> None:
+    """An error `relay check` prints may quote what went to the ingress or its proxy: the
+    ingress URL's password and the proxy's, decoded, and the Basic credentials they travel as
+    (checks kept its own list of secrets, which had neither)."""
+    from relay.ops.checks import _error
+
+    ingress = "http://bot:s3cr%40t-ingress@127.0.0.1:9/runs/{run_id}/events"
+    flags = {"database_url": ENCODED_URL, "ingress_url": ingress,
+             "ingress_proxy": "http://egress:pr0xy-pw@127.0.0.1:3128"}  # fmt: skip
+    s = load(flags, environ={})
+    basic = base64.b64encode(b"egress:pr0xy-pw").decode()
+    text = _error(OSError(f"echo: s3cr@t-ingress s3cr%40t-ingress Basic {basic} pr0xy-pw"), s)
+    for secret in ("s3cr@t-ingress", "s3cr%40t-ingress", basic, "pr0xy-pw"):
+        assert secret not in text, text

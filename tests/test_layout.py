@@ -464,6 +464,9 @@ def test_the_import_layers_are_kept() -> None:
         ("runner.py", "from relay.tools import embedded", "relay.runner is not allowed"),
         # the pipeline's complete reaching back up to fetch
         ("delivery/execute.py", "from relay.delivery import lane", "execute is not allowed"),
+        # the lane's discovery calling back into the lane, or reaching across to its deliveries
+        ("delivery/discovery.py", "from relay.delivery import lane", "discovery is not allowed"),
+        ("delivery/discovery.py", "from relay.delivery import deliveries", "discovery is not"),
     ],
 )
 def test_a_planted_upward_import_breaks_the_layers(

@@ -64,6 +64,11 @@ class Down(Sink):
             self.failed += 1
         return await super()._run_events(url_run_id, body, headers)
 
+    async def _batch(self, body: bytes, headers: dict[str, str]) -> Reply:
+        if self.faults.default_status is not None:
+            self.failed += 1
+        return await super()._batch(body, headers)
+
 
 @pytest.fixture
 def lines() -> Iterator[Lines]:
@@ -79,16 +84,20 @@ def summaries_allowed(seconds: float) -> int:
     return LANES * (int(seconds / SUMMARY_INTERVAL) + 1)
 
 
+@pytest.mark.parametrize("endpoint", ["per_run", "batch"])
 async def test_an_outage_logs_a_warning_per_failed_post_and_sums_up_the_deferrals(
-    pg_url: str, schema: str, conn: psycopg.Connection[Any], lines: Lines
+    pg_url: str, schema: str, conn: psycopg.Connection[Any], lines: Lines, endpoint: str
 ) -> None:
+    """`batch`: with `ingress_batch_url` a failed POST carries several runs, and is still one
+    warning (each of its runs had one of its own)."""
     sink = Down()
     sink.faults.set_default(503)
     bulk_backlog(conn, schema, RUNS, 1)
     started = clock.now()
     async with serve_sink(sink) as url:
+        batch = {"ingress_batch_url": url + "/batch"} if endpoint == "batch" else {}
         cfg = settings(pg_url, schema, url, concurrency=4, critical_concurrency=1, lease_ttl=10,
-                       http_timeout=1)  # fmt: skip
+                       http_timeout=1, **batch)  # fmt: skip
         async with Relay(cfg).running():
             await wait_for(
                 lambda: len(lines.named("retry_deferred")) >= RUNS,

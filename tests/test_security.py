@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import io
 import json
 import os
@@ -57,6 +56,7 @@ from relay.maintenance.roles import Roles, validate_role_name
 from relay.runner import Relay
 from relay.settings import ConfigError, Secret
 from relay.tools.sink import Receive, Scope, Send, Sink, serve_sink, signing_keys, verify_signature
+from tests.servers import TaskServer
 from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
 from tests.test_cli import RELAY, relay_env
 from tests.test_sink import body as sink_body
@@ -310,23 +310,19 @@ def http_transport(request: pytest.FixtureRequest) -> str:
 Answerer = Callable[[asyncio.StreamWriter], Awaitable[None]]
 
 
-class RawIngress:
+class RawIngress(TaskServer):
     """A tiny HTTP/1.1 server on a real socket that reads each request and then answers with
     `answer(writer)`: whatever misbehaviour a test needs (redirects, endless or dripping bodies,
     TLS). Counts requests, and body bytes a misbehaving answer wrote before the client left."""
 
     def __init__(self, answer: Answerer, ssl_context: ssl.SSLContext | None = None) -> None:
+        super().__init__(ssl_context)
         self.answer = answer
-        self.ssl_context = ssl_context
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self.sent = 0
         self.client_left = 0
-        self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -344,23 +340,6 @@ class RawIngress:
             self.client_left += 1
         finally:
             writer.close()
-            self._tasks.discard(task)
-
-    @asynccontextmanager
-    async def serving(self) -> AsyncIterator[str]:
-        server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.ssl_context)
-        port = server.sockets[0].getsockname()[1]
-        scheme = "https" if self.ssl_context else "http"
-        try:
-            yield f"{scheme}://127.0.0.1:{port}"
-        finally:
-            server.close()
-            for task in list(self._tasks):
-                task.cancel()
-            for task in list(self._tasks):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await server.wait_closed()
 
 
 def redirect_to(location: str, status: int) -> Answerer:
@@ -613,20 +592,17 @@ async def test_the_sender_verifies_without_a_ca_file_too(
             await sender.send(url + "/x", b"{}", {})
 
 
-class ForwardingProxy:
+class ForwardingProxy(TaskServer):
     """A small real HTTP proxy on 127.0.0.1: `CONNECT host:port` opens a tunnel to the origin; a
     request in absolute form is forwarded to its origin in origin form with `connection: close`
     (so one request per proxy connection), its body and answer piped through. Records both."""
 
     def __init__(self) -> None:
         self.connects: list[str] = []  # CONNECT targets
+        super().__init__()
         self.forwarded: list[tuple[str, str]] = []  # (method, absolute URL)
-        self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream: asyncio.StreamWriter | None = None
         try:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -677,7 +653,6 @@ class ForwardingProxy:
             if upstream is not None:
                 upstream.close()
             writer.close()
-            self._tasks.discard(task)
 
     @staticmethod
     async def _pipe(
@@ -703,21 +678,6 @@ class ForwardingProxy:
             for way in ways:
                 way.cancel()
             await asyncio.gather(*ways, return_exceptions=True)
-
-    @asynccontextmanager
-    async def serving(self) -> AsyncIterator[str]:
-        server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.close()
-            for task in list(self._tasks):
-                task.cancel()
-            for task in list(self._tasks):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await server.wait_closed()
 
 
 def proxy_environment(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:

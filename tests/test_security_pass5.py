@@ -20,8 +20,7 @@ import contextlib
 import io
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,6 +38,7 @@ from relay.edges.tracing import config_from_env
 from relay.integrations import start_tracing
 from relay.runner import Relay
 from relay.settings import ConfigError, Secret
+from tests.servers import TaskServer
 from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
 from tests.test_cli import RELAY, relay_env
 from tests.test_http_client import client_settings, settled
@@ -147,16 +147,17 @@ def echoes(auth: str) -> list[bytes]:
     ]
 
 
-class EchoingIngress:
+class EchoingIngress(TaskServer):
     """An HTTP/1.1 server on a real socket whose answers quote the request's Authorization
     header (`script(auth)`: one answer per request, in order; the connection is closed after
     each). Keeps each request's Authorization."""
 
     def __init__(self, script: Callable[[str], list[bytes]]) -> None:
+        super().__init__()
         self.script = script
         self.authorizations: list[str] = []
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
             fields = dict(
@@ -170,15 +171,6 @@ class EchoingIngress:
             writer.write(answers[min(len(self.authorizations), len(answers)) - 1])
             await writer.drain()
         writer.close()
-
-    @asynccontextmanager
-    async def serving(self) -> AsyncIterator[str]:
-        server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        try:
-            yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        finally:
-            server.close()
-            await server.wait_closed()
 
 
 def assert_clean(text: str, where: str, needles: tuple[str, ...]) -> None:

@@ -18,7 +18,6 @@ POST's at keep-alive: docs/security.md).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -34,6 +33,7 @@ import trustme
 
 from relay.edges.http_client import open_sender, proxy_routes
 from relay.runner import Relay
+from tests.servers import TaskServer
 from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
 from tests.test_http_client import OK_EMPTY, REFUSED, client_settings, settled
 from tests.test_security import ForwardingProxy, RawIngress, enqueue_some, proxy_environment
@@ -82,7 +82,7 @@ async def loop_turns(n: int = 50) -> None:
         await anyio.lowlevel.checkpoint()
 
 
-class KeepAliveProxy:
+class KeepAliveProxy(TaskServer):
     """A forwarding proxy that keeps the client's connection: the first request's origin is
     dialled and the connection piped both ways from then on, the request line left in absolute
     form (the ingress here takes any target). What the origin writes, a late copy included,
@@ -90,13 +90,10 @@ class KeepAliveProxy:
     connection is ever reused there, and the stale answer could not be read."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.forwarded: list[str] = []  # each proxied connection's first request target
-        self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+    async def connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream: asyncio.StreamWriter | None = None
         try:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -113,21 +110,6 @@ class KeepAliveProxy:
             if upstream is not None:
                 upstream.close()
             writer.close()
-            self._tasks.discard(task)
-
-    @asynccontextmanager
-    async def serving(self) -> AsyncIterator[str]:
-        server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        try:
-            yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        finally:
-            server.close()
-            for task in list(self._tasks):
-                task.cancel()
-            for task in list(self._tasks):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await server.wait_closed()
 
 
 @asynccontextmanager

@@ -236,3 +236,20 @@ async def test_a_proxys_407_pauses_the_lane_and_blocks_no_run(
     line = next(x for x in log_lines() if x["event"] == "ingress_misconfigured")
     assert (line["level"], line["status"]) == ("error", 407)
     assert not [x for x in log_lines() if x["event"] in ("run_blocked", "poison_narrowing")]
+
+
+async def test_relay_check_names_a_proxys_407_a_proxy_credential(http_transport: str) -> None:
+    """`relay check` through a proxy answering 407: the proxy's credentials are what to fix, not
+    the ingress URL's path (it said "no such endpoint")."""
+    async with RawIngress(proxy_wants_credentials).serving() as proxy_url:
+        env = relay_env(
+            UNREACHABLE_DB,
+            "relay",
+            "http://127.0.0.1:9",
+            RELAY_HTTP_TRANSPORT=http_transport,
+            RELAY_INGRESS_PROXY=proxy_url,
+        )
+        _, lines = await check(env)
+    (line,) = [line for line in lines if line.split()[1] == "ingress"]
+    assert line.split()[0] == "FAIL" and "answered 407" in line, line
+    assert "proxy wants credentials" in line and "no such endpoint" not in line, line

@@ -20,10 +20,11 @@ class that comes back with fewer runs than asked has no more due work: its pass 
 with the other's (no credit banked while idle, which would let it take every claim once it is
 back), and (b) is not asked first again for `recheck` seconds (its empty query would otherwise
 precede every claim of a backlog without terminals), after which it is levelled again. The
-lane fills a short (b) claim from (c) in the same pass, so it never idles while either class
-has work.
+lane's discovery fills a short (b) claim from (c) in the same pass, so the lane never idles
+while either class has work.
 
-Pure: the lane (relay/delivery/lane.py) asks `first()` and reports each claim to `claimed()`.
+Pure: the lane's discovery (relay/delivery/discovery.py) asks `first()` and reports each claim
+to `claimed()`.
 """
 
 from __future__ import annotations

@@ -76,6 +76,10 @@ class Outcome:
     span: DeliverySpan = (
         NO_SPAN  # its trace (relay/edges/tracing.py), ended by the tracer's observer
     )
+    # A run after the first of a multi-run request answered as a whole: what it came to is the
+    # request's, which the first run's lines say at their level; this run's at info (one
+    # warning per failed POST, issue 49 item 3, with `ingress_batch_url` too).
+    echo: bool = False
 
     @property
     def run_id(self) -> str:
@@ -212,7 +216,7 @@ class Executor:
                 self.books.quick_retry_allowed,
             )
         outcomes: list[Outcome] = []
-        for (held, events), span in zip(sends, spans, strict=True):
+        for i, ((held, events), span) in enumerate(zip(sends, spans, strict=True)):
             run_id = held.claim.run_id
             if run_id not in renewal.live or replies is None:
                 outcomes.append(Outcome(held, events, LeaseLost("renewal_failed"), span=span))
@@ -220,7 +224,10 @@ class Executor:
                 answer, decision = replies.per_run[run_id]
                 if isinstance(decision, Retry):  # when it really goes, the budget considered
                     decision = self.books.scheduled(decision, held.claim.attempts)
-                outcomes.append(Outcome(held, events, decision, answer, replies.whole, span))
+                echo = replies.whole and i > 0
+                outcomes.append(
+                    Outcome(held, events, decision, answer, replies.whole, span, echo=echo)
+                )
         return outcomes
 
     async def _post_once(
@@ -317,15 +324,17 @@ def _log_failed(
     Poison and misconfigured answers have lines of their own (run_blocked,
     ingress_misconfigured). A warning when a quick try follows; the attempt's last try at info,
     since its `retry_scheduled` warning says the same failure with when the run goes next: one
-    warning per failed POST (issue 49 item 3)."""
-    for held, _ in sends:
+    warning per failed POST (issue 49 item 3): of a multi-run request that failed as a whole,
+    only the first run's line is a warning (`Outcome.echo`)."""
+    for i, (held, _) in enumerate(sends):
         answer, decision = replies.per_run[held.claim.run_id]
         if not isinstance(decision, Retry):
             continue
         claim = held.claim
+        warned = retry_in is not None and not (replies.whole and i > 0)
         logs.log(
             "post_failed",
-            logging.WARNING if retry_in is not None else logging.INFO,
+            logging.WARNING if warned else logging.INFO,
             lane=lane,
             run_id=claim.run_id,
             epoch=claim.epoch,

@@ -1,6 +1,7 @@
 """What a lane holds: the claims it took and has not settled yet, POSTing or queued for a POST
-slot, and the payload bytes they hold (issue 13). The lane asks it whether it may claim again
-and for how many runs; it changes only when the lane holds a claim or drops a settled one.
+slot, and the payload bytes they hold (issue 13). The lane asks it whether it may claim again,
+and its discovery (relay/delivery/discovery.py) for how many runs; it changes only when the lane
+holds a claim or drops a settled one.
 """
 
 from __future__ import annotations

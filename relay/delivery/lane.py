@@ -4,11 +4,12 @@ runs (DESIGN §4.2-4.3).
 The relay has two (issue 50; docs/design.md, "Scheduling"): `critical` claims targeted terminals
 only (a terminal event committed while the relay runs, drained by id at once whatever the lane
 holds: control traffic), and `ordinary` discovers the rest, finished runs (a pending terminal)
-and any due run sharing its claims (relay/core/classes.py). Each has its own concurrency,
+and any due run sharing its claims (relay/delivery/discovery.py). Each has its own concurrency,
 database pool, HTTP client and ack group, so a full ordinary lane cannot delay the critical one.
 
-The lane claims runs, holds them (relay/delivery/holdings.py: under the adaptive limit, what its
-share of the limit can POST soon), and starts each single claim or multi-run group as a delivery
+The lane claims runs (the ordinary lane's by its discovery, relay/delivery/discovery.py, which
+returns them), holds them (relay/delivery/holdings.py: under the adaptive limit, what its share of
+the limit can POST soon), and starts each single claim or multi-run group as a delivery
 (relay/delivery/deliveries.py) in one of its delivery tasks (`Deliveries`, there too: kept and
 reused, waited for when the lane stops): the delivery takes a turn to POST from the lane's POST turn
 (relay/delivery/post_turn.py: the lane's slots, then the replica's permits, critical first), the
@@ -31,10 +32,10 @@ import psycopg
 
 from relay import logs
 from relay.admission.retry_budget import RetryBudget
-from relay.core.classes import Discovered, Shares
 from relay.core.policy import backoff, plan_groups
 from relay.delivery.complete import Completer
 from relay.delivery.deliveries import Deliveries, Delivery
+from relay.delivery.discovery import Discovery
 from relay.delivery.execute import Executor
 from relay.delivery.holdings import Holdings
 from relay.delivery.post_turn import Permits, PostTurn
@@ -44,8 +45,6 @@ from relay.edges.ingress import IngressClient
 from relay.edges.store import AckResult, Claim, Held, Store
 from relay.edges.tracing import NO_TRACING, Tracer
 from relay.settings import Settings
-
-MIN_EMPTY_PASS_SPACING = 0.01  # coalesces bursts of wakes into a handful of passes
 
 
 @dataclass(frozen=True)
@@ -100,10 +99,8 @@ class Lane:
         )
         self.wake = Wake()
         self.slot_freed = Wake()
-        # The critical lane claims targeted terminals only; the ordinary lane discovers the rest,
-        # finished runs and any due run sharing its claims (relay/core/classes.py).
+        # The critical lane claims targeted terminals only; the ordinary lane discovers the rest.
         self.targeted_only = name == "critical"
-        self.shares = Shares(recheck=settings.poll_interval)
         self.targets: list[str] = []  # runs to drain now (critical lane)
         self.wanted: set[str] = set()  # terminal runs we could not claim yet
         # Each claim's or group's turn to POST: the lane's slots and the replica's permits,
@@ -112,6 +109,8 @@ class Lane:
         # The claims held, their bytes; as many as the POST turn can carry soon.
         posts = self.post_turn.posts if permits is not None else None
         self.holdings = Holdings(settings, concurrency, posts)
+        # Which runs the ordinary lane claims, and how many (relay/delivery/discovery.py).
+        self.discovery = Discovery(settings, store, self.holdings, self.fetched)
         # Each claim's or group's delivery: its turn, the POST, the results
         # (relay/delivery/deliveries.py).
         self.delivery = Delivery(
@@ -127,7 +126,6 @@ class Lane:
         # that serve them (relay/delivery/deliveries.py).
         self.deliveries = Deliveries(self.delivery, self.holdings)
         self.stopping = False
-        self._last_empty_pass = -1.0
         # Liveness, for /healthz and the systemd watchdog (read through view()).
         self.turns = 0
         self.turned_at = 0.0
@@ -226,33 +224,9 @@ class Lane:
         if not self.holdings.may_claim():  # the byte budget is spent, or too little room
             await self.slot_freed.wait(self.settings.poll_interval)
             return True
-        # Space out passes that find nothing, so a burst of wakes costs a handful of passes.
-        since = now - self._last_empty_pass
-        if since < MIN_EMPTY_PASS_SPACING:
-            await anyio.sleep(MIN_EMPTY_PASS_SPACING - since)
-        holdings = self.holdings
-        want = max(1, min(holdings.room(), self.settings.claim_runs, holdings.fits()))
-        self.fetched.passes += 1
-        claims = await self._discover_claims(want)
-        self._start(claims)
-        if len(claims) < want:
-            self._last_empty_pass = anyio.current_time()
-            return False
-        return True
-
-    async def _discover_claims(self, want: int) -> list[Claim]:
-        """Up to `want` runs by discovery: finished ones and any due run in their shares
-        (relay/core/classes.py), what the first class lacks filled from any due run."""
-        first = self.shares.first(anyio.current_time())
-        self.fetched.claims += 1
-        claims = await self.store.claim(first.value, want)
-        self.shares.claimed(first, len(claims), want, anyio.current_time())
-        if first is Discovered.FINISHED and len(claims) < want:
-            self.fetched.claims += 1
-            more = await self.store.claim(Discovered.DUE.value, want - len(claims))
-            self.shares.claimed(Discovered.DUE, len(more), want - len(claims), anyio.current_time())
-            claims += more
-        return claims
+        found = await self.discovery.claims(now)  # spaced, sized to the room, by class
+        self._start(found.claims)
+        return found.full
 
     def _settled(self) -> None:
         """Wake the discovery loop when it may claim again (not at each settle: for nothing)."""

@@ -109,22 +109,23 @@ class Releases:
             case Deferred():
                 return await self.defer(claim, decision)
             case Retry():
-                return await self.reschedule(claim, decision)
+                return await self.reschedule(claim, decision, echo=outcome.echo)
             case Pause():
                 return await self.pause(claim, decision)
         raise ValueError(f"not a release: {decision!r}")  # acks and poison are the completer's
 
-    async def reschedule(self, claim: Claim, retry: Retry) -> bool:
+    async def reschedule(self, claim: Claim, retry: Retry, *, echo: bool = False) -> bool:
         """A failed attempt: the run waits `retry.delay` in the outbox, when its next attempt
         goes. Its own backoff, or, when the retry budget is spent, longer (`retry.backoff` was
-        the backoff): the line says `retry_budget: "spent"` then, since the budget decides."""
+        the backoff): the line says `retry_budget: "spent"` then, since the budget decides.
+        A warning, except for a run whose failure its request's first run has said (`echo`)."""
         self.stats.retries += 1
         released = await self.store.release(
             claim, retry.delay, error=retry.error or "no answer", status=retry.status
         )
         logs.log(
             "retry_scheduled",
-            logging.WARNING,
+            logging.INFO if echo else logging.WARNING,
             **{**self.who(claim), "attempt": claim.attempts + 1},
             first_seq=claim.first_seq,
             last_seq=claim.last_seq,

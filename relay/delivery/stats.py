@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class FetchStats:
-    """The lane's own (relay/delivery/lane.py): discovery and hand-over."""
+    """The lane's own (relay/delivery/lane.py, its discovery relay/delivery/discovery.py):
+    discovery and hand-over."""
 
     passes: int = 0
     claims: int = 0  # claim statements run, targeted ones included

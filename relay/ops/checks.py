@@ -36,11 +36,11 @@ from psycopg import sql
 
 from relay.core import loop
 from relay.core.policy import Outcome, classify
-from relay.edges.http_client import TransportFailure, open_sender
+from relay.edges.http_client import TransportFailure, open_sender, sent_secrets
 from relay.edges.ingress import USER_AGENT, render_url, sign
 from relay.edges.store import CONNECT_KWARGS
 from relay.maintenance.migrate import code_version, read_version, version_problem
-from relay.settings import ConfigError, Settings, Subcommands, passwords_in, redact_url, scrub
+from relay.settings import ConfigError, Settings, Subcommands, redact_url, scrub
 
 OK = 0
 CONFIGURATION = 2
@@ -81,23 +81,9 @@ def exit_code(results: Sequence[Result]) -> int:
     return code
 
 
-def secrets_of(s: Settings) -> list[str]:
-    """Every secret of the settings, and the passwords inside the database URLs as libpq
-    reads them: an error may quote a password alone (e.g. percent-decoded)."""
-    out = []
-    for url in (s.database_url, s.listen_database_url):
-        if url is not None:
-            out.append(url.reveal())
-            out.extend(passwords_in(url.reveal()))
-    if s.ingress_token is not None:
-        out.append(s.ingress_token.reveal())
-    out.extend(secret.reveal() for secret in s.signing_secret)
-    return [x for x in out if x]
-
-
 def _error(exc: BaseException, s: Settings) -> str:
     first = (str(exc).strip().splitlines() or [""])[0]
-    return scrub(f"{type(exc).__name__}: {first}"[:300], secrets_of(s))
+    return scrub(f"{type(exc).__name__}: {first}"[:300], sent_secrets(s))
 
 
 async def check_database(s: Settings, within: float) -> tuple[Result, Result]:
@@ -262,6 +248,8 @@ def _misconfigured(status: int, location: str | None, setting: str, s: Settings)
         return f"a redirect{to}, which relay run never follows; set {setting} to where it points"
     if status == 405:
         return f"this URL does not take POSTs; fix {setting}"
+    if status == 407:
+        return "the proxy wants credentials; fix ingress_proxy's (or HTTP_PROXY's) user:password"
     return f"no such endpoint; fix {setting} (its path)"
 
 
