@@ -17,7 +17,7 @@ from relay.edges.store import Claim
 from relay.settings import Settings, load
 from tests.support import one_event_claim
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]  # issue 52: asyncio and uvloop
 
 
 class Backlogs:
