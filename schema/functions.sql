@@ -136,6 +136,8 @@ as $$ select value from settings where key = p_key $$;
 -- enqueue a subtransaction id. So the wait for a run that another open transaction is creating
 -- (its first event) ends in PostgreSQL's own lock-timeout error; the wait for a run another
 -- transaction is writing, in this function's message. Both are SQLSTATE 55P03: retry.
+-- Every statement here reads or writes one run's rows by its primary key, and runs (and is
+-- planned) only under enqueue's `enable_seqscan = off`, which says why.
 create or replace function lock_run_for_enqueue(p_run_id text) returns bigint
 language plpgsql volatile
 set search_path from current
@@ -190,6 +192,21 @@ create or replace function enqueue(
 ) returns bigint
 language plpgsql volatile
 set search_path from current
+-- The run's rows and the event id are looked up by key (`run_seqs`, `runs`, each part of
+-- `outbox`), and each lookup must stay a point lookup however many runs the transaction has
+-- written: with the statistics of a small table (ANALYZE while `runs` held a few rows, or an
+-- empty part) the planner prefers a sequential scan, plpgsql keeps that plan for the
+-- session, and the rows this transaction adds are read again by every later call, so one
+-- transaction's cost grows with the square of its runs (issue 52 item 4: 4,000 new runs after
+-- such an ANALYZE read 72 million tuples in 8.3 s; 1.5 s and none read with this). Statistics
+-- cannot catch up inside the transaction (ANALYZE does not count its uncommitted rows), so no
+-- estimate of these tables' size is to be trusted here, and every lookup has its index. A
+-- setting of this function, not a rewritten statement: PostgreSQL has no syntax that demands
+-- an index. It holds for what enqueue calls (lock_run_for_enqueue, setting) and is put back on
+-- return, like the search_path: ~0.6 us a call, measured on an empty function, against ~56 us
+-- an event for enqueue. It is a cost, not a ban: a statement with no index to use still runs. tests/test_enqueue_scaling.py counts the tuples
+-- these calls read.
+set enable_seqscan = off
 security definer
 as $$
 declare

@@ -457,6 +457,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{LEASE}::test_a_part_is_emptied_only_with_every_event_committed_into_it_done",),
     ),
     Mutant(
+        "enqueue-plans-by-statistics",
+        "enqueue's lookups of a run stay point lookups however many runs its transaction wrote,"
+        " whatever the statistics (issue 52 item 4)",
+        SQL,
+        "set enable_seqscan = off\n",
+        "",
+        (
+            "tests/test_enqueue_scaling.py::"
+            "test_enqueue_reads_no_more_for_a_run_however_many_the_transaction_wrote",
+        ),
+    ),
+    Mutant(
         "enqueue-ignores-rotation",
         "§2 an event id is unique across the outbox's parts: a producer holds the current part"
         " until it commits, so no rotation lets two parts be written at once",

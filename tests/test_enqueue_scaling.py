@@ -12,10 +12,12 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from tests.support import fn
+from tests.support import fn, scan_counters
 
 RUNS = 10_000  # past the ~6,000 runs issue 28 saw one transaction lock before version 7
 EVENTS = 2_000
+# The tables enqueue reads a run's rows from (`outbox`: its three parts, summed by scan_counters)
+RUN_TABLES = ("runs", "run_seqs", "outbox")
 
 
 def _locks_held(conn: psycopg.Connection[Any]) -> int:
@@ -85,3 +87,39 @@ def test_one_run_many_events_in_one_transaction_then_the_next_continues(
             sql.SQL("select {}('long', 'long-next', 'step', '{{}}'::jsonb)").format(enqueue)
         ).fetchone()
     assert row == (EVENTS + 1,)
+
+
+def _tuples_scanned(conn: psycopg.Connection[Any], schema: str) -> int:
+    """The tuples this transaction's sequential scans of RUN_TABLES read so far."""
+    counters = scan_counters(conn, schema)
+    return sum(counters.get(table, (0, 0))[1] for table in RUN_TABLES)
+
+
+def test_enqueue_reads_no_more_for_a_run_however_many_the_transaction_wrote(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """Statistics taken while the tables were small (a few runs, two parts empty) make a
+    sequential scan the planner's choice for each of enqueue's lookups of one run, and plpgsql
+    keeps that plan for the session: every call then reads every row the transaction wrote
+    before it, and 100,000 new runs in one transaction cost the square of that (issue 52 item
+    4). So: ANALYZE on small tables, then one transaction of many new runs, one event each
+    (half of them terminal, all with a fairness key, so that every lookup enqueue has runs),
+    and the rows the last 100 calls read by scanning are no more than the first 100's. A
+    count, not a time."""
+    enqueue = fn(schema, "enqueue")
+    query = sql.SQL(
+        "select count({}(%s || g, %s || g, 'step', '{{\"i\":1}}'::jsonb, g %% 2 = 0,"
+        " null, null, null, 'tenant')) from generate_series(%s::int, %s::int) g"
+    ).format(enqueue)
+    assert conn.execute(query, ("small-", "small-", 1, 20)).fetchone() == (20,)
+    for table in RUN_TABLES:  # a partitioned table's ANALYZE takes each part's statistics too
+        conn.execute(sql.SQL("analyze {}").format(fn(schema, table)))
+    with conn.transaction():
+        start = _tuples_scanned(conn, schema)
+        assert conn.execute(query, ("new-", "new-", 1, 100)).fetchone() == (100,)
+        first = _tuples_scanned(conn, schema) - start
+        assert conn.execute(query, ("new-", "new-", 101, 2_100)).fetchone() == (2_000,)
+        before_last = _tuples_scanned(conn, schema)
+        assert conn.execute(query, ("new-", "new-", 2_101, 2_200)).fetchone() == (100,)
+        last = _tuples_scanned(conn, schema) - before_last
+    assert last <= first, (first, last)
