@@ -659,11 +659,15 @@ TOOL_VARIABLES = frozenset(
 )
 
 
+# The list form of the database (relay/databases.py, issue 51): read beside the options.
+LIST_VARIABLES = frozenset({"RELAY_DATABASES", "RELAY_DATABASES_FILE"})
+
+
 def option_variables() -> frozenset[str]:
     """Every RELAY_* variable an option is read from: RELAY_<NAME>, and RELAY_<NAME>_FILE of
-    the secrets."""
+    the secrets; and the list form's two."""
     names = {env_name(o) for o in PARSERS}
-    return frozenset(names | {env_name(o) + "_FILE" for o in SECRET_OPTIONS})
+    return frozenset(names | {env_name(o) + "_FILE" for o in SECRET_OPTIONS} | LIST_VARIABLES)
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
