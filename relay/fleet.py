@@ -20,6 +20,8 @@ other databases, whose relays run meanwhile in their own tasks.
 from __future__ import annotations
 
 import enum
+import math
+import os
 import random
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -38,7 +40,7 @@ from relay.edges.store import CONNECT_KWARGS
 from relay.edges.tracing import NO_TRACING, Tracer, flush_timeout
 from relay.maintenance.migrate import read_version, version_problem
 from relay.runner import Relay, shared_for
-from relay.serving import health
+from relay.serving import health, sdnotify
 from relay.serving.ui.web import Request, Response
 from relay.settings import Settings, passwords_in, scrub
 
@@ -160,6 +162,9 @@ class Fleet:
             if shared.permits is not None:
                 background.start_soon(shared.loop_lag.run)
                 background.start_soon(shared.permits.settle_when_idle)
+            notifier = sdnotify.from_environ()
+            if notifier is not None:
+                background.start_soon(self._tell_systemd, notifier)
             async with anyio.create_task_group() as databases:
                 for member in self.members:
                     databases.start_soon(self._serve, member, name=member.database.name)
@@ -211,6 +216,27 @@ class Fleet:
         finally:
             member.relay = None
         return None
+
+    async def _tell_systemd(self, notifier: sdnotify.Notifier) -> None:
+        """Under systemd (`Type=notify`): READY once every database's delivery is under way
+        (served or set aside: one down database must not fail the start), STOPPING on a stop,
+        and the watchdog's ping while this event loop turns. A stalled lane of one database is
+        not judged yet (the one-database relay's watchdog withholds its ping then)."""
+        interval = sdnotify.watchdog_interval(os.environ, os.getpid())
+        try:
+            notifier.notify("READY=1", "STATUS=delivering")
+            logs.info("sd_notify_ready", watchdog_s=interval)
+            stopping = False
+            while True:
+                if interval is not None:
+                    notifier.notify("WATCHDOG=1")
+                if self._stop.is_set() and not stopping:
+                    notifier.notify("STOPPING=1", "STATUS=draining in-flight batches")
+                    stopping = True
+                with anyio.move_on_after(interval or math.inf):
+                    await (anyio.sleep_forever() if stopping else self._stop.wait())
+        finally:
+            notifier.close()
 
     def _set_aside(self, member: Member, reason: str, delay: float) -> None:
         """One line when a database is set aside; while it stays aside, its retries at debug."""

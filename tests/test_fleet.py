@@ -31,6 +31,7 @@ from tests.conftest import unique
 from tests.faults.proxy import FaultProxy, via
 from tests.support import Decisions, relay_logs, wait_for
 from tests.test_cli import relay_run
+from tests.test_sdnotify import NotifySocket
 
 pytestmark = pytest.mark.anyio
 
@@ -268,3 +269,26 @@ async def run_until_delivered(
             with anyio.fail_after(60):
                 assert await proc.wait() == 0
     return sink
+
+
+async def test_a_fleet_tells_systemd_ready_with_a_database_down_and_pings_its_watchdog(
+    shards: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped unit is `Type=notify` with a watchdog: a fleet whose database is down at
+    start still says READY (or systemd would fail the start), pings, and says STOPPING."""
+    notify = NotifySocket(str(tmp_path / "notify.sock"))
+    monkeypatch.setenv("NOTIFY_SOCKET", notify.env_value)
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")  # ping every 0.1 s
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    dead = urlunsplit(urlsplit(shards["s2"])._replace(netloc=f"127.0.0.1:{closed_port()}"))
+    try:
+        async with ingress() as (_, url), anyio.create_task_group() as tg:
+            f = fleet({**shards, "s2": dead}, url, max_retry=0.2)
+            await tg.start(f.run)
+            await notify.until("READY=1")
+            await notify.until("WATCHDOG=1")
+            await notify.until("WATCHDOG=1")
+            f.stop()
+            await notify.until("STOPPING=1")
+    finally:
+        notify.close()
