@@ -28,6 +28,8 @@ from relay.maintenance.migrate import code_version, migrate
 from relay.producer import enqueue
 from relay.tools.sink import Sink, serve_sink
 from tests.conftest import unique
+from tests.faults import own_server
+from tests.faults.failover import kill
 from tests.faults.proxy import FaultProxy, via
 from tests.support import Decisions, relay_logs, wait_for
 from tests.test_cli import relay_run
@@ -100,15 +102,18 @@ def fleet(urls: dict[str, str], ingress_url: str, **options: Any) -> Fleet:
     return Fleet(settings, databases, **options)
 
 
-def enqueue_runs(url: str, name: str, runs: int = 3, per_run: int = 3) -> set[str]:
+def enqueue_runs(
+    url: str, name: str, runs: int = 3, per_run: int = 3, *, prefix: str = "r"
+) -> set[str]:
     """`runs` runs of `per_run` events in the database `name`; their event ids (run ids and
     event ids start with the name, so the ingress's side can tell where each came from)."""
     ids = set()
     with psycopg.connect(url, autocommit=True) as conn, conn.transaction():
         for r in range(runs):
+            run_id = f"{name}-{prefix}{r}"
             for i in range(per_run):
-                event_id = f"{name}-r{r}-e{i}"
-                enqueue(conn, f"{name}-r{r}", event_id, "step", {"i": i}, terminal=i == per_run - 1)
+                event_id = f"{run_id}-e{i}"
+                enqueue(conn, run_id, event_id, "step", {"i": i}, terminal=i == per_run - 1)
                 ids.add(event_id)
     return ids
 
@@ -292,3 +297,35 @@ async def test_a_fleet_tells_systemd_ready_with_a_database_down_and_pings_its_wa
             await notify.until("STOPPING=1")
     finally:
         notify.close()
+
+
+async def test_a_server_killed_and_restarted_leaves_the_others_delivering(
+    shards: dict[str, str], tmp_path: Path
+) -> None:
+    """One database on a server of its own, SIGKILLed once delivering and started again: the
+    other two deliver their new events meanwhile, the fleet goes on, and the killed one's events
+    enqueued after its restart are delivered; nothing lost, order kept."""
+    with own_server(tmp_path / "s2") as server, relay_logs(Decisions()) as decisions:
+        migrate(server.url, SCHEMA)
+        urls = {"s0": shards["s0"], "s1": shards["s1"], "s2": server.url}
+        before = set().union(*(enqueue_runs(u, name, prefix="a") for name, u in urls.items()))
+        async with ingress() as (sink, url), anyio.create_task_group() as tg:
+            f = fleet(urls, url, max_retry=0.5)
+            await tg.start(f.run)
+            await wait_for(lambda: delivered(sink, before), what="delivery before the kill")
+            postmaster = (server.datadir / "postmaster.pid").read_text().split()[0]
+            await anyio.to_thread.run_sync(kill, server)
+            during = enqueue_runs(urls["s0"], "s0", prefix="b") | enqueue_runs(
+                urls["s1"], "s1", prefix="b"
+            )
+            await wait_for(lambda: delivered(sink, during), what="the others, s2 down")
+            # Until its dead postmaster is reaped, a new one refuses the data directory.
+            await wait_for(lambda: not Path(f"/proc/{postmaster}").exists(), what="reaped")
+            await anyio.to_thread.run_sync(server.start)
+            after = enqueue_runs(server.url, "s2", prefix="c")
+            await wait_for(lambda: delivered(sink, after), what="s2 after its restart")
+            f.stop()
+    assert_each_post_named_its_database(sink)
+    # The killed server is ridden out by its relay (its pools and LISTEN reconnect, as a relay
+    # alone does): nothing else is set aside.
+    assert {x["database"] for x in decisions.named("database_set_aside")} <= {"s2"}
