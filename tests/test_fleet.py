@@ -22,10 +22,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from relay import fleet as relay_fleet
 from relay.databases import load_all
 from relay.fleet import Fleet
 from relay.maintenance.migrate import code_version, migrate
 from relay.producer import enqueue
+from relay.runner import Relay
 from relay.tools.sink import Sink, serve_sink
 from tests.conftest import unique
 from tests.faults import own_server
@@ -329,3 +331,32 @@ async def test_a_server_killed_and_restarted_leaves_the_others_delivering(
     # The killed server is ridden out by its relay (its pools and LISTEN reconnect, as a relay
     # alone does): nothing else is set aside.
     assert {x["database"] for x in decisions.named("database_set_aside")} <= {"s2"}
+
+
+async def test_a_relay_that_fails_once_serving_is_set_aside_and_started_again(
+    shards: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database whose relay fails after its probe passed (here: on purpose, the first time)
+    is set aside with the failure and started afresh; the process and the others go on."""
+    started: list[str] = []
+
+    class FailingFirst(Relay):
+        async def run(self, **kwargs: Any) -> None:
+            started.append(str(self.database))
+            if started.count("s1") == 1 and self.database == "s1":
+                raise RuntimeError("the first relay of s1 fails")
+            await super().run(**kwargs)
+
+    monkeypatch.setattr(relay_fleet, "Relay", FailingFirst)
+    ids = set().union(*(enqueue_runs(url, name) for name, url in shards.items()))
+    with relay_logs(Decisions()) as decisions:
+        async with ingress() as (sink, url), anyio.create_task_group() as tg:
+            f = fleet(shards, url, max_retry=0.1)
+            await tg.start(f.run)
+            await wait_for(lambda: delivered(sink, ids), what="delivery")
+            await wait_for(lambda: set(f.states().values()) == {"serving"}, what="all serving")
+            f.stop()
+    assert started.count("s1") == 2
+    set_aside = decisions.named("database_set_aside")
+    assert [x["database"] for x in set_aside] == ["s1"]
+    assert set_aside[0]["reason"] == "failed: RuntimeError: the first relay of s1 fails"
