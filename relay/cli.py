@@ -123,10 +123,19 @@ def _flags(args: argparse.Namespace) -> dict[str, str | None]:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    """The settings `relay run` starts with and `relay check` checks, refused alike: read and
-    parsed (relay/settings.py), then what else `relay run` refuses before it connects:
-    OpenTelemetry's variables (relay/edges/tracing.py) and an extra the HTTP client would need
-    (relay/edges/http_client.py)."""
+    """The settings `relay check` checks, refused as `relay run` refuses them: read and parsed
+    (relay/settings.py), then what else `relay run` refuses before it connects: OpenTelemetry's
+    variables (relay/edges/tracing.py) and an extra the HTTP client would need
+    (relay/edges/http_client.py). The list form of the database is not checked yet (issue 51):
+    said, rather than "database_url: required"."""
+    from relay.databases import LIST, load_databases
+
+    if load_databases(_flags(args), os.environ) is not None:
+        raise ConfigError(
+            f"{LIST}: relay check checks one database for now: run it with "
+            "RELAY_DATABASE_URL set to each entry's URL in turn, without the list "
+            "(docs/sharding.md)"
+        )
     return _refused_before_connecting(load(_flags(args)))
 
 
