@@ -20,7 +20,6 @@ other databases, whose relays run meanwhile in their own tasks.
 from __future__ import annotations
 
 import enum
-import math
 import os
 import random
 from collections.abc import Sequence
@@ -96,6 +95,12 @@ def failure(exc: BaseException, url: str) -> str:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return "failed: " + scrub(logs.redact_text(logs.error_text(exc)), passwords_in(url))
+
+
+async def _ping(notifier: sdnotify.Notifier, interval: float) -> None:
+    while True:
+        notifier.notify("WATCHDOG=1")
+        await anyio.sleep(interval)
 
 
 class Fleet:
@@ -218,23 +223,19 @@ class Fleet:
         return None
 
     async def _tell_systemd(self, notifier: sdnotify.Notifier) -> None:
-        """Under systemd (`Type=notify`): READY once every database's delivery is under way
-        (served or set aside: one down database must not fail the start), STOPPING on a stop,
-        and the watchdog's ping while this event loop turns. A stalled lane of one database is
-        not judged yet (the one-database relay's watchdog withholds its ping then)."""
+        """Under systemd (`Type=notify`): READY at once, every database's delivery started in a
+        task of its own (one database down must not fail the start); the watchdog's ping while
+        this event loop turns, through the drain too; STOPPING on a stop. A stalled lane of one
+        database is not judged yet (a relay alone withholds its ping then)."""
         interval = sdnotify.watchdog_interval(os.environ, os.getpid())
         try:
             notifier.notify("READY=1", "STATUS=delivering")
             logs.info("sd_notify_ready", watchdog_s=interval)
-            stopping = False
-            while True:
+            async with anyio.create_task_group() as tg:
                 if interval is not None:
-                    notifier.notify("WATCHDOG=1")
-                if self._stop.is_set() and not stopping:
-                    notifier.notify("STOPPING=1", "STATUS=draining in-flight batches")
-                    stopping = True
-                with anyio.move_on_after(interval or math.inf):
-                    await (anyio.sleep_forever() if stopping else self._stop.wait())
+                    tg.start_soon(_ping, notifier, interval)  # until the fleet's end
+                await self._stop.wait()
+                notifier.notify("STOPPING=1", "STATUS=draining in-flight batches")
         finally:
             notifier.close()
 
