@@ -40,6 +40,7 @@ from relay.edges.tracing import NO_TRACING, Tracer, flush_timeout
 from relay.maintenance.migrate import read_version, version_problem
 from relay.runner import Relay, shared_for
 from relay.serving import health, sdnotify
+from relay.serving.metrics import FleetMetrics
 from relay.serving.ui.web import Request, Response
 from relay.settings import Settings, passwords_in, scrub
 
@@ -63,6 +64,16 @@ class Member:
     database: Database
     relay: Relay | None = None
     set_aside: str | None = None  # the reason, while set aside
+
+    @property
+    def up(self) -> bool:
+        """Served, and its LISTEN connection up (the one session that checks its server all
+        the time, `select 1` when quiet): a server lost once served is ridden out by the relay
+        and shows here."""
+        if self.state is not State.SERVING or self.relay is None:
+            return False
+        listener = self.relay.view.listener()
+        return listener is not None and listener.up
 
     @property
     def state(self) -> State:
@@ -128,6 +139,7 @@ class Fleet:
             "shared": self.shared,
         }
         self._stop = anyio.Event()
+        self.metrics = FleetMetrics(self.up)
 
     # -- public ------------------------------------------------------------------------------
 
@@ -143,6 +155,10 @@ class Fleet:
     def states(self) -> dict[str, str]:
         """Each database's state, by name (for /readyz, and for tests)."""
         return {m.database.name: m.state.value for m in self.members}
+
+    def up(self) -> dict[str, bool]:
+        """Whether each database is served (`Member.up`), by name: `ledger_relay_database_up`."""
+        return {m.database.name: m.up for m in self.members}
 
     async def run(self, *, task_status: TaskStatus[Fleet] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -248,8 +264,15 @@ class Fleet:
         member.set_aside = reason
 
     async def _respond(self, request: Request) -> Response:
-        states = self.states()
-        return Response(*health.fleet_route(request.method, request.path, states, self.stopping))
+        accept = request.headers.get("accept", "")
+        answer = health.fleet_route(
+            request.method,
+            request.path,
+            self.states(),
+            self.stopping,
+            lambda: self.metrics.exposition(accept),
+        )
+        return Response(*answer)
 
     @property
     def stopping(self) -> bool:

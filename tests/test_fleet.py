@@ -20,6 +20,7 @@ import httpx
 import orjson
 import psycopg
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from relay import fleet as relay_fleet
@@ -217,6 +218,16 @@ async def test_a_database_unreachable_at_start_is_set_aside_then_served_once_rea
     assert_each_post_named_its_database(sink)
 
 
+def database_up(text: str) -> dict[str, float]:
+    """`ledger_relay_database_up` of a scrape, by database."""
+    return {
+        sample.labels["database"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "ledger_relay_database_up"
+        for sample in family.samples
+    }
+
+
 def closed_port() -> int:
     """A local port where nothing listens (bound, then closed)."""
     import socket
@@ -272,6 +283,9 @@ async def run_until_delivered(
                     "s1": "serving",
                     "s2": "set_aside",
                 }
+                scraped = await http.get("/metrics")
+                assert scraped.status_code == 200
+                assert database_up(scraped.text) == {"s0": 1.0, "s1": 1.0, "s2": 0.0}
             proc.send_signal(signal.SIGTERM)
             with anyio.fail_after(60):
                 assert await proc.wait() == 0
@@ -315,17 +329,21 @@ async def test_a_server_killed_and_restarted_leaves_the_others_delivering(
             f = fleet(urls, url, max_retry=0.5)
             await tg.start(f.run)
             await wait_for(lambda: delivered(sink, before), what="delivery before the kill")
+            await wait_for(lambda: all(f.up().values()), what="every database up")
             postmaster = (server.datadir / "postmaster.pid").read_text().split()[0]
             await anyio.to_thread.run_sync(kill, server)
             during = enqueue_runs(urls["s0"], "s0", prefix="b") | enqueue_runs(
                 urls["s1"], "s1", prefix="b"
             )
             await wait_for(lambda: delivered(sink, during), what="the others, s2 down")
+            down = {"s0": True, "s1": True, "s2": False}
+            await wait_for(lambda: f.up() == down, what="ledger_relay_database_up 0 for s2")
             # Until its dead postmaster is reaped, a new one refuses the data directory.
             await wait_for(lambda: not Path(f"/proc/{postmaster}").exists(), what="reaped")
             await anyio.to_thread.run_sync(server.start)
             after = enqueue_runs(server.url, "s2", prefix="c")
             await wait_for(lambda: delivered(sink, after), what="s2 after its restart")
+            await wait_for(lambda: all(f.up().values()), what="s2 up again")
             f.stop()
     assert_each_post_named_its_database(sink)
     # The killed server is ridden out by its relay (its pools and LISTEN reconnect, as a relay
