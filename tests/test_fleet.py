@@ -24,11 +24,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from relay import fleet as relay_fleet
-from relay.databases import load_all
-from relay.fleet import Fleet
+from relay.databases import for_database, load_all
+from relay.fleet import Fleet, probe
 from relay.maintenance.migrate import code_version, migrate
 from relay.producer import enqueue
 from relay.runner import Relay
+from relay.serving.health import fleet_route
 from relay.tools.sink import Sink, serve_sink
 from tests.conftest import unique
 from tests.faults import own_server
@@ -378,3 +379,40 @@ async def test_a_relay_that_fails_once_serving_is_set_aside_and_started_again(
     set_aside = decisions.named("database_set_aside")
     assert [x["database"] for x in set_aside] == ["s1"]
     assert set_aside[0]["reason"] == "failed: RuntimeError: the first relay of s1 fails"
+
+
+# -- the pure parts --------------------------------------------------------------------------
+
+
+def test_a_fleet_is_alive_and_ready_whatever_its_databases_do_until_it_stops() -> None:
+    states = {"s0": "serving", "s1": "set_aside"}
+
+    def scrape() -> tuple[bytes, str]:
+        return b"ledger_relay_database_up 1\n", "text/plain"
+
+    assert fleet_route("GET", "/healthz", states, False, scrape)[0] == 200
+    status, _, body = fleet_route("GET", "/readyz", states, False, scrape)
+    assert status == 200 and orjson.loads(body) == {"ready": True, "databases": states}
+    assert fleet_route("GET", "/readyz", states, True, scrape)[0] == 503
+    assert fleet_route("GET", "/metrics", states, False, scrape) == (
+        200,
+        "text/plain",
+        b"ledger_relay_database_up 1\n",
+    )
+    assert fleet_route("POST", "/readyz", states, False, scrape)[0] == 405
+    assert fleet_route("GET", "/", states, False, scrape)[0] == 404
+
+
+async def test_an_unreachable_database_is_named_without_its_password() -> None:
+    secret = "CANARY-pw"
+    settings, databases = load_all(
+        {},
+        {
+            "RELAY_DATABASES": f"a=postgresql://u:{secret}@127.0.0.1:{closed_port()}/app",
+            "RELAY_INGRESS_URL": "http://127.0.0.1:9/runs/{run_id}/events",
+        },
+    )
+    assert databases is not None
+    reason = await probe(for_database(settings, databases[0]))
+    assert reason is not None and reason.startswith("unreachable: "), reason
+    assert secret not in reason
