@@ -36,7 +36,7 @@ from tests.faults import own_server
 from tests.faults.failover import kill
 from tests.faults.proxy import FaultProxy, via
 from tests.support import Decisions, relay_logs, wait_for
-from tests.test_cli import relay_run
+from tests.test_cli import RELAY, relay_run
 from tests.test_sdnotify import NotifySocket
 
 pytestmark = pytest.mark.anyio
@@ -217,6 +217,12 @@ async def test_a_database_unreachable_at_start_is_set_aside_then_served_once_rea
     assert [line["database"] for line in set_aside] == ["s2"]
     assert set_aside[0]["reason"].startswith("unreachable: ")
     assert_each_post_named_its_database(sink)
+
+
+def started(log: Path) -> set[str]:
+    """The databases a `relay run` log says were started (`started` lines)."""
+    lines = [orjson.loads(x) for x in log.read_bytes().splitlines()]
+    return {x["database"] for x in lines if x.get("event") == "started"}
 
 
 def database_up(text: str) -> dict[str, float]:
@@ -416,3 +422,51 @@ async def test_an_unreachable_database_is_named_without_its_password() -> None:
     reason = await probe(for_database(settings, databases[0]))
     assert reason is not None and reason.startswith("unreachable: "), reason
     assert secret not in reason
+
+
+async def test_relay_run_migrate_migrates_every_database_of_the_list(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """`relay run --migrate` (development) with the list form: each database migrated, then
+    served."""
+    made = [unique("fleet_m") for _ in range(2)]
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        for dbname in made:
+            conn.execute(sql.SQL("create database {}").format(sql.Identifier(dbname)))
+    urls = [urlunsplit(urlsplit(pg_url)._replace(path=f"/{d}")) for d in made]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    env.update(
+        RELAY_DATABASES=f"m0={urls[0]} m1={urls[1]}",
+        RELAY_INGRESS_URL="http://127.0.0.1:9/runs/{run_id}/events",
+        RELAY_SHUTDOWN_TIMEOUT="5s",
+    )
+
+    def migrated(url: str) -> bool:
+        with psycopg.connect(url, autocommit=True) as conn:
+            row = conn.execute("select to_regclass('relay.schema_migrations')").fetchone()
+            return row is not None and row[0] is not None
+
+    try:
+        with (tmp_path / "relay.log").open("wb") as log:
+            proc = await anyio.open_process(
+                [*RELAY, "run", "--migrate"], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+            try:
+                log_path = tmp_path / "relay.log"
+                await wait_for(lambda: started(log_path) == {"m0", "m1"}, what="both served")
+                assert all(migrated(u) for u in urls)
+                proc.send_signal(signal.SIGTERM)
+                with anyio.fail_after(60):
+                    assert await proc.wait() == 0
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            for dbname in made:
+                conn.execute(
+                    sql.SQL("drop database if exists {} with (force)").format(
+                        sql.Identifier(dbname)
+                    )
+                )
