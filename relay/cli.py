@@ -7,12 +7,15 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from relay import logs
 from relay.settings import PARSERS, ConfigError, Settings, env_name, flag_name, load, redact_url
+
+if TYPE_CHECKING:
+    from relay.databases import Database
 
 _HELP = {
     "database_url": "PostgreSQL URL (secret; also RELAY_DATABASE_URL_FILE)",
@@ -125,14 +128,35 @@ def _flags(args: argparse.Namespace) -> dict[str, str | None]:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    """The settings `relay run` starts with and `relay check` checks, refused alike: read and
-    parsed (relay/settings.py), then what else `relay run` refuses before it connects:
-    OpenTelemetry's variables (relay/edges/tracing.py) and an extra the HTTP client would need
-    (relay/edges/http_client.py)."""
+    """The settings `relay check` checks, refused as `relay run` refuses them: read and parsed
+    (relay/settings.py), then what else `relay run` refuses before it connects: OpenTelemetry's
+    variables (relay/edges/tracing.py) and an extra the HTTP client would need
+    (relay/edges/http_client.py). The list form of the database is not checked yet (issue 51):
+    said, rather than "database_url: required"."""
+    from relay.databases import LIST, load_databases
+
+    if load_databases(_flags(args), os.environ) is not None:
+        raise ConfigError(
+            f"{LIST}: relay check checks one database for now: run it with "
+            "RELAY_DATABASE_URL set to each entry's URL in turn, without the list "
+            "(docs/sharding.md)"
+        )
+    return _refused_before_connecting(load(_flags(args)))
+
+
+def _run_settings(args: argparse.Namespace) -> tuple[Settings, list[Database] | None]:
+    """`relay run`'s settings, refused as `_settings` refuses them, and with the list form of the
+    database (RELAY_DATABASES, relay/databases.py) its databases; None: the one-database form."""
+    from relay.databases import load_all
+
+    settings, databases = load_all(_flags(args), os.environ)
+    return _refused_before_connecting(settings), databases
+
+
+def _refused_before_connecting(settings: Settings) -> Settings:
     from relay.edges.http_client import require_extras
     from relay.edges.tracing import config_from_env
 
-    settings = load(_flags(args))
     config_from_env(os.environ)
     require_extras(settings, os.environ)
     return settings
@@ -253,7 +277,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
-    settings = _settings(args)
+    settings, databases = _run_settings(args)
     logs.configure(settings.log_format, settings.log_level, replica=settings.replica_id)
     logs.install_hooks()
     # In the log format: every stderr line of run is a log line.
@@ -262,9 +286,11 @@ def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
     if args.migrate:
         from relay.maintenance.migrate import migrate
 
-        migrate(settings.database_url.reveal(), settings.schema)
+        for url in [d.url for d in databases] if databases else [settings.database_url]:
+            migrate(url.reveal(), settings.schema)
 
     from relay.core import loop
+    from relay.fleet import Fleet
     from relay.integrations import start_tracing
     from relay.maintenance.migrate import SchemaError
     from relay.runner import Relay, tune_gc
@@ -274,8 +300,15 @@ def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
     except loop.LoopUnavailable as exc:
         raise ConfigError(str(exc)) from None
     # OpenTelemetry's own variables (OTEL_*), read like any instrumented service's; a bad value
-    # is a ConfigError here, before anything starts.
-    relay = Relay(settings, tracer=start_tracing(os.environ))
+    # is a ConfigError here, before anything starts. The list form of the database runs a fleet,
+    # one relay per database (relay/fleet.py), even for a list of one; RELAY_DATABASE_URL alone
+    # runs one relay, as it always did.
+    tracer = start_tracing(os.environ)
+    relay: Relay | Fleet = (
+        Relay(settings, tracer=tracer)
+        if databases is None
+        else Fleet(settings, databases, tracer=tracer)
+    )
     tune_gc()
 
     async def main() -> None:
@@ -378,7 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--relay-role", help="relay role name (default <schema>_relay)")
     m.set_defaults(func=cmd_migrate)
 
-    r = sub.add_parser("run", help="run the relay")
+    r = sub.add_parser(
+        "run",
+        help="run the relay",
+        epilog="Several outbox databases: RELAY_DATABASES='NAME=URL NAME=URL ...' or "
+        "RELAY_DATABASES_FILE (one NAME=URL a line), instead of RELAY_DATABASE_URL: one relay "
+        "per database in this process (docs/sharding.md).",
+    )
     _add_settings(r)
     r.add_argument("--migrate", action="store_true", help="migrate first (development)")
     r.set_defaults(func=cmd_run)

@@ -1,7 +1,9 @@
 """One log line per decision (DESIGN §8.2): a stable snake_case event name plus fields.
 
 `log(event, **fields)` writes JSON lines (default) or `key=value` text for humans. Secrets are
-never passed in: callers log ids, statuses and redacted URLs only.
+never passed in: callers log ids, statuses and redacted URLs only. Fields `bound` for a block go
+on every line logged in it, and in every task started from it (a context variable): a fleet's
+delivery of one database names it on each of its lines (relay/fleet.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ import logging
 import re
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
@@ -158,9 +163,25 @@ def enabled(level: int) -> bool:
     return _logger.isEnabledFor(level)
 
 
+# The fields `bound` puts on every line of the current context (none by default).
+_BOUND: ContextVar[dict[str, Any] | None] = ContextVar("relay_log_fields", default=None)
+
+
+@contextmanager
+def bound(**fields: Any) -> Iterator[None]:
+    """`fields` on every line logged in the block, and in the tasks started from it; they go
+    first, before each line's own."""
+    token = _BOUND.set({**(_BOUND.get() or {}), **fields})
+    try:
+        yield
+    finally:
+        _BOUND.reset(token)
+
+
 def log(event: str, level: int = logging.INFO, **fields: Any) -> None:
     if _logger.isEnabledFor(level):
-        _logger.log(level, event, extra={"fields": fields})
+        context = _BOUND.get()
+        _logger.log(level, event, extra={"fields": {**context, **fields} if context else fields})
 
 
 def debug(event: str, **fields: Any) -> None:

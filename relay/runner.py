@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager, nullcontext
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,24 @@ def post_permits(settings: Settings, lag: Callable[[], float] = lambda: 0.0) -> 
     return Permits(Admission(limit, max_reserve=settings.critical_concurrency), lag)
 
 
+@dataclass(frozen=True)
+class Shared:
+    """What a replica's relays share, one of each, however many databases it serves
+    (relay/fleet.py, issue 51): the adaptive limit's permits (None with `post_limit = fixed`), the
+    retry budget, and the event loop's lateness the limit tolerates. Whoever builds them runs the
+    lateness probe and the limit's idle rule: a relay given them runs neither."""
+
+    loop_lag: LoopLag
+    permits: Permits | None
+    budget: RetryBudget
+
+
+def shared_for(settings: Settings) -> Shared:
+    """One replica's permits, budget and lateness probe, for `settings`."""
+    loop_lag = LoopLag()  # the relay's own lateness, which the limit tolerates
+    return Shared(loop_lag, post_permits(settings, loop_lag.value), RetryBudget())
+
+
 @dataclass
 class Health:
     ready: bool = False
@@ -77,9 +95,18 @@ class Relay:
         transport: httpx.AsyncBaseTransport | None = None,
         prune_interval: float = 60.0,
         tracer: Tracer = NO_TRACING,
+        shared: Shared | None = None,
+        database: str | None = None,
     ) -> None:
         self.settings = settings
         self.tracer = tracer  # spans of every delivery (relay/edges/tracing.py), when configured
+        # Alone in its process (the one-database form, or an application's library use), a
+        # relay owns what it shares with no other: it serves metrics_addr, tells systemd, runs
+        # the limit's background tasks and flushes the tracer at the end. One of a fleet
+        # (`shared` given, relay/fleet.py) leaves all of that to the fleet.
+        self.alone = shared is None
+        # The database's name in a fleet: on each of its log lines and POSTs (issue 51).
+        self.database = database
         # The application's own HTTP client (or transport, e.g. an in-process ASGI app): both
         # lanes POST through it, and it stays the application's to close
         # (relay/edges/http_client.py).
@@ -90,10 +117,11 @@ class Relay:
         self._pools = Pools(settings)  # the database pools and the stores over them
         # What each POST may go under: the adaptive limit's permits and the retry budget, one
         # of each per replica, shared by both lanes (relay/delivery/post_turn.py,
-        # relay/admission/retry_budget.py).
-        self.loop_lag = LoopLag()  # the relay's own lateness, which the limit tolerates
-        self.permits = post_permits(settings, self.loop_lag.value)
-        self.budget = RetryBudget()
+        # relay/admission/retry_budget.py), and by every database's lanes in a fleet.
+        shared = shared or shared_for(settings)
+        self.loop_lag = shared.loop_lag
+        self.permits = shared.permits
+        self.budget = shared.budget
         self.health = Health()
         self.lanes: dict[str, Lane] = {}
         self.listener: Listener | None = None
@@ -108,7 +136,8 @@ class Relay:
     def stop(self) -> None:
         """Graceful shutdown: stop claiming, finish or release in-flight work, return."""
         if not self._stop.is_set():
-            logs.info("shutdown_requested", replica=self.settings.replica_id)
+            with self._bound():
+                logs.info("shutdown_requested", replica=self.settings.replica_id)
         self._stop.set()
 
     @property
@@ -132,13 +161,14 @@ class Relay:
         try:
             # Bound before anything else and answered until the run ends (health.MetricsPort).
             addr = self.settings.metrics_addr
-            async with health.MetricsPort.serving(addr) if addr else nullcontext() as port:
-                await self._run(port, task_status)
+            with self._bound():
+                async with health.MetricsPort.serving(addr) if addr else nullcontext() as port:
+                    await self._run(port, task_status)
         finally:
             # However the run ends (a stop, an error, a cancellation), the spans it recorded are
             # exported: what the batch processor still holds, for at most a share of the grace
             # period (relay/edges/tracing.py flush_timeout), whatever the collector does.
-            if self.tracer.enabled:
+            if self.tracer.enabled and self.alone:
                 bound = flush_timeout(self.settings.shutdown_timeout)
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self.tracer.shutdown, bound)
@@ -224,7 +254,7 @@ class Relay:
                 logs.warning("started_without_liveness", waited=s.statement_timeout)
             if s.retention > 0:
                 background.start_soon(Retention(store, s.retention, self.prune_interval).run)
-            if self.permits is not None:
+            if self.permits is not None and self.alone:
                 background.start_soon(self.loop_lag.run)
                 background.start_soon(self.permits.settle_when_idle)
             # Operations (relay/serving/health.py, relay/serving/sdnotify.py), each only when
@@ -233,7 +263,7 @@ class Relay:
                 self.endpoints = await background.start(
                     health.serve, s, self.view, store, metrics, port
                 )
-            notifier = sdnotify.from_environ()
+            notifier = sdnotify.from_environ() if self.alone else None
             if notifier is not None:
                 background.start_soon(sdnotify.supervise, s, self.view, notifier)
             async with anyio.create_task_group() as lanes:
@@ -272,7 +302,7 @@ class Relay:
             name,
             s,
             store,
-            IngressClient(s, http, on_request=on_request),
+            IngressClient(s, http, on_request=on_request, database=self.database),
             concurrency,
             on_ready_change=self._ingress_ready,
             observe_ack=metrics.ack_observer(name) if metrics else _ignore_ack,
@@ -280,6 +310,10 @@ class Relay:
             permits=self.permits,
             budget=self.budget,
         )
+
+    def _bound(self) -> AbstractContextManager[None]:
+        """The database's name on every log line of this relay, in a fleet."""
+        return logs.bound(database=self.database) if self.database else nullcontext()
 
     def _on_terminal(self, run_id: str) -> None:
         self.lanes["ordinary"].promote(run_id)  # if the ordinary lane holds it, hand it over

@@ -347,14 +347,19 @@ def _ingress_template(text: str) -> str:
             "must contain {run_id}, e.g. https://ingress.internal/runs/{run_id}/events"
         )
     # The run id is a producer's choice: it may pick the path (or query), never the scheme,
-    # host or port that receive the POST, its bearer token and its signature.
+    # host or port that receive the POST, its bearer token and its signature. The database's
+    # name (issue 51) is the operator's, yet kept to the same place: one host for all.
     if "{" in urlsplit(text).netloc:
-        raise ValueError("{run_id} may stand only in the path or query, not in the host or port")
-    # render_url substitutes the literal text "{run_id}" (not str.format): any other brace,
-    # including "{run_id.x}", "{run_id[0]}" or an escaped "{{run_id}}", would reach the URL.
-    if "{" in text.replace("{run_id}", "") or "}" in text.replace("{run_id}", ""):
-        raise ValueError("may contain no placeholder other than {run_id}")
-    _usable_by_httpx(text.replace("{run_id}", SAMPLE_RUN_ID))
+        raise ValueError(
+            "{run_id} and {database} may stand only in the path or query, not in the host or port"
+        )
+    # render_url substitutes the literal texts "{run_id}" and "{database}" (not str.format): any
+    # other brace, including "{run_id.x}", "{run_id[0]}" or an escaped "{{run_id}}", would reach
+    # the URL.
+    rest = text.replace("{run_id}", "").replace("{database}", "")
+    if "{" in rest or "}" in rest:
+        raise ValueError("may contain no placeholder other than {run_id} and {database}")
+    _usable_by_httpx(text.replace("{run_id}", SAMPLE_RUN_ID).replace("{database}", "default"))
     return text
 
 
@@ -661,11 +666,15 @@ TOOL_VARIABLES = frozenset(
 )
 
 
+# The list form of the database (relay/databases.py, issue 51): read beside the options.
+LIST_VARIABLES = frozenset({"RELAY_DATABASES", "RELAY_DATABASES_FILE"})
+
+
 def option_variables() -> frozenset[str]:
     """Every RELAY_* variable an option is read from: RELAY_<NAME>, and RELAY_<NAME>_FILE of
-    the secrets."""
+    the secrets; and the list form's two."""
     names = {env_name(o) for o in PARSERS}
-    return frozenset(names | {env_name(o) + "_FILE" for o in SECRET_OPTIONS})
+    return frozenset(names | {env_name(o) + "_FILE" for o in SECRET_OPTIONS} | LIST_VARIABLES)
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:

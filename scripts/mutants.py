@@ -50,6 +50,7 @@ POST_TURN = "tests/test_post_turn.py"
 ADMISSION_E2E = "tests/test_admission_e2e.py"
 BUDGET_TEST = "test_retries_stay_within_the_budget_and_the_rest_wait_in_the_outbox"
 OUTAGE_LOGS = "tests/test_outage_logs.py"
+FLEET = "tests/test_fleet.py"
 OUTAGE_TEST = "test_an_outage_logs_a_warning_per_failed_post_and_sums_up_the_deferrals"
 LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
@@ -1301,6 +1302,33 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_request_is_cut_only_once_the_hot_paths_clock_reached_its_deadline",
         ),
         ci=True,
+    ),
+    # -- one fleet over many outbox databases (issue 51) ------------------------------------------
+    Mutant(
+        "fleet-set-aside-fatal",
+        "issue 51 item 2: a database down or at an unservable schema version is set aside, never"
+        " the process's end",
+        "relay/fleet.py",
+        "                self._set_aside(member, reason, delay)",
+        "                raise ConnectionError(reason)",
+        (f"{FLEET}::test_a_database_at_a_schema_version_this_release_cannot_serve_is_set_aside",),
+        ci=True,
+    ),
+    Mutant(
+        "fleet-relay-failure-fatal",
+        "issue 51 item 2: a relay that fails once serving sets its database aside, not the process",
+        "relay/fleet.py",
+        "        except Exception as exc:  # never the process's end: the database is set aside",
+        "        except ZeroDivisionError as exc:",
+        (f"{FLEET}::test_a_relay_that_fails_once_serving_is_set_aside_and_started_again",),
+    ),
+    Mutant(
+        "fleet-database-header-missing",
+        "issue 51 item 3: each POST of a fleet names its database",
+        "relay/edges/ingress.py",
+        '            h["relay-database"] = self.database',
+        "            pass",
+        (f"{FLEET}::test_three_databases_deliver_into_one_ingress_each_post_naming_its_own",),
     ),
 )
 

@@ -36,7 +36,7 @@ from relay.edges.ingress import (
     webhook_id,
 )
 from relay.edges.store import ClaimedEvent
-from relay.settings import Secret, Settings, load
+from relay.settings import ConfigError, Secret, Settings, load
 
 TEMPLATE = "https://ingress.internal/runs/{run_id}/events"
 CLAIMED_AT = datetime(2024, 5, 17, 12, 0, 0, tzinfo=UTC)
@@ -675,3 +675,49 @@ async def test_a_dot_segment_run_id_is_never_posted(run_id: str) -> None:
         with pytest.raises(TransportFailure, match=r"dot segment.*relay skip"):
             await client.post(batch(run_id, [event(1)]))
     assert seen == []
+
+
+# --- a fleet's POST names its database (issue 51 item 3) ----------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_fleet_post_names_its_database_in_a_header_the_signature_covers() -> None:
+    async with mock() as http:
+        alone = IngressClient(settings(RELAY_SIGNING_SECRET=WHSEC), http)
+        shard = IngressClient(settings(RELAY_SIGNING_SECRET=WHSEC), http, database="shard-2")
+        other = IngressClient(settings(RELAY_SIGNING_SECRET=WHSEC), http, database="shard-3")
+        c = batch()
+        body = encode_body(c)
+        plain, named, named_other = (x.headers(c, body) for x in (alone, shard, other))
+        group = [batch("a"), batch("b")]
+        group_body = encode_group(group)
+        group_named = shard.group_headers(group, group_body)
+    assert "relay-database" not in plain  # the one-database form: as before
+    assert plain["webhook-id"] == webhook_id(c)
+    assert named["relay-database"] == "shard-2"
+    assert group_named["relay-database"] == "shard-2"
+    # One run id and seq range in two databases: two messages, and the id the signature covers
+    # binds the name, so a verifier that recomputes it from the header sees a changed header.
+    assert named["webhook-id"] == webhook_id(c, "shard-2") != webhook_id(c)
+    assert named_other["webhook-id"] != named["webhook-id"]
+    assert group_named["webhook-id"] == group_webhook_id(group, "shard-2")
+    assert group_named["webhook-id"] != group_webhook_id(group)
+    ts = int(CLAIMED_AT.timestamp())
+    assert named["webhook-signature"] == sign([Secret(WHSEC)], named["webhook-id"], ts, body)
+
+
+@pytest.mark.anyio
+async def test_the_ingress_url_may_name_the_database() -> None:
+    template = "https://ingress.internal/{database}/runs/{run_id}/events?db={database}"
+    async with mock() as http:
+        shard = IngressClient(settings(RELAY_INGRESS_URL=template), http, database="s1")
+        alone = IngressClient(settings(RELAY_INGRESS_URL=template), http)
+        assert shard.url(batch("r/1")) == "https://ingress.internal/s1/runs/r%2F1/events?db=s1"
+        assert alone.url(batch("r")) == "https://ingress.internal/default/runs/r/events?db=default"
+    assert render_url(TEMPLATE, "r", "s1") == "https://ingress.internal/runs/r/events"
+    for refused in (
+        "https://{database}.ingress.internal/runs/{run_id}/events",
+        "https://ingress.internal/{db}/runs/{run_id}/events",
+    ):
+        with pytest.raises(ConfigError):
+            settings(RELAY_INGRESS_URL=refused)

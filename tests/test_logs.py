@@ -89,6 +89,30 @@ def test_library_records_take_the_shape_and_lose_their_passwords(captured: io.St
     assert records[2]["event"] == "claimed" and records[2]["run_id"] == "r"
 
 
+@pytest.mark.anyio
+async def test_bound_fields_go_on_every_line_of_the_block_and_its_tasks(
+    captured: io.StringIO,
+) -> None:
+    """A fleet's delivery of one database names it on each line (issue 51 item 3): the field is
+    bound where the database's relay runs and reaches the tasks it starts, never another's."""
+
+    async def line(event: str) -> None:
+        logs.info(event, run_id="r")
+
+    async with anyio.create_task_group() as tg:
+        with logs.bound(database="s1"):
+            tg.start_soon(line, "in_a_task")
+            with logs.bound(replica_part="x"):
+                logs.info("nested")
+            logs.info("claimed", run_id="r", database="own")
+        tg.start_soon(line, "outside")
+    records = {r["event"]: r for r in parse_lines(captured.getvalue())}
+    assert records["in_a_task"]["database"] == "s1"
+    assert list(records["nested"])[-2:] == ["database", "replica_part"]
+    assert records["claimed"]["database"] == "own"  # a line's own field wins
+    assert "database" not in records["outside"]
+
+
 def test_uncaught_exceptions_are_one_json_line(captured: io.StringIO) -> None:
     saved = sys.excepthook
     try:

@@ -31,6 +31,7 @@ import orjson
 from relay import __version__
 from relay.core import clock
 from relay.core.policy import excerpt
+from relay.databases import DEFAULT_NAME
 from relay.edges.http_client import (
     MAX_BODY,
     HttpxSender,
@@ -107,14 +108,16 @@ class Batch:
     timestamp: datetime  # the database's clock as the POST goes out: `webhook-timestamp`
 
 
-def render_url(template: str, run_id: str) -> str:
+def render_url(template: str, run_id: str, database: str = DEFAULT_NAME) -> str:
+    """The URL of a run's POST: `{run_id}` and `{database}` (the name of the outbox database it
+    came from, issue 51; `default` for the one-database form) filled in."""
     # safe="" encodes '/' too: a run id can never change the path. quote() leaves '.' alone,
     # and httpx removes "." and ".." segments (RFC 3986 dot-segment removal), so an id made
-    # only of dots has them percent-encoded too.
+    # only of dots has them percent-encoded too. A database's name is [a-z0-9_-]: safe as it is.
     segment = quote(run_id, safe="")
     if segment and not segment.strip("."):
         segment = segment.replace(".", "%2E")
-    return template.replace("{run_id}", segment)
+    return template.replace("{database}", database).replace("{run_id}", segment)
 
 
 def encode_body(batch: Batch) -> bytes:
@@ -138,10 +141,15 @@ def encode_body(batch: Batch) -> bytes:
     )
 
 
-def webhook_id(batch: Batch) -> str:
-    """Stable across retries of the same batch: the same run and seq range give the same id."""
-    key = f"{batch.run_id}\x1f{batch.events[0].seq}\x1f{batch.events[-1].seq}".encode()
-    return "msg_" + hashlib.sha256(key).hexdigest()[:32]
+def webhook_id(batch: Batch, database: str | None = None) -> str:
+    """Stable across retries of the same batch: the same run and seq range give the same id.
+    A fleet's POSTs (`database` named, issue 51) hash the database's name in too: two databases'
+    batches of one run id and seq range are two messages to an ingress that dedupes on the id,
+    and the signature, which covers the id, covers the `relay-database` header's name with it."""
+    key = f"{batch.run_id}\x1f{batch.events[0].seq}\x1f{batch.events[-1].seq}"
+    if database is not None:
+        key = f"{database}\x1f{key}"
+    return "msg_" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def signature(key: bytes, msg_id: str, timestamp: int, body: bytes) -> bytes:
@@ -217,8 +225,12 @@ class IngressClient:
         sender: Sender | httpx.AsyncBaseTransport,
         *,
         on_request: RequestObserver | None = None,
+        database: str | None = None,
     ) -> None:
         self.settings = settings
+        # The outbox database this client's batches come from, in a fleet (relay/fleet.py):
+        # each POST names it in `relay-database`. None: the one-database form, no header.
+        self.database = database
         if isinstance(sender, httpx.AsyncBaseTransport):  # e.g. an in-process app, in tests
             client = httpx.AsyncClient(
                 transport=sender, follow_redirects=False, cookies=no_cookies()
@@ -237,7 +249,7 @@ class IngressClient:
         """`traceparent`: the relay's own POST span's, when it traces (relay/edges/tracing.py);
         otherwise the first event's goes on as it came."""
         tp = traceparent or batch.events[0].traceparent
-        return self._headers(body, batch, batch.epoch, tp, lambda: webhook_id(batch))
+        return self._headers(body, batch, batch.epoch, tp, lambda: webhook_id(batch, self.database))
 
     def group_headers(
         self, batches: Sequence[Batch], body: bytes, traceparent: str | None = None
@@ -248,7 +260,9 @@ class IngressClient:
         tp = traceparent or next(
             (b.events[0].traceparent for b in batches if b.events[0].traceparent), None
         )
-        return self._headers(body, batches[0], None, tp, lambda: group_webhook_id(batches))
+        return self._headers(
+            body, batches[0], None, tp, lambda: group_webhook_id(batches, self.database)
+        )
 
     def _headers(
         self,
@@ -260,6 +274,8 @@ class IngressClient:
     ) -> dict[str, str]:
         """Every POST's headers (DESIGN §5); `msg_id` is computed only when signing."""
         h = {"content-type": "application/json", "user-agent": USER_AGENT}
+        if self.database is not None:
+            h["relay-database"] = self.database
         if epoch is not None:
             h["relay-lease-epoch"] = str(epoch)
         if self.settings.ingress_token is not None:
@@ -282,7 +298,7 @@ class IngressClient:
                 f"run id {batch.run_id!r} is a URL dot segment: no ingress path can carry it; "
                 "skip its events (relay skip)"
             )
-        return render_url(self.settings.ingress_url, batch.run_id)
+        return render_url(self.settings.ingress_url, batch.run_id, self.database or DEFAULT_NAME)
 
     def group_url(self) -> str:
         assert self.settings.ingress_batch_url is not None
@@ -340,11 +356,12 @@ def encode_group(batches: Sequence[Batch]) -> bytes:
     return b'{"batches":[' + b",".join(encode_body(b) for b in batches) + b"]}"
 
 
-def group_webhook_id(batches: Sequence[Batch]) -> str:
-    key = "\x1e".join(
-        f"{b.run_id}\x1f{b.events[0].seq}\x1f{b.events[-1].seq}" for b in batches
-    ).encode()
-    return "msg_" + hashlib.sha256(key).hexdigest()[:32]
+def group_webhook_id(batches: Sequence[Batch], database: str | None = None) -> str:
+    """A multi-run POST's id: over every run's range (and a fleet's database, as `webhook_id`)."""
+    key = "\x1e".join(f"{b.run_id}\x1f{b.events[0].seq}\x1f{b.events[-1].seq}" for b in batches)
+    if database is not None:
+        key = f"{database}\x1f{key}"
+    return "msg_" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def split_results(answer: Answer, run_ids: Sequence[str]) -> dict[str, Answer | TransportFailure]:

@@ -31,7 +31,7 @@ behind `ui_token` when one is set; the probe loop also writes this replica's rep
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -306,6 +306,31 @@ def waiting_route(method: str, path: str, _accept: str) -> tuple[int, str, bytes
         return 503, "application/json", orjson.dumps({"ready": False, "checks": checks}) + b"\n"
     if path == "/metrics":
         return 503, "text/plain; charset=utf-8", b"waiting for the database\n"
+    return 404, "text/plain; charset=utf-8", b"not found\n"
+
+
+def fleet_route(
+    method: str,
+    path: str,
+    databases: Mapping[str, str],
+    stopping: bool,
+    scrape: Callable[[], tuple[bytes, str]],
+) -> tuple[int, str, bytes]:
+    """The endpoints of a fleet over several databases (relay/fleet.py, issue 51), for now: alive
+    while the process runs, ready while it serves and until a stop is asked for, whatever each
+    database does (one database down must not take the replica out of service, nor restart it:
+    Sequin #2154's lesson); `databases` (name -> state) is in the /readyz answer; /metrics is
+    `scrape()`'s (`ledger_relay_database_up`). No status page yet (docs/sharding.md)."""
+    if method not in ("GET", "HEAD"):
+        return 405, "text/plain; charset=utf-8", b"method not allowed\n"
+    if path == "/healthz":
+        return 200, "text/plain; charset=utf-8", b"ok\n"
+    if path == "/readyz":
+        body = orjson.dumps({"ready": not stopping, "databases": dict(databases)}) + b"\n"
+        return (503 if stopping else 200), "application/json", body
+    if path == "/metrics":
+        body, content_type = scrape()
+        return 200, content_type, body
     return 404, "text/plain; charset=utf-8", b"not found\n"
 
 

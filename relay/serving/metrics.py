@@ -514,3 +514,36 @@ class Metrics:
         """The scrape body and its content type (OpenMetrics when the scraper asks for it)."""
         encoder, content_type = choose_encoder(accept)
         return encoder(self.registry), content_type
+
+
+class _DatabasesCollector(Collector):
+    """`ledger_relay_database_up{database}`, read at scrape time from `up()` (name -> up)."""
+
+    def __init__(self, up: Callable[[], Mapping[str, bool]]) -> None:
+        self.up = up
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "ledger_relay_database_up",
+            "1 while this outbox database of a fleet is served with its LISTEN connection up; "
+            "0 while it is set aside, starting, or its server does not answer",
+            labels=["database"],
+        )
+        for name, up in self.up().items():
+            family.add_metric([name], 1.0 if up else 0.0)
+        yield family
+
+
+class FleetMetrics:
+    """The metrics of a fleet over several databases (relay/fleet.py, issue 51), for now: one
+    gauge per database saying whether it is served. The lanes' own metrics, with a `database`
+    label, are for a later release (docs/sharding.md)."""
+
+    def __init__(self, up: Callable[[], Mapping[str, bool]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_DatabasesCollector(up))
+
+    def exposition(self, accept: str = "") -> tuple[bytes, str]:
+        """The scrape body and its content type (OpenMetrics when the scraper asks for it)."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type

@@ -1,0 +1,183 @@
+"""Which outbox databases one process serves (issue 51 item 1): the list form of the database.
+
+`RELAY_DATABASES` holds whitespace-separated `NAME=URL` entries; `RELAY_DATABASES_FILE` names a
+file with one entry a line (a line starting with `#` is a comment; the rest of a line after
+`NAME=` is the URL, so a key=value conninfo fits there too). `RELAY_DATABASE_URL` alone stays
+the one-database form, named `default`, and runs as it always did. The list form and
+`database_url` together are refused, as are both list variables together: a configuration names
+its databases once.
+
+Parsing is pure, like relay/settings.py's: `load_databases(flags, environ)` returns the list (or
+None when the list form is not used) or raises ConfigError with one line naming the variable and
+the entry, never a password. Two entries naming the same server and database are refused: they
+would be drained twice.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from relay.settings import (
+    PARSERS,
+    ConfigError,
+    Secret,
+    Settings,
+    env_name,
+    flag_name,
+    load,
+    redact_url,
+    secret_file,
+)
+
+LIST = "RELAY_DATABASES"
+LIST_FILE = "RELAY_DATABASES_FILE"  # both in relay/settings.py's LIST_VARIABLES: no typo
+DEFAULT_NAME = "default"  # the one-database form's name (RELAY_DATABASE_URL alone)
+NAME_RE = re.compile(r"[a-z0-9_-]{1,32}")
+
+
+@dataclass(frozen=True)
+class Database:
+    """One outbox database of the list: its name (in logs, the `relay-database` header and the
+    ingress URL's `{database}`) and its URL."""
+
+    name: str
+    url: Secret
+
+    def __repr__(self) -> str:
+        return f"Database({self.name!r}, {redact_url(self.url.reveal())!r})"
+
+
+def parse_entries(
+    entries: list[tuple[str, str]], source: str, environ: Mapping[str, str]
+) -> list[Database]:
+    """`(where, text)` entries (`where`: "entry 2", "line 7") as databases, in order; ConfigError
+    naming `source` and the entry for the first that is no `NAME=URL` with a valid name and URL,
+    a name given twice, or a server and database given twice."""
+    out: list[Database] = []
+    seen: dict[str, str] = {}  # name -> where
+    servers: dict[tuple[str, str, str], str] = {}  # (host, port, dbname) -> name
+    for where, text in entries:
+        name, eq, url = text.partition("=")
+        if not eq or not url.strip():
+            # Not echoed: a URL given without its name would show its password.
+            raise ConfigError(
+                f"{source}: {where} is not NAME=URL (the value is not shown: it may hold a "
+                "password), e.g. shard1=postgresql://relay@db1/app"
+            )
+        name = name.strip()
+        if not NAME_RE.fullmatch(name):
+            raise ConfigError(
+                f"{source}: {where}: the name {redact_url(name)[:40]!r} must be 1 to 32 of "
+                "a-z, 0-9, '_' and '-'"
+            )
+        if name in seen:
+            raise ConfigError(f"{source}: {where}: the name {name!r} is given twice")
+        try:
+            secret = PARSERS["database_url"](url.strip())
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {where} ({name}): the URL {exc}") from None
+        server = server_key(secret.reveal(), environ)
+        if server in servers:
+            raise ConfigError(
+                f"{source}: {where} ({name}) names the same server and database as "
+                f"{servers[server]!r} ({describe_server(server)}): it would be drained twice"
+            )
+        seen[name] = where
+        servers[server] = name
+        out.append(Database(name, secret))
+    if not out:
+        raise ConfigError(f"{source}: names no database")
+    return out
+
+
+def server_key(url: str, environ: Mapping[str, str] | None = None) -> tuple[str, str, str]:
+    """The server and database a URL connects to, as libpq reads it with its defaults applied
+    (host: PGHOST, else the local socket; port: PGPORT, else 5432; dbname: PGDATABASE, else the
+    user's name): two URLs spelled differently for one database compare equal. Host names are
+    compared as written (lower-cased): `localhost` and `127.0.0.1` are two servers here."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    env = {} if environ is None else environ
+    parts = conninfo_to_dict(url)
+    host = str(parts.get("host") or env.get("PGHOST") or "").lower()
+    port = str(parts.get("port") or env.get("PGPORT") or "5432")
+    user = str(parts.get("user") or env.get("PGUSER") or env.get("USER") or "")
+    dbname = str(parts.get("dbname") or env.get("PGDATABASE") or user)
+    return host, port, dbname
+
+
+def describe_server(server: tuple[str, str, str]) -> str:
+    host, port, dbname = server
+    return f"host {host or '(local socket)'}, port {port}, database {dbname}"
+
+
+def list_entries(environ: Mapping[str, str]) -> tuple[list[tuple[str, str]], str] | None:
+    """The list form's raw entries and the variable they came from; None when neither list
+    variable is set. Both set: ConfigError naming both."""
+    text, path = environ.get(LIST), environ.get(LIST_FILE)
+    if text is not None and path is not None:
+        raise ConfigError(f"{LIST} and {LIST_FILE} are both set: give the list once")
+    if text is not None:
+        return [(f"entry {i}", e) for i, e in enumerate(text.split(), 1)], LIST
+    if path is None:
+        return None
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ConfigError(f"{LIST_FILE}: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{LIST_FILE}: cannot read {path}: not UTF-8 text") from None
+    entries = []
+    for number, line in enumerate(lines, 1):
+        # A comment is a whole line: '#' may stand in a conninfo's quoted password.
+        body = line.strip()
+        if body and not body.startswith("#"):
+            entries.append((f"line {number}", body))
+    return entries, f"{LIST_FILE} ({path})"
+
+
+def load_databases(
+    flags: Mapping[str, str | None], environ: Mapping[str, str]
+) -> list[Database] | None:
+    """The databases of the list form, or None when it is not used (RELAY_DATABASE_URL alone).
+    Given with `database_url` or `listen_database_url` (a flag, a variable, a secret file or a
+    credential): ConfigError naming both."""
+    found = list_entries(environ)
+    if found is None:
+        return None
+    entries, source = found
+    for option in ("database_url", "listen_database_url"):
+        if (
+            flags.get(option) is not None
+            or environ.get(env_name(option)) is not None
+            or secret_file(option, flags, environ) is not None
+        ):
+            raise ConfigError(
+                f"{source.split()[0]} and {option} ({flag_name(option)} / {env_name(option)}) "
+                "are both given: with the list form every database is an entry of the list "
+                "(docs/sharding.md)"
+            )
+    return parse_entries(entries, source, environ)
+
+
+def load_all(
+    flags: Mapping[str, str | None], environ: Mapping[str, str]
+) -> tuple[Settings, list[Database] | None]:
+    """The settings and, with the list form, its databases. The settings are read as
+    relay/settings.py reads them, with the first database's URL standing for `database_url`, so
+    that every check of `load` applies; each database then runs on a copy with its own URL
+    (`for_database`)."""
+    databases = load_databases(flags, environ)
+    if databases is None:
+        return load(flags, environ), None
+    first = {**flags, "database_url": databases[0].url.reveal()}
+    return load(first, environ), databases
+
+
+def for_database(settings: Settings, database: Database) -> Settings:
+    """The settings one database of a fleet runs on: its URL; no `metrics_addr` of its own (the
+    fleet answers it, relay/fleet.py)."""
+    return replace(settings, database_url=database.url, metrics_addr=None)

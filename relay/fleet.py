@@ -1,0 +1,279 @@
+"""One fleet over many outbox databases (issue 51 item 2): a relay per database, one process.
+
+`relay run` with the list form of the database (relay/databases.py) runs a `Fleet`: one
+`Relay` (relay/runner.py) per database, each with its own pools, LISTEN connection, liveness
+lock, lanes and retention, all in one task group. What is the replica's and not a database's is
+built once here and handed to each relay (`Shared`): the adaptive limit's permits, the retry
+budget, the event loop's lateness the limit tolerates, and the tracer; the fleet runs their
+background tasks, answers `metrics_addr` and flushes the tracer at the end.
+
+A database is on its own: before its relay is built, one connection reads its schema version
+(`probe`). A database that does not answer, refuses, is at a schema version this release cannot
+serve, or whose relay fails later, is set aside with one log line (`database_set_aside`) and
+tried again with capped, jittered backoff: never fatal to the process, never holding up the
+other databases, whose relays run meanwhile in their own tasks.
+
+    fleet = Fleet(settings, databases)
+    await fleet.run()      # until fleet.stop()
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import random
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import psycopg
+from anyio.abc import TaskStatus
+
+from relay import logs
+from relay.core.policy import backoff
+from relay.databases import Database, for_database
+from relay.edges.store import CONNECT_KWARGS
+from relay.edges.tracing import NO_TRACING, Tracer, flush_timeout
+from relay.maintenance.migrate import read_version, version_problem
+from relay.runner import Relay, shared_for
+from relay.serving import health, sdnotify
+from relay.serving.metrics import FleetMetrics
+from relay.serving.ui.web import Request, Response
+from relay.settings import Settings, passwords_in, scrub
+
+FIRST_RETRY = 0.5  # seconds before a set-aside database is tried again, doubling
+MAX_RETRY = 30.0  # ... up to this
+PROBE_DEADLINE = 5.0  # one probe's connection and read, at most (relay/startup.py's attempt's)
+
+
+class State(enum.Enum):
+    """Where one database of the fleet stands."""
+
+    STARTING = "starting"  # probed, or its relay starting (waiting for its pools, its liveness)
+    SERVING = "serving"  # its relay's lanes run
+    SET_ASIDE = "set_aside"  # down, refused or at a schema version this release cannot serve
+
+
+@dataclass
+class Member:
+    """One database of the fleet: its relay while one runs, and why it was last set aside."""
+
+    database: Database
+    relay: Relay | None = None
+    set_aside: str | None = None  # the reason, while set aside
+
+    @property
+    def up(self) -> bool:
+        """Served, and its LISTEN connection up (the one session that checks its server all
+        the time, `select 1` when quiet): a server lost once served is ridden out by the relay
+        and shows here."""
+        if self.state is not State.SERVING or self.relay is None:
+            return False
+        listener = self.relay.view.listener()
+        return listener is not None and listener.up
+
+    @property
+    def state(self) -> State:
+        if self.set_aside is not None:
+            return State.SET_ASIDE
+        if self.relay is not None and self.relay.view.started():
+            return State.SERVING
+        return State.STARTING
+
+
+async def probe(settings: Settings) -> str | None:
+    """Why the database of `settings` cannot be served now, in one line without its password
+    (unreachable, refused, or its schema version), or None: one connection, one read."""
+    url = settings.database_url.reveal()
+    try:
+        with anyio.fail_after(PROBE_DEADLINE):
+            conn = await psycopg.AsyncConnection.connect(
+                url, connect_timeout=int(PROBE_DEADLINE), **CONNECT_KWARGS
+            )
+            async with conn:
+                version = await read_version(conn, settings.schema)
+    except (psycopg.Error, OSError, TimeoutError) as exc:
+        return "unreachable: " + scrub(logs.redact_text(logs.error_text(exc)), passwords_in(url))
+    problem = version_problem(version, settings.schema)
+    return None if problem is None else f"schema: {problem}"
+
+
+def failure(exc: BaseException, url: str) -> str:
+    """A relay's failure as a set-aside reason: its first exception's type and message."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return "failed: " + scrub(logs.redact_text(logs.error_text(exc)), passwords_in(url))
+
+
+async def _ping(notifier: sdnotify.Notifier, interval: float) -> None:
+    while True:
+        notifier.notify("WATCHDOG=1")
+        await anyio.sleep(interval)
+
+
+class Fleet:
+    def __init__(
+        self,
+        settings: Settings,
+        databases: Sequence[Database],
+        *,
+        client: httpx.AsyncClient | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        prune_interval: float = 60.0,
+        tracer: Tracer = NO_TRACING,
+        max_retry: float = MAX_RETRY,
+    ) -> None:
+        self.settings = settings
+        self.tracer = tracer
+        self.shared = shared_for(settings)  # one limit, one budget, one lateness probe
+        self.members = [Member(d) for d in databases]
+        self.max_retry = max_retry
+        self._relay_options: dict[str, Any] = {
+            "client": client,
+            "transport": transport,
+            "prune_interval": prune_interval,
+            "tracer": tracer,
+            "shared": self.shared,
+        }
+        self._stop = anyio.Event()
+        self.metrics = FleetMetrics(self.up)
+
+    # -- public ------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Graceful shutdown of every database's relay; set-aside ones are not tried again."""
+        if not self._stop.is_set():
+            logs.info("shutdown_requested", replica=self.settings.replica_id)
+        self._stop.set()
+        for member in self.members:
+            if member.relay is not None:
+                member.relay.stop()
+
+    def states(self) -> dict[str, str]:
+        """Each database's state, by name (for /readyz, and for tests)."""
+        return {m.database.name: m.state.value for m in self.members}
+
+    def up(self) -> dict[str, bool]:
+        """Whether each database is served (`Member.up`), by name: `ledger_relay_database_up`."""
+        return {m.database.name: m.up for m in self.members}
+
+    async def run(self, *, task_status: TaskStatus[Fleet] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            addr = self.settings.metrics_addr
+            async with health.MetricsPort.serving(addr) if addr else nullcontext() as port:
+                if port is not None:
+                    port.respond = self._respond
+                await self._run(task_status)
+        finally:
+            # The relays leave the shared tracer to the fleet: flushed once, as a relay alone
+            # flushes its own (relay/runner.py).
+            if self.tracer.enabled:
+                bound = flush_timeout(self.settings.shutdown_timeout)
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self.tracer.shutdown, bound)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _run(self, task_status: TaskStatus[Fleet]) -> None:
+        shared = self.shared
+        async with anyio.create_task_group() as background:
+            if shared.permits is not None:
+                background.start_soon(shared.loop_lag.run)
+                background.start_soon(shared.permits.settle_when_idle)
+            notifier = sdnotify.from_environ()
+            if notifier is not None:
+                background.start_soon(self._tell_systemd, notifier)
+            async with anyio.create_task_group() as databases:
+                for member in self.members:
+                    databases.start_soon(self._serve, member, name=member.database.name)
+                logs.info(
+                    "fleet_started",
+                    replica=self.settings.replica_id,
+                    databases=[m.database.name for m in self.members],
+                )
+                task_status.started(self)
+            background.cancel_scope.cancel()
+        logs.info("shutdown", replica=self.settings.replica_id)
+
+    async def _serve(self, member: Member) -> None:
+        """One database until the fleet stops: probed, served by its relay, set aside and tried
+        again whenever either fails. Its log lines name it."""
+        settings = for_database(self.settings, member.database)
+        with logs.bound(database=member.database.name):
+            attempt = 0
+            while not self._stop.is_set():
+                # A probe is bounded (PROBE_DEADLINE): a stop asked meanwhile waits that long.
+                reason = await probe(settings)
+                if reason is None:
+                    reason = await self._deliver(member, settings)
+                    if reason is None:
+                        return  # stopped
+                    attempt = 0  # it served: a new outage starts from the first delay
+                attempt += 1
+                delay = backoff(
+                    attempt - 1,
+                    base=FIRST_RETRY,
+                    cap=self.max_retry,
+                    rand=random.random(),
+                    jitter=0.5,
+                )
+                self._set_aside(member, reason, delay)
+                with anyio.move_on_after(delay):
+                    await self._stop.wait()
+
+    async def _deliver(self, member: Member, settings: Settings) -> str | None:
+        """The database's relay, run until the fleet stops (None) or it fails (the reason)."""
+        relay = Relay(settings, database=member.database.name, **self._relay_options)
+        member.relay, member.set_aside = relay, None
+        try:
+            if self._stop.is_set():  # asked between the probe and now: `stop` missed this relay
+                return None
+            await relay.run()
+        except Exception as exc:  # never the process's end: the database is set aside
+            return failure(exc, settings.database_url.reveal())
+        finally:
+            member.relay = None
+        return None
+
+    async def _tell_systemd(self, notifier: sdnotify.Notifier) -> None:
+        """Under systemd (`Type=notify`): READY at once, every database's delivery started in a
+        task of its own (one database down must not fail the start); the watchdog's ping while
+        this event loop turns, through the drain too; STOPPING on a stop. A stalled lane of one
+        database is not judged yet (a relay alone withholds its ping then)."""
+        interval = sdnotify.watchdog_interval(os.environ, os.getpid())
+        try:
+            notifier.notify("READY=1", "STATUS=delivering")
+            logs.info("sd_notify_ready", watchdog_s=interval)
+            async with anyio.create_task_group() as tg:
+                if interval is not None:
+                    tg.start_soon(_ping, notifier, interval)  # until the fleet's end
+                await self._stop.wait()
+                notifier.notify("STOPPING=1", "STATUS=draining in-flight batches")
+        finally:
+            notifier.close()
+
+    def _set_aside(self, member: Member, reason: str, delay: float) -> None:
+        """One line when a database is set aside; while it stays aside, its retries at debug."""
+        if member.set_aside is None:
+            logs.warning("database_set_aside", reason=reason, retry_in=round(delay, 2))
+        else:
+            logs.debug("database_still_set_aside", reason=reason, retry_in=round(delay, 2))
+        member.set_aside = reason
+
+    async def _respond(self, request: Request) -> Response:
+        accept = request.headers.get("accept", "")
+        answer = health.fleet_route(
+            request.method,
+            request.path,
+            self.states(),
+            self.stopping,
+            lambda: self.metrics.exposition(accept),
+        )
+        return Response(*answer)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()

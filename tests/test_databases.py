@@ -1,0 +1,169 @@
+"""The list form of the database (issue 51 item 1): RELAY_DATABASES / RELAY_DATABASES_FILE parsed
+purely from an explicit environment, and every refusal one line naming the variable and the
+entry, never a password."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from relay.databases import LIST, LIST_FILE, for_database, load_all, load_databases, server_key
+from relay.settings import LIST_VARIABLES, ConfigError, unknown_variables
+
+INGRESS = "http://127.0.0.1:9/runs/{run_id}/events"
+PASSWORD = "CANARY-pw"
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {"RELAY_INGRESS_URL": INGRESS, **extra}
+
+
+def refusal(environ: dict[str, str], flags: dict[str, str | None] | None = None) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_databases(flags or {}, environ)
+    text = str(caught.value)
+    assert PASSWORD not in text, text
+    return text
+
+
+def test_the_list_names_each_database_in_order() -> None:
+    databases = load_databases(
+        {},
+        env(
+            RELAY_DATABASES=f" a=postgresql://u:{PASSWORD}@h1/app\n\tb-2=postgresql://u@h2:6432/app"
+            " c_3=postgresql://u@h1/other "
+        ),
+    )
+    assert databases is not None
+    assert [d.name for d in databases] == ["a", "b-2", "c_3"]
+    assert databases[0].url.reveal() == f"postgresql://u:{PASSWORD}@h1/app"
+    assert PASSWORD not in repr(databases)
+
+
+def test_without_the_list_the_one_database_form_runs_as_before() -> None:
+    assert load_databases({}, env(RELAY_DATABASE_URL="postgresql://u@h/app")) is None
+    settings, databases = load_all({}, env(RELAY_DATABASE_URL="postgresql://u@h/app"))
+    assert databases is None
+    assert settings.database_url.reveal() == "postgresql://u@h/app"
+
+
+def test_the_file_holds_one_entry_a_line_with_comments(tmp_path: Path) -> None:
+    listed = tmp_path / "databases"
+    listed.write_text(
+        "# shards of the ledger\n"
+        "\n"
+        f"  one=postgresql://u:{PASSWORD}@h1/app\n"
+        "two=host=h2 dbname=app user=u password='a # b'\n"
+        "   # the third is retired\n"
+    )
+    databases = load_databases({}, env(RELAY_DATABASES_FILE=str(listed)))
+    assert databases is not None
+    assert [d.name for d in databases] == ["one", "two"]
+    assert databases[1].url.reveal() == "host=h2 dbname=app user=u password='a # b'"
+
+
+def test_each_database_runs_on_the_settings_with_its_own_url() -> None:
+    settings, databases = load_all(
+        {},
+        env(
+            RELAY_DATABASES="a=postgresql://u@h1/app b=postgresql://u@h2/app",
+            RELAY_METRICS_ADDR="127.0.0.1:0",
+        ),
+    )
+    assert databases is not None
+    assert settings.database_url == databases[0].url
+    b = for_database(settings, databases[1])
+    assert b.database_url.reveal() == "postgresql://u@h2/app"
+    assert b.metrics_addr is None  # the fleet answers metrics_addr, not each database
+    assert b.ingress_url == settings.ingress_url
+
+
+@pytest.mark.parametrize(
+    ("entries", "says"),
+    [
+        (f"postgresql://u:{PASSWORD}@h/app", "entry 1 is not NAME=URL"),
+        (f"a=postgresql://u@h/app postgresql://u:{PASSWORD}@h/b", "entry 2 is not NAME=URL"),
+        ("a=", "entry 1 is not NAME=URL"),
+        (f"Shard=postgresql://u:{PASSWORD}@h/app", "the name 'Shard' must be 1 to 32"),
+        (f"{'x' * 33}=postgresql://u@h/app", "must be 1 to 32 of a-z"),
+        (f"a.b=postgresql://u:{PASSWORD}@h/app", "the name 'a.b'"),
+        (
+            f"a=postgresql://u@h/app a=postgresql://u:{PASSWORD}@h/other",
+            "entry 2: the name 'a' is given twice",
+        ),
+        (
+            f"a=postgresql://u:{PASSWORD}@h:5432/app b=postgresql://v@H/app",
+            "entry 2 (b) names the same server and database as 'a' (host h, port 5432, "
+            "database app): it would be drained twice",
+        ),
+        (f"a=postgresql://u:{PASSWORD}@h:port/app", "entry 1 (a): the URL its port is not"),
+        ("a=mysql://u@h/app", "entry 1 (a): the URL"),
+        ("", "names no database"),
+    ],
+)
+def test_a_bad_list_is_refused_naming_the_variable_and_the_entry(entries: str, says: str) -> None:
+    text = refusal(env(RELAY_DATABASES=entries))
+    assert text.startswith(f"{LIST}: "), text
+    assert says in text, text
+
+
+def test_the_same_database_spelled_through_the_environment_defaults_is_refused() -> None:
+    text = refusal(
+        env(
+            RELAY_DATABASES="a=postgresql://u@h/app b=postgresql://u@h:6432",
+            PGPORT="6432",
+            PGDATABASE="app",
+        )
+    )
+    assert "names the same server and database as 'a'" in text
+    assert server_key("host=h user=u", {"PGDATABASE": "x"}) == ("h", "5432", "x")
+    assert server_key("host=h user=u", {}) == ("h", "5432", "u")
+
+
+def test_a_bad_line_of_the_file_is_named(tmp_path: Path) -> None:
+    listed = tmp_path / "databases"
+    listed.write_text(f"# shards\na=postgresql://u@h/app\nB=postgresql://u:{PASSWORD}@h/b\n")
+    text = refusal(env(RELAY_DATABASES_FILE=str(listed)))
+    assert text.startswith(f"{LIST_FILE} ({listed}): line 3: the name 'B'"), text
+    text = refusal(env(RELAY_DATABASES_FILE=str(tmp_path / "missing")))
+    assert text == f"{LIST_FILE}: cannot read {tmp_path / 'missing'}: No such file or directory"
+
+
+def test_the_list_and_the_one_database_form_together_are_refused(tmp_path: Path) -> None:
+    listed = "a=postgresql://u@h/app"
+    for given in (
+        env(RELAY_DATABASES=listed, RELAY_DATABASE_URL="postgresql://u@h/app"),
+        env(RELAY_DATABASES=listed, RELAY_DATABASE_URL_FILE=str(tmp_path / "url")),
+    ):
+        text = refusal(given)
+        assert text.startswith(
+            f"{LIST} and database_url (--database-url / RELAY_DATABASE_URL) are both given"
+        ), text
+    text = refusal(env(RELAY_DATABASES=listed), {"database_url": "postgresql://u@h/app"})
+    assert "RELAY_DATABASES and database_url" in text
+    text = refusal(env(RELAY_DATABASES=listed, RELAY_LISTEN_DATABASE_URL="postgresql://u@h/app"))
+    assert "RELAY_DATABASES and listen_database_url" in text
+    (tmp_path / "list").write_text(listed)
+    text = refusal(env(RELAY_DATABASES=listed, RELAY_DATABASES_FILE=str(tmp_path / "list")))
+    assert text == f"{LIST} and {LIST_FILE} are both set: give the list once"
+
+
+def test_the_list_variables_are_no_unknown_variables() -> None:
+    assert {LIST, LIST_FILE} == LIST_VARIABLES
+    assert unknown_variables({LIST: "a=x", LIST_FILE: "/f", "RELAY_DATABASE": "y"}) == [
+        ("RELAY_DATABASE", "RELAY_DATABASES")
+    ]
+
+
+def test_relay_check_says_it_does_not_check_the_list_yet() -> None:
+    """`relay check` reads one database: with the list form it says so in its one
+    configuration line, exit 2 (not "database_url: required")."""
+    from tests.test_settings_refusals import cli_env, refusal
+
+    env = cli_env(RELAY_DATABASES="a=postgresql://u@127.0.0.1:1/app")
+    del env["RELAY_DATABASE_URL"]
+    line = refusal("check", env)
+    assert "RELAY_DATABASES: relay check checks one database for now" in line, line
+    env["RELAY_DATABASE_URL"] = "postgresql://u@127.0.0.1:1/app"
+    assert "RELAY_DATABASES and database_url" in refusal("check", env)

@@ -1,0 +1,472 @@
+"""One fleet over several outbox databases (issue 51 items 2 and 3), against real PostgreSQL
+databases of the embedded cluster and the reference ingress on a real socket: every database
+delivers into one ingress, each POST naming its database in the `relay-database` header and the
+URL's `{database}`; a database at a schema version this release cannot serve, or unreachable at
+start, is set aside with one log line while the others deliver, and served once it is back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
+
+import anyio
+import httpx
+import orjson
+import psycopg
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from psycopg import sql
+
+from relay import fleet as relay_fleet
+from relay.databases import for_database, load_all
+from relay.fleet import Fleet, probe
+from relay.maintenance.migrate import code_version, migrate
+from relay.producer import enqueue
+from relay.runner import Relay
+from relay.serving.health import fleet_route
+from relay.tools.sink import Sink, serve_sink
+from tests.conftest import unique
+from tests.faults import own_server
+from tests.faults.failover import kill
+from tests.faults.proxy import FaultProxy, via
+from tests.support import Decisions, relay_logs, wait_for
+from tests.test_cli import RELAY, relay_run
+from tests.test_sdnotify import NotifySocket
+
+pytestmark = pytest.mark.anyio
+
+SCHEMA = "relay"
+WHSEC = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+NAMES = ("s0", "s1", "s2")
+
+
+class RecordingSink(Sink):
+    """The reference ingress, also keeping each POST's path and query: which `{database}` the
+    URL named for which run."""
+
+    def __init__(self) -> None:
+        super().__init__(signing_secrets=[WHSEC])  # every POST's signature checked
+        self.urls: list[tuple[str, str]] = []  # (run id, the query's database)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/runs/"):
+            query = parse_qs(scope["query_string"].decode())
+            run_id = unquote(scope["path"].removeprefix("/runs/").removesuffix("/events"))
+            self.urls.append((run_id, query.get("database", [""])[0]))
+        await super().__call__(scope, receive, send)
+
+
+@pytest.fixture
+def shards(pg_url: str) -> Iterator[dict[str, str]]:
+    """Three databases in the embedded cluster, each with the relay's schema: name -> URL."""
+    made = {name: unique(f"fleet_{name}") for name in NAMES}
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        for dbname in made.values():
+            conn.execute(sql.SQL("create database {}").format(sql.Identifier(dbname)))
+    urls = {name: urlunsplit(urlsplit(pg_url)._replace(path=f"/{d}")) for name, d in made.items()}
+    try:
+        for url in urls.values():
+            migrate(url, SCHEMA)
+        yield urls
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            for dbname in made.values():
+                conn.execute(
+                    sql.SQL("drop database if exists {} with (force)").format(
+                        sql.Identifier(dbname)
+                    )
+                )
+
+
+@asynccontextmanager
+async def ingress() -> AsyncIterator[tuple[RecordingSink, str]]:
+    sink = RecordingSink()
+    async with serve_sink(sink) as url:
+        yield sink, url
+
+
+def fleet(urls: dict[str, str], ingress_url: str, **options: Any) -> Fleet:
+    settings, databases = load_all(
+        {},
+        {
+            "RELAY_DATABASES": " ".join(f"{name}={url}" for name, url in urls.items()),
+            "RELAY_INGRESS_URL": ingress_url + "/runs/{run_id}/events?database={database}",
+            "RELAY_SIGNING_SECRET": WHSEC,
+            "RELAY_POLL_INTERVAL": "0.2",
+            "RELAY_RETENTION": "0",
+        },
+    )
+    assert databases is not None
+    return Fleet(settings, databases, **options)
+
+
+def enqueue_runs(
+    url: str, name: str, runs: int = 3, per_run: int = 3, *, prefix: str = "r"
+) -> set[str]:
+    """`runs` runs of `per_run` events in the database `name`; their event ids (run ids and
+    event ids start with the name, so the ingress's side can tell where each came from)."""
+    ids = set()
+    with psycopg.connect(url, autocommit=True) as conn, conn.transaction():
+        for r in range(runs):
+            run_id = f"{name}-{prefix}{r}"
+            for i in range(per_run):
+                event_id = f"{run_id}-e{i}"
+                enqueue(conn, run_id, event_id, "step", {"i": i}, terminal=i == per_run - 1)
+                ids.add(event_id)
+    return ids
+
+
+def delivered(sink: Sink, ids: set[str]) -> bool:
+    return ids <= set(sink.state.deliveries)
+
+
+def assert_each_post_named_its_database(sink: RecordingSink) -> None:
+    answered = [b for b in sink.state.received if b["status"] == 200]
+    assert answered, "no POST was answered"
+    for batch in answered:
+        origin = batch["run_id"].partition("-")[0]
+        assert batch["headers"].get("relay-database") == origin, batch
+    assert sink.urls
+    for run_id, database in sink.urls:
+        assert database == run_id.partition("-")[0], (run_id, database)
+    assert sink.state.unauthorized == {}  # every signature verified
+    assert sink.state.order_violations == 0
+
+
+async def test_three_databases_deliver_into_one_ingress_each_post_naming_its_own(
+    shards: dict[str, str],
+) -> None:
+    ids = {name: enqueue_runs(url, name) for name, url in shards.items()}
+    with relay_logs(Decisions()) as decisions:
+        async with ingress() as (sink, url), anyio.create_task_group() as tg:
+            f = fleet(shards, url)
+            await tg.start(f.run)
+            await wait_for(lambda: delivered(sink, set().union(*ids.values())), what="delivery")
+            await wait_for(lambda: set(f.states().values()) == {"serving"}, what="all serving")
+            # One limit, one budget for the replica, whatever the number of databases.
+            relays = [m.relay for m in f.members]
+            assert all(r is not None and r.permits is f.shared.permits for r in relays)
+            assert all(r is not None and r.budget is f.shared.budget for r in relays)
+            f.stop()
+    assert_each_post_named_its_database(sink)
+    started = decisions.named("started")
+    assert sorted(line["database"] for line in started) == sorted(NAMES)
+    assert decisions.named("database_set_aside") == []
+
+
+async def test_a_database_at_a_schema_version_this_release_cannot_serve_is_set_aside(
+    shards: dict[str, str],
+) -> None:
+    with psycopg.connect(shards["s1"], autocommit=True) as conn:  # an older schema
+        conn.execute(
+            sql.SQL("delete from {} where version = %s").format(
+                sql.Identifier(SCHEMA, "schema_migrations")
+            ),
+            (code_version(),),
+        )
+    ids = {name: enqueue_runs(url, name) for name, url in shards.items() if name != "s1"}
+    with relay_logs(Decisions()) as decisions:
+        async with ingress() as (sink, url), anyio.create_task_group() as tg:
+            f = fleet(shards, url, max_retry=0.1)
+            await tg.start(f.run)
+            await wait_for(lambda: delivered(sink, ids["s0"] | ids["s2"]), what="delivery")
+            # It is tried again and again, yet said once.
+            await wait_for(
+                lambda: len(decisions.named("database_still_set_aside")) >= 3, what="retries"
+            )
+            assert f.states() == {"s0": "serving", "s1": "set_aside", "s2": "serving"}
+            f.stop()
+    set_aside = decisions.named("database_set_aside")
+    assert len(set_aside) == 1, set_aside
+    assert set_aside[0]["database"] == "s1"
+    assert set_aside[0]["reason"].startswith("schema: ")
+    assert "older" in set_aside[0]["reason"]
+    assert_each_post_named_its_database(sink)
+
+
+async def test_a_database_unreachable_at_start_is_set_aside_then_served_once_reachable(
+    shards: dict[str, str], pg_url: str
+) -> None:
+    host, port = urlsplit(pg_url).hostname, urlsplit(pg_url).port
+    assert host is not None and port is not None
+    ids = {name: enqueue_runs(url, name) for name, url in shards.items()}
+    with relay_logs(Decisions()) as decisions:
+        async with ingress() as (sink, url), anyio.create_task_group() as proxies:
+            proxy = FaultProxy(host, port, "s2")
+            await proxy.start(proxies)
+            proxy.target = (host, closed_port())  # s2's server does not answer yet
+            urls = {**shards, "s2": via(shards["s2"], proxy.port)}
+            f = fleet(urls, url, max_retry=0.2)
+            async with anyio.create_task_group() as tg:
+                await tg.start(f.run)
+                await wait_for(lambda: delivered(sink, ids["s0"] | ids["s1"]), what="the others")
+                assert f.states()["s2"] == "set_aside"
+                assert not delivered(sink, ids["s2"])
+                proxy.target = (host, port)  # back
+                await wait_for(lambda: delivered(sink, ids["s2"]), what="s2 once reachable")
+                await wait_for(lambda: f.states()["s2"] == "serving", what="s2 serving")
+                f.stop()
+            proxies.cancel_scope.cancel()
+    set_aside = decisions.named("database_set_aside")
+    assert [line["database"] for line in set_aside] == ["s2"]
+    assert set_aside[0]["reason"].startswith("unreachable: ")
+    assert_each_post_named_its_database(sink)
+
+
+def started(log: Path) -> set[str]:
+    """The databases a `relay run` log says were started (`started` lines)."""
+    lines = [orjson.loads(x) for x in log.read_bytes().splitlines()]
+    return {x["database"] for x in lines if x.get("event") == "started"}
+
+
+def database_up(text: str) -> dict[str, float]:
+    """`ledger_relay_database_up` of a scrape, by database."""
+    return {
+        sample.labels["database"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "ledger_relay_database_up"
+        for sample in family.samples
+    }
+
+
+def closed_port() -> int:
+    """A local port where nothing listens (bound, then closed)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_relay_run_with_the_list_form_runs_a_fleet_and_answers_its_probes(
+    shards: dict[str, str], tmp_path: Path
+) -> None:
+    """The real `relay run` in a subprocess: RELAY_DATABASES with one database set aside (a
+    closed port), the others deliver; /healthz and /readyz answer 200 while it serves, /readyz
+    names each database's state; SIGTERM ends it cleanly."""
+    ids = {name: enqueue_runs(url, name) for name, url in shards.items() if name != "s2"}
+    dead = urlunsplit(urlsplit(shards["s2"])._replace(netloc=f"127.0.0.1:{closed_port()}"))
+    listed = tmp_path / "databases"
+    listed.write_text(f"# the shards\ns0={shards['s0']}\ns1={shards['s1']}\ns2={dead}\n")
+    metrics = f"127.0.0.1:{closed_port()}"
+    with (tmp_path / "relay.log").open("wb") as log:
+        sink = await run_until_delivered(listed, metrics, ids, log)
+    lines = [orjson.loads(x) for x in (tmp_path / "relay.log").read_bytes().splitlines()]
+    set_aside = [x for x in lines if x.get("event") == "database_set_aside"]
+    assert [x["database"] for x in set_aside] == ["s2"], set_aside
+    assert {x["database"] for x in lines if x.get("event") == "started"} == {"s0", "s1"}
+    assert_each_post_named_its_database(sink)
+
+
+async def run_until_delivered(
+    listed: Path, metrics: str, ids: dict[str, set[str]], log: Any
+) -> RecordingSink:
+    """`relay run` over the databases of `listed` until the live ones' events are delivered;
+    its probes asked, then SIGTERM: exit 0. The ingress it posted to."""
+    async with ingress() as (sink, url):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+        env.update(
+            RELAY_DATABASES_FILE=str(listed),
+            RELAY_INGRESS_URL=url + "/runs/{run_id}/events?database={database}",
+            RELAY_SIGNING_SECRET=WHSEC,
+            RELAY_POLL_INTERVAL="0.2",
+            RELAY_METRICS_ADDR=metrics,
+            RELAY_SHUTDOWN_TIMEOUT="5s",
+        )
+        async with relay_run(env, stdout=log, stderr=subprocess.STDOUT) as proc:
+            await wait_for(lambda: delivered(sink, ids["s0"] | ids["s1"]), what="delivery")
+            async with httpx.AsyncClient(base_url=f"http://{metrics}") as http:
+                assert (await http.get("/healthz")).status_code == 200
+                ready = await http.get("/readyz")
+                assert ready.status_code == 200
+                assert ready.json()["databases"] == {
+                    "s0": "serving",
+                    "s1": "serving",
+                    "s2": "set_aside",
+                }
+                scraped = await http.get("/metrics")
+                assert scraped.status_code == 200
+                assert database_up(scraped.text) == {"s0": 1.0, "s1": 1.0, "s2": 0.0}
+            proc.send_signal(signal.SIGTERM)
+            with anyio.fail_after(60):
+                assert await proc.wait() == 0
+    return sink
+
+
+async def test_a_fleet_tells_systemd_ready_with_a_database_down_and_pings_its_watchdog(
+    shards: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped unit is `Type=notify` with a watchdog: a fleet whose database is down at
+    start still says READY (or systemd would fail the start), pings, and says STOPPING."""
+    notify = NotifySocket(str(tmp_path / "notify.sock"))
+    monkeypatch.setenv("NOTIFY_SOCKET", notify.env_value)
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")  # ping every 0.1 s
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    dead = urlunsplit(urlsplit(shards["s2"])._replace(netloc=f"127.0.0.1:{closed_port()}"))
+    try:
+        async with ingress() as (_, url), anyio.create_task_group() as tg:
+            f = fleet({**shards, "s2": dead}, url, max_retry=0.2)
+            await tg.start(f.run)
+            await notify.until("READY=1")
+            await notify.until("WATCHDOG=1")
+            await notify.until("WATCHDOG=1")
+            f.stop()
+            await notify.until("STOPPING=1")
+    finally:
+        notify.close()
+
+
+async def test_a_server_killed_and_restarted_leaves_the_others_delivering(
+    shards: dict[str, str], tmp_path: Path
+) -> None:
+    """One database on a server of its own, SIGKILLed once delivering and started again: the
+    other two deliver their new events meanwhile, the fleet goes on, and the killed one's events
+    enqueued after its restart are delivered; nothing lost, order kept."""
+    with own_server(tmp_path / "s2") as server, relay_logs(Decisions()) as decisions:
+        migrate(server.url, SCHEMA)
+        urls = {"s0": shards["s0"], "s1": shards["s1"], "s2": server.url}
+        before = set().union(*(enqueue_runs(u, name, prefix="a") for name, u in urls.items()))
+        async with ingress() as (sink, url), anyio.create_task_group() as tg:
+            f = fleet(urls, url, max_retry=0.5)
+            await tg.start(f.run)
+            await wait_for(lambda: delivered(sink, before), what="delivery before the kill")
+            await wait_for(lambda: all(f.up().values()), what="every database up")
+            postmaster = (server.datadir / "postmaster.pid").read_text().split()[0]
+            await anyio.to_thread.run_sync(kill, server)
+            during = enqueue_runs(urls["s0"], "s0", prefix="b") | enqueue_runs(
+                urls["s1"], "s1", prefix="b"
+            )
+            await wait_for(lambda: delivered(sink, during), what="the others, s2 down")
+            down = {"s0": True, "s1": True, "s2": False}
+            await wait_for(lambda: f.up() == down, what="ledger_relay_database_up 0 for s2")
+            # Until its dead postmaster is reaped, a new one refuses the data directory.
+            await wait_for(lambda: not Path(f"/proc/{postmaster}").exists(), what="reaped")
+            await anyio.to_thread.run_sync(server.start)
+            after = enqueue_runs(server.url, "s2", prefix="c")
+            await wait_for(lambda: delivered(sink, after), what="s2 after its restart")
+            await wait_for(lambda: all(f.up().values()), what="s2 up again")
+            f.stop()
+    assert_each_post_named_its_database(sink)
+    # The killed server is ridden out by its relay (its pools and LISTEN reconnect, as a relay
+    # alone does): nothing else is set aside.
+    assert {x["database"] for x in decisions.named("database_set_aside")} <= {"s2"}
+
+
+async def test_a_relay_that_fails_once_serving_is_set_aside_and_started_again(
+    shards: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database whose relay fails after its probe passed (here: on purpose, the first time)
+    is set aside with the failure and started afresh; the process and the others go on."""
+    started: list[str] = []
+
+    class FailingFirst(Relay):
+        async def run(self, **kwargs: Any) -> None:
+            started.append(str(self.database))
+            if started.count("s1") == 1 and self.database == "s1":
+                raise RuntimeError("the first relay of s1 fails")
+            await super().run(**kwargs)
+
+    monkeypatch.setattr(relay_fleet, "Relay", FailingFirst)
+    ids = set().union(*(enqueue_runs(url, name) for name, url in shards.items()))
+    with relay_logs(Decisions()) as decisions:
+        async with ingress() as (sink, url), anyio.create_task_group() as tg:
+            f = fleet(shards, url, max_retry=0.1)
+            await tg.start(f.run)
+            await wait_for(lambda: delivered(sink, ids), what="delivery")
+            await wait_for(lambda: set(f.states().values()) == {"serving"}, what="all serving")
+            f.stop()
+    assert started.count("s1") == 2
+    set_aside = decisions.named("database_set_aside")
+    assert [x["database"] for x in set_aside] == ["s1"]
+    assert set_aside[0]["reason"] == "failed: RuntimeError: the first relay of s1 fails"
+
+
+# -- the pure parts --------------------------------------------------------------------------
+
+
+def test_a_fleet_is_alive_and_ready_whatever_its_databases_do_until_it_stops() -> None:
+    states = {"s0": "serving", "s1": "set_aside"}
+
+    def scrape() -> tuple[bytes, str]:
+        return b"ledger_relay_database_up 1\n", "text/plain"
+
+    assert fleet_route("GET", "/healthz", states, False, scrape)[0] == 200
+    status, _, body = fleet_route("GET", "/readyz", states, False, scrape)
+    assert status == 200 and orjson.loads(body) == {"ready": True, "databases": states}
+    assert fleet_route("GET", "/readyz", states, True, scrape)[0] == 503
+    assert fleet_route("GET", "/metrics", states, False, scrape) == (
+        200,
+        "text/plain",
+        b"ledger_relay_database_up 1\n",
+    )
+    assert fleet_route("POST", "/readyz", states, False, scrape)[0] == 405
+    assert fleet_route("GET", "/", states, False, scrape)[0] == 404
+
+
+async def test_an_unreachable_database_is_named_without_its_password() -> None:
+    secret = "CANARY-pw"
+    settings, databases = load_all(
+        {},
+        {
+            "RELAY_DATABASES": f"a=postgresql://u:{secret}@127.0.0.1:{closed_port()}/app",
+            "RELAY_INGRESS_URL": "http://127.0.0.1:9/runs/{run_id}/events",
+        },
+    )
+    assert databases is not None
+    reason = await probe(for_database(settings, databases[0]))
+    assert reason is not None and reason.startswith("unreachable: "), reason
+    assert secret not in reason
+
+
+async def test_relay_run_migrate_migrates_every_database_of_the_list(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """`relay run --migrate` (development) with the list form: each database migrated, then
+    served."""
+    made = [unique("fleet_m") for _ in range(2)]
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        for dbname in made:
+            conn.execute(sql.SQL("create database {}").format(sql.Identifier(dbname)))
+    urls = [urlunsplit(urlsplit(pg_url)._replace(path=f"/{d}")) for d in made]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    env.update(
+        RELAY_DATABASES=f"m0={urls[0]} m1={urls[1]}",
+        RELAY_INGRESS_URL="http://127.0.0.1:9/runs/{run_id}/events",
+        RELAY_SHUTDOWN_TIMEOUT="5s",
+    )
+
+    def migrated(url: str) -> bool:
+        with psycopg.connect(url, autocommit=True) as conn:
+            row = conn.execute("select to_regclass('relay.schema_migrations')").fetchone()
+            return row is not None and row[0] is not None
+
+    try:
+        with (tmp_path / "relay.log").open("wb") as log:
+            proc = await anyio.open_process(
+                [*RELAY, "run", "--migrate"], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+            try:
+                log_path = tmp_path / "relay.log"
+                await wait_for(lambda: started(log_path) == {"m0", "m1"}, what="both served")
+                assert all(migrated(u) for u in urls)
+                proc.send_signal(signal.SIGTERM)
+                with anyio.fail_after(60):
+                    assert await proc.wait() == 0
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            for dbname in made:
+                conn.execute(
+                    sql.SQL("drop database if exists {} with (force)").format(
+                        sql.Identifier(dbname)
+                    )
+                )
