@@ -1665,6 +1665,7 @@ begin
         perform rotate_outbox(v_next.part);
     end loop;
     perform forget_finished_runs(p_retention, p_limit);
+    perform prune_fairness_keys(p_limit);
     -- Forget dead replicas (liveness lock free) that hold no unexpired lease: nothing of theirs
     -- is left to reclaim. The exclusive try-lock keeps a replica from taking its lock (and
     -- recording itself again) between the check and the delete; a row a hold_liveness has
@@ -1850,6 +1851,43 @@ $$;
 -- epoch, which the ingress takes as a fencing token, while a finished run can never be claimed
 -- again. Their seq counter stays in run_seqs. Each under its run_seqs row lock, checked in a
 -- fresh statement, so a producer enqueueing into it can never find its runs row gone.
+-- Forgets the fairness keys nothing needs (schema version 10): a key's row goes once no active
+-- run has the key (idle and blocked runs come back through note_fairness_key) and its weight is
+-- the default, so a weight set by set_fairness_weight stays however long its key is quiet, and
+-- the default key's row stays. A key that comes back starts at its lane's clock, as a row kept
+-- would (its pass is below the clock then). Each key is taken under its advisory lock, tried
+-- and never waited for (a producer making one of its runs active holds it shared to commit),
+-- in a statement before the one that checks for runs: a run committed before the lock was
+-- taken is seen by the check, and one committed after it finds the row gone and writes it
+-- again. Also writes the row of a key with active runs that has none (a run made active by a
+-- previous release's enqueue during the upgrade). At most p_limit keys a call.
+create or replace function prune_fairness_keys(p_limit int) returns void
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_keys text[];
+begin
+    v_keys := array(
+        select f.key from fairness_keys f
+        where f.key <> '' and f.weight = 1
+          and not exists (select 1 from runs r
+                          where r.fairness_key = f.key and not r.idle and r.blocked_seq is null)
+        order by f.key
+        limit p_limit);
+    v_keys := array(select k from unnest(v_keys) k
+                    where pg_try_advisory_xact_lock(fairness_key_lock(k)));
+    delete from fairness_keys f
+    where f.key = any(v_keys) and f.weight = 1
+      and not exists (select 1 from runs r
+                      where r.fairness_key = f.key and not r.idle and r.blocked_seq is null);
+    insert into fairness_keys (key)
+    select k.key from lane_keys('ordinary', null) k
+    where not exists (select 1 from fairness_keys f where f.key = k.key)
+    on conflict do nothing;
+end
+$$;
+
 create or replace function forget_finished_runs(p_retention interval, p_limit int) returns void
 language plpgsql volatile
 set search_path from current

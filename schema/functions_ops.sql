@@ -26,6 +26,7 @@ set search_path from current
 as $$
 declare
     v_blocked bigint;
+    v_key text;
 begin
     update runs r
     set blocked_seq = null,
@@ -38,7 +39,10 @@ begin
             else clock_timestamp() end,
         updated_at = clock_timestamp()
     where r.run_id = p_run_id
-    returning r.blocked_seq into v_blocked;
+    returning r.blocked_seq, r.fairness_key into v_blocked, v_key;
+    if found and v_key <> '' then
+        perform note_fairness_key(v_key);  -- the run is active again (schema version 10)
+    end if;
     if v_blocked is null then
         perform pg_notify(terminal_channel(),
             json_build_object('kind', 'run_unblocked', 'run_id', p_run_id)::text);

@@ -706,6 +706,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "fair-prune-races-enqueue",
+        "issue 50: retention never prunes a key's row under a producer making its run active",
+        SQL,
+        "                    where pg_try_advisory_xact_lock(fairness_key_lock(k)));",
+        "                    where true);",
+        (f"{FAIR}::test_retention_keeps_the_row_of_a_key_whose_run_is_being_enqueued",),
+    ),
+    Mutant(
         "fair-run-changes-key",
         "issue 50: a run has one key; a later event naming another is refused",
         SQL,

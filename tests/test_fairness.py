@@ -325,6 +325,53 @@ def test_a_shared_claim_reads_about_as_many_keys_as_it_takes_runs(
     assert descents <= 60, descents
 
 
+def keys_kept(conn: psycopg.Connection[Any], schema: str) -> list[str]:
+    rows = conn.execute(
+        sql.SQL("select key from {} order by key").format(fn(schema, "fairness_keys"))
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def prune(conn: psycopg.Connection[Any], schema: str) -> None:
+    conn.execute(sql.SQL("select {}('1 hour', 1000)").format(fn(schema, "prune")))
+
+
+def test_retention_prunes_a_key_with_no_active_run_but_keeps_a_weight(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """Schema version 10: a key's row goes once no active run has it and its weight is the
+    default; a weight set by the owner stays, and so does the default key's row. A key that
+    comes back gets its row again, and its runs are claimed beside the others."""
+    for key in ("gone", "busy"):
+        backlog(conn, schema, key, 2)
+    weight(conn, schema, "kept", 5)  # no run at all
+    conn.execute(
+        sql.SQL("update {} set idle = true where fairness_key = 'gone'").format(fn(schema, "runs"))
+    )
+    prune(conn, schema)
+    assert keys_kept(conn, schema) == ["", "busy", "kept"]
+    backlog(conn, schema, "gone", 1, prefix="back")
+    assert keys_kept(conn, schema) == ["", "busy", "gone", "kept"]
+    assert {key_of(conn, schema, r) for r in claim(conn, schema, 3)} == {"busy", "gone"}
+
+
+def test_retention_keeps_the_row_of_a_key_whose_run_is_being_enqueued(
+    pg_url: str, conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """A producer's transaction that made a run of a key active holds the key's row against
+    pruning until it commits: the uncommitted run is invisible to retention's check, and a row
+    pruned then would leave the run out of every shared claim's walk."""
+    backlog(conn, schema, "tenant", 1)
+    conn.execute(sql.SQL("update {} set idle = true").format(fn(schema, "runs")))
+    with psycopg.connect(pg_url) as producer:
+        enq(producer, schema, "late", "late.1", "tenant")  # open: not committed yet
+        prune(conn, schema)
+        producer.commit()
+    assert "tenant" in keys_kept(conn, schema)
+    backlog(conn, schema, "other", 1)
+    assert set(claim(conn, schema, 2)) == {"late", "other-1"}
+
+
 # --- no hot row, no deadlock ------------------------------------------------------------------
 
 
