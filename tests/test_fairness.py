@@ -372,6 +372,23 @@ def test_retention_keeps_the_row_of_a_key_whose_run_is_being_enqueued(
     assert set(claim(conn, schema, 2)) == {"late", "other-1"}
 
 
+def test_the_backlog_by_key_is_the_top_keys_and_the_rest_summed(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """Issue 50 item 4: backlog_by_key(n) gives the n keys with the most active runs and one
+    row (key null) for the rest, however many keys there are; blocked and idle runs count in
+    none."""
+    for key, runs in (("a", 5), ("b", 4), (None, 3), ("c", 2), ("d", 1)):
+        backlog(conn, schema, key, runs)
+    conn.execute(
+        sql.SQL("update {} set idle = true where run_id = 'd-1'").format(fn(schema, "runs"))
+    )
+    rows = conn.execute(
+        sql.SQL("select key, runs from {}(2)").format(fn(schema, "backlog_by_key"))
+    ).fetchall()
+    assert rows == [("a", 5), (None, 5), ("b", 4)]
+
+
 # --- no hot row, no deadlock ------------------------------------------------------------------
 
 
