@@ -387,6 +387,15 @@ def test_the_backlog_by_key_is_the_top_keys_and_the_rest_summed(
         sql.SQL("select key, runs from {}(2)").format(fn(schema, "backlog_by_key"))
     ).fetchall()
     assert rows == [("a", 5), (None, 5), ("b", 4)]
+    # `relay status` shows the 10 keys with the most (all five here)
+    status = conn.execute(sql.SQL("select {}()").format(fn(schema, "status"))).fetchone()
+    assert status is not None
+    assert status[0]["keys"] == [
+        {"key": "a", "runs": 5},
+        {"key": "b", "runs": 4},
+        {"key": "", "runs": 3},
+        {"key": "c", "runs": 2},
+    ]
 
 
 # --- no hot row, no deadlock ------------------------------------------------------------------

@@ -174,6 +174,16 @@ def test_status_shows_every_figure() -> None:
     assert "critical" not in got, got
 
 
+def test_status_shows_the_backlog_by_fairness_key_once_a_key_is_named() -> None:
+    keys = [{"key": "tenant-a", "runs": 7}, {"key": "", "runs": 3}, {"key": None, "runs": 2}]
+    got = render_status(status_data(keys=keys), 200)
+    for words in ("Backlog by fairness key", "tenant-a    7", "(default)   3", "(other)     2"):
+        assert words in got, got
+    # without keys (every run the default key's, or functions older than version 10): no table
+    for data in (status_data(keys=[{"key": "", "runs": 3}]), status_data()):
+        assert "fairness key" not in render_status(data, 200)
+
+
 def test_status_of_functions_without_the_part_age_leaves_its_line_out() -> None:
     data = status_data()
     del data["outbox_part_age_seconds"]

@@ -155,6 +155,18 @@ def render_status(data: Mapping[str, Any], width: int) -> str:
     since = fmt_age(b["oldest_failure_age_seconds"]) + " since failure" if b["runs"] else "-"
     lanes.append(("blocked", b["runs"], f"{b['held_events']} held", since))
     parts = [table("Backlog", ("runs", "count", "pending events", "oldest pending"), lanes, width)]
+    keys = data.get("keys") or []  # absent before schema version 10's functions
+    if any(k["key"] != "" for k in keys):  # only once a producer names a key
+        rows = [
+            (
+                "(other)" if k["key"] is None else "(default)" if k["key"] == "" else k["key"],
+                k["runs"],
+            )
+            for k in keys
+        ]
+        parts.append(
+            table("Backlog by fairness key (the 10 with the most)", ("key", "runs"), rows, width)
+        )
 
     shown = data["blocked_runs"]
     if shown:
