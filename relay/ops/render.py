@@ -157,7 +157,7 @@ def render_status(data: Mapping[str, Any], width: int) -> str:
     parts = [table("Backlog", ("runs", "count", "pending events", "oldest pending"), lanes, width)]
     keys = data.get("keys") or []  # absent before schema version 10's functions
     if any(k["key"] != "" for k in keys):  # only once a producer names a key
-        rows = [
+        by_key = [
             (
                 "(other)" if k["key"] is None else "(default)" if k["key"] == "" else k["key"],
                 k["runs"],
@@ -165,7 +165,7 @@ def render_status(data: Mapping[str, Any], width: int) -> str:
             for k in keys
         ]
         parts.append(
-            table("Backlog by fairness key (the 10 with the most)", ("key", "runs"), rows, width)
+            table("Backlog by fairness key (the 10 with the most)", ("key", "runs"), by_key, width)
         )
 
     shown = data["blocked_runs"]
