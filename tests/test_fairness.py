@@ -350,9 +350,26 @@ def test_retention_prunes_a_key_with_no_active_run_but_keeps_a_weight(
     )
     prune(conn, schema)
     assert keys_kept(conn, schema) == ["", "busy", "kept"]
-    backlog(conn, schema, "gone", 1, prefix="back")
+    enq(conn, schema, "gone-1", "gone-1.2", None)  # an idle run of the key enqueued to again
     assert keys_kept(conn, schema) == ["", "busy", "gone", "kept"]
     assert {key_of(conn, schema, r) for r in claim(conn, schema, 3)} == {"busy", "gone"}
+
+
+def test_an_unblocked_run_brings_its_keys_row_back(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """A blocked run is not active: its key's row may be pruned, and the operator's retry that
+    unblocks it writes the row again, so the shared claim's walk sees the key."""
+    backlog(conn, schema, "tenant", 1)
+    conn.execute(
+        sql.SQL("select {}('tenant-1', 1, 422, 'bad payload')").format(fn(schema, "block_event"))
+    )
+    prune(conn, schema)
+    assert keys_kept(conn, schema) == [""]
+    conn.execute(sql.SQL("select * from {}('tenant-1', 'me')").format(fn(schema, "retry_run")))
+    assert keys_kept(conn, schema) == ["", "tenant"]
+    backlog(conn, schema, "other", 1)
+    assert set(claim(conn, schema, 2)) == {"tenant-1", "other-1"}
 
 
 def test_retention_keeps_the_row_of_a_key_whose_run_is_being_enqueued(
