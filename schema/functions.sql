@@ -1042,11 +1042,18 @@ begin
 end
 $$;
 
--- The advisory lock of a key's row in fairness_keys (note_fairness_key, prune_fairness_keys).
+-- The advisory lock of a key's row in fairness_keys (note_fairness_key, prune_fairness_keys):
+-- one of 256 per schema, by the key's hash, so a producer's transaction that makes runs of many
+-- keys active holds at most 256 locks (the server's lock table is shared and bounded:
+-- max_locks_per_transaction); keys that share a lock only make retention pass over more rows
+-- for a turn.
 create or replace function fairness_key_lock(p_key text) returns bigint
 language sql immutable parallel safe
 set search_path from current
-as $$ select hashtextextended('ledger-relay:fairness-key:' || current_schema() || ':' || p_key, 0) $$;
+as $$
+    select (hashtext('ledger-relay:fairness-key:' || current_schema())::bigint << 8)
+           | (hashtext(p_key) & 255)::bigint
+$$;
 
 -- A run of key p_key became active (a new run, an idle one enqueued to, an unblocked one): the
 -- key gets its row in fairness_keys if it has none, or the shared claim's walk would never see

@@ -355,6 +355,25 @@ def test_retention_prunes_a_key_with_no_active_run_but_keeps_a_weight(
     assert {key_of(conn, schema, r) for r in claim(conn, schema, 3)} == {"busy", "gone"}
 
 
+def test_a_transaction_of_many_new_keys_holds_a_bounded_number_of_locks(
+    pg_url: str, schema: str
+) -> None:
+    """note_fairness_key's advisory locks are one of 256 per schema: a producer's transaction
+    that starts runs of 600 new keys does not fill the server's shared lock table."""
+    with psycopg.connect(pg_url) as producer:
+        producer.execute(
+            sql.SQL(
+                "select {}('many-' || k, 'many-' || k || '.1', 't', '{{}}',"
+                " p_fairness_key => 'm' || k) from generate_series(1, 600) k"
+            ).format(fn(schema, "enqueue"))
+        )
+        row = producer.execute(
+            "select count(*) from pg_locks where locktype = 'advisory' and pid = pg_backend_pid()"
+        ).fetchone()
+        producer.rollback()
+    assert row is not None and 0 < row[0] <= 256, row
+
+
 def test_an_unblocked_run_brings_its_keys_row_back(
     conn: psycopg.Connection[Any], schema: str
 ) -> None:
