@@ -356,7 +356,14 @@ begin
     on conflict (run_id) do nothing;
     if found then
         if v_key <> '' then
-            perform note_fairness_key(v_key);
+            -- note_fairness_key, inline: a call of a function that pins its search_path costs
+            -- about as much as the rest of this (the lock is fairness_key_lock's)
+            perform pg_advisory_xact_lock_shared(
+                (hashtext('ledger-relay:fairness-key:' || current_schema())::bigint << 8)
+                | (hashtext(v_key) & 255)::bigint);
+            if not exists (select 1 from fairness_keys f where f.key = v_key) then
+                insert into fairness_keys (key) values (v_key) on conflict do nothing;
+            end if;
         end if;
     else
         update runs set idle = false, next_attempt_at = clock_timestamp(), updated_at = clock_timestamp()
