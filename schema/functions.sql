@@ -367,12 +367,28 @@ begin
 
     -- Make the run discoverable without touching a row the relay may be working on: a new run
     -- is inserted; an idle one is flipped (the WHERE matches nothing while it is active).
+    -- A run that becomes active makes its key known to the shared claim (note_fairness_key).
     insert into runs (run_id, next_attempt_at, fairness_key)
     values (p_run_id, clock_timestamp(), v_key)
     on conflict (run_id) do nothing;
-    if not found then
+    if found then
+        if v_key <> '' then
+            -- note_fairness_key, inline: a call of a function that pins its search_path costs
+            -- about as much as the rest of this (the lock is fairness_key_lock's)
+            perform pg_advisory_xact_lock_shared(
+                (hashtext('ledger-relay:fairness-key:' || current_schema())::bigint << 8)
+                | (hashtext(v_key) & 255)::bigint);
+            if not exists (select 1 from fairness_keys f where f.key = v_key) then
+                insert into fairness_keys (key) values (v_key) on conflict do nothing;
+            end if;
+        end if;
+    else
         update runs set idle = false, next_attempt_at = clock_timestamp(), updated_at = clock_timestamp()
-        where run_id = p_run_id and idle;
+        where run_id = p_run_id and idle
+        returning fairness_key into v_key;
+        if found and v_key <> '' then
+            perform note_fairness_key(v_key);
+        end if;
     end if;
 
     if p_terminal then
@@ -863,11 +879,16 @@ $$;
 -- p_runs runs with the least such tickets. A key's pass is at least the lane's clock
 -- (fairness_clock): a key back from idle starts level with the least pass of the keys that had
 -- work at the lane's last shared claim, with no credit for the time it had nothing to send.
--- The tickets are numbers until the p_runs least are chosen (bounded first by the least of the
--- p_runs-th smallest pass and every key's own p_runs-th ticket: none above it can be among
--- them); only then are the chosen keys' runs read, as many of each as it has tickets. A key that
--- gives fewer (it has no more due, or another claimer holds them) is left out of the next round,
--- which shares what is left among the others.
+-- The keys are walked in the lane's pass order (fairness_keys_by_pass_*, schema version 10),
+-- passing over those without due work, and taken in only while the keys taken in hold fewer
+-- tickets at or below the pass of the next due key than the claim still wants: no key after it
+-- can hold one of the least tickets, so a claim reads about as many keys as it takes runs, not
+-- every key (on a tie the key walked first goes first). The tickets are numbers until the least
+-- are chosen (bounded first by the least of the p_runs-th smallest pass and every key's own
+-- p_runs-th ticket: none above it can be among them); only then are the chosen keys' runs read,
+-- as many of each as it has tickets. A key that gives fewer (it has no more due, or another
+-- claimer holds them) is left out of the next round, which shares what is left among the others,
+-- walking on when those hold too few tickets.
 -- Claims of one lane that share are serialised by the lane's clock row (read, then written
 -- with the passes); the passes are written in key order, so two lanes never deadlock.
 create or replace function pick_shared(p_lane text, p_runs int, p_dead text[], p_exclude text[])
@@ -878,9 +899,19 @@ set search_path from current
 as $$
 declare
     v_clock bigint;
-    v_keys text[];            -- every key with due work, and its pass and stride
-    v_passes bigint[];
-    v_strides bigint[];
+    v_walk refcursor;         -- fairness_keys in the lane's pass order
+    v_walked bool := false;   -- the walk reached its end
+    v_key text;
+    v_pass bigint;
+    v_weight int;
+    v_next_key text;          -- the next key with due work, not taken in yet: every key after
+    v_next_pass bigint;       -- it in the walk has at least its pass
+    v_next_stride bigint;
+    v_below bigint;
+    v_live int := 0;          -- keys taken in and not short
+    v_keys text[] := '{}';    -- the keys taken in (each with due work), their pass and stride
+    v_passes bigint[] := '{}';
+    v_strides bigint[] := '{}';
     v_short text[] := '{}';   -- keys that ran out of runs in this claim
     v_left int := p_runs;
     v_runs text[] := '{}';
@@ -894,26 +925,67 @@ declare
     v_round_short text[];
 begin
     select c.vtime into v_clock from fairness_clock c where c.lane = p_lane for update;
-    select array_agg(k.key order by k.key),
-           array_agg(greatest(coalesce(case when p_lane = 'critical' then f.pass_critical
-                                            else f.pass_ordinary end, 0), v_clock)
-                     order by k.key),
-           array_agg(1000000 / coalesce(f.weight, 1) order by k.key)
-    into v_keys, v_passes, v_strides
-    from lane_keys(p_lane, null) k
-    left join fairness_keys f on f.key = k.key
-    where case when p_lane = 'critical'
-               then exists (select 1 from pending_terminals t join runs r on r.run_id = t.run_id
-                            where t.fairness_key = k.key and not r.idle and r.blocked_seq is null
-                              and (r.next_attempt_at <= clock_timestamp()
-                                   or r.lease_owner = any(p_dead)))
-               else k.due_at <= clock_timestamp() end;
-    if v_keys is null then
-        return;
+    -- Only the keys with due work: one descent of runs_due_by_key for each key walked past
+    -- (a key whose runs are all leased or backing off has none due in either lane), and for the
+    -- critical lane then its pending terminals, the oldest first, to one whose run is due.
+    if p_lane = 'critical' then
+        open v_walk for
+            select f.key, f.pass_critical, f.weight from fairness_keys f
+            where (cardinality(p_dead) > 0
+                   or exists (select 1 from runs r
+                              where r.fairness_key = f.key and not r.idle
+                                and r.blocked_seq is null
+                                and r.next_attempt_at <= clock_timestamp()))
+              and exists (select 1 from pending_terminals t join runs r on r.run_id = t.run_id
+                          where t.fairness_key = f.key and not r.idle and r.blocked_seq is null
+                            and (r.next_attempt_at <= clock_timestamp()
+                                 or r.lease_owner = any(p_dead)))
+            order by f.pass_critical, f.key;
+    else
+        open v_walk for
+            select f.key, f.pass_ordinary, f.weight from fairness_keys f
+            where exists (select 1 from runs r
+                          where r.fairness_key = f.key and not r.idle and r.blocked_seq is null
+                            and r.next_attempt_at <= clock_timestamp())
+            order by f.pass_ordinary, f.key;
     end if;
 
     for v_round in 1 .. 8 loop
-        exit when v_left <= 0 or v_keys <@ v_short;
+        exit when v_left <= 0;
+        -- Take in keys until those not short hold v_left tickets at or below the next one's pass.
+        loop
+            while v_next_key is null and not v_walked loop
+                fetch v_walk into v_key, v_pass, v_weight;
+                if not found then
+                    v_walked := true;
+                else
+                    v_next_key := v_key;
+                    v_next_pass := greatest(v_pass, v_clock);
+                    v_next_stride := 1000000 / v_weight;
+                end if;
+            end loop;
+            exit when v_next_key is null;
+            -- Each key taken in holds a ticket at or below the next one's pass until it is
+            -- served (round 1 serves none yet): only a later round needs the tickets counted.
+            if v_live >= v_left then
+                exit when v_round = 1;
+                select coalesce(sum((v_next_pass - k.pass) / k.stride + 1), 0) into v_below
+                from (select u.pass + u.stride * (select count(*) from unnest(v_served) s
+                                                  where s = u.key) as pass,
+                             u.stride
+                      from unnest(v_keys, v_passes, v_strides) as u(key, pass, stride)
+                      where not (u.key = any(v_short))) k
+                where k.pass <= v_next_pass;
+                exit when v_below >= v_left;
+            end if;
+            v_keys := v_keys || v_next_key;
+            v_passes := v_passes || v_next_pass;
+            v_strides := v_strides || v_next_stride;
+            v_live := v_live + 1;
+            v_next_key := null;
+            v_next_pass := null;
+        end loop;
+        exit when v_keys <@ v_short;
         with k as (
             select u.key, u.pass + u.stride * (select count(*) from unnest(v_served) s
                                                where s = u.key) as pass,
@@ -957,13 +1029,19 @@ begin
         v_expires := v_expires || v_round_expires;
         v_served := v_served || v_round_keys;
         v_short := v_short || v_round_short;
+        v_live := v_live - cardinality(v_round_short);
         v_left := v_left - cardinality(v_round_runs);
     end loop;
+    close v_walk;
+    if cardinality(v_keys) = 0 then
+        return;
+    end if;
 
-    -- The passes after this claim: every key with due work, its runs taken counted.
+    -- The passes after this claim: every key taken in, its runs taken counted.
     select array_agg(u.pass + u.stride * (select count(*) from unnest(v_served) s where s = u.key)
-                     order by u.key)
-    into v_passes
+                     order by u.key),
+           array_agg(u.key order by u.key)
+    into v_passes, v_keys
     from unnest(v_keys, v_passes, v_strides) as u(key, pass, stride);
     if p_lane = 'critical' then
         insert into fairness_keys as f (key, pass_critical)
@@ -978,11 +1056,45 @@ begin
         order by u.key
         on conflict (key) do update set pass_ordinary = excluded.pass_ordinary;
     end if;
+    -- The least pass of the keys with due work: those taken in, and the next one's (every key
+    -- not taken in has at least its pass).
     update fairness_clock c
-    set vtime = greatest(c.vtime, (select min(p) from unnest(v_passes) p))
+    set vtime = greatest(c.vtime, least((select min(p) from unnest(v_passes) p), v_next_pass))
     where c.lane = p_lane;
 
     return query select * from unnest(v_runs, v_owners, v_expires);
+end
+$$;
+
+-- The advisory lock of a key's row in fairness_keys (note_fairness_key, prune_fairness_keys):
+-- one of 256 per schema, by the key's hash, so a producer's transaction that makes runs of many
+-- keys active holds at most 256 locks (the server's lock table is shared and bounded:
+-- max_locks_per_transaction); keys that share a lock only make retention pass over more rows
+-- for a turn.
+create or replace function fairness_key_lock(p_key text) returns bigint
+language sql immutable parallel safe
+set search_path from current
+as $$
+    select (hashtext('ledger-relay:fairness-key:' || current_schema())::bigint << 8)
+           | (hashtext(p_key) & 255)::bigint
+$$;
+
+-- A run of key p_key became active (a new run, an idle one enqueued to, an unblocked one): the
+-- key gets its row in fairness_keys if it has none, or the shared claim's walk would never see
+-- it (schema version 10). A plain read first: a busy key's producers find the row and write
+-- nothing (no hot row), and never wait for a claim writing its pass. The shared advisory lock,
+-- held to commit, keeps prune_fairness_keys from removing the row between that read and this
+-- run's commit; producers' shared holds never wait for each other. The default key's row is
+-- the migration's and is never pruned.
+create or replace function note_fairness_key(p_key text) returns void
+language plpgsql volatile
+set search_path from current
+as $$
+begin
+    perform pg_advisory_xact_lock_shared(fairness_key_lock(p_key));
+    if not exists (select 1 from fairness_keys f where f.key = p_key) then
+        insert into fairness_keys (key) values (p_key) on conflict do nothing;
+    end if;
 end
 $$;
 
@@ -1584,6 +1696,7 @@ begin
         perform rotate_outbox(v_next.part);
     end loop;
     perform forget_finished_runs(p_retention, p_limit);
+    perform prune_fairness_keys(p_limit);
     -- Forget dead replicas (liveness lock free) that hold no unexpired lease: nothing of theirs
     -- is left to reclaim. The exclusive try-lock keeps a replica from taking its lock (and
     -- recording itself again) between the check and the delete; a row a hold_liveness has
@@ -1769,6 +1882,43 @@ $$;
 -- epoch, which the ingress takes as a fencing token, while a finished run can never be claimed
 -- again. Their seq counter stays in run_seqs. Each under its run_seqs row lock, checked in a
 -- fresh statement, so a producer enqueueing into it can never find its runs row gone.
+-- Forgets the fairness keys nothing needs (schema version 10): a key's row goes once no active
+-- run has the key (idle and blocked runs come back through note_fairness_key) and its weight is
+-- the default, so a weight set by set_fairness_weight stays however long its key is quiet, and
+-- the default key's row stays. A key that comes back starts at its lane's clock, as a row kept
+-- would (its pass is below the clock then). Each key is taken under its advisory lock, tried
+-- and never waited for (a producer making one of its runs active holds it shared to commit),
+-- in a statement before the one that checks for runs: a run committed before the lock was
+-- taken is seen by the check, and one committed after it finds the row gone and writes it
+-- again. Also writes the row of a key with active runs that has none (a run made active by a
+-- previous release's enqueue during the upgrade). At most p_limit keys a call.
+create or replace function prune_fairness_keys(p_limit int) returns void
+language plpgsql volatile
+set search_path from current
+as $$
+declare
+    v_keys text[];
+begin
+    v_keys := array(
+        select f.key from fairness_keys f
+        where f.key <> '' and f.weight = 1
+          and not exists (select 1 from runs r
+                          where r.fairness_key = f.key and not r.idle and r.blocked_seq is null)
+        order by f.key
+        limit p_limit);
+    v_keys := array(select k from unnest(v_keys) k
+                    where pg_try_advisory_xact_lock(fairness_key_lock(k)));
+    delete from fairness_keys f
+    where f.key = any(v_keys) and f.weight = 1
+      and not exists (select 1 from runs r
+                      where r.fairness_key = f.key and not r.idle and r.blocked_seq is null);
+    insert into fairness_keys (key)
+    select k.key from lane_keys('ordinary', null) k
+    where not exists (select 1 from fairness_keys f where f.key = k.key)
+    on conflict do nothing;
+end
+$$;
+
 create or replace function forget_finished_runs(p_retention interval, p_limit int) returns void
 language plpgsql volatile
 set search_path from current

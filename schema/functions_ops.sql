@@ -26,6 +26,7 @@ set search_path from current
 as $$
 declare
     v_blocked bigint;
+    v_key text;
 begin
     update runs r
     set blocked_seq = null,
@@ -38,7 +39,10 @@ begin
             else clock_timestamp() end,
         updated_at = clock_timestamp()
     where r.run_id = p_run_id
-    returning r.blocked_seq into v_blocked;
+    returning r.blocked_seq, r.fairness_key into v_blocked, v_key;
+    if found and v_key <> '' then
+        perform note_fairness_key(v_key);  -- the run is active again (schema version 10)
+    end if;
     if v_blocked is null then
         perform pg_notify(terminal_channel(),
             json_build_object('kind', 'run_unblocked', 'run_id', p_run_id)::text);
@@ -625,6 +629,9 @@ $$;
 --   lanes            per lane (critical, ordinary): runs and pending events, and the age of the
 --                    oldest pending event — from backlog() (functions_ops_metrics.sql), so these
 --                    figures are the ones /metrics exports. Runs that are blocked count in no lane.
+--   keys             runs with pending events that are not blocked by fairness key, the 10 keys
+--                    with the most and the rest as one row whose key is null (backlog_by_key,
+--                    issue 50 item 4); the default key is ''
 --   blocked          blocked runs, their failed events, the oldest failure's age (backlog()), and
 --                    the events held behind them (pending, waiting for an operator)
 --   blocked_runs     up to p_blocked_limit of them, oldest failure first: the failed event, its
@@ -676,6 +683,9 @@ begin
         'runs_delivered_last_minute', runs_delivered_since(v_now - interval '1 minute'),
         'outbox_part_age_seconds', outbox_part_age(),
         'lanes', v_lanes,
+        'keys', (select coalesce(jsonb_agg(jsonb_build_object('key', k.key, 'runs', k.runs)),
+                                 '[]')
+                 from backlog_by_key(10) k),
         'blocked', v_blocked,
         'blocked_runs', blocked_runs_json(0, coalesce(p_blocked_limit, 100), v_now));
 end

@@ -55,6 +55,31 @@ as $$
     order by x.lane
 $$;
 
+-- The backlog by fairness key (issue 50 item 4, schema version 9): the runs with pending events
+-- that are not blocked, per key, for the p_top keys with the most, the rest summed as one row
+-- whose key is null (the metric's `(other)`); the default key is ''. Bounded for a label set:
+-- at most p_top + 1 rows however many keys there are. Cost: one pass over the active runs
+-- (runs_due_by_key), cheaper than backlog()'s probes, and spaced with it.
+create or replace function backlog_by_key(p_top int)
+returns table (key text, runs bigint)
+language sql volatile
+set search_path from current
+security definer
+as $$
+    with per_key as (
+        select r.fairness_key as key, count(*) as runs
+        from runs r
+        where not r.idle and r.blocked_seq is null
+        group by r.fairness_key
+    ), ranked as (
+        select p.key, p.runs, row_number() over (order by p.runs desc, p.key) as n from per_key p
+    )
+    select case when x.n <= p_top then x.key end as key, sum(x.runs)::bigint as runs
+    from ranked x
+    group by 1
+    order by 2 desc, 1
+$$;
+
 -- How long the outbox's current part has been taking new events, in seconds on the database
 -- clock (schema version 8, docs/storage.md). Retention makes the next part current every
 -- retention / 2; an age past the retention says rotations are held back: producer transactions

@@ -114,6 +114,24 @@ def test_every_metric_has_the_prefix_and_a_help_text() -> None:
     assert ("ledger_relay_listen_reconnects_total", ()) in samples
 
 
+def test_the_backlog_by_key_has_a_bounded_label_set() -> None:
+    """Issue 50 item 4: one series per key of backlog_by_key's rows (the top keys, the rest as
+    `(other)`, the default key as `(default)`); a key that left the top loses its series."""
+    m = Metrics()
+    m.set_backlog_keys([("tenant-a", 7), ("", 3), (None, 2)])
+    samples = parse(m.exposition()[0].decode())
+    series = {k: v for k, v in samples.items() if k[0] == "ledger_relay_backlog_key_runs"}
+    assert series == {
+        ("ledger_relay_backlog_key_runs", (("key", "tenant-a"),)): 7,
+        ("ledger_relay_backlog_key_runs", (("key", "(default)"),)): 3,
+        ("ledger_relay_backlog_key_runs", (("key", "(other)"),)): 2,
+    }
+    m.set_backlog_keys([("tenant-b", 1)])
+    samples = parse(m.exposition()[0].decode())
+    series = {k: v for k, v in samples.items() if k[0] == "ledger_relay_backlog_key_runs"}
+    assert series == {("ledger_relay_backlog_key_runs", (("key", "tenant-b"),)): 1}
+
+
 def test_every_metric_of_the_table_is_exported_with_its_type_help_and_labels() -> None:
     """The metric definitions are data (relay/serving/metrics.py): each one is in a scrape as
     written there, and no family of ours is in the scrape that the table does not hold."""
@@ -139,6 +157,7 @@ def test_every_metric_of_the_table_is_exported_with_its_type_help_and_labels() -
     m.requests.labels("ordinary", "2xx").inc()
     for gauge in (m.backlog_events, m.backlog_runs, m.oldest_pending):
         gauge.labels("ordinary").set(1)
+    m.backlog_key_runs.labels("tenant").set(1)
     families = {
         f.name: f
         for f in text_string_to_metric_families(m.exposition()[0].decode())
@@ -357,6 +376,7 @@ async def test_scrape_of_a_running_relay(
         "status_class",
         "class",
         "le",
+        "key",  # fairness keys, the top ones only (issue 50 item 4)
     }
 
 

@@ -159,8 +159,8 @@ def status_data(**overrides: Any) -> dict[str, Any]:
 
 def test_status_shows_every_figure() -> None:
     got = render_status(status_data(), 200)
-    for words in ("Backlog", "critical   1      2                5m 01s",
-                  "ordinary   0      0                -", "blocked    3      5 held",
+    for words in ("Backlog", "finished   1       2                5m 01s",
+                  "open       0       0                -", "blocked    3       5 held",
                   "1m 15s since failure", "Blocked runs (3)", "r1-2", "422", "1m 15s ago",
                   "… and 2 more (--limit)", "Live leases: none",
                   "Runs with deliveries in the last minute: 17",
@@ -170,6 +170,18 @@ def test_status_shows_every_figure() -> None:
                   "Database time: 2026-01-02 03:04:05.678Z"):  # fmt: skip
         assert words in got, got
     assert LONG_ERROR[:100] in got and LONG_ERROR not in got  # shortened to 120
+    # finished runs are not the critical lane's control traffic (issue 50): not labelled so
+    assert "critical" not in got, got
+
+
+def test_status_shows_the_backlog_by_fairness_key_once_a_key_is_named() -> None:
+    keys = [{"key": "tenant-a", "runs": 7}, {"key": "", "runs": 3}, {"key": None, "runs": 2}]
+    got = render_status(status_data(keys=keys), 200)
+    for words in ("Backlog by fairness key", "tenant-a    7", "(default)   3", "(other)     2"):
+        assert words in got, got
+    # without keys (every run the default key's, or functions older than version 10): no table
+    for data in (status_data(keys=[{"key": "", "runs": 3}]), status_data()):
+        assert "fairness key" not in render_status(data, 200)
 
 
 def test_status_of_functions_without_the_part_age_leaves_its_line_out() -> None:

@@ -222,6 +222,11 @@ EXPECTED_INDEXES = {
     " USING btree (key)",
     "fairness_clock_pkey": "CREATE UNIQUE INDEX fairness_clock_pkey ON S.fairness_clock"
     " USING btree (lane)",
+    # 0010_fairness_walk: the shared claim walks the keys in each lane's pass order
+    "fairness_keys_by_pass_critical": "CREATE INDEX fairness_keys_by_pass_critical"
+    " ON S.fairness_keys USING btree (pass_critical, key)",
+    "fairness_keys_by_pass_ordinary": "CREATE INDEX fairness_keys_by_pass_ordinary"
+    " ON S.fairness_keys USING btree (pass_ordinary, key)",
 }
 
 # name -> identity arguments: the SQL API producers and the relay are written against. Other

@@ -40,6 +40,7 @@ RELAY_FUNCTIONS = (
     "ack",
     "prune",
     "backlog",
+    "backlog_by_key",  # the backlog per fairness key (issue 50 item 4)
     "outbox_part_age",
     "hold_liveness",
     "replica_stopped",  # on the same connection, at a clean stop (issue 41)

@@ -138,15 +138,35 @@ def table(
 # -- the operator's views ----------------------------------------------------------------------
 
 
+# The backlog's rows by the runs they count (`backlog()`'s lanes): a run whose terminal event is
+# pending is a finished one, found by discovery; the critical lane's control traffic is only the
+# terminals it is signalled (docs/design.md, "Scheduling: which run goes next"), so the row is
+# not called "critical" here. The JSON keeps `backlog()`'s names.
+BACKLOG_ROWS = {"critical": "finished", "ordinary": "open"}
+
+
 def render_status(data: Mapping[str, Any], width: int) -> str:
     lanes = []
     for lane in data["lanes"]:
         age = fmt_age(lane["oldest_pending_age_seconds"]) if lane["events"] else "-"
-        lanes.append((lane["lane"], lane["runs"], lane["events"], age))
+        name = BACKLOG_ROWS.get(lane["lane"], lane["lane"])
+        lanes.append((name, lane["runs"], lane["events"], age))
     b = data["blocked"]
     since = fmt_age(b["oldest_failure_age_seconds"]) + " since failure" if b["runs"] else "-"
     lanes.append(("blocked", b["runs"], f"{b['held_events']} held", since))
-    parts = [table("Backlog", ("lane", "runs", "pending events", "oldest pending"), lanes, width)]
+    parts = [table("Backlog", ("runs", "count", "pending events", "oldest pending"), lanes, width)]
+    keys = data.get("keys") or []  # absent before schema version 10's functions
+    if any(k["key"] != "" for k in keys):  # only once a producer names a key
+        by_key = [
+            (
+                "(other)" if k["key"] is None else "(default)" if k["key"] == "" else k["key"],
+                k["runs"],
+            )
+            for k in keys
+        ]
+        parts.append(
+            table("Backlog by fairness key (the 10 with the most)", ("key", "runs"), by_key, width)
+        )
 
     shown = data["blocked_runs"]
     if shown:

@@ -155,6 +155,16 @@ BACKLOG_RUNS = Instrument(
     "Runs with pending events that are not blocked, by lane (whole database).",
     ("lane",),
 )
+BACKLOG_KEY_RUNS = Instrument(
+    Gauge,
+    "backlog_key_runs",
+    "Runs with pending events that are not blocked, by fairness key: the keys with the most"
+    ' only (BACKLOG_KEYS), the rest as key="(other)", the default key as "(default)".',
+    ("key",),
+)
+# How many fairness keys have a series of their own in backlog_key_runs: a bounded label set
+# however many keys there are (docs/operations.md, "Fairness keys").
+BACKLOG_KEYS = 10
 OLDEST_PENDING = Instrument(
     Gauge,
     "oldest_pending_age_seconds",
@@ -442,6 +452,8 @@ class Metrics:
         self.request_seconds = REQUEST_SECONDS.make(r)
         self.backlog_events = BACKLOG_EVENTS.make(r)
         self.backlog_runs = BACKLOG_RUNS.make(r)
+        self.backlog_key_runs = BACKLOG_KEY_RUNS.make(r)
+        self.backlog_keys = BACKLOG_KEYS  # keys with a series of their own
         self.oldest_pending = OLDEST_PENDING.make(r)
         self.blocked_runs = BLOCKED_RUNS.make(r)
         self.failed_events = FAILED_EVENTS.make(r)
@@ -509,6 +521,14 @@ class Metrics:
                 self.backlog_runs.labels(lane).set(runs)
                 self.backlog_events.labels(lane).set(events)
                 self.oldest_pending.labels(lane).set(oldest)
+
+    def set_backlog_keys(self, rows: Iterable[tuple[str | None, int]]) -> None:
+        """Rows of `backlog_by_key()`: (key, runs), None for the rest. Keys that left the top
+        lose their series."""
+        self.backlog_key_runs.clear()
+        for key, runs in rows:
+            label = "(other)" if key is None else "(default)" if key == "" else key
+            self.backlog_key_runs.labels(label).set(runs)
 
     def exposition(self, accept: str = "") -> tuple[bytes, str]:
         """The scrape body and its content type (OpenMetrics when the scraper asks for it)."""

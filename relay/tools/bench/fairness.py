@@ -14,6 +14,13 @@ POSTs at a time for `--fairness-service-ms` each, the rest queued first come fir
   `--fairness-weighted-runs` runs committed together; the share of each key among the first
   `--fairness-first-posts` POSTs to reach the ingress (target: each within 5 points of its
   weight's share).
+- `keys`: the claim's own cost over many keys, at the SQL level (no relay, no ingress):
+  `--fairness-keys` keys with `--fairness-key-runs` runs of `--fairness-per-key-run` events each
+  (every other run ending in its terminal) written straight into the tables, then
+  `--fairness-claims` claims of 64 runs per lane, each in a transaction rolled back (so each
+  sees the same data), timed at the client; once with every key's runs due, once with those of
+  all keys but one in ten leased elsewhere (keys with no due work). Target: p99 ≤ 20 ms
+  (issue 50, at 1M events over 1,000 keys).
 """
 
 from __future__ import annotations
@@ -53,6 +60,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fairness-quiet-every", type=positive(float), default=0.5, help="(0.5 s)")
     g.add_argument("--fairness-weighted-runs", type=positive(int), default=400, help="per key")
     g.add_argument("--fairness-first-posts", type=positive(int), default=600, help="(600)")
+    g.add_argument("--fairness-keys", type=positive(int), default=1_000, help="(1,000)")
+    g.add_argument("--fairness-key-runs", type=positive(int), default=20, help="per key (20)")
+    g.add_argument("--fairness-per-key-run", type=positive(int), default=5, help="events (5)")
+    g.add_argument("--fairness-claims", type=positive(int), default=100, help="per lane (100)")
 
 
 SMOKE = {
@@ -62,6 +73,9 @@ SMOKE = {
     "fairness_quiet_every": 0.1,
     "fairness_weighted_runs": 40,
     "fairness_first_posts": 60,
+    "fairness_keys": 50,
+    "fairness_key_runs": 4,
+    "fairness_claims": 10,
 }
 
 
@@ -139,9 +153,92 @@ async def _weights(env: Env, a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+async def _claims(
+    conn: psycopg.AsyncConnection[Any], env: Env, lane: str, n: int
+) -> tuple[float, float]:
+    """p50 and p99 (ms) of `n` claims of 64 runs in `lane`, each rolled back."""
+    took = []
+    for _ in range(n):
+        async with conn.transaction(force_rollback=True):
+            t0 = time.perf_counter()
+            await conn.execute(
+                env.q("select count(*) from {s}.claim('bench-keys', 64, 10, '1 hour', %s)"),
+                (lane,),
+            )
+            took.append((time.perf_counter() - t0) * 1000)
+    return percentile(took, 50) or 0.0, percentile(took, 99) or 0.0
+
+
+async def _keys(env: Env, a: argparse.Namespace) -> dict[str, Any]:
+    await reset(env)
+    keys, runs, per = a.fairness_keys, a.fairness_key_runs, a.fairness_per_key_run
+    out: dict[str, Any] = {"fairness_keys_events": keys * runs * per}
+    async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
+        async with conn.transaction():
+            # run fk<k>-<r> of key k<k>: the rows enqueue writes (as kit.backlog)
+            runs_of = "from generate_series(1, %(k)s) k, generate_series(1, %(r)s) r"
+            args = {"k": keys, "r": runs, "e": per}
+            await conn.execute(
+                env.q(
+                    "insert into {s}.run_seqs (run_id, last_seq)"
+                    " select 'fk' || k || '-' || r, %(e)s " + runs_of
+                ),
+                args,
+            )
+            await conn.execute(
+                env.q(
+                    "insert into {s}.runs (run_id, next_attempt_at, fairness_key)"
+                    " select 'fk' || k || '-' || r, clock_timestamp(), 'k' || k " + runs_of
+                ),
+                args,
+            )
+            await conn.execute(
+                env.q(
+                    "insert into {s}.outbox (run_id, seq, event_id, event_type, payload, terminal)"
+                    " select 'fk' || k || '-' || r, i, 'fk' || k || '-' || r || '-' || i, 'step',"
+                    " '{{}}', i = %(e)s and r %% 2 = 0 " + runs_of + ", generate_series(1, %(e)s) i"
+                ),
+                args,
+            )
+            await conn.execute(
+                env.q(
+                    "insert into {s}.pending_terminals (run_id, seq, created_at, fairness_key)"
+                    " select o.run_id, o.seq, o.created_at, r.fairness_key"
+                    " from {s}.outbox o join {s}.runs r using (run_id) where o.terminal"
+                )
+            )
+            await conn.execute(
+                env.q(
+                    "insert into {s}.fairness_keys (key) select 'k' || k"
+                    " from generate_series(1, %(k)s) k on conflict do nothing"
+                ),
+                args,
+            )
+        await conn.execute(env.q("analyze {s}.outbox, {s}.runs, {s}.pending_terminals"))
+        for lane in ("ordinary", "critical"):
+            p50, p99 = await _claims(conn, env, lane, a.fairness_claims)
+            out[f"fairness_keys_{lane}_p50_ms"] = round(p50, 1)
+            out[f"fairness_keys_{lane}_p99_ms"] = round(p99, 1)
+        await conn.execute(
+            env.q(
+                "update {s}.runs set lease_owner = 'elsewhere',"
+                " lease_expires_at = now() + interval '1 hour',"
+                " next_attempt_at = now() + interval '1 hour'"
+                " where mod(substr(fairness_key, 2)::int, 10) <> 0"
+            )
+        )
+        await conn.execute(env.q("analyze {s}.runs"))
+        for lane in ("ordinary", "critical"):
+            p50, p99 = await _claims(conn, env, lane, a.fairness_claims)
+            out[f"fairness_keys_idle_{lane}_p50_ms"] = round(p50, 1)
+            out[f"fairness_keys_idle_{lane}_p99_ms"] = round(p99, 1)
+    return out
+
+
 async def fairness(env: Env, a: argparse.Namespace) -> Result:
     quiet = await _quiet(env, a)
     weights = await _weights(env, a)
+    many = await _keys(env, a)
     service = a.fairness_service_ms
     rows = [
         {
@@ -157,6 +254,17 @@ async def fairness(env: Env, a: argparse.Namespace) -> Result:
             f"{weights['fairness_share_worst_points']} points off)",
         },
     ]
+    for state, label in (("", "every key due"), ("idle_", "9 keys in 10 with no due work")):
+        rows.append(
+            {
+                "case": f"claim of 64 over {a.fairness_keys:,} keys, {label}",
+                "figure": ", ".join(
+                    f"{lane} p50 {many[f'fairness_keys_{state}{lane}_p50_ms']} / "
+                    f"p99 {many[f'fairness_keys_{state}{lane}_p99_ms']} ms"
+                    for lane in ("ordinary", "critical")
+                ),
+            }
+        )
     return Result(
         ["case", "figure"],
         rows,
@@ -169,8 +277,11 @@ async def fairness(env: Env, a: argparse.Namespace) -> Result:
             "the end of its POST's service",
             f"weights: {a.fairness_weighted_runs:,} runs per key, committed before the relays "
             "start; shares of the first POSTs by their arrival at the ingress",
+            f"keys: {many['fairness_keys_events']:,} events in {a.fairness_key_runs} runs of "
+            f"{a.fairness_per_key_run} per key; {a.fairness_claims} claims per lane, each rolled "
+            "back, timed at the client (target p99 ≤ 20 ms)",
         ],
-        metrics=quiet | weights,
+        metrics=quiet | weights | many,
     )
 
 
@@ -181,6 +292,13 @@ KEYS = (
     "fairness_quiet_goodput",
     *(f"fairness_share_{k}" for k in WEIGHTS),
     "fairness_share_worst_points",
+    "fairness_keys_events",
+    *(
+        f"fairness_keys_{state}{lane}_{q}_ms"
+        for state in ("", "idle_")
+        for lane in ("ordinary", "critical")
+        for q in ("p50", "p99")
+    ),
 )
 
 SCENARIOS = [

@@ -188,7 +188,7 @@ async def backlog(
     monotonic time of its commit. With `terminals`, each run's last event is its terminal
     (with its `pending_terminals` row, as enqueue writes it): the finished runs an outage
     leaves behind (issue 50). `key`: the runs' fairness key (schema version 9; '' is the
-    default key, enqueue's without one)."""
+    default key, enqueue's without one), and its row in `fairness_keys` (version 10)."""
     async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
         async with conn.transaction():
             await conn.execute(
@@ -223,6 +223,11 @@ async def backlog(
                         " where run_id like %s and terminal"
                     ),
                     (key or "", f"{prefix}%"),
+                )
+            if key:  # the key's row, as enqueue's note_fairness_key writes it (version 10)
+                await conn.execute(
+                    env.q("insert into {s}.fairness_keys (key) values (%s) on conflict do nothing"),
+                    (key,),
                 )
             await conn.execute(env.q("analyze {s}.outbox, {s}.runs"))
             if notify:
