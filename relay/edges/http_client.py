@@ -317,9 +317,20 @@ def aiohttp_session(
     return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
 
 
+class NoCookies(CookieJar):
+    """A jar that takes no cookie from an answer, and does not read an answer's cookies either:
+    httpx's client hands every answer to its jar (`CookieJar.extract_cookies`), and a jar
+    that refuses each cookie by policy still parsed the answer's headers to find them, about
+    10 µs of a POST's CPU (docs/performance.md, issue 52 item 3). The policy refuses every
+    domain too, for a cookie set on the jar any other way."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+
 def no_cookies() -> CookieJar:
     """A jar that takes no cookie: the ingress's answers never grow the client's state."""
-    return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+    return NoCookies(policy=DefaultCookiePolicy(allowed_domains=[]))
 
 
 _said: set[tuple[str, ...]] = set()
