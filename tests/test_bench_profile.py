@@ -135,3 +135,14 @@ def test_reads_posts_and_cpu_per_post_from_the_bench_json(tmp_path: Path) -> Non
     raw = tmp_path / "prof.raw"
     raw.write_text(RAW + "\n")
     assert ps.main([str(raw), "--bench-json", str(path)]) == 0
+
+
+def test_a_relay_process_named_by_the_argv_it_had_before_its_exec_is_read() -> None:
+    """py-spy may name a child by its parent's argv (sampled between fork and exec): a process
+    with a stack in `relay.cli.cmd_run` is a `relay run` all the same, start-up included."""
+    early = 'process 400:"/venv/bin/python3 /venv/bin/relay bench --only e2e"'
+    raw = [
+        stack(LOOP, "cmd_run (relay/cli.py:200)", POST, process=early) + " 3",
+        stack("_find_and_load (<frozen importlib._bootstrap>:1176)", process=early) + " 2",
+    ]
+    assert ps.split(raw) == Counter({"relay: ingress, HTTP client wrapper": 3, ps.STARTUP: 2})

@@ -141,7 +141,11 @@ def bucket_of_stack(frames: list[Frame]) -> str:
 def relay_stacks(lines: Iterable[str]) -> Iterator[tuple[list[Frame], int]]:
     """The samples of `relay run` processes in py-spy's raw (collapsed) format: each line a
     stack, frames joined by ';' (outermost first; with --subprocesses led by `process PID:"argv"`
-    frames, whose argv may itself hold ';'), then a space and the sample count."""
+    frames, whose argv may itself hold ';'), then a space and the sample count. A process is a
+    `relay run` by its argv, or by a stack of its in `relay.cli.cmd_run`: py-spy may name a
+    child by the argv it had before its exec (the bench's own)."""
+    samples: list[tuple[str, list[Frame], int]] = []
+    relay_pids: set[str] = set()
     for line in lines:
         stack, _, count = line.rstrip("\n").rpartition(" ")
         if not stack or not count.isdigit():
@@ -149,10 +153,19 @@ def relay_stacks(lines: Iterable[str]) -> Iterator[tuple[list[Frame], int]]:
         last = None
         for last in PROCESS.finditer(stack + ";"):  # noqa: B007 - the innermost process
             pass
-        if last is None or not _is_relay_run(last[2]):
+        if last is None:
             continue
         rest = (stack + ";")[last.end() :].rstrip(";")
-        yield [Frame.parse(f) for f in rest.split(";") if f], int(count)
+        frames = [Frame.parse(f) for f in rest.split(";") if f]
+        if _is_relay_run(last[2]) or any(f == RUN_FRAME for f in frames):
+            relay_pids.add(last[1])
+        samples.append((last[1], frames, int(count)))
+    for pid, frames, n in samples:
+        if pid in relay_pids:
+            yield frames, n
+
+
+RUN_FRAME = Frame("cmd_run", "relay.cli")
 
 
 def _is_relay_run(argv: str) -> bool:
