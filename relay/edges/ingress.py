@@ -33,11 +33,11 @@ from relay.core import clock
 from relay.core.policy import excerpt
 from relay.edges.http_client import (
     MAX_BODY,
+    CookielessClient,
     HttpxSender,
     Reply,
     Sender,
     TransportFailure,
-    no_cookies,
     sent_secrets,
 )
 from relay.settings import Secret, Settings, scrub
@@ -216,9 +216,7 @@ class IngressClient:
     ) -> None:
         self.settings = settings
         if isinstance(sender, httpx.AsyncBaseTransport):  # e.g. an in-process app, in tests
-            client = httpx.AsyncClient(
-                transport=sender, follow_redirects=False, cookies=no_cookies()
-            )
+            client = CookielessClient(transport=sender, follow_redirects=False)
             sender = HttpxSender(client)
         self.sender = sender
         # Scrubbed from every answer's excerpt and every failure's text: the one door outside
