@@ -153,9 +153,11 @@ def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
     if HAS_NODE:
         assert metrics["peer_graphile_order_violations"] == 0
     assert metrics["relay_order_violations"] == 0
-    # Runs per claim and per ack statement, from the relay's own counters, for each e2e rep.
+    # Runs per claim and per ack statement, and events per POST, from the relay's own
+    # counters, for each e2e rep.
     sizes = report["scenarios"]["e2e"]["samples_s"]["statement_sizes"]  # a Result's data
     assert sizes and all(s["runs_per_claim"] >= 1 and s["runs_per_ack"] >= 1 for s in sizes)
+    assert all(s["events_per_post"] >= 1 for s in sizes)
     assert report["targets"], "no target could be judged"
     assert "wake" in report["scenarios"]
     # The capacity-limited ingress: nothing lost, order kept, its in-flight series for a chart,

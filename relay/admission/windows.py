@@ -32,7 +32,12 @@ class _Sliced:
     def add(self, value: float, now: float) -> None:
         current = self._slice(now)
         held = self._values.get(current)
-        self._values[current] = value if held is None else self._combine(held, value)
+        if held is not None:
+            self._values[current] = self._combine(held, value)
+            return
+        # A new slice: the only time one can have left the window since the last add (it is
+        # called per POST, and a slice is span / slices seconds).
+        self._values[current] = value
         oldest = current - self._slices + 1
         for number in [n for n in self._values if n < oldest]:
             del self._values[number]

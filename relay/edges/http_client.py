@@ -163,7 +163,7 @@ def require_extras(settings: Settings, environ: Mapping[str, str]) -> None:
 
 def build_client(
     settings: Settings, connections: int, environ: Mapping[str, str] | None = None
-) -> httpx.AsyncClient:
+) -> CookielessClient:
     """A client for one lane, `connections` wide; raises ConfigError when an extra it needs
     (`h2` for HTTP/2, `socksio` for a SOCKS proxy) is not installed."""
     env = os.environ if environ is None else environ
@@ -190,7 +190,7 @@ def build_client(
             else (None, None)
         )
         proxy = settings.ingress_proxy if direct is None else None
-        return httpx.AsyncClient(
+        return CookielessClient(
             verify=verify,
             http2=settings.http2,
             limits=limits,
@@ -198,7 +198,6 @@ def build_client(
             proxy=None if proxy is None else proxy.reveal(),
             trust_env=True,
             follow_redirects=False,
-            cookies=no_cookies(),
             transport=direct,
             mounts=mounts,
         )
@@ -317,9 +316,50 @@ def aiohttp_session(
     return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
 
 
+class NoCookies(CookieJar):
+    """A jar that takes no cookie from an answer, and does not read an answer's cookies either:
+    httpx's client hands every answer to its jar (`CookieJar.extract_cookies`), and a jar
+    that refuses each cookie by policy still parsed the answer's headers to find them, about
+    10 µs of a POST's CPU (docs/performance.md, issue 52 item 3). The policy refuses every
+    domain too, for a cookie set on the jar any other way."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+
 def no_cookies() -> CookieJar:
     """A jar that takes no cookie: the ingress's answers never grow the client's state."""
-    return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+    return NoCookies(policy=DefaultCookiePolicy(allowed_domains=[]))
+
+
+class _AnswersSetNone(httpx.Cookies):
+    """A client's cookies that no answer adds to. httpx's client hands every answer to its
+    cookies (`Cookies.extract_cookies`), which wrap the request and the answer for the standard
+    library's jar (a `urllib.request.Request`, its URL parsed again) before the jar looks for a
+    Set-Cookie: about 5% of the relay's CPU per POST at a fast ingress, for cookies the relay
+    never keeps (docs/performance.md, issue 52 item 3)."""
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        return None  # an answer's cookies are never read
+
+
+class CookielessClient(httpx.AsyncClient):
+    """httpx's client, keeping no cookie: its cookies (the public `cookies` property, which
+    httpx's own request and answer paths read) are an `_AnswersSetNone` of its own. Built with
+    `cookies=no_cookies()` as well, a jar that refuses every cookie, should httpx ever read
+    its jar another way."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(cookies=no_cookies(), **kwargs)
+        self._relay_cookies = _AnswersSetNone()
+
+    @property
+    def cookies(self) -> httpx.Cookies:
+        return self._relay_cookies
+
+    @cookies.setter
+    def cookies(self, cookies: Any) -> None:
+        raise AttributeError("the relay's HTTP client keeps no cookies")
 
 
 _said: set[tuple[str, ...]] = set()
@@ -510,7 +550,7 @@ async def open_sender(
         yield HttpxSender(app)
         return
     if app is not None:
-        client = httpx.AsyncClient(transport=app, follow_redirects=False, cookies=no_cookies())
+        client = CookielessClient(transport=app, follow_redirects=False)
         yield HttpxSender(client)
         return
     client = build_client(settings, connections)

@@ -34,11 +34,11 @@ from relay.core.policy import excerpt
 from relay.databases import DEFAULT_NAME
 from relay.edges.http_client import (
     MAX_BODY,
+    CookielessClient,
     HttpxSender,
     Reply,
     Sender,
     TransportFailure,
-    no_cookies,
     sent_secrets,
 )
 from relay.settings import Secret, Settings, scrub
@@ -232,9 +232,7 @@ class IngressClient:
         # each POST names it in `relay-database`. None: the one-database form, no header.
         self.database = database
         if isinstance(sender, httpx.AsyncBaseTransport):  # e.g. an in-process app, in tests
-            client = httpx.AsyncClient(
-                transport=sender, follow_redirects=False, cookies=no_cookies()
-            )
+            client = CookielessClient(transport=sender, follow_redirects=False)
             sender = HttpxSender(client)
         self.sender = sender
         # Scrubbed from every answer's excerpt and every failure's text: the one door outside

@@ -376,8 +376,9 @@ async def relay_processes(
 
 
 async def statement_sizes(procs: Sequence[RelayProcess]) -> dict[str, float | None]:
-    """Runs per claim statement and per ack statement so far, summed over the replicas, from
-    their own counters (`claims_total`, `ack_groups_total`; docs/operations.md, Metrics)."""
+    """Runs per claim statement and per ack statement so far, and events per POST, summed over
+    the replicas, from their own counters (`claims_total`, `ack_groups_total`,
+    `delivered_events_total`, `ingress_requests_total`; docs/operations.md, Metrics)."""
     totals: dict[str, float] = {}
     async with httpx.AsyncClient() as client:
         for rp in procs:
@@ -394,6 +395,9 @@ async def statement_sizes(procs: Sequence[RelayProcess]) -> dict[str, float | No
         "runs_per_claim": per("ledger_relay_claimed_runs_total", "ledger_relay_claims_total"),
         "runs_per_ack": per(
             "ledger_relay_delivery_lag_seconds_count", "ledger_relay_ack_groups_total"
+        ),
+        "events_per_post": per(
+            "ledger_relay_delivered_events_total", "ledger_relay_ingress_requests_total"
         ),
     }
 

@@ -263,7 +263,7 @@ class E2ERun:
     peak_rss_mb: float
     events: int
     cpu: cpu.Usage  # from the backlog's commit to the last receipt
-    sizes: dict[str, float | None]  # runs per claim and per ack statement (kit.statement_sizes)
+    sizes: dict[str, float | None]  # runs per claim, per ack statement, events per POST (kit)
 
 
 async def _e2e_run(
@@ -417,9 +417,13 @@ async def e2e(env: Env, a: argparse.Namespace) -> Result:
             f"rep {ratios}; e2e_adaptive_ratio = the median of default / fixed",
             cpu.note("e2e (the default, 1 replica)", usages["e2e_eps"])
             + "; relay = the `relay run` process, bench = this process polling the sink",
-            "runs per claim statement / per ack statement (the default, 1 replica, per rep; the "
-            "relay's claims_total and ack_groups_total): "
-            + ", ".join(f"{s['runs_per_claim']} / {s['runs_per_ack']}" for s in sizes),
+            "runs per claim statement / per ack statement, events per POST (the default, 1 "
+            "replica, per rep; the relay's claims_total, ack_groups_total, "
+            "delivered_events_total and ingress_requests_total): "
+            + ", ".join(
+                f"{s['runs_per_claim']} / {s['runs_per_ack']}, {s['events_per_post']}"
+                for s in sizes
+            ),
         ],
         data={
             "cpu": {key: [cpu.summary(key, u, n) for u, n in runs] for key, runs in usages.items()},
