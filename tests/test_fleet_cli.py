@@ -18,10 +18,13 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from relay.databases import load_databases
 from relay.maintenance.migrate import _read_version, code_version, migrate
 from relay.ops.checks import DATABASE
-from relay.ops.format import NOT_FOUND, UNAVAILABLE, USAGE
+from relay.ops.format import NOT_FOUND, UNAVAILABLE, USAGE, OpsError
+from relay.ops.targets import Target, pick, targets, where
 from relay.producer import enqueue
+from relay.settings import ConfigError
 from relay.tools.sink import Sink
 from tests.conftest import unique
 from tests.test_cli import RELAY
@@ -156,10 +159,11 @@ async def test_check_names_each_database_and_a_down_one_fails_alone(
 def test_status_over_every_database_keyed_by_name_a_down_one_its_own_failure(
     shards: dict[str, str],
 ) -> None:
-    env = env_of({**shards, "down": DOWN})
+    # The down one in the middle: the one after it is still asked.
+    env = env_of({"shard1": shards["shard1"], "down": DOWN, "shard2": shards["shard2"]})
     code, data = keyed(env, "status")
     assert code == UNAVAILABLE
-    assert list(data) == ["shard1", "shard2", "down"]
+    assert list(data) == ["shard1", "down", "shard2"]
     assert [b["run_id"] for b in data["shard1"]["blocked_runs"]] == ["r1"]
     assert [b["run_id"] for b in data["shard2"]["blocked_runs"]] == ["r2"]
     assert data["down"]["exit_code"] == UNAVAILABLE
@@ -168,8 +172,8 @@ def test_status_over_every_database_keyed_by_name_a_down_one_its_own_failure(
     text = relay(env, "status")
     assert text.returncode == UNAVAILABLE
     parts = text.stdout.split("== database ")
-    assert [p.split(":")[0] for p in parts[1:]] == ["shard1", "shard2", "down"], text.stdout
-    assert "r1" in parts[1] and "r2" not in parts[1] and "r2" in parts[2]
+    assert [p.split(":")[0] for p in parts[1:]] == ["shard1", "down", "shard2"], text.stdout
+    assert "r1" in parts[1] and "r2" not in parts[1] and "r2" in parts[3]
     [failed] = text.stderr.splitlines()
     assert failed.startswith("relay status: down: cannot connect"), failed
 
@@ -262,3 +266,35 @@ def test_database_with_the_one_database_form_knows_only_default(pg_url: str) -> 
     got = relay(env, "status", "--database", "shard1")
     assert got.returncode == 2
     assert "no such database; configured: default" in got.stderr
+
+
+# -- the choice, pure --------------------------------------------------------------------------
+
+
+def test_where_acts_only_where_the_one_holder_is_and_says_why_not() -> None:
+    a, b, c = Target("a", "u1"), Target("b", "u2"), Target("c", "u3")
+    assert where("run 'r'", [a, b, c], [b], []) == b
+    with pytest.raises(OpsError) as caught:
+        where("run 'r'", [a, b, c], [a, c], [])
+    assert caught.value.code == USAGE and "run 'r' is in a, c" in str(caught.value)
+    with pytest.raises(OpsError) as caught:
+        where("run 'r'", [a, b, c], [], [])
+    assert caught.value.code == NOT_FOUND and "(a, b, c)" in str(caught.value)
+    with pytest.raises(OpsError) as caught:
+        where("run 'r'", [a, b, c], [a], [c])  # c may hold it too
+    assert caught.value.code == UNAVAILABLE and "could not search c (found in a)" in str(
+        caught.value
+    )
+
+
+def test_pick_all_one_or_refuse_naming_the_configured() -> None:
+    dbs = load_databases({}, {"RELAY_DATABASES": "a=postgresql://h/x b=postgresql://h/y"})
+    assert dbs is not None
+    assert pick(dbs, None) == dbs
+    assert pick(dbs, "b") == [dbs[1]]
+    assert pick(None, None) is None and pick(None, "default") is None
+    with pytest.raises(ConfigError, match="configured: a, b"):
+        pick(dbs, "c")
+    with pytest.raises(ConfigError, match="configured: default"):
+        pick(None, "a")
+    assert targets(None, None, "postgresql://h/z") == [Target(None, "postgresql://h/z")]
