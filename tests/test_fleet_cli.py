@@ -298,3 +298,14 @@ def test_pick_all_one_or_refuse_naming_the_configured() -> None:
     with pytest.raises(ConfigError, match="configured: default"):
         pick(None, "a")
     assert targets(None, None, "postgresql://h/z") == [Target(None, "postgresql://h/z")]
+
+
+def test_no_password_of_the_list_is_shown(shards: dict[str, str]) -> None:
+    """Headers, failure lines and JSON errors name each database by its redacted URL."""
+    down = "postgresql://nobody:CANARY-pw@127.0.0.1:1/none"
+    env = env_of({**shards, "down": down}, RELAY_INGRESS_URL="http://127.0.0.1:9/runs/{run_id}")
+    for command in (["status"], ["status", "--json"], ["migrate"], ["inspect", "r1"],
+                    ["check", "--timeout", "1"]):  # fmt: skip
+        got = relay(env, *command)
+        assert got.returncode != 0, (command, got.stdout, got.stderr)
+        assert "CANARY-pw" not in got.stdout + got.stderr, (command, got.stdout, got.stderr)
