@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from relay import logs
-from relay.settings import PARSERS, ConfigError, Settings, env_name, flag_name, load, redact_url
+from relay.settings import PARSERS, ConfigError, Settings, env_name, flag_name, redact_url
 
 if TYPE_CHECKING:
     from relay.databases import Database
+    from relay.maintenance.roles import Roles
+    from relay.ops.targets import Target
 
 _HELP = {
     "database_url": "PostgreSQL URL (secret; also RELAY_DATABASE_URL_FILE)",
@@ -127,26 +129,12 @@ def _flags(args: argparse.Namespace) -> dict[str, str | None]:
     return {k: getattr(args, k, None) for k in PARSERS}
 
 
-def _settings(args: argparse.Namespace) -> Settings:
-    """The settings `relay check` checks, refused as `relay run` refuses them: read and parsed
-    (relay/settings.py), then what else `relay run` refuses before it connects: OpenTelemetry's
-    variables (relay/edges/tracing.py) and an extra the HTTP client would need
-    (relay/edges/http_client.py). The list form of the database is not checked yet (issue 51):
-    said, rather than "database_url: required"."""
-    from relay.databases import LIST, load_databases
-
-    if load_databases(_flags(args), os.environ) is not None:
-        raise ConfigError(
-            f"{LIST}: relay check checks one database for now: run it with "
-            "RELAY_DATABASE_URL set to each entry's URL in turn, without the list "
-            "(docs/sharding.md)"
-        )
-    return _refused_before_connecting(load(_flags(args)))
-
-
 def _run_settings(args: argparse.Namespace) -> tuple[Settings, list[Database] | None]:
-    """`relay run`'s settings, refused as `_settings` refuses them, and with the list form of the
-    database (RELAY_DATABASES, relay/databases.py) its databases; None: the one-database form."""
+    """The settings `relay run` and `relay check` run on, with the list form of the database
+    (RELAY_DATABASES, relay/databases.py) its databases (None: the one-database form): read
+    and parsed (relay/settings.py), then what else `relay run` refuses before it connects:
+    OpenTelemetry's variables (relay/edges/tracing.py) and an extra the HTTP client would need
+    (relay/edges/http_client.py)."""
     from relay.databases import load_all
 
     settings, databases = load_all(_flags(args), os.environ)
@@ -162,21 +150,24 @@ def _refused_before_connecting(settings: Settings) -> Settings:
     return settings
 
 
-def _database_url(args: argparse.Namespace) -> str:
-    """The database URL of the commands that need nothing else (migrate, status, inspect, retry,
-    skip): read like `relay run` reads it (flag, RELAY_DATABASE_URL, RELAY_DATABASE_URL_FILE,
-    systemd's $CREDENTIALS_DIRECTORY/database_url) and validated, or one line naming it."""
-    import os
-
+def _targets(args: argparse.Namespace) -> list[Target]:
+    """The databases of the commands that need nothing else (migrate, status, inspect, retry,
+    skip): the list form's (RELAY_DATABASES, relay/databases.py), all or the one `--database`
+    names, else the one URL read like `relay run` reads it (flag, RELAY_DATABASE_URL,
+    RELAY_DATABASE_URL_FILE, systemd's $CREDENTIALS_DIRECTORY/database_url) and validated; or
+    one line naming what is wrong."""
+    from relay.databases import load_databases
+    from relay.ops.targets import targets
     from relay.settings import option_value
 
     _say_warnings(args, ["database_url"])
-    url = option_value("database_url", {"database_url": getattr(args, "database_url", None)},
-                       os.environ)  # fmt: skip
-    if url is None:
-        raise ConfigError("database_url: required; set --database-url or RELAY_DATABASE_URL")
-    value: str = url.reveal()
-    return value
+    databases = load_databases(_flags(args), os.environ)
+    url = None
+    if databases is None:
+        given = {"database_url": getattr(args, "database_url", None)}
+        secret = option_value("database_url", given, os.environ)
+        url = None if secret is None else secret.reveal()
+    return targets(databases, getattr(args, "database", None), url)
 
 
 def _schema(args: argparse.Namespace) -> str:
@@ -205,11 +196,9 @@ def _reason(exc: Exception, url: str) -> str:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    import psycopg
-
-    from relay.maintenance.migrate import SchemaError, migrate
-
-    url = _database_url(args)
+    """Migrate the database, or each of the list's in turn under its header line: one that
+    fails is one line naming it and the others are still migrated (exit 1 if any failed)."""
+    chosen = _targets(args)
     schema = _schema(args)
     roles = None
     if args.grant_roles:
@@ -221,13 +210,28 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             raise ConfigError(f"--producer-role / --relay-role: {exc}") from None
     elif args.producer_role or args.relay_role:
         raise ConfigError("--producer-role / --relay-role: only with --grant-roles")
+    code = 0
+    for i, target in enumerate(chosen):
+        if target.name is not None:
+            print(("\n" if i else "") + target.header(), flush=True)
+        code = _migrate(target, schema, roles) or code
+    return code
+
+
+def _migrate(target: Target, schema: str, roles: Roles | None) -> int:
+    import psycopg
+
+    from relay.maintenance.migrate import SchemaError, migrate
+
+    url = target.url
+    who = "relay migrate: " + (f"{target.name}: " if target.name is not None else "")
     try:
         result = migrate(url, schema, roles=roles)
     except SchemaError as exc:
-        print(f"relay migrate: {exc}", file=sys.stderr)
+        print(f"{who}{exc}", file=sys.stderr)
         return 1
     except psycopg.Error as exc:  # cannot connect, lock timeout, permission denied, ...
-        print(f"relay migrate: database at {redact_url(url)}: {_reason(exc, url)}", file=sys.stderr)
+        print(f"{who}database at {redact_url(url)}: {_reason(exc, url)}", file=sys.stderr)
         return 1
     applied = ", ".join(map(str, result.applied)) or "none"
     print(
@@ -401,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("migrate", help="create or upgrade the schema")
     _add_settings(m, ["database_url", "schema"])
+    from relay.ops.commands import DATABASE_HELP
+
+    m.add_argument("--database", metavar="NAME", help=DATABASE_HELP)
     m.add_argument(
         "--grant-roles",
         action="store_true",
@@ -425,14 +432,14 @@ def build_parser() -> argparse.ArgumentParser:
     # -- operator tools: status, inspect, retry, skip (relay/ops/) -----------------------------
     from relay.ops import add_commands as add_ops_commands
 
-    add_ops_commands(sub, _add_settings, _database_url, _schema)
+    add_ops_commands(sub, _add_settings, _targets, _schema)
     # -- end operator tools ---------------------------------------------------------------------
 
     # -- relay check (relay/ops/checks.py)
     # ----------------------------------------------------------
     from relay.ops.checks import add_command as add_check_command
 
-    add_check_command(sub, _add_settings, _settings, _say_warnings)
+    add_check_command(sub, _add_settings, _run_settings, _say_warnings)
     # -- end relay check ------------------------------------------------------------------------
 
     sub.add_parser("sink", help="run the reference ingress [extra: sink]", add_help=False)

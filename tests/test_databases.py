@@ -156,14 +156,11 @@ def test_the_list_variables_are_no_unknown_variables() -> None:
     ]
 
 
-def test_relay_check_says_it_does_not_check_the_list_yet() -> None:
-    """`relay check` reads one database: with the list form it says so in its one
-    configuration line, exit 2 (not "database_url: required")."""
+def test_relay_check_refuses_the_list_beside_database_url() -> None:
+    """`relay check` reads the list as `relay run` does (tests/test_fleet_cli.py checks each
+    database of it): given with RELAY_DATABASE_URL too, its one configuration line names both,
+    exit 2."""
     from tests.test_settings_refusals import cli_env, refusal
 
     env = cli_env(RELAY_DATABASES="a=postgresql://u@127.0.0.1:1/app")
-    del env["RELAY_DATABASE_URL"]
-    line = refusal("check", env)
-    assert "RELAY_DATABASES: relay check checks one database for now" in line, line
-    env["RELAY_DATABASE_URL"] = "postgresql://u@127.0.0.1:1/app"
     assert "RELAY_DATABASES and database_url" in refusal("check", env)

@@ -15,10 +15,13 @@
 
 Each prints a plain-text table, or one JSON document on stdout with `--json`. They take
 `--database-url` / `RELAY_DATABASE_URL` (or `RELAY_DATABASE_URL_FILE`) and `--schema` /
-`RELAY_SCHEMA`; retry and skip record who acted (`--by`, default `$USER@host`). The work is
-done by the SQL functions of schema/functions_ops.sql, one call in one transaction bounded by a
-lock and a statement timeout, so they are safe while relays run: they change only failed events
-and blocked runs, which no relay touches.
+`RELAY_SCHEMA`, or the list form (`RELAY_DATABASES`, issue 51): then they act on every database
+of the list, or on `--database NAME`, each part of the output under its database's name (with
+`--json` one document keyed by name), and inspect, retry and skip of one run or event only
+where it is (targets.py). Retry and skip record who acted (`--by`, default `$USER@host`). The
+work is done by the SQL functions of schema/functions_ops.sql, one call in one transaction
+bounded by a lock and a statement timeout, so they are safe while relays run: they change only
+failed events and blocked runs, which no relay touches.
 
 Exit codes (an error is one line on stderr, `relay <command>: <what is wrong>`, and changes
 nothing):
@@ -34,6 +37,7 @@ nothing):
 The package: format.py (pure: exit codes, OpsError, clean() and the phrases and figures),
 queries.py (the database calls), render.py (the plain-text tables, pure, and the writes to
 stdout; no `rich`, which only the demo extra installs), commands.py (argparse and the commands),
+targets.py (pure: which databases a command acts on, and the one that holds a run or event),
 checks.py (`relay check`: is this configuration able to run, here, now). Other modules import
 from here. It may import relay/maintenance/ (the schema version), the edges (`relay check`'s
 database and ingress), relay/core/, settings and logs; never the delivery pipeline, serving or

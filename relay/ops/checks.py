@@ -15,8 +15,12 @@ failed, as a sum of bits, so a script can tell "database down" from "ingress unr
         pause its lane for as `ingress_misconfigured` (401/403: fix ingress_token; 404, 405,
         410 or a redirect: fix ingress_url), from ingress_url or ingress_batch_url
 
-e.g. 36 = database and ingress failed. Nothing a check prints carries a password or token:
-database URLs are redacted and every error text is scrubbed of the configured secrets.
+e.g. 36 = database and ingress failed. With several databases (RELAY_DATABASES, issue 51) the
+database, schema and listen lines come once per database, each naming it (`[shard1]`), and the
+bits of all of them add up: 4 when any database is down, the others' lines `ok` beside it;
+`--database NAME` checks one. The ingress is checked once. Nothing a check prints carries a
+password or token: database URLs are redacted and every error text is scrubbed of the
+configured secrets.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import argparse
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -36,10 +40,12 @@ from psycopg import sql
 
 from relay.core import loop
 from relay.core.policy import Outcome, classify
+from relay.databases import Database, for_database
 from relay.edges.http_client import TransportFailure, open_sender, sent_secrets
 from relay.edges.ingress import USER_AGENT, render_url, sign
 from relay.edges.store import CONNECT_KWARGS
 from relay.maintenance.migrate import code_version, read_version, version_problem
+from relay.ops.targets import pick
 from relay.settings import ConfigError, Settings, Subcommands, redact_url, scrub
 
 OK = 0
@@ -67,10 +73,12 @@ class Result:
     name: str
     ok: bool | None  # None: skipped
     detail: str
+    database: str | None = None  # the list form's database it is about (issue 51)
 
     def line(self) -> str:
         mark = "skip" if self.ok is None else ("ok" if self.ok else "FAIL")
-        return f"{mark:<5}{self.name:<15}{self.detail}"
+        about = f"[{self.database}] " if self.database is not None else ""
+        return f"{mark:<5}{self.name:<15}{about}{self.detail}"
 
 
 def exit_code(results: Sequence[Result]) -> int:
@@ -253,9 +261,16 @@ def _misconfigured(status: int, location: str | None, setting: str, s: Settings)
     return f"no such endpoint; fix {setting} (its path)"
 
 
-async def run_checks(s: Settings, within: float = 5.0, warned: Sequence[str] = ()) -> list[Result]:
+async def run_checks(
+    s: Settings,
+    within: float = 5.0,
+    warned: Sequence[str] = (),
+    databases: Sequence[Database] | None = None,
+) -> list[Result]:
     """Every check in order; `warned`: the start warnings said on stderr (their log events),
-    which the configuration line names so that an `ok` does not read as "nothing to fix"."""
+    which the configuration line names so that an `ok` does not read as "nothing to fix".
+    `databases`: the list form's (issue 51): the database, schema and listen checks of each in
+    turn, each line naming it, then the ingress once (the fleet's one ingress)."""
     note = f" (warned on stderr: {', '.join(warned)})" if warned else ""
     config = Result(
         "configuration",
@@ -263,15 +278,27 @@ async def run_checks(s: Settings, within: float = 5.0, warned: Sequence[str] = (
         f"schema={s.schema} ingress={redact_url(s.ingress_url)} replica={s.replica_id}"
         f" event_loop={loop.running()}{note}",
     )
+    if databases is None:
+        stores = await check_store(s, within)
+    else:
+        stores = []
+        for d in databases:
+            results = await check_store(for_database(s, d), within)
+            stores += [replace(r, database=d.name) for r in results]
+    ingresses = [await check_ingress(s, within)]
+    if s.ingress_batch_url is not None:
+        ingresses.append(await check_ingress(s, within, batch=True))
+    return [config, *stores, *ingresses]
+
+
+async def check_store(s: Settings, within: float) -> list[Result]:
+    """The database, schema and listen checks of one database."""
     database, schema = await check_database(s, within)
     if database.ok or s.listen_database_url is not None:
         listen = await check_listen(s, within)
     else:
         listen = Result("listen", None, "needs the database")
-    ingresses = [await check_ingress(s, within)]
-    if s.ingress_batch_url is not None:
-        ingresses.append(await check_ingress(s, within, batch=True))
-    return [config, database, schema, listen, *ingresses]
+    return [database, schema, listen]
 
 
 # -- the `relay check` subcommand -------------------------------------------------------------
@@ -280,7 +307,7 @@ async def run_checks(s: Settings, within: float = 5.0, warned: Sequence[str] = (
 def add_command(
     sub: Subcommands,
     add_settings: Callable[[argparse.ArgumentParser], None],
-    load_settings: Callable[[argparse.Namespace], Settings],
+    load_settings: Callable[[argparse.Namespace], tuple[Settings, list[Database] | None]],
     say_warnings: Callable[[argparse.Namespace], list[str]],
 ) -> None:
     """`relay check`, its settings read, refused and warned about as `relay run`'s are: by
@@ -293,18 +320,30 @@ def add_command(
     )
     add_settings(p)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per check (default 5)")
+    p.add_argument(
+        "--database",
+        metavar="NAME",
+        help="with RELAY_DATABASES / RELAY_DATABASES_FILE: check this database of the list only"
+        " (default: every one)",
+    )
 
     def cmd_check(args: argparse.Namespace) -> int:
         warned = say_warnings(args)
         try:
-            s = load_settings(args)
+            s, databases = load_settings(args)
+            databases = pick(databases, args.database)
             chosen = loop.choose(s.event_loop, loop.uvloop_installed())
         except (ConfigError, loop.LoopUnavailable) as exc:
             print(Result("configuration", False, str(exc)).line())
             return CONFIGURATION
         # On the loop `relay run` would choose, which the configuration line names.
         results = anyio.run(
-            run_checks, s, args.timeout, warned, backend_options=loop.backend_options(chosen)
+            run_checks,
+            s,
+            args.timeout,
+            warned,
+            databases,
+            backend_options=loop.backend_options(chosen),
         )
         for r in results:
             print(r.line())

@@ -17,12 +17,14 @@ from relay.ops.format import OK, USAGE, OpsError, default_operator, parse_since
 from relay.ops.queries import (
     Conn,
     connect,
+    event_exists,
     inspect,
     retry_backing_off,
     retry_event,
     retry_run,
     retry_run_now,
     run_blocked,
+    run_exists,
     skip_event,
     status,
 )
@@ -35,33 +37,87 @@ from relay.ops.render import (
     render_status,
     write,
 )
+from relay.ops.targets import Target, where
 from relay.settings import Subcommands
 
 Resolve = Callable[[argparse.Namespace], str]
+Targets = Callable[[argparse.Namespace], list[Target]]
+Work = Callable[[Conn, str], Any]
+Find = Callable[[Conn, str], bool]
 
 
 def _run(
     command: str,
     args: argparse.Namespace,
-    database_url: Resolve,
+    targets_of: Targets,
     schema_of: Resolve,
-    work: Callable[[Conn, str], Any],
+    work: Work,
     validate: Callable[[], None] | None = None,
+    find: tuple[str, Find] | None = None,
 ) -> int:
-    """Validate the arguments, connect, do the work; print its JSON result if it returns one.
-    An OpsError is one line on stderr and the exit code."""
+    """Validate the arguments, then on each database chosen (relay/ops/targets.py) connect and
+    do the work; print its JSON result if it returns one. `find`: the work is about one run or
+    event (what it is, and whether a database holds it): with several databases it is done only
+    in the one that holds it. An OpsError is one line on stderr and the exit code."""
     try:
         if validate is not None:
             validate()
-        url, schema = database_url(args), schema_of(args)
-        with connect(url, schema) as conn:
-            result = work(conn, schema)
+        chosen, schema = targets_of(args), schema_of(args)
+        if find is not None and len(chosen) > 1:
+            chosen = [_locate(command, chosen, schema, *find)]
+        # The one-database form (no name): its output names no database, as it always did.
+        one = chosen[0] if chosen[0].name is None else None
+        result = None if one is None else _on(one, schema, work)
     except OpsError as exc:
         print(f"relay {command}: {exc}", file=sys.stderr)
         return exc.code
+    if one is None:
+        return _each(command, args, chosen, schema, work)
     if result is not None:
         print_json(result)
     return OK
+
+
+def _on(target: Target, schema: str, work: Work) -> Any:
+    with connect(target.url, schema) as conn:
+        return work(conn, schema)
+
+
+def _each(
+    command: str, args: argparse.Namespace, chosen: list[Target], schema: str, work: Work
+) -> int:
+    """The work on every database of the list in turn: in plain text each part under its
+    header line, with `--json` one document keyed by database name. A database that fails is
+    one line on stderr naming it (and `{"error", "exit_code"}` under its name) and the others
+    still run; the exit code is the first failure's, in the list's order."""
+    code, results = OK, {}
+    for i, target in enumerate(chosen):
+        if not args.json:
+            write(("\n" if i else "") + target.header())
+        try:
+            results[target.name] = _on(target, schema, work)
+        except OpsError as exc:
+            print(f"relay {command}: {target.name}: {exc}", file=sys.stderr)
+            results[target.name] = {"error": str(exc), "exit_code": exc.code}
+            code = code or exc.code
+    if args.json:
+        print_json(results)
+    return code
+
+
+def _locate(command: str, chosen: list[Target], schema: str, what: str, find: Find) -> Target:
+    """The one database of `chosen` that holds `what`, each searched; a database that cannot
+    be searched is one line on stderr naming it, and then OpsError (targets.where)."""
+    found, down = [], []
+    for target in chosen:
+        try:
+            with connect(target.url, schema) as conn:
+                if find(conn, schema):
+                    found.append(target)
+        except OpsError as exc:
+            print(f"relay {command}: {target.name}: {exc}", file=sys.stderr)
+            down.append(target)
+    return where(what, chosen, found, down)
 
 
 def _who(args: argparse.Namespace) -> str:
@@ -71,7 +127,7 @@ def _who(args: argparse.Namespace) -> str:
     return str(by)
 
 
-def cmd_status(args: argparse.Namespace, database_url: Resolve, schema_of: Resolve) -> int:
+def cmd_status(args: argparse.Namespace, targets_of: Targets, schema_of: Resolve) -> int:
     def work(conn: Conn, schema: str) -> Any:
         data = status(conn, schema, args.limit)
         if args.json:
@@ -79,10 +135,10 @@ def cmd_status(args: argparse.Namespace, database_url: Resolve, schema_of: Resol
         write(render_status(data, output_width()))
         return None
 
-    return _run("status", args, database_url, schema_of, work)
+    return _run("status", args, targets_of, schema_of, work)
 
 
-def cmd_inspect(args: argparse.Namespace, database_url: Resolve, schema_of: Resolve) -> int:
+def cmd_inspect(args: argparse.Namespace, targets_of: Targets, schema_of: Resolve) -> int:
     limit = args.limit or None
 
     def work(conn: Conn, schema: str) -> Any:
@@ -92,10 +148,11 @@ def cmd_inspect(args: argparse.Namespace, database_url: Resolve, schema_of: Reso
         write(render_inspect(data, limit, output_width()))
         return None
 
-    return _run("inspect", args, database_url, schema_of, work)
+    find = (f"run {args.run_id!r}", lambda conn, schema: run_exists(conn, schema, args.run_id))
+    return _run("inspect", args, targets_of, schema_of, work, find=find)
 
 
-def cmd_retry(args: argparse.Namespace, database_url: Resolve, schema_of: Resolve) -> int:
+def cmd_retry(args: argparse.Namespace, targets_of: Targets, schema_of: Resolve) -> int:
     def validate() -> None:
         given = [args.event_id is not None, args.run is not None, args.backing_off]
         if sum(given) != 1:
@@ -131,7 +188,20 @@ def cmd_retry(args: argparse.Namespace, database_url: Resolve, schema_of: Resolv
         write(render_due(runs, output_width()))
         return None
 
-    return _run("retry", args, database_url, schema_of, work, validate)
+    return _run("retry", args, targets_of, schema_of, work, validate, _retried(args))
+
+
+def _retried(args: argparse.Namespace) -> tuple[str, Find] | None:
+    """What `relay retry` is about, to find where it is; None: --backing-off, every database."""
+    if args.run is not None:
+        return f"run {args.run!r}", lambda conn, schema: run_exists(conn, schema, args.run)
+    if args.event_id is not None:
+        return _event(args.event_id)
+    return None
+
+
+def _event(event_id: str) -> tuple[str, Find]:
+    return f"event {event_id!r}", lambda conn, schema: event_exists(conn, schema, event_id)
 
 
 def _since(args: argparse.Namespace) -> float | datetime | None:
@@ -143,7 +213,7 @@ def _since(args: argparse.Namespace) -> float | datetime | None:
         raise OpsError(USAGE, f"--since: {exc}") from None
 
 
-def cmd_skip(args: argparse.Namespace, database_url: Resolve, schema_of: Resolve) -> int:
+def cmd_skip(args: argparse.Namespace, targets_of: Targets, schema_of: Resolve) -> int:
     def validate() -> None:
         if args.reason is None or not args.reason.strip():
             raise OpsError(USAGE, "--reason is required: say why the event is never sent")
@@ -156,7 +226,13 @@ def cmd_skip(args: argparse.Namespace, database_url: Resolve, schema_of: Resolve
         write(render_action("skipped", row, output_width()))
         return None
 
-    return _run("skip", args, database_url, schema_of, work, validate)
+    return _run("skip", args, targets_of, schema_of, work, validate, _event(args.event_id))
+
+
+DATABASE_HELP = (
+    "with RELAY_DATABASES / RELAY_DATABASES_FILE: act on this database of the list only"
+    " (default: every one; a command about one run or event, where it is)"
+)
 
 
 def non_negative(text: str) -> int:
@@ -170,7 +246,7 @@ def non_negative(text: str) -> int:
 def add_commands(
     sub: Subcommands,
     add_settings: Callable[[argparse.ArgumentParser, list[str]], None],
-    database_url: Resolve,
+    targets_of: Targets,
     schema_of: Resolve,
 ) -> None:
     """Register status, inspect, retry and skip on the `relay` parser."""
@@ -179,7 +255,8 @@ def add_commands(
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_settings(p, ["database_url", "schema"])
         p.add_argument("--json", action="store_true", help="print one JSON document")
-        p.set_defaults(func=partial(func, database_url=database_url, schema_of=schema_of))
+        p.add_argument("--database", metavar="NAME", help=DATABASE_HELP)
+        p.set_defaults(func=partial(func, targets_of=targets_of, schema_of=schema_of))
         return p
 
     p = parser("status", "backlog, blocked runs, leases, delivery rate, table sizes", cmd_status)

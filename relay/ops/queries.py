@@ -15,7 +15,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import DictRow, TupleRow, dict_row
 
-from relay.ops.format import UNAVAILABLE, USAGE, OpsError, clean, exit_code
+from relay.ops.format import NOT_FOUND, UNAVAILABLE, USAGE, OpsError, clean, exit_code
 from relay.settings import redact_url
 
 LOCK_TIMEOUT = "5s"
@@ -171,3 +171,24 @@ def retry_backing_off(
 
 def skip_event(conn: Conn, schema: str, event_id: str, by: str, reason: str) -> dict[str, Any]:
     return _one(conn, (_fn(schema, "skip_event", "%s, %s, %s"), (event_id, by, reason)))
+
+
+def run_exists(conn: Conn, schema: str, run_id: str) -> bool:
+    """Whether the database holds the run (a pruned one too: its seq counter remains), for a
+    command that must find the one database of a list that holds it (relay/ops/targets.py)."""
+    try:
+        _call(conn, (_fn(schema, "inspect_run_summary", "%s"), (run_id,)))
+    except OpsError as exc:
+        if exc.code == NOT_FOUND:
+            return False
+        raise
+    return True
+
+
+def event_exists(conn: Conn, schema: str, event_id: str) -> bool:
+    """Whether the database holds the event (its unique event_id index answers)."""
+    query = sql.SQL("select exists (select 1 from {} where event_id = %s) as found").format(
+        sql.Identifier(schema, "events")
+    )
+    [rows] = _call(conn, (query, (event_id,)))
+    return bool(rows[0]["found"])
