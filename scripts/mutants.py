@@ -1040,7 +1040,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "post-turn-promoted-permit-waiter-not-woken",
         "§9.6: a promotion wakes the claim's permit waiter, which queues again as critical",
         "relay/delivery/post_turn.py",
-        "        if self.permits is not None:\n            self.permits.wake((self.database, run_id))",
+        "        if self.permits is not None:\n"
+        "            self.permits.wake((self.database, run_id))",
         "        if self.permits is not None:\n            pass",
         (
             f"{POST_TURN}::"
@@ -1173,6 +1174,17 @@ MUTANTS: tuple[Mutant, ...] = (
         "decision = self.books.scheduled(decision, held.claim.attempts)",
         "decision = decision",
         (f"{OUTAGE_LOGS}::{OUTAGE_TEST}",),
+    ),
+    Mutant(
+        "fleet-lane-claims-past-its-share",
+        "issue 51 item 3: a database's backlog does not starve another's trickle",
+        "relay/delivery/lane.py",
+        "        posts = self.post_turn.posts if permits is not None else None",
+        "        posts = None",
+        (
+            f"{FLEET}::"
+            "test_a_backlog_in_one_database_does_not_starve_anothers_trickle_nor_its_terminal",
+        ),
     ),
     Mutant(
         "fleet-permit-waiters-keyed-by-run-id-alone",
