@@ -309,6 +309,7 @@ class Relay:
             tracer=self.tracer,
             permits=self.permits,
             budget=self.budget,
+            database=self.database,
         )
 
     def _bound(self) -> AbstractContextManager[None]:
@@ -321,7 +322,7 @@ class Relay:
 
     def _operator_retried(self, run_id: str) -> None:
         """`relay retry` made the run due: its next retry is not one the budget holds back."""
-        self.budget.waive(run_id, clock.now())
+        self.budget.waive(run_id, clock.now(), self.database)
 
     def _wake_all(self) -> None:
         for lane in self.lanes.values():

@@ -1040,7 +1040,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "post-turn-promoted-permit-waiter-not-woken",
         "§9.6: a promotion wakes the claim's permit waiter, which queues again as critical",
         "relay/delivery/post_turn.py",
-        "        if self.permits is not None:\n            self.permits.wake(run_id)",
+        "        if self.permits is not None:\n"
+        "            self.permits.wake((self.database, run_id))",
         "        if self.permits is not None:\n            pass",
         (
             f"{POST_TURN}::"
@@ -1175,10 +1176,29 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{OUTAGE_LOGS}::{OUTAGE_TEST}",),
     ),
     Mutant(
+        "fleet-lane-claims-past-its-share",
+        "issue 51 item 3: a database's backlog does not starve another's trickle",
+        "relay/delivery/lane.py",
+        "        posts = self.post_turn.posts if permits is not None else None",
+        "        posts = None",
+        (
+            f"{FLEET}::"
+            "test_a_backlog_in_one_database_does_not_starve_anothers_trickle_nor_its_terminal",
+        ),
+    ),
+    Mutant(
+        "fleet-permit-waiters-keyed-by-run-id-alone",
+        "issue 51: a promotion in one database of a fleet never wakes another's waiter",
+        "relay/delivery/post_turn.py",
+        "        self.database = database",
+        "        self.database = None",
+        (f"{POST_TURN}::test_a_promotion_in_one_database_does_not_wake_another_databases_waiter",),
+    ),
+    Mutant(
         "operator-retry-held-by-budget",
         "issue 49 item 3: relay retry sends a run at once, past the retry budget",
         "relay/runner.py",
-        "        self.budget.waive(run_id, clock.now())",
+        "        self.budget.waive(run_id, clock.now(), self.database)",
         "        pass",
         (f"{OUTAGE_LOGS}::test_relay_retry_sends_a_run_the_budget_holds_back_at_once",),
     ),

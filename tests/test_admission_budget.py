@@ -237,3 +237,13 @@ def test_ready_in_does_not_wait_for_the_tokens_retries_in_flight_hold() -> None:
     budget = RetryBudget()
     assert budget.try_retry(100.0) and budget.try_retry(100.0)
     assert budget.spent(100.0) and budget.ready_in(100.0) == 0.0
+
+
+def test_a_waiver_is_one_databases_when_a_fleets_databases_share_a_run_id() -> None:
+    """A fleet's databases share one budget (issue 51) and may hold the same run id: `relay
+    retry` of run r1 in database a passes a's retry of r1, never b's."""
+    budget = spent_budget(100.0)
+    budget.waive("r1", 100.5, "a")
+    assert not budget.try_retry(100.6, ["r1"], "b")  # the same run id in another database
+    assert not budget.try_retry(100.6, ["r1"])  # nor in a relay alone
+    assert budget.try_retry(100.7, ["r1"], "a")

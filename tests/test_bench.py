@@ -71,6 +71,11 @@ KEYS = [
     "flaky_posts_per_first",
     "flaky_posts",
     "flaky_first_attempts",
+    "fleet_eps_one",
+    "fleet_eps",
+    "fleet_ratio",
+    "fleet_connections_one",
+    "fleet_connections",
 ]
 HAS_PGQUEUER = importlib.util.find_spec("pgqueuer") is not None
 HAS_NODE = shutil.which("node") is not None and shutil.which("npm") is not None
@@ -182,6 +187,8 @@ def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
     assert metrics["flaky_lost"] == 0 and metrics["flaky_order_violations"] == 0
     assert metrics["flaky_first_attempts"] > 0 and metrics["flaky_posts"] >= 2
     assert sum(t["target"].startswith("flaky: ") for t in report["targets"]) == 2
+    # one fleet over three databases against one relay over one, paired (issue 51)
+    assert any(t["target"].startswith("fleet: e2e over ") for t in report["targets"])
     # the adaptive limit against the fixed one at a fast ingress, paired
     assert any(t["target"].startswith("e2e_eps ≥ 0.95 × e2e_eps_fixed") for t in report["targets"])
 

@@ -24,11 +24,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from relay import fleet as relay_fleet
+from relay.admission.limit import Limit
+from relay.admission.permits import Admission
+from relay.admission.retry_budget import RetryBudget
 from relay.databases import for_database, load_all
+from relay.delivery.post_turn import LoopLag, Permits
 from relay.fleet import Fleet, probe
 from relay.maintenance.migrate import code_version, migrate
 from relay.producer import enqueue
-from relay.runner import Relay
+from relay.runner import Relay, Shared
 from relay.serving.health import fleet_route
 from relay.tools.sink import Sink, serve_sink
 from tests.conftest import unique
@@ -385,6 +389,74 @@ async def test_a_relay_that_fails_once_serving_is_set_aside_and_started_again(
     set_aside = decisions.named("database_set_aside")
     assert [x["database"] for x in set_aside] == ["s1"]
     assert set_aside[0]["reason"] == "failed: RuntimeError: the first relay of s1 fails"
+
+
+class FewAtATime(RecordingSink):
+    """An ingress that serves two POSTs at a time, each a little slow: a queue forms at it, as
+    at a runtime ingress under load. Its `deliveries` keep the order events first arrived."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.serving = anyio.CapacityLimiter(2)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async with self.serving:
+            await anyio.sleep(0.005)
+            await super().__call__(scope, receive, send)
+
+
+def arrived(sink: Sink, name: str) -> int:
+    """Events of database `name` the ingress has received (each counted once)."""
+    return sum(1 for event_id in sink.state.deliveries if event_id.startswith(name + "-"))
+
+
+async def test_a_backlog_in_one_database_does_not_starve_anothers_trickle_nor_its_terminal(
+    shards: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The databases share one replica's permits (issue 51 item 3). s0 has a backlog of 300
+    runs; the replica's limit is down to 3 (an ingress that serves few POSTs at a time), so s0's
+    lanes keep several POSTs waiting for a permit all along. s1's runs, enqueued one by one once
+    s0 is draining, and then s1's terminal, are each delivered while s0's backlog is still far
+    from drained: a freed permit goes to the waiter that queued first, whatever its database,
+    and each database queues no more POSTs than its lanes' slots; a terminal goes first across
+    the databases. Judged by what the ingress received, not by time."""
+
+    def small_limit(settings: Any) -> Shared:
+        loop_lag = LoopLag()
+        limit = Limit(3, initial=3, slow_start=False)
+        return Shared(
+            loop_lag, Permits(Admission(limit, max_reserve=1), loop_lag.value), RetryBudget()
+        )
+
+    monkeypatch.setattr(relay_fleet, "shared_for", small_limit)
+    backlog = enqueue_runs(shards["s0"], "s0", runs=300, per_run=3)
+    urls = {"s0": shards["s0"], "s1": shards["s1"]}
+    sink = FewAtATime()
+    async with serve_sink(sink) as url, anyio.create_task_group() as tg:
+        f = fleet(urls, url, max_retry=0.5)
+        await tg.start(f.run)
+        await wait_for(lambda: arrived(sink, "s0") >= 60, what="s0 draining")
+        behind = []  # s0's events the ingress received while each of s1's runs waited
+        for r in range(5):
+            before = arrived(sink, "s0")
+            with psycopg.connect(shards["s1"], autocommit=True) as conn:
+                for i in range(2):  # an open run: no terminal yet
+                    enqueue(conn, f"s1-t{r}", f"s1-t{r}-e{i}", "step", {"i": i})
+            last = {f"s1-t{r}-e1"}
+            await wait_for(lambda last=last: delivered(sink, last), what=f"s1 run {r}")
+            behind.append(arrived(sink, "s0") - before)
+        before = arrived(sink, "s0")
+        with psycopg.connect(shards["s1"], autocommit=True) as conn:
+            enqueue(conn, "s1-t0", "s1-t0-end", "done", {}, terminal=True)
+        await wait_for(lambda: delivered(sink, {"s1-t0-end"}), what="s1's terminal")
+        terminal_behind = arrived(sink, "s0") - before
+        drained_by_then = arrived(sink, "s0")
+        await wait_for(lambda: delivered(sink, backlog), what="s0's backlog", timeout=120)
+        f.stop()
+    # s1 was served all along: its runs and its terminal went while s0 still had most of its
+    # backlog (900 events) to deliver.
+    assert drained_by_then < len(backlog) / 2, (drained_by_then, behind, terminal_behind)
+    assert sink.state.order_violations == 0
 
 
 # -- the pure parts --------------------------------------------------------------------------

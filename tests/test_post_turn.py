@@ -337,3 +337,35 @@ async def test_permits_hand_the_loop_lag_to_the_limit_with_each_answer() -> None
     p.answered(permit, Sample(0.010, Signal.ANSWERED))
     p.release(permit)
     assert seen == [0.025]
+
+
+async def test_a_promotion_in_one_database_does_not_wake_another_databases_waiter() -> None:
+    """A fleet's databases share the replica's permits (issue 51) and may hold the same run id:
+    a promotion of run r in database a wakes a's waiter for r (which goes first), and b's
+    waiter for its own r keeps its place in the queue (woken, it would queue again behind later
+    waiters, and a's would not go first)."""
+    p = permits(2)
+    reserve = await p.take(Priority.CRITICAL)  # the critical lane holds the reserve
+    assert reserve is not None
+    turns = {db: PostTurn("ordinary", 4, poll_interval=5.0, permits=p, database=db) for db in "ab"}
+    async with anyio.create_task_group() as tasks:
+        a, b = TurnTakers(turns["a"], tasks), TurnTakers(turns["b"], tasks)
+        await a.queue("a-first", [held("f")])  # the ordinary share: one permit
+        a_r = [held("r")]
+        await a.queue("a-r", a_r)  # a's run r
+        await b.queue("b-r", [held("r")])  # b's run r, queued after it
+        await a.queue("a-later", [held("x")])
+        assert waiting(p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 3}
+        a_r[0].claim = a_r[0].claim.promoted()
+        turns["a"].promote("r")  # a terminal committed for a's run r
+        await anyio.wait_all_tasks_blocked()
+        assert waiting(p) == {Priority.CRITICAL: 1, Priority.ORDINARY: 2}
+        await a.free("a-first")
+        assert a.took == ["a-first", "a-r"]
+        await a.free("a-r")
+        assert b.took == ["b-r"]  # b's r kept its place before a-later
+        await b.free("b-r")
+        assert a.took == ["a-first", "a-r", "a-later"]
+        await a.free("a-later")
+    p.release(reserve)
+    assert inflight(p) == {Priority.CRITICAL: 0, Priority.ORDINARY: 0}

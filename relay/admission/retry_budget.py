@@ -89,7 +89,7 @@ class RetryBudget:
         self._failed = WindowedSum(span)  # POSTs that failed, first attempts and retries
         self._charged = WindowedSum(span)  # retries that kept their token
         self._retrying = 0
-        self._waived: dict[str, float] = {}  # run id -> until when its next retry passes
+        self._waived: dict[tuple[str | None, str], float] = {}  # (database, run id) -> until when
 
     def balance(self, now: float) -> float:
         """Tokens left: deposits and the reserve, less charged retries and retries in flight."""
@@ -122,25 +122,27 @@ class RetryBudget:
             when = (math.floor(when / width) + 1) * width + width * 1e-6  # the next slice's
         return self.span
 
-    def waive(self, run_id: str, now: float) -> None:
-        """An operator asked for `run_id` to be retried now: its next retry passes the budget."""
+    def waive(self, run_id: str, now: float, database: str | None = None) -> None:
+        """An operator asked for `run_id` (of `database`, in a fleet) to be retried now: its next
+        retry passes the budget. A fleet's databases share one budget and may share run ids:
+        a waiver is the one database's (issue 51)."""
         self._waived = {r: until for r, until in self._waived.items() if until > now}
-        self._waived[run_id] = now + WAIVER_TTL
+        self._waived[(database, run_id)] = now + WAIVER_TTL
 
-    def try_retry(self, now: float, runs: Iterable[str] = ()) -> bool:
-        """May a retry (of `runs`) go out now? If so it holds a token until
+    def try_retry(self, now: float, runs: Iterable[str] = (), database: str | None = None) -> bool:
+        """May a retry (of `runs`, of `database`) go out now? If so it holds a token until
         `record(retry=True, ...)`. One of `runs` an operator waived the budget for goes whatever
         the balance, and takes its waiver."""
-        waived = self._take_waiver(runs, now)
+        waived = self._take_waiver(runs, database, now)
         if not waived and self.balance(now) < 1.0:
             return False
         self._retrying += 1
         return True
 
-    def _take_waiver(self, runs: Iterable[str], now: float) -> bool:
+    def _take_waiver(self, runs: Iterable[str], database: str | None, now: float) -> bool:
         if not self._waived:  # the common case: nobody asked
             return False
-        taken = [r for r in runs if self._waived.pop(r, 0.0) > now]
+        taken = [r for r in runs if self._waived.pop((database, r), 0.0) > now]
         return bool(taken)
 
     def record(self, result: Result, *, retry: bool, now: float) -> None:

@@ -37,9 +37,16 @@ class Bookkeeping:
     `stats.deferred`; logs `limit_sample_failed` under the lane's name."""
 
     def __init__(
-        self, settings: Settings, stats: ExecuteStats, *, lane: str, budget: RetryBudget | None
+        self,
+        settings: Settings,
+        stats: ExecuteStats,
+        *,
+        lane: str,
+        budget: RetryBudget | None,
+        database: str | None = None,
     ) -> None:
         self.lane = lane
+        self.database = database  # in a fleet, the database whose runs these are (issue 51)
         self.budget = budget  # the replica's retry budget, shared with the other lane
         self.settings = settings
         self.stats = stats
@@ -50,7 +57,7 @@ class Bookkeeping:
         an operator retried one of its `runs` (`relay retry`: the budget waives it)."""
         if self.budget is None or not retried:
             return True
-        return self.budget.try_retry(clock.now(), runs)
+        return self.budget.try_retry(clock.now(), runs, self.database)
 
     def deferral(self, attempts: int) -> float:
         """How long a retry the budget refused waits (`_held_back`). Counted in the executor's

@@ -116,9 +116,10 @@ class Executor:
         lane: str = "",
         tracer: Tracer = NO_TRACING,
         budget: RetryBudget | None = None,
+        database: str | None = None,
     ) -> None:
         self.lane = lane
-        self.books = Bookkeeping(settings, stats, lane=lane, budget=budget)
+        self.books = Bookkeeping(settings, stats, lane=lane, budget=budget, database=database)
         self.tracer = tracer
         self.settings = settings
         self.store = store  # read only: the widening of a claim and the renewal of leases

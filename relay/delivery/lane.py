@@ -78,6 +78,7 @@ class Lane:
         tracer: Tracer = NO_TRACING,
         permits: Permits | None = None,
         budget: RetryBudget | None = None,
+        database: str | None = None,
     ) -> None:
         self.name = name
         self.settings = settings
@@ -85,7 +86,14 @@ class Lane:
         self.concurrency = concurrency
         self.fetched = FetchStats()
         self.execute = Executor(
-            settings, store, ingress, ExecuteStats(), lane=name, tracer=tracer, budget=budget
+            settings,
+            store,
+            ingress,
+            ExecuteStats(),
+            lane=name,
+            tracer=tracer,
+            budget=budget,
+            database=database,
         )
         self.complete = Completer(
             name,
@@ -104,8 +112,11 @@ class Lane:
         self.targets: list[str] = []  # runs to drain now (critical lane)
         self.wanted: set[str] = set()  # terminal runs we could not claim yet
         # Each claim's or group's turn to POST: the lane's slots and the replica's permits,
-        # critical ones first (relay/delivery/post_turn.py).
-        self.post_turn = PostTurn(name, concurrency, settings.poll_interval, permits)
+        # critical ones first (relay/delivery/post_turn.py); in a fleet, the permits are every
+        # database's, and its waiters are known by (database, run id).
+        self.post_turn = PostTurn(
+            name, concurrency, settings.poll_interval, permits, database=database
+        )
         # The claims held, their bytes; as many as the POST turn can carry soon.
         posts = self.post_turn.posts if permits is not None else None
         self.holdings = Holdings(settings, concurrency, posts)

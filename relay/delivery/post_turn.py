@@ -230,9 +230,19 @@ class PostTurn:
     whose claim waits, `stop()` with the lane."""
 
     def __init__(
-        self, lane: str, concurrency: int, poll_interval: float, permits: Permits | None
+        self,
+        lane: str,
+        concurrency: int,
+        poll_interval: float,
+        permits: Permits | None,
+        *,
+        database: str | None = None,
     ) -> None:
         self.lane = lane
+        # In a fleet the permits are every database's, and two databases may hold the same run
+        # id: a waiter is known to them by (database, run id), so a promotion in one database
+        # never wakes another's waiter (issue 51).
+        self.database = database
         self.poll_interval = poll_interval
         self.slots = Slots(concurrency)  # one queue, critical ones first (relay/delivery/slots.py)
         self.permits = permits  # the replica's, shared with the other lane; None: fixed limit
@@ -256,14 +266,14 @@ class PostTurn:
         self.slots.wake_all()
         if self.permits is not None:
             for run_id in self._waiting_for_permits:
-                self.permits.wake(run_id)
+                self.permits.wake((self.database, run_id))
 
     def promote(self, run_id: str) -> None:
         """The run's claim turned targeted while it waits: its waiter queues again, first (a
         single claim without a slot hands itself over to the critical lane)."""
         self.slots.wake(run_id)
         if self.permits is not None:
-            self.permits.wake(run_id)
+            self.permits.wake((self.database, run_id))
 
     def done(self, holds: Sequence[Held]) -> None:
         """The delivery of these claims is over (their turn freed or never had)."""
@@ -302,7 +312,8 @@ class PostTurn:
         try:
             while not self.stopping:
                 priority = Priority.CRITICAL if _targeted(self.lane, holds) else Priority.ORDINARY
-                permit = await self.permits.take(priority, run_ids)
+                keys = [(self.database, r) for r in run_ids]
+                permit = await self.permits.take(priority, keys)
                 if permit is None:
                     continue  # woken without one: promoted (asks again, as critical) or stopping
                 if self.stopping:

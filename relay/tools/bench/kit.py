@@ -342,7 +342,8 @@ async def relay_processes(
 ) -> AsyncIterator[list[RelayProcess]]:
     """`n` replicas of `relay run` (default settings unless given; `environ`: more variables,
     such as OTEL_*), ready (their /readyz answers 200) when the block starts; stopped
-    gracefully (SIGTERM) when it ends."""
+    gracefully (SIGTERM) when it ends. `environ` with `RELAY_DATABASES`: a fleet over those
+    databases (issue 51) instead of `env.url` alone."""
     procs: list[RelayProcess] = []
     code = "import sys; from relay.cli import main; sys.exit(main(['run']))"
     async with AsyncExitStack() as stack:
@@ -359,6 +360,8 @@ async def relay_processes(
             }
             variables |= {f"RELAY_{k.upper()}": v for k, v in settings.items()}
             variables |= environ or {}
+            if "RELAY_DATABASES" in variables:  # the list form names every database itself
+                del variables["RELAY_DATABASE_URL"]
             log = env.workdir / f"relay-{port}.log"
             with log.open("wb") as err:
                 proc = await anyio.open_process(

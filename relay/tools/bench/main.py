@@ -53,6 +53,7 @@ from relay.tools.bench import cpu as bench_cpu
 from relay.tools.bench import enqueue_scaling as bench_enqueue_scaling
 from relay.tools.bench import fairness as bench_fairness
 from relay.tools.bench import flaky as bench_flaky
+from relay.tools.bench import fleet as bench_fleet
 from relay.tools.bench import latency as bench_latency
 from relay.tools.bench import throughput as bench_throughput
 from relay.tools.bench import tracing_cost as bench_tracing
@@ -298,6 +299,7 @@ SCENARIOS: dict[str, Scenario] = {
         *bench_capacity.SCENARIOS,
         *bench_fairness.SCENARIOS,
         *bench_flaky.SCENARIOS,
+        *bench_fleet.SCENARIOS,
         Scenario(
             "wake",
             "ack-to-task-resumed latency: stock Absurd polling vs the wake listener",
@@ -351,6 +353,7 @@ def targets(m: dict[str, Any], settings: dict[str, str] | None = None) -> list[d
         _capacity,
         _fairness,
         _flaky,
+        _fleet,
     )
     for family in families:
         family(judged)
@@ -564,6 +567,16 @@ def _flaky(j: _Judged) -> None:
         wrong = m["flaky_lost"] + m["flaky_order_violations"]
         rule = "everything delivered after the recovery, order kept"
         add(f"flaky: {rule} ({how})", wrong, 0, wrong == 0)
+
+
+def _fleet(j: _Judged) -> None:
+    """Issue 51: the same backlog spread over three databases served by one fleet drains at
+    least 0.9 × as fast as in one database by one relay (the median of paired reps, fleet.py)."""
+    if j.has("fleet_ratio"):
+        r = j.m["fleet_ratio"]
+        how = j.settings.get("fleet_eps", "the fleet scenario")
+        add = j.add
+        add(f"fleet: e2e over {how} ≥ 0.9 × one database's (paired reps)", r, 0.9, r >= 0.9)
 
 
 # -- the shell ---------------------------------------------------------------------------------
