@@ -20,7 +20,16 @@ from typing import Any
 
 import orjson
 
-from relay.ops.format import audit, clean, fmt_age, fmt_bytes, fmt_time, operator, run_state
+from relay.ops.format import (
+    audit,
+    clean,
+    fmt_age,
+    fmt_bytes,
+    fmt_time,
+    key_label,
+    operator,
+    run_state,
+)
 
 FOLDING = frozenset({"error", "note", "value", "event", "type", "run", "owner"})
 GAP = "   "
@@ -157,13 +166,7 @@ def render_status(data: Mapping[str, Any], width: int) -> str:
     parts = [table("Backlog", ("runs", "count", "pending events", "oldest pending"), lanes, width)]
     keys = data.get("keys") or []  # absent before schema version 10's functions
     if any(k["key"] != "" for k in keys):  # only once a producer names a key
-        by_key = [
-            (
-                "(other)" if k["key"] is None else "(default)" if k["key"] == "" else k["key"],
-                k["runs"],
-            )
-            for k in keys
-        ]
+        by_key = [(key_label(k["key"]), k["runs"]) for k in keys]
         parts.append(
             table("Backlog by fairness key (the 10 with the most)", ("key", "runs"), by_key, width)
         )

@@ -37,11 +37,14 @@ INGRESS_STATES = ("ok", "recovering", "misconfigured")  # what a report's `ingre
 
 @dataclass(frozen=True, slots=True)
 class Backlog:
-    """The backlog gauges' last refresh (relay/serving/health.py): `backlog()`'s rows, and when
-    (monotonic seconds)."""
+    """The backlog gauges' last refresh (relay/serving/health.py): `backlog()`'s rows, when
+    (monotonic seconds), and `backlog_by_key()`'s rows (key, runs: the keys with the most, None
+    for the rest, '' the default key; empty when the database's functions are older than
+    schema version 10's)."""
 
     rows: tuple[tuple[str, int, int, float], ...]
     at: float
+    keys: tuple[tuple[str | None, int], ...] = ()
 
 
 class Data:
@@ -177,9 +180,10 @@ def limit_figures(
 
 
 def backlog_figures(backlog: Backlog | None, held_events: Any, now: float) -> dict[str, Any]:
-    """`lanes` and `blocked` shaped as `status()` shapes them, from the backlog gauges' last
-    refresh instead of a pass over the pending events per page view: exact as of
-    `backlog_age_seconds` ago (None, and every figure None, before the first refresh)."""
+    """`lanes`, `keys` and `blocked` shaped as `status()` shapes them, from the backlog gauges'
+    last refresh instead of a pass over the pending events per page view: exact as of
+    `backlog_age_seconds` ago (None, and every figure None, before the first refresh; `keys`
+    empty then)."""
     rows = {r[0]: r for r in backlog.rows} if backlog is not None else {}
 
     def of(lane: str) -> tuple[int | None, int | None, float | None]:
@@ -201,8 +205,9 @@ def backlog_figures(backlog: Backlog | None, held_events: Any, now: float) -> di
         "oldest_failure_age_seconds": oldest,
         "held_events": held_events,
     }
+    keys = [{"key": k, "runs": n} for k, n in backlog.keys] if backlog is not None else []
     age = None if backlog is None else max(0.0, now - backlog.at)
-    return {"lanes": lanes, "blocked": blocked, "backlog_age_seconds": age}
+    return {"lanes": lanes, "keys": keys, "blocked": blocked, "backlog_age_seconds": age}
 
 
 def _worst(values: Iterable[float | None]) -> float | None:
