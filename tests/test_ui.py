@@ -26,6 +26,7 @@ from relay.serving.ui.data import (
     Backlog,
     backlog_figures,
     build_report,
+    claimed_by_class,
     ingress_state,
     limit_figures,
     shape_status,
@@ -242,6 +243,26 @@ def test_the_backlog_rows_are_finished_and_open_runs_not_lanes() -> None:
     assert "runs" not in lanes and "events" not in lanes, lanes  # no backlog figure there
 
 
+def test_the_claims_by_class_are_this_replicas_lanes_summed() -> None:
+    """Issue 50 item 4: the page's runs claimed by class, both lanes together, as
+    claimed_runs_by_class_total counts them per lane; '-' without the figures."""
+    lanes = [
+        LaneView(name, LaneStats(by_class=counts), 0, 0, 0.0, misconfigured=False)
+        for name, counts in (
+            ("critical", {"targeted": 4, "finished": 0, "due": 0}),
+            ("ordinary", {"targeted": 1, "finished": 30, "due": 10}),
+        )
+    ]
+    claimed = claimed_by_class(lanes)
+    assert claimed == {"targeted": 5, "finished": 30, "due": 10}
+    view = status_view(hostile_status("r") | {"claimed_by_class": claimed})
+    f = view["figures"]
+    assert (f["claimed.targeted"], f["claimed.finished"], f["claimed.due"]) == ("5", "30", "10")
+    html = status_page(view, 3.0, 50).decode()
+    assert '<span data-k="claimed.finished">30</span></b>finished runs' in html
+    assert status_view(hostile_status("r"))["figures"]["claimed.due"] == "-"
+
+
 def test_run_page_links_to_its_next_events() -> None:
     run = {"run_id": "a/b", "blocked_seq": None, "epoch": None}
     events = [{"seq": i, "event_id": f"e{i}", "state": "delivered"} for i in range(1, 4)]
@@ -359,6 +380,11 @@ async def test_status_page_of_a_running_relay(
             cli = status_cli(pg_url, schema)
             for key in ("lanes", "keys", "blocked", "expired_leases"):
                 assert counts_of(data[key]) == counts_of(cli[key]), key
+            # this replica's runs claimed by class, as its lanes count them (issue 50 item 4)
+            claimed = data["claimed_by_class"]
+            assert claimed == claimed_by_class(r.view.lanes()), claimed
+            assert claimed["due"] >= 5, claimed  # the four good runs and the hostile one
+            assert data["view"]["figures"]["claimed.due"] == f"{claimed['due']:,}"
             # the backlog by fairness key (issue 50 item 4); the blocked run counts in none
             assert sorted(data["keys"], key=lambda k: k["key"]) == [
                 {"key": HOSTILE, "runs": 1}, {"key": "tenant-b", "runs": 1},

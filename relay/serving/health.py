@@ -139,6 +139,7 @@ class Endpoints:
             retry_budget=view.retry_budget,
             fixed_limit=settings.post_ceiling,
             open_without_token=serves_without_token(split_addr(settings.metrics_addr or ":0")[0]),
+            lanes=view.lanes,
         )
 
     # liveness and readiness

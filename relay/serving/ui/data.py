@@ -179,6 +179,21 @@ def limit_figures(
     }
 
 
+CLASSES = ("targeted", "finished", "due")  # a claim's class (issue 50; docs/design.md)
+
+
+def claimed_by_class(lanes: Iterable[LaneView]) -> dict[str, int]:
+    """This replica's runs claimed by class since it started, both lanes together (issue 50
+    item 4): `targeted` terminals (signalled as they commit), `finished` runs (a pending
+    terminal found by discovery), `due` (the rest); what `claimed_runs_by_class_total` counts
+    per lane."""
+    out = dict.fromkeys(CLASSES, 0)
+    for lane in lanes:
+        for name, n in lane.stats.by_class.items():
+            out[name] = out.get(name, 0) + n
+    return out
+
+
 def backlog_figures(backlog: Backlog | None, held_events: Any, now: float) -> dict[str, Any]:
     """`lanes`, `keys` and `blocked` shaped as `status()` shapes them, from the backlog gauges'
     last refresh instead of a pass over the pending events per page view: exact as of

@@ -105,6 +105,12 @@ LIMIT_CARDS = (
     ("limit.min_rtt", "minimum round trip", False),
     ("limit.tokens", "retry tokens", False),
 )
+# This replica's runs claimed by class (issue 50 item 4).
+CLAIM_CARDS = (
+    ("claimed.targeted", "targeted terminals", False),
+    ("claimed.finished", "finished runs", False),
+    ("claimed.due", "due runs", False),
+)
 # An alarm card's calm figures where they are not "0" ("-": no figure yet).
 ALARMS = {"limit.state": ("steady", "fixed", "-")}
 
@@ -159,6 +165,7 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
     pager = _pager(offset, len(view["blocked"]), page_size)
     cards = "".join(_card(f, key, label, alarm) for key, label, alarm in CARDS)
     limit_cards = "".join(_card(f, key, label, alarm) for key, label, alarm in LIMIT_CARDS)
+    claim_cards = "".join(_card(f, key, label, alarm) for key, label, alarm in CLAIM_CARDS)
     body = (
         "<h1>ledger-relay</h1>"
         f'<p class="meta">served by {_fig(f, "replica_id")} · database time {_fig(f, "db_now")}'
@@ -183,6 +190,12 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
         " every four claims while open ones wait too.</p><table><thead><tr><th>lane</th>"
         '<th class="n">delivery rate</th><th class="n">lag p50</th><th class="n">lag p99</th>'
         f'</tr></thead><tbody id="lanes">{lanes}</tbody></table>'
+        "<h2>Runs claimed by class (this replica, since it started)</h2>"
+        f'<div class="cards" id="claims">{claim_cards}</div>'
+        '<p class="meta">Targeted terminals are signalled as they commit (the critical lane\'s'
+        " only work, claimed at once); finished runs have a pending terminal and are found by"
+        " discovery; due runs are the rest. Live from the replica serving this page; every"
+        " replica's, per lane, in claimed_runs_by_class_total.</p>"
         "<h2>Ingress limit (this replica)</h2>"
         f'<div class="cards" id="ingress-limit">{limit_cards}</div>'
         '<p class="meta">POSTs to the ingress this replica may have in flight under its'

@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 from relay.ops.format import clean, fmt_age, fmt_bytes, fmt_time, key_label
 from relay.ops.render import BACKLOG_ROWS
+from relay.serving.ui.data import CLASSES
 from relay.serving.ui.series import LANES
 
 Cell = str | list[str]
@@ -115,6 +116,9 @@ def figures(data: dict[str, Any]) -> dict[str, str]:
     out["part_age"] = fmt_age(data.get("outbox_part_age_seconds"))
     out["replica_id"] = clean(data.get("replica_id", ""), 200)
     out |= _limit_card(data.get("ingress_limit"))
+    claimed = data.get("claimed_by_class") or {}
+    for name in CLASSES:
+        out[f"claimed.{name}"] = _num(claimed.get(name)) if claimed else "-"
     return out
 
 
