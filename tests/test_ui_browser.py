@@ -234,6 +234,29 @@ async def test_status_page_in_chromium(
         )
         assert points.strip(), "the ordinary lane's rate chart has points"
 
+        # A producer names a hostile fairness key (issue 50 item 4): the table by key refreshes
+        # it in as text at the next backlog refresh, without a reload, and nothing runs.
+        with conn.transaction():  # due in an hour before any relay hears of it
+            conn.execute(
+                q(schema, "select {s}.enqueue('keyed', 'keyed-e', 'step', %s::jsonb,"
+                          " p_fairness_key => %s)"),
+                ("{}", HOSTILE),
+            )  # fmt: skip
+            conn.execute(
+                q(schema, "update {s}.runs set next_attempt_at = now() + interval '1 hour'"
+                          " where run_id = 'keyed'"),
+            )  # fmt: skip
+        await a.endpoints.probe(refresh=True)
+        await wait_page(
+            browser,
+            lambda d: any(r.startswith(clean(HOSTILE)) for r in texts(d, "#key-rows tr")),
+            "the hostile key, refreshed in",
+        )
+        assert await off(browser.execute_script, "return window.notReloaded") is True
+        assert await off(browser.execute_script, "return typeof window.pwned") == "undefined"
+        links = "return document.querySelectorAll('#key-rows a').length"
+        assert await off(browser.execute_script, links) == 0
+
         shot = os.environ.get("RELAY_UI_SCREENSHOT")
         if shot:
             await anyio.sleep(3)  # a few more refreshes: more of the rate chart
