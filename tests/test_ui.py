@@ -86,6 +86,7 @@ def test_report_has_counters_only() -> None:
             "ordinary": {
                 "delivered": 7, "claimed": 3, "renewals": 4, "retries": 0, "blocked": 0,
                 "leases_lost": 0, "inflight": 1, "lag_p50": 0.01, "lag_p99": 0.2,
+                "claimed_targeted": 0, "claimed_finished": 0, "claimed_due": 0,
             }
         },
         "ingress": "ok",

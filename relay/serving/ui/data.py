@@ -33,6 +33,7 @@ RUN_EVENTS_PAGE = 200  # events per run page
 REPORT_TTL = 120.0  # seconds after which a replica's report shows as stale
 RECOVERING_FOR = 60.0  # seconds an ingress counts as "recovering" after it was misconfigured
 INGRESS_STATES = ("ok", "recovering", "misconfigured")  # what a report's `ingress` may say
+CLASSES = ("targeted", "finished", "due")  # a claim's class (issue 50; docs/design.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,8 @@ def build_report(
 ) -> dict[str, Any]:
     """This replica's report: per lane its cumulative counters, in flight, and lag p50/p99 of
     the last 15 minutes; its ingress health; under the adaptive limit (`admission` not None)
-    its POST turn (`report_limit`). Counters only: no ids, no payloads."""
+    its POST turn (`report_limit`). Per lane also its runs claimed by class (`claimed_targeted`,
+    `claimed_finished`, `claimed_due`; issue 50). Counters only: no ids, no payloads."""
     out: dict[str, Any] = {}
     for lane in lanes:
         q = lag.get(lane.name, {})
@@ -120,6 +122,8 @@ def build_report(
             "inflight": lane.inflight,
             "lag_p50": q.get("p50"),
             "lag_p99": q.get("p99"),
+            # runs claimed by class (issue 50 item 4): relay status shows each replica's
+            **{f"claimed_{c}": lane.stats.by_class.get(c, 0) for c in CLASSES},
         }
     report: dict[str, Any] = {"lanes": out, "ingress": ingress}
     if admission is not None:
@@ -177,9 +181,6 @@ def limit_figures(
         "min_rtt_seconds": limit.min_rtt,
         "retry_tokens": tokens,
     }
-
-
-CLASSES = ("targeted", "finished", "due")  # a claim's class (issue 50; docs/design.md)
 
 
 def claimed_by_class(lanes: Iterable[LaneView]) -> dict[str, int]:
