@@ -577,6 +577,32 @@ begin
 end
 $$;
 
+-- A replica's runs claimed by class as its last report gives them (issue 50 item 4), both
+-- lanes summed: {"targeted": n, "finished": n, "due": n}, under the same conditions as
+-- replica_limit, and null for a report without them (a relay of a release before).
+create or replace function replica_claims(
+    p_report jsonb, p_reported_at timestamptz, p_now timestamptz
+) returns jsonb
+language plpgsql immutable
+set search_path from current
+as $$
+declare
+    v_claims jsonb;
+begin
+    if p_reported_at > p_now - make_interval(secs => report_ttl_seconds())
+       and report_problem(p_report) is null then
+        select jsonb_object_agg(c.name, c.n) into v_claims
+        from (select x.name, sum((l.value ->> ('claimed_' || x.name))::bigint) as n
+              from jsonb_each(coalesce(p_report -> 'lanes', '{}')) l,
+                   unnest(array['targeted', 'finished', 'due']) x(name)
+              where l.value ? ('claimed_' || x.name)
+              group by x.name) c;
+        return v_claims;
+    end if;
+    return null;
+end
+$$;
+
 -- The figures `relay status` and the status page (ui_figures) share, each index-backed and
 -- none growing with the outbox: pending events held behind failed ones (blocked_runs: one
 -- probe per blocked run), live leases per owner and expired ones (runs_leased; the expired
@@ -611,7 +637,8 @@ as $$
                        'alive', not pg_try_advisory_xact_lock_shared(
                            liveness_key_of(rp.owner, rp.incarnation)),
                        'started_at', rp.started_at, 'seen_at', rp.seen_at,
-                       'limit', replica_limit(rp.report, rp.reported_at, p_now))
+                       'limit', replica_limit(rp.report, rp.reported_at, p_now),
+                       'claimed_by_class', replica_claims(rp.report, rp.reported_at, p_now))
                    order by rp.owner)
             from replicas rp), '[]'),
         'tables', jsonb_build_object(

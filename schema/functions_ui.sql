@@ -82,7 +82,9 @@ as $$
         else report_object_problem(format('lanes.%s', p_lane), p_counters, jsonb_build_object(
             'delivered', 'count', 'claimed', 'count', 'renewals', 'count', 'retries', 'count',
             'blocked', 'count', 'leases_lost', 'count', 'inflight', 'count',
-            'lag_p50', 'seconds or null', 'lag_p99', 'seconds or null'))
+            'lag_p50', 'seconds or null', 'lag_p99', 'seconds or null',
+            -- runs claimed by class (issue 50 item 4), since the release that counts them
+            'claimed_targeted', 'count', 'claimed_finished', 'count', 'claimed_due', 'count'))
     end
 $$;
 

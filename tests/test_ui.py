@@ -20,8 +20,17 @@ import pytest
 
 from relay.admission.permits import AdmissionView
 from relay.delivery.lane import LaneStats, LaneView
+from relay.ops.format import clean
 from relay.runner import Relay
-from relay.serving.ui.data import build_report, ingress_state, limit_figures, shape_status
+from relay.serving.ui.data import (
+    Backlog,
+    backlog_figures,
+    build_report,
+    claimed_by_class,
+    ingress_state,
+    limit_figures,
+    shape_status,
+)
 from relay.serving.ui.page import run_page, status_page
 from relay.serving.ui.series import LagWindow, RateSeries, percentile
 from relay.serving.ui.view import commands, run_href, sh, status_view
@@ -77,6 +86,7 @@ def test_report_has_counters_only() -> None:
             "ordinary": {
                 "delivered": 7, "claimed": 3, "renewals": 4, "retries": 0, "blocked": 0,
                 "leases_lost": 0, "inflight": 1, "lag_p50": 0.01, "lag_p99": 0.2,
+                "claimed_targeted": 0, "claimed_finished": 0, "claimed_due": 0,
             }
         },
         "ingress": "ok",
@@ -179,6 +189,81 @@ def test_pages_escape_every_value(run_id: str) -> None:
     assert quote(run_id[:50], safe="") in html  # the link, quoted
 
 
+def section(html: str, tbody: str) -> str:
+    """The rows of the page's table body `tbody`."""
+    start = html.index(f'<tbody id="{tbody}">')
+    return html[start : html.index("</tbody>", start)]
+
+
+@pytest.mark.parametrize("key", [HOSTILE, "\"'><svg/onload=alert(1)>", "😀 \u0000 \u202e"])
+def test_the_backlog_by_key_shows_producers_keys_as_text(key: str) -> None:
+    """Issue 50 item 4: the page's table by fairness key, from the backlog refresh: a key is a
+    producer's text, escaped and cleaned (control and bidi characters as escapes), never a link;
+    the rest of the keys `(other)`, the default key `(default)`, as in `relay status`."""
+    rows = (("ordinary", 6, 6, 1.0),)
+    keys = ((key, 3), ("", 2), (None, 1))
+    totals = backlog_figures(Backlog(rows, 0.0, keys), 0, 1.0)
+    assert totals["keys"] == [
+        {"key": key, "runs": 3}, {"key": "", "runs": 2}, {"key": None, "runs": 1},
+    ]  # fmt: skip
+    data = hostile_status("r") | totals
+    view = status_view(data)
+    assert view["keys"] == [[clean(key, 120), "3"], ["(default)", "2"], ["(other)", "1"]]
+    html = status_page(view, 3.0, 50).decode()
+    shown = section(html, "key-rows")
+    head, _, _ = html.rpartition("<script>")
+    assert "<script" not in head and "<img" not in head and "<svg/" not in head
+    assert f"<td>{html_lib.escape(clean(key, 120))}</td>" in shown, shown
+    assert "\u202e" not in shown and "\u0000" not in shown  # shown as escapes, not as such
+    assert "<a " not in shown
+    # Every run the default key's (or functions older than schema version 10): no rows
+    for without in ((("", 5),), ()):
+        totals = backlog_figures(Backlog(rows, 0.0, without), 0, 1.0)
+        view = status_view(hostile_status("r") | totals)
+        assert view["keys"] == []
+        assert 'id="key-rows-empty" class="empty">' in status_page(view, 3.0, 50).decode()
+
+
+def test_the_backlog_rows_are_finished_and_open_runs_not_lanes() -> None:
+    """Issue 50: the backlog's runs whose terminal is pending are finished runs, prioritised
+    work found by discovery, not the critical lane's control traffic: the page names the rows
+    by the runs they count, as `relay status` does, and keeps 'critical' for the lane's own
+    rate and lag. The JSON's `lanes` keep `backlog()`'s names, as `relay status --json`."""
+    rows = (("critical", 2, 20, 5.0), ("ordinary", 3, 4, 1.0))
+    data = hostile_status("r") | backlog_figures(Backlog(rows, 0.0), 0, 1.0)
+    assert [x["lane"] for x in data["lanes"]] == ["critical", "ordinary"]
+    view = status_view(data)
+    f = view["figures"]
+    assert (f["finished.runs"], f["finished.events"], f["open.runs"]) == ("2", "20", "3")
+    html = status_page(view, 3.0, 50).decode()
+    backlog = section(html, "backlog")
+    assert "<td>finished</td>" in backlog and "<td>open</td>" in backlog
+    assert "critical" not in backlog and "ordinary" not in backlog, backlog
+    lanes = section(html, "lanes")
+    assert "<td>critical</td>" in lanes and 'data-k="critical.rate"' in lanes
+    assert "runs" not in lanes and "events" not in lanes, lanes  # no backlog figure there
+
+
+def test_the_claims_by_class_are_this_replicas_lanes_summed() -> None:
+    """Issue 50 item 4: the page's runs claimed by class, both lanes together, as
+    claimed_runs_by_class_total counts them per lane; '-' without the figures."""
+    lanes = [
+        LaneView(name, LaneStats(by_class=counts), 0, 0, 0.0, misconfigured=False)
+        for name, counts in (
+            ("critical", {"targeted": 4, "finished": 0, "due": 0}),
+            ("ordinary", {"targeted": 1, "finished": 30, "due": 10}),
+        )
+    ]
+    claimed = claimed_by_class(lanes)
+    assert claimed == {"targeted": 5, "finished": 30, "due": 10}
+    view = status_view(hostile_status("r") | {"claimed_by_class": claimed})
+    f = view["figures"]
+    assert (f["claimed.targeted"], f["claimed.finished"], f["claimed.due"]) == ("5", "30", "10")
+    html = status_page(view, 3.0, 50).decode()
+    assert '<span data-k="claimed.finished">30</span></b>finished runs' in html
+    assert status_view(hostile_status("r"))["figures"]["claimed.due"] == "-"
+
+
 def test_run_page_links_to_its_next_events() -> None:
     run = {"run_id": "a/b", "blocked_seq": None, "epoch": None}
     events = [{"seq": i, "event_id": f"e{i}", "state": "delivered"} for i in range(1, 4)]
@@ -257,6 +342,19 @@ async def test_status_page_of_a_running_relay(
     enqueue(conn, schema, HOSTILE, 3, "h")
     for i in range(4):
         enqueue(conn, schema, f"ok{i}", 3, "a")
+    # two runs of named fairness keys, one a hostile text, due in an hour: pending throughout
+    for run_id, key in (("keyed-1", HOSTILE), ("keyed-2", "tenant-b")):
+        conn.execute(
+            q(schema, "select {s}.enqueue(%s, %s, 'step', %s::jsonb, p_fairness_key => %s)"),
+            (run_id, run_id + "-e", "{}", key),
+        )
+    conn.execute(
+        q(
+            schema,
+            "update {s}.runs set next_attempt_at = now() + interval '1 hour'"
+            " where run_id like 'keyed-%%'",
+        )
+    )
     # the current part of the outbox has taken events for two hours (retention: a day)
     conn.execute(
         q(
@@ -271,7 +369,7 @@ async def test_status_page_of_a_running_relay(
         base = f"http://127.0.0.1:{port}"
         await wait_for(
             lambda: (
-                count(conn, schema, "state = 'pending'") == 2
+                count(conn, schema, "state = 'pending'") == 2 + 2
                 and count(conn, schema, "state = 'failed'") == 1
             ),
             what="the good runs delivered and the hostile one blocked",
@@ -281,8 +379,17 @@ async def test_status_page_of_a_running_relay(
         async with httpx.AsyncClient(base_url=base, timeout=30) as client:
             data = (await client.get("/api/status")).json()
             cli = status_cli(pg_url, schema)
-            for key in ("lanes", "blocked", "expired_leases"):
+            for key in ("lanes", "keys", "blocked", "expired_leases"):
                 assert counts_of(data[key]) == counts_of(cli[key]), key
+            # this replica's runs claimed by class, as its lanes count them (issue 50 item 4)
+            claimed = data["claimed_by_class"]
+            assert claimed == claimed_by_class(r.view.lanes()), claimed
+            assert claimed["due"] >= 5, claimed  # the four good runs and the hostile one
+            assert data["view"]["figures"]["claimed.due"] == f"{claimed['due']:,}"
+            # the backlog by fairness key (issue 50 item 4); the blocked run counts in none
+            assert sorted(data["keys"], key=lambda k: k["key"]) == [
+                {"key": HOSTILE, "runs": 1}, {"key": "tenant-b", "runs": 1},
+            ]  # fmt: skip
             assert set(data["tables"]) == set(cli["tables"])
             # The last minute's runs are status()'s only: at any backlog the page shows the
             # fleet's delivery rate instead (the figure reads every active run).
@@ -315,6 +422,9 @@ async def test_status_page_of_a_running_relay(
             assert f'href="/runs/{quote(HOSTILE, safe="")}"' in html
             assert "422" in html
             assert "current outbox part open" in html
+            keys = section(html, "key-rows")
+            assert f"<td>{html_lib.escape(clean(HOSTILE, 120))}</td>" in keys, keys
+            assert "<td>tenant-b</td>" in keys
 
             before = data_layer.queries
             run = await client.get(f"/runs/{quote(HOSTILE, safe='')}")

@@ -178,15 +178,15 @@ async def test_status_page_in_chromium(
         # The figures match `relay status --json` (the traffic is done: they hold still).
         cli = await off(status_cli, pg_url, schema)
         shown = await off(lambda: {k: figure(browser, k) for k in (
-            "blocked.runs", "blocked.events", "blocked.held", "ordinary.events",
-            "critical.events", "expired_leases")})  # fmt: skip
+            "blocked.runs", "blocked.events", "blocked.held", "open.events",
+            "finished.events", "expired_leases")})  # fmt: skip
         lanes = {x["lane"]: x for x in cli["lanes"]}
         assert shown == {
             "blocked.runs": str(cli["blocked"]["runs"]),
             "blocked.events": str(cli["blocked"]["events"]),
             "blocked.held": str(cli["blocked"]["held_events"]),
-            "ordinary.events": str(lanes.get("ordinary", {}).get("events", 0)),
-            "critical.events": str(lanes.get("critical", {}).get("events", 0)),
+            "open.events": str(lanes.get("ordinary", {}).get("events", 0)),
+            "finished.events": str(lanes.get("critical", {}).get("events", 0)),
             "expired_leases": str(cli["expired_leases"]),
         }
         assert shown["blocked.runs"] == "1" and shown["blocked.held"] == "2"
@@ -233,6 +233,29 @@ async def test_status_page_in_chromium(
             "return document.getElementById('line-ordinary').getAttribute('points')",
         )
         assert points.strip(), "the ordinary lane's rate chart has points"
+
+        # A producer names a hostile fairness key (issue 50 item 4): the table by key refreshes
+        # it in as text at the next backlog refresh, without a reload, and nothing runs.
+        with conn.transaction():  # due in an hour before any relay hears of it
+            conn.execute(
+                q(schema, "select {s}.enqueue('keyed', 'keyed-e', 'step', %s::jsonb,"
+                          " p_fairness_key => %s)"),
+                ("{}", HOSTILE),
+            )  # fmt: skip
+            conn.execute(
+                q(schema, "update {s}.runs set next_attempt_at = now() + interval '1 hour'"
+                          " where run_id = 'keyed'"),
+            )  # fmt: skip
+        await a.endpoints.probe(refresh=True)
+        await wait_page(
+            browser,
+            lambda d: any(r.startswith(clean(HOSTILE)) for r in texts(d, "#key-rows tr")),
+            "the hostile key, refreshed in",
+        )
+        assert await off(browser.execute_script, "return window.notReloaded") is True
+        assert await off(browser.execute_script, "return typeof window.pwned") == "undefined"
+        links = "return document.querySelectorAll('#key-rows a').length"
+        assert await off(browser.execute_script, links) == 0
 
         shot = os.environ.get("RELAY_UI_SCREENSHOT")
         if shot:

@@ -64,6 +64,15 @@ def clean(text: object, limit: int | None = None) -> str:
     return s
 
 
+def key_label(key: str | None, limit: int | None = None) -> str:
+    """A fairness key as `backlog_by_key()` gives it (issue 50 item 4), as text: None is the
+    keys beyond the top ones, `(other)`; '' the runs that name none, `(default)`; any other key
+    is a producer's text, cleaned."""
+    if key is None:
+        return "(other)"
+    return "(default)" if key == "" else clean(key, limit)
+
+
 def fmt_age(seconds: float | None) -> str:
     if seconds is None:
         return "-"

@@ -20,7 +20,16 @@ from typing import Any
 
 import orjson
 
-from relay.ops.format import audit, clean, fmt_age, fmt_bytes, fmt_time, operator, run_state
+from relay.ops.format import (
+    audit,
+    clean,
+    fmt_age,
+    fmt_bytes,
+    fmt_time,
+    key_label,
+    operator,
+    run_state,
+)
 
 FOLDING = frozenset({"error", "note", "value", "event", "type", "run", "owner"})
 GAP = "   "
@@ -157,13 +166,7 @@ def render_status(data: Mapping[str, Any], width: int) -> str:
     parts = [table("Backlog", ("runs", "count", "pending events", "oldest pending"), lanes, width)]
     keys = data.get("keys") or []  # absent before schema version 10's functions
     if any(k["key"] != "" for k in keys):  # only once a producer names a key
-        by_key = [
-            (
-                "(other)" if k["key"] is None else "(default)" if k["key"] == "" else k["key"],
-                k["runs"],
-            )
-            for k in keys
-        ]
+        by_key = [(key_label(k["key"]), k["runs"]) for k in keys]
         parts.append(
             table("Backlog by fairness key (the 10 with the most)", ("key", "runs"), by_key, width)
         )
@@ -196,6 +199,7 @@ def render_status(data: Mapping[str, Any], width: int) -> str:
         # issue 41: a replica that stopped cleanly is not listed, so dead means what it says
         parts[-1] += "\ndead: ended without a clean stop (killed, crashed, or LISTEN lost)"
     parts[-1] += "".join("\n" + line for line in _limit_lines(data.get("replicas", ()), width))
+    parts[-1] += "".join("\n" + line for line in _claim_lines(data.get("replicas", ()), width))
 
     sizes = ", ".join(f"{name} {fmt_bytes(data['tables'][name])}" for name in TABLES)
     lines = [
@@ -246,6 +250,23 @@ def _limit_lines(replicas: Sequence[Mapping[str, Any]], width: int) -> list[str]
     for x in replicas:
         limit = x.get("limit")
         text = limit_text(limit) if isinstance(limit, dict) else NO_LIMIT
+        lines += ["  " + line for line in fold(f"{clean(x['owner'], 120)}: {text}", width - 2)]
+    return lines
+
+
+def _claim_lines(replicas: Sequence[Mapping[str, Any]], width: int) -> list[str]:
+    """Under the replicas, each one's runs claimed by class from its report (status()'s
+    `claimed_by_class`, issue 50 item 4); nothing when no replica reports them."""
+    if not any(isinstance(x.get("claimed_by_class"), dict) for x in replicas):
+        return []
+    lines = ["Runs claimed by class since start, as each replica reported it:"]
+    for x in replicas:
+        c = x.get("claimed_by_class")
+        text = (
+            ", ".join(f"{name} {c.get(name, 0):,}" for name in ("targeted", "finished", "due"))
+            if isinstance(c, dict)
+            else "none reported"
+        )
         lines += ["  " + line for line in fold(f"{clean(x['owner'], 120)}: {text}", width - 2)]
     return lines
 

@@ -139,6 +139,7 @@ class Endpoints:
             retry_budget=view.retry_budget,
             fixed_limit=settings.post_ceiling,
             open_without_token=serves_without_token(split_addr(settings.metrics_addr or ":0")[0]),
+            lanes=view.lanes,
         )
 
     # liveness and readiness
@@ -240,12 +241,17 @@ class Endpoints:
             self.refresh_took = anyio.current_time() - started
         figures = tuple((str(r[0]), int(r[1]), int(r[2]), float(r[3])) for r in rows)
         self.metrics.set_backlog(figures)
-        self.backlog = Backlog(figures, anyio.current_time())  # the status page's totals too
+        at = anyio.current_time()
+        self.backlog = Backlog(figures, at)  # the status page's totals too
         self.metrics.backlog_refreshed.set_to_current_time()
-        await self._refresh_backlog_keys(conn)
+        keys = await self._refresh_backlog_keys(conn)
+        self.backlog = Backlog(figures, at, keys)  # and its table by fairness key
 
-    async def _refresh_backlog_keys(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """The backlog by fairness key, the keys with the most only (issue 50 item 4)."""
+    async def _refresh_backlog_keys(
+        self, conn: psycopg.AsyncConnection[Any]
+    ) -> tuple[tuple[str | None, int], ...]:
+        """The backlog by fairness key, the keys with the most only (issue 50 item 4); none
+        while the database's functions are older than this relay."""
         started = anyio.current_time()
         try:
             async with conn.transaction():
@@ -269,10 +275,12 @@ class Endpoints:
                     error=logs.error_text(exc),
                     hint="run `relay migrate` (with the roles, if the relay has its own)",
                 )
-            return
+            return ()
         finally:  # its cost spaces the next refresh with the backlog's
             self.refresh_took += anyio.current_time() - started
-        self.metrics.set_backlog_keys((r[0], int(r[1])) for r in rows)
+        keys = tuple((r[0], int(r[1])) for r in rows)
+        self.metrics.set_backlog_keys(keys)
+        return keys
 
     async def _refresh_part_age(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """The age of the outbox's current part: retention falling behind shows there."""

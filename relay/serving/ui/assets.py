@@ -67,6 +67,7 @@ SCRIPT = """
       el.classList.toggle("bad", calm.indexOf(f[el.getAttribute("data-alarm")]) < 0);
     });
     rows("blocked-rows", view.blocked);
+    rows("key-rows", view.keys || []);
     rows("fleet-rows", view.fleet);
     ["critical", "ordinary"].forEach(function (lane) {
       var line = document.getElementById("line-" + lane);

@@ -33,15 +33,19 @@ RUN_EVENTS_PAGE = 200  # events per run page
 REPORT_TTL = 120.0  # seconds after which a replica's report shows as stale
 RECOVERING_FOR = 60.0  # seconds an ingress counts as "recovering" after it was misconfigured
 INGRESS_STATES = ("ok", "recovering", "misconfigured")  # what a report's `ingress` may say
+CLASSES = ("targeted", "finished", "due")  # a claim's class (issue 50; docs/design.md)
 
 
 @dataclass(frozen=True, slots=True)
 class Backlog:
-    """The backlog gauges' last refresh (relay/serving/health.py): `backlog()`'s rows, and when
-    (monotonic seconds)."""
+    """The backlog gauges' last refresh (relay/serving/health.py): `backlog()`'s rows, when
+    (monotonic seconds), and `backlog_by_key()`'s rows (key, runs: the keys with the most, None
+    for the rest, '' the default key; empty when the database's functions are older than
+    schema version 10's)."""
 
     rows: tuple[tuple[str, int, int, float], ...]
     at: float
+    keys: tuple[tuple[str | None, int], ...] = ()
 
 
 class Data:
@@ -103,7 +107,8 @@ def build_report(
 ) -> dict[str, Any]:
     """This replica's report: per lane its cumulative counters, in flight, and lag p50/p99 of
     the last 15 minutes; its ingress health; under the adaptive limit (`admission` not None)
-    its POST turn (`report_limit`). Counters only: no ids, no payloads."""
+    its POST turn (`report_limit`). Per lane also its runs claimed by class (`claimed_targeted`,
+    `claimed_finished`, `claimed_due`; issue 50). Counters only: no ids, no payloads."""
     out: dict[str, Any] = {}
     for lane in lanes:
         q = lag.get(lane.name, {})
@@ -117,6 +122,8 @@ def build_report(
             "inflight": lane.inflight,
             "lag_p50": q.get("p50"),
             "lag_p99": q.get("p99"),
+            # runs claimed by class (issue 50 item 4): relay status shows each replica's
+            **{f"claimed_{c}": lane.stats.by_class.get(c, 0) for c in CLASSES},
         }
     report: dict[str, Any] = {"lanes": out, "ingress": ingress}
     if admission is not None:
@@ -176,10 +183,23 @@ def limit_figures(
     }
 
 
+def claimed_by_class(lanes: Iterable[LaneView]) -> dict[str, int]:
+    """This replica's runs claimed by class since it started, both lanes together (issue 50
+    item 4): `targeted` terminals (signalled as they commit), `finished` runs (a pending
+    terminal found by discovery), `due` (the rest); what `claimed_runs_by_class_total` counts
+    per lane."""
+    out = dict.fromkeys(CLASSES, 0)
+    for lane in lanes:
+        for name, n in lane.stats.by_class.items():
+            out[name] = out.get(name, 0) + n
+    return out
+
+
 def backlog_figures(backlog: Backlog | None, held_events: Any, now: float) -> dict[str, Any]:
-    """`lanes` and `blocked` shaped as `status()` shapes them, from the backlog gauges' last
-    refresh instead of a pass over the pending events per page view: exact as of
-    `backlog_age_seconds` ago (None, and every figure None, before the first refresh)."""
+    """`lanes`, `keys` and `blocked` shaped as `status()` shapes them, from the backlog gauges'
+    last refresh instead of a pass over the pending events per page view: exact as of
+    `backlog_age_seconds` ago (None, and every figure None, before the first refresh; `keys`
+    empty then)."""
     rows = {r[0]: r for r in backlog.rows} if backlog is not None else {}
 
     def of(lane: str) -> tuple[int | None, int | None, float | None]:
@@ -201,8 +221,9 @@ def backlog_figures(backlog: Backlog | None, held_events: Any, now: float) -> di
         "oldest_failure_age_seconds": oldest,
         "held_events": held_events,
     }
+    keys = [{"key": k, "runs": n} for k, n in backlog.keys] if backlog is not None else []
     age = None if backlog is None else max(0.0, now - backlog.at)
-    return {"lanes": lanes, "blocked": blocked, "backlog_age_seconds": age}
+    return {"lanes": lanes, "keys": keys, "blocked": blocked, "backlog_age_seconds": age}
 
 
 def _worst(values: Iterable[float | None]) -> float | None:

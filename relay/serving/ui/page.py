@@ -7,6 +7,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
+from relay.ops.render import BACKLOG_ROWS
 from relay.serving.ui.assets import CSS, SCRIPT
 from relay.serving.ui.series import LANES
 from relay.serving.ui.view import (
@@ -104,20 +105,30 @@ LIMIT_CARDS = (
     ("limit.min_rtt", "minimum round trip", False),
     ("limit.tokens", "retry tokens", False),
 )
+# This replica's runs claimed by class (issue 50 item 4).
+CLAIM_CARDS = (
+    ("claimed.targeted", "targeted terminals", False),
+    ("claimed.finished", "finished runs", False),
+    ("claimed.due", "due runs", False),
+)
 # An alarm card's calm figures where they are not "0" ("-": no figure yet).
 ALARMS = {"limit.state": ("steady", "fixed", "-")}
 
 
-def _lane_rows(f: dict[str, str]) -> str:
+def _rows(f: dict[str, str], names: tuple[str, ...], keys: tuple[str, ...]) -> str:
     return "".join(
-        f"<tr><td>{esc(lane)}</td>"
-        + "".join(
-            f'<td class="n">{_fig(f, f"{lane}.{k}")}</td>'
-            for k in ("runs", "events", "oldest", "rate", "lag_p50", "lag_p99")
-        )
+        f"<tr><td>{esc(name)}</td>"
+        + "".join(f'<td class="n">{_fig(f, f"{name}.{k}")}</td>' for k in keys)
         + "</tr>"
-        for lane in LANES
+        for name in names
     )
+
+
+# The backlog's rows by the runs they count, not by lane: a finished run found by discovery is
+# prioritised work that takes an ordinary slot, not the critical lane's control traffic
+# (docs/design.md, "Scheduling: which run goes next"), as in `relay status`.
+BACKLOG_NAMES = tuple(BACKLOG_ROWS[lane] for lane in LANES)
+KEYS_HEAD = ("fairness key", "runs")
 
 
 def _chart_svg(chart: dict[str, Any]) -> str:
@@ -146,25 +157,45 @@ def _pager(offset: int, shown: int, page_size: int) -> str:
 
 def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) -> bytes:
     f = view["figures"]
-    lanes = _lane_rows(f)
+    backlog = _rows(f, BACKLOG_NAMES, ("runs", "events", "oldest"))
+    lanes = _rows(f, LANES, ("rate", "lag_p50", "lag_p99"))
     chart = view["chart"]
     svg = _chart_svg(chart)
     offset = int(view.get("blocked_offset") or 0)
     pager = _pager(offset, len(view["blocked"]), page_size)
     cards = "".join(_card(f, key, label, alarm) for key, label, alarm in CARDS)
     limit_cards = "".join(_card(f, key, label, alarm) for key, label, alarm in LIMIT_CARDS)
+    claim_cards = "".join(_card(f, key, label, alarm) for key, label, alarm in CLAIM_CARDS)
     body = (
         "<h1>ledger-relay</h1>"
         f'<p class="meta">served by {_fig(f, "replica_id")} · database time {_fig(f, "db_now")}'
         ' · <span id="updated">as rendered</span> · read-only</p>'
         f'<div class="cards">{cards}</div>'
-        f'<h2>Lanes</h2><p class="meta">Runs, pending events, oldest pending and the blocked'
-        " totals are the backlog refresh's (one pass over the pending events, spaced by its"
-        f" own cost), as of {_fig(f, 'backlog_age')}; other counts that grow with the backlog"
-        ' stop at a cap (shown with a +).</p><table><thead><tr><th>lane</th><th class="n">runs</th>'
+        f'<h2>Backlog</h2><p class="meta">Runs, pending events, oldest pending, the blocked'
+        " totals and the runs by fairness key are the backlog refresh's (one pass over the"
+        f" pending events, spaced by its own cost), as of {_fig(f, 'backlog_age')}; other"
+        " counts that grow with the backlog stop at a cap (shown with a +). Finished runs have"
+        " their terminal event pending (what an outage leaves behind: prioritised work, found"
+        " by discovery, not the critical lane's), open runs have not.</p>"
+        '<table><thead><tr><th>runs</th><th class="n">count</th>'
         '<th class="n">pending events</th><th class="n">oldest pending</th>'
+        f'</tr></thead><tbody id="backlog">{backlog}</tbody></table>'
+        "<h2>Backlog by fairness key (the 10 with the most)</h2>"
+        + _table(KEYS_HEAD, view["keys"], "key-rows", "No run with pending events names a key.")
+        + '<p class="meta">Runs with pending events that are not blocked, by the fairness key'
+        " their producer named: the rest of the keys as (other), runs that name none as"
+        " (default).</p>"
+        '<h2>Lanes</h2><p class="meta">The critical lane delivers the terminals it is'
+        " signalled as they commit; the ordinary lane all the rest, finished runs in three of"
+        " every four claims while open ones wait too.</p><table><thead><tr><th>lane</th>"
         '<th class="n">delivery rate</th><th class="n">lag p50</th><th class="n">lag p99</th>'
         f'</tr></thead><tbody id="lanes">{lanes}</tbody></table>'
+        "<h2>Runs claimed by class (this replica, since it started)</h2>"
+        f'<div class="cards" id="claims">{claim_cards}</div>'
+        '<p class="meta">Targeted terminals are signalled as they commit (the critical lane\'s'
+        " only work, claimed at once); finished runs have a pending terminal and are found by"
+        " discovery; due runs are the rest. Live from the replica serving this page; every"
+        " replica's, per lane, in claimed_runs_by_class_total.</p>"
         "<h2>Ingress limit (this replica)</h2>"
         f'<div class="cards" id="ingress-limit">{limit_cards}</div>'
         '<p class="meta">POSTs to the ingress this replica may have in flight under its'

@@ -14,7 +14,9 @@ import shlex
 from typing import Any
 from urllib.parse import quote
 
-from relay.ops.format import clean, fmt_age, fmt_bytes, fmt_time
+from relay.ops.format import clean, fmt_age, fmt_bytes, fmt_time, key_label
+from relay.ops.render import BACKLOG_ROWS
+from relay.serving.ui.data import CLASSES
 from relay.serving.ui.series import LANES
 
 Cell = str | list[str]
@@ -86,14 +88,16 @@ LIMIT_FIGURES = (
 
 
 def figures(data: dict[str, Any]) -> dict[str, str]:
-    """Every single figure on the status page, by the key of its element."""
+    """Every single figure on the status page, by the key of its element. The backlog's are
+    by the runs they count (`finished.runs`, `open.events`, ...: `BACKLOG_ROWS`), the delivery
+    rate and lag by the lane that delivered (`critical.rate`, ...)."""
     lanes = {x["lane"]: x for x in data.get("lanes") or []}
     out: dict[str, str] = {}
     for lane in LANES:
-        row = lanes.get(lane, {})
-        out[f"{lane}.runs"] = _num(row.get("runs", 0))
-        out[f"{lane}.events"] = _num(row.get("events", 0))
-        out[f"{lane}.oldest"] = fmt_age(row.get("oldest_pending_age_seconds", 0))
+        row, name = lanes.get(lane, {}), BACKLOG_ROWS[lane]
+        out[f"{name}.runs"] = _num(row.get("runs", 0))
+        out[f"{name}.events"] = _num(row.get("events", 0))
+        out[f"{name}.oldest"] = fmt_age(row.get("oldest_pending_age_seconds", 0))
         out[f"{lane}.rate"] = _rate(data.get("rates", {}).get(lane))
         lag = data.get("lag", {}).get(lane, {})
         out[f"{lane}.lag_p50"] = _lag(lag.get("p50"))
@@ -112,6 +116,9 @@ def figures(data: dict[str, Any]) -> dict[str, str]:
     out["part_age"] = fmt_age(data.get("outbox_part_age_seconds"))
     out["replica_id"] = clean(data.get("replica_id", ""), 200)
     out |= _limit_card(data.get("ingress_limit"))
+    claimed = data.get("claimed_by_class") or {}
+    for name in CLASSES:
+        out[f"claimed.{name}"] = _num(claimed.get(name)) if claimed else "-"
     return out
 
 
@@ -132,6 +139,16 @@ def blocked_rows(data: dict[str, Any]) -> list[list[Cell]]:
             ]
         )
     return rows
+
+
+def key_rows(data: dict[str, Any]) -> list[list[Cell]]:
+    """The backlog by fairness key (issue 50 item 4), as `relay status` shows it: the keys with
+    the most runs, the rest as `(other)`, runs without a key as `(default)`; no rows until a
+    producer names a key. A key is a producer's text: a cell of text, never a link."""
+    keys = data.get("keys") or []
+    if all(k.get("key") == "" for k in keys):
+        return []
+    return [[key_label(k.get("key"), 120), _num(k.get("runs"))] for k in keys]
 
 
 def _report_text(row: dict[str, Any]) -> str:
@@ -186,6 +203,7 @@ def status_view(data: dict[str, Any]) -> dict[str, Any]:
     return {
         "figures": figures(data),
         "blocked": blocked_rows(data),
+        "keys": key_rows(data),
         "fleet": fleet_rows(data),
         "chart": chart(data),
         "blocked_offset": offset,

@@ -45,6 +45,7 @@ from relay.serving.ui.data import (
     Data,
     backlog_figures,
     build_report,
+    claimed_by_class,
     ingress_state,
     limit_figures,
     shape_status,
@@ -187,7 +188,8 @@ class StatusPage:
     history behind "recovering", and the status document its viewers share. `backlog` reads
     the backlog gauges' last refresh; `admission` and `retry_budget` this replica's POST turn
     (RelayView's), `fixed_limit` the POSTs the fixed limit allows; `open_without_token` is
-    `serves_without_token`'s answer for `metrics_addr`."""
+    `serves_without_token`'s answer for `metrics_addr`; `lanes` this replica's lanes (for its
+    claims by class)."""
 
     def __init__(
         self,
@@ -201,6 +203,7 @@ class StatusPage:
         retry_budget: Callable[[], BudgetView | None] = lambda: None,
         fixed_limit: int = 0,
         open_without_token: bool = True,
+        lanes: Callable[[], Iterable[LaneView]] = lambda: (),
     ) -> None:
         self.data = data
         self.replica_id = replica_id
@@ -211,6 +214,7 @@ class StatusPage:
         self.retry_budget = retry_budget
         self.fixed_limit = fixed_limit
         self.open_without_token = open_without_token
+        self.lanes = lanes
         self.series = RateSeries()
         self.last_misconfigured: float | None = None
         self._report_failing = False
@@ -295,14 +299,15 @@ class StatusPage:
 
     async def status(self, offset: int = 0) -> dict[str, Any]:
         """What /api/status answers: the shared document (at most one statement per
-        CACHE_SECONDS), the lanes' totals from the backlog gauges, this replica's ingress limit,
-        and the view the page shows."""
+        CACHE_SECONDS), the lanes' totals from the backlog gauges, this replica's ingress limit
+        and claims by class, and the view the page shows."""
         doc = await self.docs.get(offset)
         totals = backlog_figures(self.backlog(), doc.get("held_events"), anyio.current_time())
         data = shape_status({**doc, **totals}, self.series, time.monotonic(), self.replica_id)
         data["ingress_limit"] = limit_figures(
             self.admission(), self.retry_budget(), self.fixed_limit
         )
+        data["claimed_by_class"] = claimed_by_class(self.lanes())
         data["view"] = status_view(data)
         return data
 
