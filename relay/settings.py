@@ -746,14 +746,15 @@ def exposed_secret_files(
     options: Sequence[str], flags: Mapping[str, str | None], environ: Mapping[str, str]
 ) -> list[tuple[str, Path, int]]:
     """Each secret file these options are read from that is open to others (`open_to_others`):
-    its source (RELAY_<NAME>_FILE, ...), path and permission bits. A file that cannot be read is
-    left to `load`, which refuses it."""
+    its source (RELAY_<NAME>_FILE, ...), path and permission bits; with `database_url`, the list
+    form's RELAY_DATABASES_FILE too. A file that cannot be read is left to `load` (or the list's
+    parser), which refuses it."""
+    named = [found for option in options if (found := secret_file(option, flags, environ))]
+    # The list form's file holds every database's URL, passwords included (issue 51).
+    if "database_url" in options and (listed := environ.get("RELAY_DATABASES_FILE")):
+        named.append((Path(listed), "RELAY_DATABASES_FILE"))
     out = []
-    for option in options:
-        found = secret_file(option, flags, environ)
-        if found is None:
-            continue
-        path, source = found
+    for path, source in named:
         try:
             st = path.stat()
         except OSError:

@@ -344,3 +344,23 @@ def test_the_shipped_kubernetes_secrets_get_no_warning_a_default_mount_does() ->
     del (volume.get("projected") or volume["secret"])["defaultMode"]
     owner, _, mode = secret_files(volume, {"database_url"}, fs_group)["database_url"]
     assert open_to_others(0o100000 | mode, owner, uid)
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o600])
+def test_the_database_list_file_open_to_others_is_named_with_its_mode(
+    mode: int, tmp_path: Path
+) -> None:
+    """RELAY_DATABASES_FILE holds every database's URL, passwords included (issue 51): open to
+    others it is named as a secret file is; private, nothing is said."""
+    listed = secret_file(tmp_path, "databases", f"a={DB}\n", mode)
+    env = cli_env(RELAY_DATABASES_FILE=str(listed))
+    del env["RELAY_DATABASE_URL"]
+    got = relay("check", env)
+    assert "Traceback" not in got.stderr, got
+    lines = [x for x in got.stderr.splitlines() if "mode" in x]
+    if mode == 0o600:
+        assert lines == [], lines
+    else:
+        (line,) = lines
+        assert line.startswith("relay: warning: RELAY_DATABASES_FILE: ")
+        assert str(listed) in line and "mode 0644" in line, line
