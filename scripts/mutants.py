@@ -979,8 +979,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "discovery-empty-passes-not-spaced",
         "§4.1: wakes coalesce: the pass after one that found nothing waits for the spacing",
         "relay/delivery/discovery.py",
-        "        if since < MIN_EMPTY_PASS_SPACING:",
-        "        if False:",
+        "        while (left := spaced_until - now) > 0:",
+        "        while False:",
         (
             "tests/test_discovery.py::test_the_pass_after_one_that_found_nothing_waits_for_the_spacing",
         ),
