@@ -16,8 +16,10 @@ from relay.settings import PARSERS, ConfigError, Settings, env_name, flag_name, 
 
 if TYPE_CHECKING:
     from relay.databases import Database
+    from relay.fleet import Fleet
     from relay.maintenance.roles import Roles
     from relay.ops.targets import Target
+    from relay.runner import Relay
 
 _HELP = {
     "database_url": "PostgreSQL URL (secret; also RELAY_DATABASE_URL_FILE)",
@@ -294,25 +296,11 @@ def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
             migrate(url.reveal(), settings.schema)
 
     from relay.core import loop
-    from relay.fleet import Fleet
-    from relay.integrations import start_tracing
     from relay.maintenance.migrate import SchemaError
-    from relay.runner import Relay, tune_gc
+    from relay.runner import tune_gc
 
-    try:  # refused by name before anything starts, as a bad setting is (exit 2)
-        chosen = loop.choose(settings.event_loop, loop.uvloop_installed())
-    except loop.LoopUnavailable as exc:
-        raise ConfigError(str(exc)) from None
-    # OpenTelemetry's own variables (OTEL_*), read like any instrumented service's; a bad value
-    # is a ConfigError here, before anything starts. The list form of the database runs a fleet,
-    # one relay per database (relay/fleet.py), even for a list of one; RELAY_DATABASE_URL alone
-    # runs one relay, as it always did.
-    tracer = start_tracing(os.environ)
-    relay: Relay | Fleet = (
-        Relay(settings, tracer=tracer)
-        if databases is None
-        else Fleet(settings, databases, tracer=tracer)
-    )
+    chosen = _event_loop(settings)
+    relay = _relay_or_fleet(settings, databases)
     tune_gc()
 
     async def main() -> None:
@@ -343,6 +331,32 @@ def _run(args: argparse.Namespace, early: _EarlySignals) -> int:
     except* ConnectionError as group:
         code = _refused(group, 2)
     return code
+
+
+def _event_loop(settings: Settings) -> str:
+    """The event loop `relay run` runs on (relay/core/loop.py): `uvloop` or `asyncio`."""
+    from relay.core import loop
+
+    try:  # refused by name before anything starts, as a bad setting is (exit 2)
+        return loop.choose(settings.event_loop, loop.uvloop_installed())
+    except loop.LoopUnavailable as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _relay_or_fleet(settings: Settings, databases: list[Database] | None) -> Relay | Fleet:
+    """What `relay run` runs: the list form of the database runs a fleet, one relay per database
+    (relay/fleet.py), even for a list of one; RELAY_DATABASE_URL alone runs one relay, as it
+    always did."""
+    from relay.fleet import Fleet
+    from relay.integrations import start_tracing
+    from relay.runner import Relay
+
+    # OpenTelemetry's own variables (OTEL_*), read like any instrumented service's; a bad value
+    # is a ConfigError here, before anything starts.
+    tracer = start_tracing(os.environ)
+    if databases is None:
+        return Relay(settings, tracer=tracer)
+    return Fleet(settings, databases, tracer=tracer)
 
 
 def _refused(group: BaseExceptionGroup[BaseException], code: int) -> int:

@@ -49,6 +49,19 @@ def settings(pg_url: str, schema: str, sink_url: str, **overrides: Any) -> Setti
     return load(flags, environ={})
 
 
+def offline_settings(**flags: str) -> Settings:
+    """The relay's settings for a test that reaches neither a database nor an ingress (a pure
+    part, or one over stand-ins): both URLs name port 1, where nothing listens."""
+    return load(
+        {
+            "database_url": "postgresql://relay@127.0.0.1:1/relay",
+            "ingress_url": "http://127.0.0.1:1/runs/{run_id}/events",
+            **flags,
+        },
+        environ={},
+    )
+
+
 @dataclass(frozen=True)
 class Rig:
     """What an integration test of the relay stands on (the `rig` fixture): the server's URL, a

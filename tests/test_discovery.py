@@ -14,8 +14,8 @@ from relay.delivery.discovery import MIN_EMPTY_PASS_SPACING, Discovery
 from relay.delivery.holdings import Holdings
 from relay.delivery.stats import FetchStats
 from relay.edges.store import Claim
-from relay.settings import Settings, load
-from tests.support import one_event_claim
+from relay.settings import Settings
+from tests.support import offline_settings, one_event_claim
 
 pytestmark = [pytest.mark.anyio, pytest.mark.both_loops]  # issue 52: asyncio and uvloop
 
@@ -41,15 +41,7 @@ class Backlogs:
 
 
 def settings(**more: str) -> Settings:
-    return load(
-        {
-            "database_url": "postgresql://relay@127.0.0.1:1/relay",
-            "ingress_url": "http://127.0.0.1:1/runs/{run_id}/events",
-            "claim_runs": "8",
-            **more,
-        },
-        environ={},
-    )
+    return offline_settings(**{"claim_runs": "8", **more})
 
 
 def discovery(cfg: Settings, store: Backlogs, concurrency: int = 4) -> Discovery:

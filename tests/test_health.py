@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import gc
 import socket
+from types import SimpleNamespace
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
 import httpx
+import psycopg
 import pytest
 from anyio.abc import SocketStream, TaskGroup
+from psycopg import sql
 
 from relay.delivery.lane import LaneStats, LaneView
 from relay.runner import GC_THRESHOLDS, Relay, tune_gc
@@ -20,7 +24,8 @@ from relay.serving.metrics import Metrics
 from relay.serving.progress import ListenerView, RelayView, loops_alive, stall_limit
 from relay.serving.server import to_evict
 from relay.tools.sink import Sink
-from tests.support import Rig, settings, wait_for
+from tests.conftest import unique
+from tests.support import Decisions, Rig, relay_logs, settings, wait_for
 from tests.test_metrics import get, relay_port, scrape
 
 # -- pure -----------------------------------------------------------------------------------
@@ -231,6 +236,31 @@ async def test_health_while_the_database_is_up_down_and_back(
             await wait_for(ready, what="ready again")
             assert await status("/healthz") == 200
         tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_functions_older_than_this_relay_are_warned_once_each_then_quiet(
+    aconn: psycopg.AsyncConnection[Any],
+) -> None:
+    """A database whose functions are older than this relay has no backlog_by_key() nor
+    outbox_part_age(): each refresh leaves those figures out, and each is named in a warning
+    once, not at every refresh."""
+    older = unique("older")
+    await aconn.execute(sql.SQL("create schema {}").format(sql.Identifier(older)))
+    try:
+        cfg = settings("postgresql://x@h/db", older, "http://sink")
+        store = SimpleNamespace(schema=older, statement_timeout=5.0)
+        endpoints = Endpoints(cfg, FakeRelay().view(), store=store, metrics=Metrics())  # type: ignore[arg-type]
+        with relay_logs(Decisions()) as seen:
+            for _ in range(3):
+                assert await endpoints._refresh_backlog_keys(aconn) == ()
+                await endpoints._refresh_part_age(aconn)
+        assert [f["hint"] for f in seen.named("backlog_by_key_unavailable")] == [
+            "run `relay migrate` (with the roles, if the relay has its own)"
+        ]
+        assert len(seen.named("part_age_unavailable")) == 1
+    finally:
+        await aconn.execute(sql.SQL("drop schema {} cascade").format(sql.Identifier(older)))
 
 
 @pytest.mark.anyio

@@ -6,20 +6,12 @@ from __future__ import annotations
 
 from relay.delivery.holdings import Holdings
 from relay.edges.store import Claim
-from relay.settings import Settings, load
-from tests.support import one_event_claim
+from relay.settings import Settings
+from tests.support import offline_settings, one_event_claim
 
 
 def cfg(**extra: str) -> Settings:
-    return load(
-        {
-            "database_url": "postgresql://relay@127.0.0.1:1/relay",
-            "ingress_url": "http://127.0.0.1:1/runs/{run_id}/events",
-            "claim_runs": "64",
-            **extra,
-        },
-        environ={},
-    )
+    return offline_settings(**{"claim_runs": "64", **extra})
 
 
 def claim(run_id: str) -> Claim:

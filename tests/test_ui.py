@@ -22,15 +22,7 @@ from relay.admission.permits import AdmissionView
 from relay.delivery.lane import LaneStats, LaneView
 from relay.ops.format import clean
 from relay.runner import Relay
-from relay.serving.ui.data import (
-    Backlog,
-    backlog_figures,
-    build_report,
-    claimed_by_class,
-    ingress_state,
-    limit_figures,
-    shape_status,
-)
+from relay.serving.ui import data as ui_data
 from relay.serving.ui.page import run_page, status_page
 from relay.serving.ui.series import LagWindow, RateSeries, percentile
 from relay.serving.ui.view import commands, run_href, sh, status_view
@@ -71,16 +63,16 @@ def test_lag_window_quantiles() -> None:
 
 
 def test_ingress_state() -> None:
-    assert ingress_state(True, 5.0, 5.0) == "misconfigured"
-    assert ingress_state(False, 5.0, 30.0) == "recovering"
-    assert ingress_state(False, 5.0, 500.0) == "ok"
-    assert ingress_state(False, None, 5.0) == "ok"
+    assert ui_data.ingress_state(True, 5.0, 5.0) == "misconfigured"
+    assert ui_data.ingress_state(False, 5.0, 30.0) == "recovering"
+    assert ui_data.ingress_state(False, 5.0, 500.0) == "ok"
+    assert ui_data.ingress_state(False, None, 5.0) == "ok"
 
 
 def test_report_has_counters_only() -> None:
     stats = LaneStats(delivered=7, claimed_runs=3)
     lanes = [LaneView("ordinary", stats, 1, 2, 0.0, misconfigured=False, renewals=4)]
-    report = build_report(lanes, "ok", {"ordinary": {"p50": 0.01, "p99": 0.2}})
+    report = ui_data.build_report(lanes, "ok", {"ordinary": {"p50": 0.01, "p99": 0.2}})
     assert report == {
         "lanes": {
             "ordinary": {
@@ -163,7 +155,7 @@ def hostile_status(run_id: str) -> dict[str, Any]:
         "leases": [{"owner": HOSTILE, "runs": 1, "next_expiry": None}],
         "replicas": [], "reports": {}, "tables": {"events": 1}, "blocked_offset": 0,
     }  # fmt: skip
-    data = shape_status(doc, RateSeries(), 0.0, HOSTILE)
+    data = ui_data.shape_status(doc, RateSeries(), 0.0, HOSTILE)
     return data
 
 
@@ -202,7 +194,7 @@ def test_the_backlog_by_key_shows_producers_keys_as_text(key: str) -> None:
     the rest of the keys `(other)`, the default key `(default)`, as in `relay status`."""
     rows = (("ordinary", 6, 6, 1.0),)
     keys = ((key, 3), ("", 2), (None, 1))
-    totals = backlog_figures(Backlog(rows, 0.0, keys), 0, 1.0)
+    totals = ui_data.backlog_figures(ui_data.Backlog(rows, 0.0, keys), 0, 1.0)
     assert totals["keys"] == [
         {"key": key, "runs": 3}, {"key": "", "runs": 2}, {"key": None, "runs": 1},
     ]  # fmt: skip
@@ -218,7 +210,7 @@ def test_the_backlog_by_key_shows_producers_keys_as_text(key: str) -> None:
     assert "<a " not in shown
     # Every run the default key's (or functions older than schema version 10): no rows
     for without in ((("", 5),), ()):
-        totals = backlog_figures(Backlog(rows, 0.0, without), 0, 1.0)
+        totals = ui_data.backlog_figures(ui_data.Backlog(rows, 0.0, without), 0, 1.0)
         view = status_view(hostile_status("r") | totals)
         assert view["keys"] == []
         assert 'id="key-rows-empty" class="empty">' in status_page(view, 3.0, 50).decode()
@@ -230,7 +222,7 @@ def test_the_backlog_rows_are_finished_and_open_runs_not_lanes() -> None:
     by the runs they count, as `relay status` does, and keeps 'critical' for the lane's own
     rate and lag. The JSON's `lanes` keep `backlog()`'s names, as `relay status --json`."""
     rows = (("critical", 2, 20, 5.0), ("ordinary", 3, 4, 1.0))
-    data = hostile_status("r") | backlog_figures(Backlog(rows, 0.0), 0, 1.0)
+    data = hostile_status("r") | ui_data.backlog_figures(ui_data.Backlog(rows, 0.0), 0, 1.0)
     assert [x["lane"] for x in data["lanes"]] == ["critical", "ordinary"]
     view = status_view(data)
     f = view["figures"]
@@ -254,7 +246,7 @@ def test_the_claims_by_class_are_this_replicas_lanes_summed() -> None:
             ("ordinary", {"targeted": 1, "finished": 30, "due": 10}),
         )
     ]
-    claimed = claimed_by_class(lanes)
+    claimed = ui_data.claimed_by_class(lanes)
     assert claimed == {"targeted": 5, "finished": 30, "due": 10}
     view = status_view(hostile_status("r") | {"claimed_by_class": claimed})
     f = view["figures"]
@@ -285,7 +277,7 @@ def enqueue(conn: psycopg.Connection[Any], schema: str, run_id: str, n: int, tag
 
 def limit_card(admission: AdmissionView | None) -> tuple[tuple[str, ...], str]:
     """The ingress limit card's figures, and the page's HTML, for this replica's POST turn."""
-    data = hostile_status("r") | {"ingress_limit": limit_figures(admission, TOKENS, 36)}
+    data = hostile_status("r") | {"ingress_limit": ui_data.limit_figures(admission, TOKENS, 36)}
     view = status_view(data)
     keys = ("limit", "state", "inflight", "waiting", "min_rtt", "tokens")
     shown = tuple(view["figures"]["limit." + k] for k in keys)
@@ -383,7 +375,7 @@ async def test_status_page_of_a_running_relay(
                 assert counts_of(data[key]) == counts_of(cli[key]), key
             # this replica's runs claimed by class, as its lanes count them (issue 50 item 4)
             claimed = data["claimed_by_class"]
-            assert claimed == claimed_by_class(r.view.lanes()), claimed
+            assert claimed == ui_data.claimed_by_class(r.view.lanes()), claimed
             assert claimed["due"] >= 5, claimed  # the four good runs and the hostile one
             assert data["view"]["figures"]["claimed.due"] == f"{claimed['due']:,}"
             # the backlog by fairness key (issue 50 item 4); the blocked run counts in none

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, LiteralString
 
 import anyio
 import orjson
@@ -62,6 +62,8 @@ READY_PROBE_DEADLINE = 1.0
 # The longest the replica report waits for the LISTEN connection (its check_interval,
 # relay/edges/listener.py), on top of the statement deadline.
 LISTEN_WAIT = 5.0
+# What a function or grant older than this relay raises: the figure it reads is left out.
+OLDER_THAN_THIS_RELAY = (psycopg.errors.UndefinedFunction, psycopg.errors.InsufficientPrivilege)
 
 
 # -- pure decisions ---------------------------------------------------------------------------
@@ -126,8 +128,9 @@ class Endpoints:
         # The status page reads on a connection of its own, never the delivery pools (issue 32)
         self.page_pool = PagePool(settings.database_url.reveal())
         self.backlog: Backlog | None = None  # the backlog gauges' last refresh, for the page
-        self._part_age_unavailable = False  # warned once that outbox_part_age() is missing
-        self._backlog_keys_unavailable = False  # and that backlog_by_key() is
+        # The *_unavailable warnings already said: outbox_part_age() or backlog_by_key() older
+        # than this relay (missing, or not granted), each said once
+        self._warned_unavailable: set[str] = set()
         self._reporting = False
         self.page = StatusPage(
             Data(self.page_pool.query, settings.schema, view.on_liveness_session),
@@ -219,20 +222,30 @@ class Endpoints:
                 logs.info("database_reachable")
         self.probes += 1
 
+    async def _bounded(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        query: LiteralString,
+        params: tuple[Any, ...] | None = None,
+    ) -> list[tuple[Any, ...]]:
+        """The rows of `query` ({} the relay's schema), in a transaction of its own under the
+        statement deadline."""
+        async with conn.transaction():
+            await conn.execute(
+                "select set_config('statement_timeout', %s, true)",
+                (f"{int(self.store.statement_timeout * 1000)}ms",),
+            )
+            cur = await conn.execute(
+                sql.SQL(query).format(sql.Identifier(self.store.schema)), params
+            )
+            return await cur.fetchall()
+
     async def _refresh_backlog(self, conn: psycopg.AsyncConnection[Any]) -> None:
         started = anyio.current_time()
         try:
-            async with conn.transaction():
-                await conn.execute(
-                    "select set_config('statement_timeout', %s, true)",
-                    (f"{int(self.store.statement_timeout * 1000)}ms",),
-                )
-                cur = await conn.execute(
-                    sql.SQL(
-                        "select lane, runs, events, oldest_age_seconds from {}.backlog()"
-                    ).format(sql.Identifier(self.store.schema))
-                )
-                rows = await cur.fetchall()
+            rows = await self._bounded(
+                conn, "select lane, runs, events, oldest_age_seconds from {}.backlog()"
+            )
         except psycopg.errors.UndefinedFunction:
             # The functions were shipped after this database's last `relay migrate`.
             logs.warning("backlog_unavailable", hint="run `relay migrate`")
@@ -254,27 +267,11 @@ class Endpoints:
         while the database's functions are older than this relay."""
         started = anyio.current_time()
         try:
-            async with conn.transaction():
-                await conn.execute(
-                    "select set_config('statement_timeout', %s, true)",
-                    (f"{int(self.store.statement_timeout * 1000)}ms",),
-                )
-                cur = await conn.execute(
-                    sql.SQL("select key, runs from {}.backlog_by_key(%s)").format(
-                        sql.Identifier(self.store.schema)
-                    ),
-                    (self.metrics.backlog_keys,),
-                )
-                rows = await cur.fetchall()
-        except (psycopg.errors.UndefinedFunction, psycopg.errors.InsufficientPrivilege) as exc:
-            # Functions or grants older than this relay: once, then quiet.
-            if not self._backlog_keys_unavailable:
-                self._backlog_keys_unavailable = True
-                logs.warning(
-                    "backlog_by_key_unavailable",
-                    error=logs.error_text(exc),
-                    hint="run `relay migrate` (with the roles, if the relay has its own)",
-                )
+            rows = await self._bounded(
+                conn, "select key, runs from {}.backlog_by_key(%s)", (self.metrics.backlog_keys,)
+            )
+        except OLDER_THAN_THIS_RELAY as exc:
+            self._warn_unavailable_once("backlog_by_key_unavailable", exc)
             return ()
         finally:  # its cost spaces the next refresh with the backlog's
             self.refresh_took += anyio.current_time() - started
@@ -290,18 +287,23 @@ class Endpoints:
                     sql.SQL("select {}.outbox_part_age()").format(sql.Identifier(self.store.schema))
                 )
                 row = await cur.fetchone()
-        except (psycopg.errors.UndefinedFunction, psycopg.errors.InsufficientPrivilege) as exc:
-            # Functions or grants older than this relay: once, then quiet.
-            if not self._part_age_unavailable:
-                self._part_age_unavailable = True
-                logs.warning(
-                    "part_age_unavailable",
-                    error=logs.error_text(exc),
-                    hint="run `relay migrate` (with the roles, if the relay has its own)",
-                )
+        except OLDER_THAN_THIS_RELAY as exc:
+            self._warn_unavailable_once("part_age_unavailable", exc)
             return
         if row is not None and row[0] is not None:
             self.metrics.outbox_part_age.set(float(row[0]))
+
+    def _warn_unavailable_once(self, event: str, exc: psycopg.Error) -> None:
+        """Functions or grants older than this relay: a warning naming the figure left out,
+        once, then quiet."""
+        if event in self._warned_unavailable:
+            return
+        self._warned_unavailable.add(event)
+        logs.warning(
+            event,
+            error=logs.error_text(exc),
+            hint="run `relay migrate` (with the roles, if the relay has its own)",
+        )
 
     # HTTP
 

@@ -155,9 +155,36 @@ def _pager(offset: int, shown: int, page_size: int) -> str:
     return " · ".join(links)
 
 
+def _backlog(f: dict[str, str]) -> str:
+    """The backlog table: runs, pending events and the oldest pending, by the runs they count."""
+    rows = _rows(f, BACKLOG_NAMES, ("runs", "events", "oldest"))
+    return (
+        '<h2>Backlog</h2><p class="meta">Runs, pending events, oldest pending, the blocked'
+        " totals and the runs by fairness key are the backlog refresh's (one pass over the"
+        f" pending events, spaced by its own cost), as of {_fig(f, 'backlog_age')}; other"
+        " counts that grow with the backlog stop at a cap (shown with a +). Finished runs have"
+        " their terminal event pending (what an outage leaves behind: prioritised work, found"
+        " by discovery, not the critical lane's), open runs have not.</p>"
+        '<table><thead><tr><th>runs</th><th class="n">count</th>'
+        '<th class="n">pending events</th><th class="n">oldest pending</th>'
+        f'</tr></thead><tbody id="backlog">{rows}</tbody></table>'
+    )
+
+
+def _keys(rows: list[list[Cell]]) -> str:
+    """The backlog by fairness key: the runs of the 10 keys with the most, as the backlog
+    refresh counted them."""
+    return (
+        "<h2>Backlog by fairness key (the 10 with the most)</h2>"
+        + _table(KEYS_HEAD, rows, "key-rows", "No run with pending events names a key.")
+        + '<p class="meta">Runs with pending events that are not blocked, by the fairness key'
+        " their producer named: the rest of the keys as (other), runs that name none as"
+        " (default).</p>"
+    )
+
+
 def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) -> bytes:
     f = view["figures"]
-    backlog = _rows(f, BACKLOG_NAMES, ("runs", "events", "oldest"))
     lanes = _rows(f, LANES, ("rate", "lag_p50", "lag_p99"))
     chart = view["chart"]
     svg = _chart_svg(chart)
@@ -171,21 +198,9 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
         f'<p class="meta">served by {_fig(f, "replica_id")} · database time {_fig(f, "db_now")}'
         ' · <span id="updated">as rendered</span> · read-only</p>'
         f'<div class="cards">{cards}</div>'
-        f'<h2>Backlog</h2><p class="meta">Runs, pending events, oldest pending, the blocked'
-        " totals and the runs by fairness key are the backlog refresh's (one pass over the"
-        f" pending events, spaced by its own cost), as of {_fig(f, 'backlog_age')}; other"
-        " counts that grow with the backlog stop at a cap (shown with a +). Finished runs have"
-        " their terminal event pending (what an outage leaves behind: prioritised work, found"
-        " by discovery, not the critical lane's), open runs have not.</p>"
-        '<table><thead><tr><th>runs</th><th class="n">count</th>'
-        '<th class="n">pending events</th><th class="n">oldest pending</th>'
-        f'</tr></thead><tbody id="backlog">{backlog}</tbody></table>'
-        "<h2>Backlog by fairness key (the 10 with the most)</h2>"
-        + _table(KEYS_HEAD, view["keys"], "key-rows", "No run with pending events names a key.")
-        + '<p class="meta">Runs with pending events that are not blocked, by the fairness key'
-        " their producer named: the rest of the keys as (other), runs that name none as"
-        " (default).</p>"
-        '<h2>Lanes</h2><p class="meta">The critical lane delivers the terminals it is'
+        + _backlog(f)
+        + _keys(view["keys"])
+        + '<h2>Lanes</h2><p class="meta">The critical lane delivers the terminals it is'
         " signalled as they commit; the ordinary lane all the rest, finished runs in three of"
         " every four claims while open ones wait too.</p><table><thead><tr><th>lane</th>"
         '<th class="n">delivery rate</th><th class="n">lag p50</th><th class="n">lag p99</th>'

@@ -30,19 +30,7 @@ import psycopg
 from psycopg import sql
 
 from relay.maintenance.migrate import migrate
-from relay.tools.bench.kit import (
-    BenchFailed,
-    Env,
-    Result,
-    Scenario,
-    backlog,
-    median,
-    positive,
-    relay_processes,
-    reset,
-    rotated,
-    until_received,
-)
+from relay.tools.bench import kit
 
 MODES = ("one", "fleet")
 SAMPLE_EVERY = 0.05  # seconds between two counts of the replica's connections
@@ -50,11 +38,14 @@ PER_DATABASE = 17  # connections per database and replica at the defaults (docs/
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("fleet (issue 51)")
-    g.add_argument("--fleet-runs", type=positive(int), default=20_000, help="runs in all (20k)")
-    g.add_argument("--fleet-per-run", type=positive(int), default=10, help="events (10)")
-    g.add_argument("--fleet-databases", type=positive(int), default=3, help="(3)")
-    g.add_argument("--fleet-reps", type=positive(int), default=2, help="paired reps (2)")
+    kit.positive_options(
+        p,
+        "fleet (issue 51)",
+        ("--fleet-runs", int, 20_000, "runs in all (20k)"),
+        ("--fleet-per-run", int, 10, "events (10)"),
+        ("--fleet-databases", int, 3, "(3)"),
+        ("--fleet-reps", int, 2, "paired reps (2)"),
+    )
 
 
 SMOKE = {"fleet_runs": 300, "fleet_per_run": 5, "fleet_reps": 1}
@@ -70,11 +61,11 @@ KEYS = (
 def _database_url(url: str, dbname: str) -> str:
     """`url` naming the database `dbname` on the same server (a URL, as the bench is given)."""
     if "://" not in url:
-        raise BenchFailed("the fleet scenario needs the database as a URL (postgresql://...)")
+        raise kit.BenchFailed("the fleet scenario needs the database as a URL (postgresql://...)")
     return urlunsplit(urlsplit(url)._replace(path=f"/{dbname}"))
 
 
-async def _databases(env: Env, n: int) -> dict[str, str]:
+async def _databases(env: kit.Env, n: int) -> dict[str, str]:
     """`n` databases made on the bench's server, each with the relay's schema: name -> URL."""
     urls: dict[str, str] = {}
     async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
@@ -83,7 +74,9 @@ async def _databases(env: Env, n: int) -> dict[str, str]:
             try:
                 await conn.execute(sql.SQL("create database {}").format(sql.Identifier(dbname)))
             except psycopg.Error as exc:
-                raise BenchFailed(f"the fleet scenario could not create a database: {exc}") from exc
+                raise kit.BenchFailed(
+                    f"the fleet scenario could not create a database: {exc}"
+                ) from exc
             urls[f"shard{i}"] = _database_url(env.url, dbname)
             env.stack.push_async_callback(_drop, env.url, dbname)
     for url in urls.values():
@@ -117,7 +110,7 @@ class Connections:
 
 
 async def _drain(
-    env: Env,
+    env: kit.Env,
     a: argparse.Namespace,
     mode: str,
     shards: Mapping[str, str],
@@ -127,7 +120,7 @@ async def _drain(
     spread = dict(shards) if mode == "fleet" else {"one": env.url}
     envs = [dataclasses.replace(env, url=url) for url in spread.values()]
     for each in envs:
-        await reset(each)
+        await kit.reset(each)
     base = await env.external_sink()
     per = [a.fleet_runs // len(envs) + (i < a.fleet_runs % len(envs)) for i in range(len(envs))]
     total = a.fleet_runs * a.fleet_per_run
@@ -135,27 +128,27 @@ async def _drain(
     environ = {"RELAY_DATABASES": listed} if mode == "fleet" else None
     connections = Connections(env.url)
     async with (
-        relay_processes(env, 1, base, environ=environ),
+        kit.relay_processes(env, 1, base, environ=environ),
         anyio.create_task_group() as tg,
     ):
         tg.start_soon(connections.run)
         commits = [
-            await backlog(each, runs, a.fleet_per_run, f"f{i}-", terminals=True)
+            await kit.backlog(each, runs, a.fleet_per_run, f"f{i}-", terminals=True)
             for i, (each, runs) in enumerate(zip(envs, per, strict=True))
         ]
         committed = commits[0]  # the first: the others' writing counts against the fleet
-        finished = await until_received(env, base, total, what, timeout=max(120, total / 200))
+        finished = await kit.until_received(env, base, total, what, timeout=max(120, total / 200))
         tg.cancel_scope.cancel()
     return total / (finished - committed), connections.most
 
 
-async def fleet(env: Env, a: argparse.Namespace) -> Result:
+async def fleet(env: kit.Env, a: argparse.Namespace) -> kit.Result:
     shards = await _databases(env, a.fleet_databases)
     rates: dict[str, list[float]] = {m: [] for m in MODES}
     most: dict[str, int] = dict.fromkeys(MODES, 0)
     started = time.monotonic()
     for rep in range(a.fleet_reps):
-        for mode in rotated(MODES, rep):
+        for mode in kit.rotated(MODES, rep):
             eps, conns = await _drain(env, a, mode, shards, f"fleet: {mode}, rep {rep + 1}")
             rates[mode].append(eps)
             most[mode] = max(most[mode], conns)
@@ -165,7 +158,7 @@ async def fleet(env: Env, a: argparse.Namespace) -> Result:
     rows = [
         {
             "mode": "one database, one relay" if mode == "one" else f"{n} databases, one fleet",
-            "events_per_s": median(rates[mode]),
+            "events_per_s": kit.median(rates[mode]),
             "reps": [round(r) for r in rates[mode]],
             "connections": most[mode],
             "arithmetic": PER_DATABASE * (1 if mode == "one" else n),
@@ -173,7 +166,7 @@ async def fleet(env: Env, a: argparse.Namespace) -> Result:
         for mode in MODES
     ]
     verdict = "met" if ratio >= 0.9 else "NOT met"
-    return Result(
+    return kit.Result(
         ["mode", "events_per_s", "reps", "connections", "arithmetic"],
         rows,
         [
@@ -190,8 +183,8 @@ async def fleet(env: Env, a: argparse.Namespace) -> Result:
             f"fleet ≥ 0.9 × one: {verdict} ({ratio})",
         ],
         metrics={
-            "fleet_eps_one": median(rates["one"]),
-            "fleet_eps": median(rates["fleet"]),
+            "fleet_eps_one": kit.median(rates["one"]),
+            "fleet_eps": kit.median(rates["fleet"]),
             "fleet_ratio": ratio,
             "fleet_connections_one": most["one"],
             "fleet_connections": most["fleet"],
@@ -201,7 +194,7 @@ async def fleet(env: Env, a: argparse.Namespace) -> Result:
 
 
 SCENARIOS = [
-    Scenario(
+    kit.Scenario(
         "fleet",
         "one fleet over three databases against one relay over one, the same backlog of "
         "finished runs, paired: e2e events/s, their ratio, connections (issue 51)",

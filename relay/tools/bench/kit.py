@@ -131,6 +131,17 @@ def positive(kind: Callable[[str], float]) -> Callable[[str], Any]:
     return parse
 
 
+def positive_options(
+    p: argparse.ArgumentParser,
+    title: str,
+    *options: tuple[str, Callable[[str], float], float, str],
+) -> None:
+    """A scenario's option group of positive numbers, each (flag, int or float, default, help)."""
+    g = p.add_argument_group(title)
+    for flag, kind, default, text in options:
+        g.add_argument(flag, type=positive(kind), default=default, help=text)
+
+
 T = TypeVar("T")
 
 
