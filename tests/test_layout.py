@@ -467,6 +467,9 @@ def test_the_import_layers_are_kept() -> None:
         # the lane's discovery calling back into the lane, or reaching across to its deliveries
         ("delivery/discovery.py", "from relay.delivery import lane", "discovery is not allowed"),
         ("delivery/discovery.py", "from relay.delivery import deliveries", "discovery is not"),
+        # the critical lane's targeted drains likewise
+        ("delivery/targets.py", "from relay.delivery import lane", "targets is not allowed"),
+        ("delivery/targets.py", "from relay.delivery import deliveries", "targets is not"),
     ],
 )
 def test_a_planted_upward_import_breaks_the_layers(

@@ -3,8 +3,9 @@
 (docs/architecture.md), and a claim moves down them in this order:
 
 - fetch: lane.py (claims, hand-over of terminal runs), discovery.py (the ordinary lane's claims
-  of due work: which class first, how many, the spacing of empty passes), holdings.py (what a
-  lane holds), wake.py (the coalescing wake-up);
+  of due work: which class first, how many, the spacing of empty passes), targets.py (the
+  critical lane's claims by id of targeted terminals), holdings.py (what a lane holds), wake.py
+  (the coalescing wake-up);
 - the POST turn: deliveries.py (a lane's delivery tasks: turn, POST, results, hand-back),
   post_turn.py (a slot of the lane's, then a permit of the replica's), slots.py;
 - execute: execute.py (widen, renew, POST, quick retries; one `Outcome` per run; writes

@@ -25,14 +25,19 @@ import anyio
 from anyio.abc import TaskGroup
 
 from relay import logs
+from relay.admission.retry_budget import RetryBudget
 from relay.core import clock
 from relay.core.policy import Poison
 from relay.delivery.complete import Completer
 from relay.delivery.execute import Executor, LeaseLost, Outcome
 from relay.delivery.holdings import Holdings
 from relay.delivery.post_turn import NO_TURN, PostTurn, Slot, Turn
+from relay.delivery.stats import CompleteStats, ExecuteStats
 from relay.delivery.wake import Wake
-from relay.edges.store import Held
+from relay.edges.ingress import IngressClient
+from relay.edges.store import AckResult, Held, Store
+from relay.edges.tracing import Tracer
+from relay.settings import Settings
 
 
 class Delivery:
@@ -155,8 +160,54 @@ class Deliveries:
     task group opened for the lane's loop (`running()`) with the ack group and the renewer, and
     the wait for the claims held to settle when the lane stops (`finish()`)."""
 
-    def __init__(self, delivery: Delivery, holdings: Holdings) -> None:
-        self.delivery = delivery
+    def __init__(
+        self,
+        name: str,
+        settings: Settings,
+        store: Store,
+        ingress: IngressClient,
+        post_turn: PostTurn,
+        holdings: Holdings,
+        *,
+        settled: Callable[[], None],
+        critical_done: Callable[[], None],
+        on_ready_change: Callable[[bool], None],
+        observe_ack: Callable[[AckResult], None],
+        tracer: Tracer,
+        budget: RetryBudget | None,
+        database: str | None,
+    ) -> None:
+        # The lane's executor POSTs (relay/delivery/execute.py) and its completer writes what
+        # the answers mean (relay/delivery/complete.py); its delivery calls both, in that order.
+        self.executor = Executor(
+            settings,
+            store,
+            ingress,
+            ExecuteStats(),
+            lane=name,
+            tracer=tracer,
+            budget=budget,
+            database=database,
+        )
+        self.completer = Completer(
+            name,
+            settings,
+            store,
+            CompleteStats(),
+            resend=self.executor.resend,
+            on_ready_change=on_ready_change,
+            observe_ack=observe_ack,
+            observe=tracer.observe,
+        )
+        self.delivery = Delivery(
+            name,
+            post_turn,
+            self.executor,
+            self.completer,
+            holdings,
+            settled=settled,
+            critical_done=critical_done,
+        )
         self.holdings = holdings
         self._tasks: TaskGroup | None = None
         self._idle_runners = 0  # delivery tasks waiting for their next claim (see start)

@@ -7,13 +7,16 @@ holds: control traffic), and `ordinary` discovers the rest, finished runs (a pen
 and any due run sharing its claims (relay/delivery/discovery.py). Each has its own concurrency,
 database pool, HTTP client and ack group, so a full ordinary lane cannot delay the critical one.
 
-The lane claims runs (the ordinary lane's by its discovery, relay/delivery/discovery.py, which
-returns them), holds them (relay/delivery/holdings.py: under the adaptive limit, what its share of
-the limit can POST soon), and starts each single claim or multi-run group as a delivery
-(relay/delivery/deliveries.py) in one of its delivery tasks (`Deliveries`, there too: kept and
-reused, waited for when the lane stops): the delivery takes a turn to POST from the lane's POST turn
+The lane claims runs through its two fetch parts, each of which returns the claims and calls
+nothing back: the ordinary lane's by its discovery (relay/delivery/discovery.py), the critical
+lane's by id (relay/delivery/targets.py: the runs a terminal event targeted, and those it could
+not claim yet; the lane wakes its loop for each drain). It holds them (relay/delivery/holdings.py:
+under the adaptive limit, what its share of the limit can POST soon), and starts each single
+claim or multi-run group as a delivery (relay/delivery/deliveries.py) in one of its delivery
+tasks (`Deliveries`, there too: kept and reused, waited for when the lane stops; it builds the
+lane's executor and completer): the delivery takes a turn to POST from the lane's POST turn
 (relay/delivery/post_turn.py: the lane's slots, then the replica's permits, critical first), the
-lane's executor POSTs (relay/delivery/execute.py) and its completer writes what the answers mean
+executor POSTs (relay/delivery/execute.py) and the completer writes what the answers mean
 (relay/delivery/complete.py, the one writer of results). The lane reads the others only through
 views (`gate()`, `view()`) and the delivery's two callbacks. A single claim promoted to a
 targeted terminal that would have to wait for a slot of the ordinary lane is handed to the
@@ -34,12 +37,12 @@ from relay import logs
 from relay.admission.retry_budget import RetryBudget
 from relay.core.policy import backoff, plan_groups
 from relay.delivery.complete import Completer
-from relay.delivery.deliveries import Deliveries, Delivery
+from relay.delivery.deliveries import Deliveries
 from relay.delivery.discovery import Discovery
-from relay.delivery.execute import Executor
 from relay.delivery.holdings import Holdings
 from relay.delivery.post_turn import Permits, PostTurn
-from relay.delivery.stats import CompleteStats, ExecuteStats, FetchStats, LaneStats
+from relay.delivery.stats import FetchStats, LaneStats
+from relay.delivery.targets import Targets
 from relay.delivery.wake import Wake
 from relay.edges.ingress import IngressClient
 from relay.edges.store import AckResult, Claim, Held, Store
@@ -85,32 +88,10 @@ class Lane:
         self.store = store
         self.concurrency = concurrency
         self.fetched = FetchStats()
-        self.execute = Executor(
-            settings,
-            store,
-            ingress,
-            ExecuteStats(),
-            lane=name,
-            tracer=tracer,
-            budget=budget,
-            database=database,
-        )
-        self.complete = Completer(
-            name,
-            settings,
-            store,
-            CompleteStats(),
-            resend=self.execute.resend,
-            on_ready_change=on_ready_change,
-            observe_ack=observe_ack,
-            observe=tracer.observe,
-        )
         self.wake = Wake()
         self.slot_freed = Wake()
         # The critical lane claims targeted terminals only; the ordinary lane discovers the rest.
         self.targeted_only = name == "critical"
-        self.targets: list[str] = []  # runs to drain now (critical lane)
-        self.wanted: set[str] = set()  # terminal runs we could not claim yet
         # Each claim's or group's turn to POST: the lane's slots and the replica's permits,
         # critical ones first (relay/delivery/post_turn.py); in a fleet, the permits are every
         # database's, and its waiters are known by (database, run id).
@@ -122,20 +103,26 @@ class Lane:
         self.holdings = Holdings(settings, concurrency, posts)
         # Which runs the ordinary lane claims, and how many (relay/delivery/discovery.py).
         self.discovery = Discovery(settings, store, self.holdings, self.fetched)
-        # Each claim's or group's delivery: its turn, the POST, the results
-        # (relay/delivery/deliveries.py).
-        self.delivery = Delivery(
+        # Which runs the critical lane claims by id, at once (relay/delivery/targets.py).
+        self.targets = Targets(name, store, self.holdings, self.fetched)
+        # Each claim's or group's delivery (its turn, the POST, the results) and the tasks they
+        # run in, kept and reused, beside the ack group and the renewer that serve them; the
+        # executor and the completer are built there (relay/delivery/deliveries.py).
+        self.deliveries = Deliveries(
             name,
+            settings,
+            store,
+            ingress,
             self.post_turn,
-            self.execute,
-            self.complete,
             self.holdings,
             settled=self._settled,
             critical_done=self.wake.set,
+            on_ready_change=on_ready_change,
+            observe_ack=observe_ack,
+            tracer=tracer,
+            budget=budget,
+            database=database,
         )
-        # The tasks the deliveries run in, kept and reused, beside the ack group and the renewer
-        # that serve them (relay/delivery/deliveries.py).
-        self.deliveries = Deliveries(self.delivery, self.holdings)
         self.stopping = False
         # Liveness, for /healthz and the systemd watchdog (read through view()).
         self.turns = 0
@@ -147,9 +134,16 @@ class Lane:
         return self.holdings.inflight
 
     @property
+    def complete(self) -> Completer:
+        """The completer of the lane's deliveries (relay/delivery/complete.py), read through its
+        views only: its counters, the pause gate, who a claim is."""
+        return self.deliveries.completer
+
+    @property
     def stats(self) -> LaneStats:
         """The counters of the lane's three parts, as one copy."""
-        return LaneStats.of(replace(self.fetched), self.execute.view(), self.complete.view())
+        executed = self.deliveries.executor.view()
+        return LaneStats.of(replace(self.fetched), executed, self.complete.view())
 
     def view(self) -> LaneView:
         """What health and metrics read: a snapshot, never the lane's own state."""
@@ -167,16 +161,16 @@ class Lane:
     # -- wakes ------------------------------------------------------------------------------
 
     def drain(self, run_id: str) -> None:
-        """A targeted drain: claim this run at once, without waiting for a discovery pass. Its
-        wake ends any wait of the loop, for a freed slot included."""
-        if run_id not in self.inflight and run_id not in self.targets:
-            self.targets.append(run_id)
+        """A targeted drain: claim this run at once, without waiting for a discovery pass
+        (relay/delivery/targets.py). Its wake ends any wait of the loop, for a freed slot
+        included."""
+        self.targets.add(run_id)
         self.wake.set()
         self.slot_freed.set()
 
     def delivered_elsewhere(self, run_id: str) -> None:
-        if run_id in self.wanted:
-            self.wanted.discard(run_id)
+        """Another replica delivered this run: drained again if it was wanted here."""
+        if self.targets.delivered_elsewhere(run_id):
             self.drain(run_id)
 
     # -- discovery ---------------------------------------------------------------------------
@@ -219,16 +213,11 @@ class Lane:
         if now < paused_until:
             await self.wake.wait(min(paused_until - now, self.settings.poll_interval))
             return False
-        if self.targets and self.holdings.may_target():  # before the claim gate: control traffic
-            run_id = self.targets.pop(0)
-            self.fetched.claims += 1
-            claims = await self.store.claim(self.name, 1, run_id)
-            if not claims and run_id not in self.inflight:
-                self.wanted.add(run_id)  # leased elsewhere or backing off; retried on delivery
-            self._start(claims)
+        if self.targets.ready():  # before the claim gate: control traffic
+            self._start(await self.targets.claim())
             return True
         if self.targeted_only:
-            if self.targets:  # a flood of them fills the lane: the next as one settles
+            if self.targets.pending:  # a flood of them fills the lane: the next as one settles
                 await self.slot_freed.wait(self.settings.poll_interval)
                 return True
             return False
@@ -253,7 +242,7 @@ class Lane:
             self.fetched.claimed_runs += 1
             by_class[_class_of(claim)] += 1
             held.append(self.holdings.hold(claim))
-            self.wanted.discard(claim.run_id)
+            self.targets.claimed(claim.run_id)
             if claim.reclaimed_from is not None:
                 self.fetched.reclaimed += 1
                 reclaimed.setdefault(claim.reclaimed_from, []).append(claim.run_id)
