@@ -4,8 +4,9 @@
 
 Starts `relay demo --linger 60` (its own embedded PostgreSQL, sink and two replicas), waits for
 the demo's live phase to end, opens the first replica's page in headless Chromium (Debian
-`chromium` + `chromium-driver`, through selenium), and saves the screenshot. The demo is
-stopped with SIGINT afterwards.
+`chromium` + `chromium-driver`, through selenium), and saves a screenshot of the whole page.
+The demo is stopped with SIGINT afterwards. (docs/ui-blocked.png is tests/test_ui_browser.py's,
+with RELAY_UI_SCREENSHOT.)
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def main() -> int:
         try:
             driver.get(url)
             time.sleep(4)  # a refresh or two
+            # the whole page, not its first screen (the rate chart and the tables below it)
+            whole = "return document.documentElement.scrollHeight + outerHeight - innerHeight"
+            driver.set_window_size(1280, int(driver.execute_script(whole)))
             driver.save_screenshot(str(out))
         finally:
             driver.quit()

@@ -17,7 +17,7 @@ import pytest
 
 from relay.runner import Relay
 from relay.tools.sink import Sink, serve_sink
-from tests.support import count, settings, wait_for
+from tests.support import count, q, settings, wait_for
 from tests.test_logs import dead_port
 from tests.test_metrics import relay_port
 from tests.test_monitoring import DASHBOARD, RULES
@@ -96,6 +96,16 @@ async def test_a_real_prometheus_answers_every_dashboard_query_and_alerts_on_a_b
                     await wait_for(lambda: has_series("up == 1"), what="the first scrapes")
                     # More traffic while Prometheus watches: rates and quantiles have data.
                     enqueue_runs(conn, schema, 5, 2, prefix="q", terminal=False)
+                    # A tenant's run due in an hour: the backlog by fairness key has a series.
+                    with conn.transaction():
+                        conn.execute(
+                            q(schema, "select {s}.enqueue('keyed', 'keyed-e', 'step', '{{}}',"
+                                      " p_fairness_key => 'tenant-a')"),
+                        )  # fmt: skip
+                        conn.execute(
+                            q(schema, "update {s}.runs set next_attempt_at = now() + interval"
+                                      " '1 hour' where run_id = 'keyed'"),
+                        )  # fmt: skip
                     dashboard = json.loads(DASHBOARD.read_text())
                     for panel in dashboard["panels"]:
                         for target in panel["targets"]:

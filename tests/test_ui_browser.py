@@ -6,7 +6,8 @@ value runs as script, the page keeps updating without a reload, and ui_token is 
 Needs Debian's `chromium` and `chromium-driver` and the `selenium` client (the `dev` extra);
 skips with the reason otherwise. Selenium Manager never runs: the driver and browser paths are
 given. With RELAY_UI_SCREENSHOT=PATH the first test also writes a screenshot there
-(docs/ui.png is made so: `RELAY_UI_SCREENSHOT=docs/ui.png pytest tests/test_ui_browser.py`).
+(docs/ui-blocked.png is made so: `RELAY_UI_SCREENSHOT=docs/ui-blocked.png pytest
+tests/test_ui_browser.py`; docs/ui.png is scripts/ui_screenshot.py's, of `relay demo`).
 
 Selenium is synchronous: its calls run in a worker thread (`anyio.to_thread`) so the relays'
 event loop keeps serving the page meanwhile.
@@ -260,6 +261,10 @@ async def test_status_page_in_chromium(
         shot = os.environ.get("RELAY_UI_SCREENSHOT")
         if shot:
             await anyio.sleep(3)  # a few more refreshes: more of the rate chart
+            # the whole page: the blocked runs' table is below the first screen since the
+            # backlog and fairness-key tables came (issue 50)
+            whole = "return document.documentElement.scrollHeight + outerHeight - innerHeight"
+            await off(browser.set_window_size, 1280, int(await off(browser.execute_script, whole)))
             await off(browser.save_screenshot, shot)
 
         # The run page, through the page's own link: events in seq order, the commands.

@@ -18,18 +18,26 @@ POSTs at a time for `--fairness-service-ms` each, the rest queued first come fir
   `--fairness-keys` keys with `--fairness-key-runs` runs of `--fairness-per-key-run` events each
   (every other run ending in its terminal) written straight into the tables, then
   `--fairness-claims` claims of 64 runs per lane, each in a transaction rolled back (so each
-  sees the same data), timed at the client; once with every key's runs due, once with those of
-  all keys but one in ten leased elsewhere (keys with no due work). Target: p99 ≤ 20 ms
-  (issue 50, at 1M events over 1,000 keys).
+  sees the same data), timed at the client, and as many again under EXPLAIN (ANALYZE, BUFFERS):
+  the server's execution time, the shared buffers of the claim and of every statement under
+  it, and the rows of each relation it read (the server's counters of the transaction, which
+  count the nested statements that a top-level EXPLAIN shows as one function scan). In three
+  states: every key's runs due; those of all keys but one in ten leased elsewhere (keys with no
+  due work); all but one in a hundred. Target: p99 ≤ 20 ms (issue 50, at 1M events over 1,000
+  keys: `--fairness-cases keys --fairness-key-runs 200`, about a minute to build).
+
+`--fairness-cases` runs some of the three (all by default).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import orjson
 import psycopg
 
 from relay.producer import Event, enqueue_many_async
@@ -48,6 +56,14 @@ from relay.tools.demo import percentile
 from relay.tools.sink import serve_sink
 
 WEIGHTS = {"heavy": 5, "middle": 3, "light": 2}
+CASES = ("quiet", "weights", "keys")
+
+
+def _cases(text: str) -> tuple[str, ...]:
+    named = tuple(c.strip() for c in text.split(",") if c.strip())
+    if not named or set(named) - set(CASES):
+        raise argparse.ArgumentTypeError(f"choose from {', '.join(CASES)}, got {text!r}")
+    return named
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +80,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fairness-key-runs", type=positive(int), default=20, help="per key (20)")
     g.add_argument("--fairness-per-key-run", type=positive(int), default=5, help="events (5)")
     g.add_argument("--fairness-claims", type=positive(int), default=100, help="per lane (100)")
+    g.add_argument(
+        "--fairness-cases",
+        type=_cases,
+        default=CASES,
+        help=f"of {', '.join(CASES)} (all); the claim at 1M events over 1,000 keys alone: "
+        "--fairness-cases keys --fairness-key-runs 200",
+    )
 
 
 SMOKE = {
@@ -169,118 +192,252 @@ async def _claims(
     return percentile(took, 50) or 0.0, percentile(took, 99) or 0.0
 
 
-async def _keys(env: Env, a: argparse.Namespace) -> dict[str, Any]:
+# What each relation of the schema was read for by the statements since the last call, from the
+# server's counters of this transaction (pg_stat_get_xact_*): an index's scans are its descents,
+# its tuples the entries it returned (visited, whether or not a filter then dropped them), its
+# fetched the table rows it led to; a table's tuples are the rows its sequential scans read. No
+# extension needed (auto_explain is not in every build: not in the embedded PostgreSQL), and the
+# statements nested in the claim's functions count too, which a top-level EXPLAIN shows only as
+# one function scan.
+READS = """
+select c.relname, coalesce(t.relname, c.relname), pg_stat_get_xact_numscans(c.oid),
+       pg_stat_get_xact_tuples_returned(c.oid), pg_stat_get_xact_tuples_fetched(c.oid)
+from pg_class c join pg_namespace n on n.oid = c.relnamespace
+left join pg_index i on i.indexrelid = c.oid left join pg_class t on t.oid = i.indrelid
+where n.nspname = %s and c.relkind in ('r', 'i')
+"""
+COUNTS = ("scans", "tuples", "fetched")
+
+
+async def _reads(conn: psycopg.AsyncConnection[Any], env: Env) -> dict[str, tuple[Any, ...]]:
+    cur = await conn.execute(READS, (env.schema,))
+    return {name: tuple(rest) for name, *rest in await cur.fetchall()}
+
+
+@dataclass
+class Explained:
+    """A lane's claim as the server ran it: EXPLAIN (ANALYZE, BUFFERS) of the whole claim, `n`
+    times (each rolled back), and what the last one read, by relation."""
+
+    server_p50_ms: float
+    server_p99_ms: float
+    buffers: int  # shared buffers hit or read by the claim and every statement under it
+    reads: dict[str, dict[str, Any]]  # relation -> its table, and its non-zero COUNTS
+
+    def rows_of(self, table: str) -> int:
+        """Rows of `table` read: by sequential scans, and fetched through any of its indexes
+        (or a bitmap scan)."""
+        return sum(
+            r.get("fetched", 0) + (r.get("tuples", 0) if name == table else 0)
+            for name, r in self.reads.items()
+            if r["table"] == table
+        )
+
+
+async def _explained(conn: psycopg.AsyncConnection[Any], env: Env, lane: str, n: int) -> Explained:
+    took: list[float] = []
+    buffers: list[int] = []
+    reads: dict[str, dict[str, Any]] = {}
+    for _ in range(n):
+        async with conn.transaction(force_rollback=True):
+            before = await _reads(conn, env)
+            cur = await conn.execute(
+                env.q(
+                    "explain (analyze, buffers, format json)"
+                    " select count(*) from {s}.claim('bench-keys', 64, 10, '1 hour', %s)"
+                ),
+                (lane,),
+            )
+            row = await cur.fetchone()
+            after = await _reads(conn, env)
+        assert row is not None
+        [plan] = row[0] if isinstance(row[0], list) else orjson.loads(row[0])
+        took.append(plan["Execution Time"])
+        top = plan["Plan"]
+        buffers.append(top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0))
+        reads = {}
+        for name, (table, *counts) in after.items():
+            was = before.get(name, (table, *(0 for _ in counts)))[1:]
+            delta = {k: v - w for k, v, w in zip(COUNTS, counts, was, strict=True) if v != w}
+            if delta:
+                reads[name] = {"table": table, **delta}
+    return Explained(
+        round(percentile(took, 50) or 0.0, 2),
+        round(percentile(took, 99) or 0.0, 2),
+        sorted(buffers)[len(buffers) // 2],
+        reads,
+    )
+
+
+# The key states measured: JSON prefix, label, and which keys' runs are leased elsewhere (keys
+# with no due work), by the key's number k.
+STATES = (
+    ("", "every key due", None),
+    ("idle_", "9 keys in 10 with no due work", 10),
+    ("sparse_", "99 keys in 100 with no due work", 100),
+)
+
+
+async def _key_data(conn: psycopg.AsyncConnection[Any], env: Env, a: argparse.Namespace) -> None:
+    """`--fairness-keys` keys k<k> with `--fairness-key-runs` runs fk<k>-<r> of
+    `--fairness-per-key-run` events each, every other run ending in its terminal: the rows
+    enqueue writes (as kit.backlog), in one transaction."""
+    runs_of = "from generate_series(1, %(k)s) k, generate_series(1, %(r)s) r"
+    args = {"k": a.fairness_keys, "r": a.fairness_key_runs, "e": a.fairness_per_key_run}
+    async with conn.transaction():
+        await conn.execute(
+            env.q(
+                "insert into {s}.run_seqs (run_id, last_seq)"
+                " select 'fk' || k || '-' || r, %(e)s " + runs_of
+            ),
+            args,
+        )
+        await conn.execute(
+            env.q(
+                "insert into {s}.runs (run_id, next_attempt_at, fairness_key)"
+                " select 'fk' || k || '-' || r, clock_timestamp(), 'k' || k " + runs_of
+            ),
+            args,
+        )
+        await conn.execute(
+            env.q(
+                "insert into {s}.outbox (run_id, seq, event_id, event_type, payload, terminal)"
+                " select 'fk' || k || '-' || r, i, 'fk' || k || '-' || r || '-' || i, 'step',"
+                " '{{}}', i = %(e)s and r %% 2 = 0 " + runs_of + ", generate_series(1, %(e)s) i"
+            ),
+            args,
+        )
+        await conn.execute(
+            env.q(
+                "insert into {s}.pending_terminals (run_id, seq, created_at, fairness_key)"
+                " select o.run_id, o.seq, o.created_at, r.fairness_key"
+                " from {s}.outbox o join {s}.runs r using (run_id) where o.terminal"
+            )
+        )
+        await conn.execute(
+            env.q(
+                "insert into {s}.fairness_keys (key) select 'k' || k"
+                " from generate_series(1, %(k)s) k on conflict do nothing"
+            ),
+            args,
+        )
+    await conn.execute(
+        env.q("analyze {s}.outbox, {s}.runs, {s}.pending_terminals, {s}.fairness_keys")
+    )
+
+
+async def _keys(env: Env, a: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The claim over many keys: its metrics, and each state's reads by relation (the data)."""
     await reset(env)
     keys, runs, per = a.fairness_keys, a.fairness_key_runs, a.fairness_per_key_run
     out: dict[str, Any] = {"fairness_keys_events": keys * runs * per}
+    data: dict[str, Any] = {}
     async with await psycopg.AsyncConnection.connect(env.url, autocommit=True) as conn:
-        async with conn.transaction():
-            # run fk<k>-<r> of key k<k>: the rows enqueue writes (as kit.backlog)
-            runs_of = "from generate_series(1, %(k)s) k, generate_series(1, %(r)s) r"
-            args = {"k": keys, "r": runs, "e": per}
-            await conn.execute(
-                env.q(
-                    "insert into {s}.run_seqs (run_id, last_seq)"
-                    " select 'fk' || k || '-' || r, %(e)s " + runs_of
-                ),
-                args,
-            )
-            await conn.execute(
-                env.q(
-                    "insert into {s}.runs (run_id, next_attempt_at, fairness_key)"
-                    " select 'fk' || k || '-' || r, clock_timestamp(), 'k' || k " + runs_of
-                ),
-                args,
-            )
-            await conn.execute(
-                env.q(
-                    "insert into {s}.outbox (run_id, seq, event_id, event_type, payload, terminal)"
-                    " select 'fk' || k || '-' || r, i, 'fk' || k || '-' || r || '-' || i, 'step',"
-                    " '{{}}', i = %(e)s and r %% 2 = 0 " + runs_of + ", generate_series(1, %(e)s) i"
-                ),
-                args,
-            )
-            await conn.execute(
-                env.q(
-                    "insert into {s}.pending_terminals (run_id, seq, created_at, fairness_key)"
-                    " select o.run_id, o.seq, o.created_at, r.fairness_key"
-                    " from {s}.outbox o join {s}.runs r using (run_id) where o.terminal"
+        built = time.monotonic()
+        await _key_data(conn, env, a)
+        data["build_s"] = round(time.monotonic() - built, 1)
+        for state, _, every in STATES:
+            if every is not None:
+                await conn.execute(
+                    env.q(
+                        "update {s}.runs set lease_owner = 'elsewhere',"
+                        " lease_expires_at = now() + interval '1 hour',"
+                        " next_attempt_at = now() + interval '1 hour'"
+                        " where mod(substr(fairness_key, 2)::int, %s) <> 0"
+                        " and lease_owner is null"
+                    ),
+                    (every,),
                 )
-            )
-            await conn.execute(
-                env.q(
-                    "insert into {s}.fairness_keys (key) select 'k' || k"
-                    " from generate_series(1, %(k)s) k on conflict do nothing"
-                ),
-                args,
-            )
-        await conn.execute(env.q("analyze {s}.outbox, {s}.runs, {s}.pending_terminals"))
+                await conn.execute(env.q("analyze {s}.runs"))
+            for lane in ("ordinary", "critical"):
+                p50, p99 = await _claims(conn, env, lane, a.fairness_claims)
+                x = await _explained(conn, env, lane, a.fairness_claims)
+                at = f"fairness_keys_{state}{lane}"
+                out[f"{at}_p50_ms"] = round(p50, 1)
+                out[f"{at}_p99_ms"] = round(p99, 1)
+                out[f"{at}_server_p50_ms"] = x.server_p50_ms
+                out[f"{at}_server_p99_ms"] = x.server_p99_ms
+                out[f"{at}_buffers"] = x.buffers
+                out[f"{at}_keys_read"] = x.rows_of("fairness_keys")
+                out[f"{at}_runs_read"] = x.rows_of("runs")
+                data[f"{state}{lane}"] = x.reads
+    return out, data
+
+
+def _claim_rows(a: argparse.Namespace, many: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for state, label, _ in STATES:
         for lane in ("ordinary", "critical"):
-            p50, p99 = await _claims(conn, env, lane, a.fairness_claims)
-            out[f"fairness_keys_{lane}_p50_ms"] = round(p50, 1)
-            out[f"fairness_keys_{lane}_p99_ms"] = round(p99, 1)
-        await conn.execute(
-            env.q(
-                "update {s}.runs set lease_owner = 'elsewhere',"
-                " lease_expires_at = now() + interval '1 hour',"
-                " next_attempt_at = now() + interval '1 hour'"
-                " where mod(substr(fairness_key, 2)::int, 10) <> 0"
+            at = f"fairness_keys_{state}{lane}"
+            rows.append(
+                {
+                    "case": f"{lane} claim of 64 over {a.fairness_keys:,} keys, {label}",
+                    "figure": f"p50 {many[f'{at}_p50_ms']} / p99 {many[f'{at}_p99_ms']} ms; "
+                    f"server p50 {many[f'{at}_server_p50_ms']} / p99 "
+                    f"{many[f'{at}_server_p99_ms']} ms, {many[f'{at}_buffers']:,} buffers, "
+                    f"{many[f'{at}_keys_read']:,} key rows and {many[f'{at}_runs_read']:,} "
+                    "runs read",
+                }
             )
-        )
-        await conn.execute(env.q("analyze {s}.runs"))
-        for lane in ("ordinary", "critical"):
-            p50, p99 = await _claims(conn, env, lane, a.fairness_claims)
-            out[f"fairness_keys_idle_{lane}_p50_ms"] = round(p50, 1)
-            out[f"fairness_keys_idle_{lane}_p99_ms"] = round(p99, 1)
-    return out
+    return rows
 
 
 async def fairness(env: Env, a: argparse.Namespace) -> Result:
-    quiet = await _quiet(env, a)
-    weights = await _weights(env, a)
-    many = await _keys(env, a)
+    quiet = await _quiet(env, a) if "quiet" in a.fairness_cases else {}
+    weights = await _weights(env, a) if "weights" in a.fairness_cases else {}
+    many, reads = await _keys(env, a) if "keys" in a.fairness_cases else ({}, {})
     service = a.fairness_service_ms
-    rows = [
-        {
-            "case": "quiet key beside a noisy backlog",
-            "figure": f"quiet runs p99 {quiet['fairness_quiet_p99_ms']:,} ms "
-            f"({quiet['fairness_quiet_ratio']}× service) of {quiet['fairness_quiet_runs']}; "
-            f"goodput {quiet['fairness_quiet_goodput']}",
-        },
-        {
-            "case": "weights 5:3:2",
-            "figure": ", ".join(f"{k} {weights[f'fairness_share_{k}']:.1%}" for k in WEIGHTS)
-            + f" of the first {a.fairness_first_posts} POSTs (worst "
-            f"{weights['fairness_share_worst_points']} points off)",
-        },
-    ]
-    for state, label in (("", "every key due"), ("idle_", "9 keys in 10 with no due work")):
+    rows = []
+    notes = []
+    if quiet or weights:
+        notes.append(
+            f"ingress: {a.fairness_workers} POSTs at a time, {service:g} ms each, the rest queued "
+            f"first come first served; {a.fairness_replicas} `relay run` replicas at their "
+            f"defaults; runs of {a.fairness_per_run} events"
+        )
+    if quiet:
         rows.append(
             {
-                "case": f"claim of 64 over {a.fairness_keys:,} keys, {label}",
-                "figure": ", ".join(
-                    f"{lane} p50 {many[f'fairness_keys_{state}{lane}_p50_ms']} / "
-                    f"p99 {many[f'fairness_keys_{state}{lane}_p99_ms']} ms"
-                    for lane in ("ordinary", "critical")
-                ),
+                "case": "quiet key beside a noisy backlog",
+                "figure": f"quiet runs p99 {quiet['fairness_quiet_p99_ms']:,} ms "
+                f"({quiet['fairness_quiet_ratio']}× service) of {quiet['fairness_quiet_runs']}; "
+                f"goodput {quiet['fairness_quiet_goodput']}",
             }
+        )
+        notes.append(
+            f"quiet: a noisy key's {a.fairness_noisy_runs:,} runs committed up front, a quiet "
+            f"key's run every {a.fairness_quiet_every:g} s until they drained; delay: commit -> "
+            "the end of its POST's service"
+        )
+    if weights:
+        rows.append(
+            {
+                "case": "weights 5:3:2",
+                "figure": ", ".join(f"{k} {weights[f'fairness_share_{k}']:.1%}" for k in WEIGHTS)
+                + f" of the first {a.fairness_first_posts} POSTs (worst "
+                f"{weights['fairness_share_worst_points']} points off)",
+            }
+        )
+        notes.append(
+            f"weights: {a.fairness_weighted_runs:,} runs per key, committed before the relays "
+            "start; shares of the first POSTs by their arrival at the ingress"
+        )
+    if many:
+        rows += _claim_rows(a, many)
+        notes.append(
+            f"keys: {many['fairness_keys_events']:,} events in {a.fairness_key_runs:,} runs of "
+            f"{a.fairness_per_key_run} per key (built in {reads['build_s']} s); "
+            f"{a.fairness_claims} claims per lane, each rolled back, timed at the client (target "
+            f"p99 ≤ 20 ms at 1M events over 1,000 keys), then {a.fairness_claims} more under "
+            "EXPLAIN (ANALYZE, BUFFERS): the server's execution time, the shared buffers of the "
+            "claim and every statement under it (median), and the rows of fairness_keys and runs "
+            "read (the server's counters of the transaction; by relation in the JSON's samples)"
         )
     return Result(
         ["case", "figure"],
         rows,
-        [
-            f"ingress: {a.fairness_workers} POSTs at a time, {service:g} ms each, the rest queued "
-            f"first come first served; {a.fairness_replicas} `relay run` replicas at their "
-            f"defaults; runs of {a.fairness_per_run} events",
-            f"quiet: a noisy key's {a.fairness_noisy_runs:,} runs committed up front, a quiet "
-            f"key's run every {a.fairness_quiet_every:g} s until they drained; delay: commit -> "
-            "the end of its POST's service",
-            f"weights: {a.fairness_weighted_runs:,} runs per key, committed before the relays "
-            "start; shares of the first POSTs by their arrival at the ingress",
-            f"keys: {many['fairness_keys_events']:,} events in {a.fairness_key_runs} runs of "
-            f"{a.fairness_per_key_run} per key; {a.fairness_claims} claims per lane, each rolled "
-            "back, timed at the client (target p99 ≤ 20 ms)",
-        ],
+        notes,
+        data={"keys": reads} if reads else {},
         metrics=quiet | weights | many,
     )
 
@@ -294,10 +451,18 @@ KEYS = (
     "fairness_share_worst_points",
     "fairness_keys_events",
     *(
-        f"fairness_keys_{state}{lane}_{q}_ms"
-        for state in ("", "idle_")
+        f"fairness_keys_{state}{lane}_{figure}"
+        for state, _, _ in STATES
         for lane in ("ordinary", "critical")
-        for q in ("p50", "p99")
+        for figure in (
+            "p50_ms",
+            "p99_ms",
+            "server_p50_ms",
+            "server_p99_ms",
+            "buffers",
+            "keys_read",
+            "runs_read",
+        )
     ),
 )
 
