@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from relay.admission.limit import Sample, Signal
 from relay.admission.retry_budget import Result, RetryBudget
+from relay.core import clock
 from relay.core.policy import Ack, Retry
 from relay.delivery.bookkeeping import Bookkeeping
 from relay.delivery.execute import retried
@@ -90,7 +91,7 @@ def test_a_multi_run_reply_with_results_per_run_is_served_whatever_one_run_says(
 
 
 def test_a_try_holds_a_token_as_a_retry_only_when_it_is_one() -> None:
-    """A first try is a retry when a run has earlier attempts (`may_retry` took its token); a
+    """A first try is a retry when a run has earlier attempts (`deferrals` took its token); a
     quick try always is; without a budget nothing is held."""
     b = books(RetryBudget())
     first = retried([Held(one_event_claim("r1"))])
@@ -118,10 +119,19 @@ def test_a_failing_limit_is_logged_and_the_budget_still_records() -> None:
 
 
 def test_a_retry_the_budget_refused_waits_at_least_its_floor_and_is_counted() -> None:
-    b = books(RetryBudget())
-    delay = b.deferral(one_event_claim("r1").attempts)
-    assert delay >= 5.0  # DEFER_AT_LEAST
-    assert b.stats.deferred == 1
+    """One question before a POST, one answer: no wait (it goes), or a wait per run."""
+    budget = RetryBudget()
+    b = books(budget)
+    runs, attempts = ["r1", "r2"], [1, 1]
+    assert b.deferrals(False, runs, attempts) == []  # a first attempt goes, without a token
+    assert b.deferrals(True, runs, attempts) == []  # a retry the budget has a token for
+    for _ in range(1000):
+        if not budget.try_retry(clock.now()):
+            break
+    delays = b.deferrals(True, runs, attempts)
+    assert len(delays) == 2
+    assert min(delays) >= 5.0  # DEFER_AT_LEAST
+    assert b.stats.deferred == 2
 
 
 def test_an_unsent_try_gives_its_token_back() -> None:

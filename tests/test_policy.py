@@ -22,6 +22,7 @@ from relay.core.policy import (
     backoff,
     classify,
     decide,
+    held_back,
     lease_margin,
     misconfigured_backoff,
     parse_retry_after,
@@ -237,6 +238,21 @@ def test_half_jitter_spreads_the_delay_over_the_upper_half_of_the_ceiling(
 def test_no_jitter_is_the_ceiling_whatever_rand(attempt: int, rand: float) -> None:
     got = backoff(attempt, base=0.1, cap=2.0, rand=rand, jitter=0.0)
     assert got == min(2.0, 0.1 * 2.0 ** min(attempt, 100))
+
+
+@pytest.mark.parametrize(
+    ("attempt", "rand", "floor", "waits"),
+    [
+        (0, 0.0, 5.0, 5.0),  # a first retry's backoff (0.25..0.5 s) is below the floor
+        (9, 0.0, 5.0, 128.0),  # a long outage: the run's own backoff, its upper half
+        (9, 0.0, 200.0, 200.0),  # the budget has no token for longer
+        (30, 0.0, 5.0, 150.0),  # capped, half of it the least
+    ],
+)
+def test_a_retry_the_budget_held_back_waits_its_backoff_or_the_floor(
+    attempt: int, rand: float, floor: float, waits: float
+) -> None:
+    assert held_back(attempt, cap=300.0, rand=rand, floor=floor) == waits
 
 
 # The hand-made backoffs not yet on policy.backoff (issue 27 item 5): this list only shrinks.

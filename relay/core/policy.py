@@ -280,6 +280,15 @@ def backoff(attempt: int, *, base: float, cap: float, rand: float, jitter: float
     return ceiling * (1.0 - jitter + jitter * rand)
 
 
+def held_back(attempt: int, *, cap: float, rand: float, floor: float) -> float:
+    """How long a retry the retry budget held back waits in the outbox: the run's own backoff
+    after `attempt` failures, as if it had failed again (so a long outage spaces its retries out
+    as failures would), in the upper half of its range, and never less than `floor` (the
+    budget's least deferral, or the wait until it has a token for the run: claimed sooner, the
+    run would only be handed back again)."""
+    return max(floor, backoff(attempt, base=BACKOFF_BASE, cap=cap, rand=rand, jitter=0.5))
+
+
 def parse_retry_after(
     value: str | None, now: datetime, *, minimum: float = 0.0, maximum: float = 3600.0
 ) -> float | None:

@@ -4,7 +4,7 @@ turn's adaptive limit, whether a retry may go, and how long one the budget refus
 
 The executor (relay/delivery/execute.py) POSTs; this part keeps the accounts of its tries, so the
 POST path reads as the POST and issue 42's rules for it read in one place. Around each try it is
-asked in a fixed order: before it, whether a retry may go (`may_retry` before a POST,
+asked in a fixed order: before it, whether a retry may go (`deferrals` before a POST,
 `quick_retry_allowed` before each quick try: a yes holds a budget token); after it, what came of it
 (`record`, or `record_unsent` when no answer came), which settles that token and gives the limit its
 sample (through its turn, relay/delivery/post_turn.py). The budget (relay/admission/retry_budget.py)
@@ -22,7 +22,7 @@ from relay import logs
 from relay.admission.limit import Sample
 from relay.admission.retry_budget import DEFER_AT_LEAST, SLICE, Result, RetryBudget
 from relay.core import clock
-from relay.core.policy import BACKOFF_BASE, Decision, Retry, backoff
+from relay.core.policy import Decision, Retry, held_back
 from relay.delivery.stats import ExecuteStats
 from relay.edges.ingress import Answer, TransportFailure
 from relay.settings import Settings
@@ -51,20 +51,25 @@ class Bookkeeping:
         self.settings = settings
         self.stats = stats
 
-    def may_retry(self, retried: bool, runs: Iterable[str] = ()) -> bool:
-        """A first attempt always goes; a retry (`retried`: a run with earlier attempts, and a
-        multi-run POST is one if any of its runs is) only when the budget has a token for it, or
-        an operator retried one of its `runs` (`relay retry`: the budget waives it)."""
+    def deferrals(self, retried: bool, runs: Iterable[str], attempts: Iterable[int]) -> list[float]:
+        """Whether a POST may go, as one answer: none when it may, else how long each of its
+        runs waits in the outbox. A first attempt always goes; a retry (`retried`: a run with
+        earlier attempts, and a multi-run POST is one if any of its runs is) only when the
+        budget has a token for it, or an operator retried one of its `runs` (`relay retry`: the
+        budget waives it). Each run of a retry the budget refused waits the `held_back` of its
+        `attempts` (relay/core/policy.py), counted in the executor's `stats.deferred` (the
+        executor's `Deferred` carries it to the completer)."""
         if self.budget is None or not retried:
-            return True
-        return self.budget.try_retry(clock.now(), runs, self.database)
-
-    def deferral(self, attempts: int) -> float:
-        """How long a retry the budget refused waits (`_held_back`). Counted in the executor's
-        `stats.deferred`; returns the delay (the executor's `Deferred` carries it to the
-        completer)."""
-        self.stats.deferred += 1
-        return self._held_back(attempts)
+            return []
+        if self.budget.try_retry(clock.now(), runs, self.database):
+            return []
+        cap = self.settings.max_backoff
+        delays = [
+            held_back(attempt, cap=cap, rand=random.random(), floor=self._floor())
+            for attempt in attempts
+        ]
+        self.stats.deferred += len(delays)
+        return delays
 
     def scheduled(self, retry: Retry, attempts: int) -> Retry:
         """The reschedule of a failed attempt (the run's `attempts` before it), with the time its
@@ -75,24 +80,20 @@ class Bookkeeping:
         outage). The returned `Retry` keeps the run's own backoff in `backoff`."""
         if self.budget is None or not self.budget.spent(clock.now()):
             return retry
-        held = self._held_back(attempts + 1)
+        cap = self.settings.max_backoff
+        held = held_back(attempts + 1, cap=cap, rand=random.random(), floor=self._floor())
         if held <= retry.delay:
             return retry
         return replace(retry, delay=held, backoff=retry.delay)
 
-    def _held_back(self, attempts: int) -> float:
-        """How long a retry the budget holds back waits in the outbox: the run's own backoff, as
-        if it had failed again (so a long outage spaces its retries out as failures would), in
-        the upper half of its range, never less than DEFER_AT_LEAST, nor than the budget has
-        no token for (`ready_in`: claimed sooner, it would only be handed back again)."""
-        cap = self.settings.max_backoff
-        ceiling = backoff(attempts, base=BACKOFF_BASE, cap=cap, rand=random.random(), jitter=0.5)
+    def _floor(self) -> float:
+        """The least a retry the budget holds back waits (`relay.core.policy.held_back`):
+        DEFER_AT_LEAST, and no less than until the budget has a token for it (`ready_in`), spread
+        over a slice of the budget's window, so the runs held back together are not all claimed
+        at the instant a token frees."""
         if self.budget is None:
-            return max(DEFER_AT_LEAST, ceiling)
-        # Spread over a slice of the budget's window, so the runs held back together are not
-        # all claimed at the instant a token frees.
-        ready = self.budget.ready_in(clock.now()) + random.random() * SLICE
-        return max(DEFER_AT_LEAST, ceiling, ready)
+            return DEFER_AT_LEAST
+        return max(DEFER_AT_LEAST, self.budget.ready_in(clock.now()) + random.random() * SLICE)
 
     def quick_retry_allowed(self) -> bool:
         """The budget lets one more quick try go (it holds a token until its answer)."""
@@ -101,7 +102,7 @@ class Bookkeeping:
     def retrying(self, tries: int, retried: bool) -> bool:
         """Whether this try (the `tries`-th of a POST) holds a budget token as a retry: a quick
         try always does, a first try when a run has earlier attempts (`retried`: its token was
-        taken by `may_retry`)."""
+        taken by `deferrals`)."""
         return self.budget is not None and (tries > 1 or retried)
 
     def record_unsent(self, retry: bool) -> None:

@@ -95,9 +95,14 @@ class Completer:
         """Do what each run's outcome means. Returns, per run, whether its lease was settled;
         an ack that did not commit is not (the lane hands the lease back: fenced by token, so
         a no-op when the ack released it or the lease was lost)."""
-        if len(outcomes) == 1:
-            (outcome,) = outcomes
-            return {outcome.run_id: await self.carry_one(outcome)}
+        if len(outcomes) != 1:
+            return await self._carry_many(outcomes)
+        (outcome,) = outcomes
+        return {outcome.run_id: await self.carry_one(outcome)}
+
+    async def _carry_many(self, outcomes: Sequence[Outcome]) -> dict[str, bool]:
+        """A multi-run POST's outcomes: the leases lost, then the runs whose whole batch was
+        accepted in one call to the ack group, while the rest are carried out one by one."""
         settled: dict[str, bool] = {}
         for lost in (o for o in outcomes if isinstance(o.decision, LeaseLost)):
             settled[lost.run_id] = await self.releases.settle(lost)
@@ -105,14 +110,14 @@ class Completer:
         whole = [o for o in outcomes if o.run_id not in settled and o.accepted_whole]
         rest = [o for o in outcomes if o.run_id not in settled and not o.accepted_whole]
 
-        async def carry(outcome: Outcome) -> None:
+        async def carry_rest(outcome: Outcome) -> None:
             settled[outcome.run_id] = await self.carry_one(outcome)
 
         # Runs whose whole batch was accepted are acked in one call to the ack group, the rest
         # carried out concurrently (so their acks can share that group's transaction).
         async with anyio.create_task_group() as carrying:
             for outcome in rest:
-                carrying.start_soon(carry, outcome)
+                carrying.start_soon(carry_rest, outcome)
             if whole:
                 self.pause.ingress_ok()
                 claims = [o.held.claim for o in whole]
@@ -159,7 +164,9 @@ class Completer:
         self.observe_ack(result)
         if result.status == "failed":
             self.stats.failed += 1
-            logs.error("run_blocked", **self.who(claim), reason="ack_failed", error=result.error)
+            logs.error(
+                "run_blocked", **self.releases.who(claim), reason="ack_failed", error=result.error
+            )
         self.stats.acks += 1
         self.stats.delivered += result.acked
         for e in acked[: result.acked]:
@@ -167,7 +174,7 @@ class Completer:
         if logs.enabled(logging.INFO):  # the hot path: not even built otherwise
             logs.info(
                 "delivered",
-                **self.who(claim),
+                **self.releases.who(claim),
                 first_seq=acked[0].seq,
                 last_seq=result.last_seq,
                 events=result.acked,

@@ -141,10 +141,13 @@ class Executor:
         and each renewal are kept there. `answered` is told of each answer (the turn's limit).
         A retry (a claim with earlier attempts) goes only if the retry budget lets it, or an
         operator retried one of its runs (`relay retry`, which the budget waives)."""
-        if not self.books.may_retry(retried(holds), (h.claim.run_id for h in holds)):
+        is_retry = retried(holds)
+        runs = (h.claim.run_id for h in holds)
+        attempts = (h.claim.attempts for h in holds)
+        if delays := self.books.deferrals(is_retry, runs, attempts):
             return [
-                Outcome(h, h.claim.events, Deferred(self.books.deferral(h.claim.attempts)))
-                for h in holds
+                Outcome(h, h.claim.events, Deferred(delay))
+                for h, delay in zip(holds, delays, strict=True)
             ]
         group = len(holds) > 1
         if not group and holds[0].claim.widen:
@@ -152,17 +155,12 @@ class Executor:
             more = await self.store.widen(held.claim)
             held.claim = held.claim.widened(more)
             self.stats.widened += len(more)
-        now = clock.now()
-        timeout = self.settings.http_timeout
-        for h in holds:
-            if not h.claim.trust.allows_post(now, timeout):
-                lost, live = await self._renew_waited(holds, now)
-                if not live:
-                    return lost
-                sends: list[Send] = [(h, h.claim.events) for h in live]
-                return lost + await self._post(sends, group=group, answered=answered)
-        every: list[Send] = [(h, h.claim.events) for h in holds]
-        return await self._post(every, group=group, answered=answered)
+        lost = await self._renew_waited(holds, clock.now())
+        gone = {o.run_id for o in lost}
+        sends: list[Send] = [(h, h.claim.events) for h in holds if h.claim.run_id not in gone]
+        if not sends:
+            return lost
+        return lost + await self._post(sends, group=group, answered=answered)
 
     async def resend(self, held: Held, events: Sequence[ClaimedEvent]) -> Outcome:
         """POST a part of a claim on its own (poison narrowing: a prefix, or one event), within
@@ -170,23 +168,21 @@ class Executor:
         (outcome,) = await self._post([(held, events)], group=False, answered=_unheard)
         return outcome
 
-    async def _renew_waited(
-        self, holds: Sequence[Held], now: float
-    ) -> tuple[list[Outcome], list[Held]]:
+    async def _renew_waited(self, holds: Sequence[Held], now: float) -> list[Outcome]:
         """Claims that waited in the local queue too long to finish a whole request inside the
-        lease are renewed first. Returns the outcomes of those whose lease was lost, and the
-        claims to POST."""
+        lease are renewed first. Returns the outcomes of those whose lease was lost (none, the
+        common case, when no claim waited that long)."""
         timeout = self.settings.http_timeout
         waited = [h for h in holds if not h.claim.trust.allows_post(now, timeout)]
+        if not waited:
+            return []
         self.stats.renewed_before_post += len(waited)
         renewed = await self.renewer.renew(waited)
-        lost = [
+        return [
             Outcome(h, h.claim.events, LeaseLost("renew_before_post"))
             for h in waited
             if h.claim.run_id not in renewed
         ]
-        gone = {o.run_id for o in lost}
-        return lost, [h for h in holds if h.claim.run_id not in gone]
 
     async def _post(self, sends: list[Send], *, group: bool, answered: Answered) -> list[Outcome]:
         """POST with quick retries while the lane's renewer keeps the leases (each attempt reads
@@ -201,6 +197,9 @@ class Executor:
         replies: _Replies | None = None
         tries = 0
 
+        def tried(replies: _Replies, try_no: int, retry_in: float | None) -> None:
+            _log_failed(self.lane, sends, replies, try_no, retry_in)
+
         async def post_once() -> _Replies:
             nonlocal tries
             tries += 1
@@ -213,7 +212,7 @@ class Executor:
             replies = await self._quick(
                 post_once,
                 lambda: min((h.claim.trust for h in holds), key=lambda t: t.until),
-                lambda tried, n, retry_in: _log_failed(self.lane, sends, tried, n, retry_in),
+                tried,
                 self.books.quick_retry_allowed,
             )
         outcomes: list[Outcome] = []
