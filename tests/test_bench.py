@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from relay.tools.bench import SCENARIOS
+from relay.tools.bench import SCENARIOS, fleet_outage
 from relay.tools.bench.kit import BenchFailed
 from relay.tools.bench.peers import HEADERS, event_bodies, sink_check
 from relay.tools.sink import Sink, serve_sink
@@ -76,6 +76,13 @@ KEYS = [
     "fleet_ratio",
     "fleet_connections_one",
     "fleet_connections",
+    "fleet_outage_p50_ms_before",
+    "fleet_outage_p99_ms_before",
+    "fleet_outage_p50_ms_during",
+    "fleet_outage_p99_ms_during",
+    "fleet_outage_ratio",
+    "fleet_outage_down_seen_s",
+    "fleet_outage_new_replica_s",
 ]
 HAS_PGQUEUER = importlib.util.find_spec("pgqueuer") is not None
 HAS_NODE = shutil.which("node") is not None and shutil.which("npm") is not None
@@ -114,7 +121,7 @@ def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
         env=env | {"COLUMNS": "120"},
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=360,  # a guard against a hang: 222 s seen with fleet_outage on a loaded machine
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = orjson.loads(out.read_bytes())
@@ -189,6 +196,16 @@ def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
     assert sum(t["target"].startswith("flaky: ") for t in report["targets"]) == 2
     # one fleet over three databases against one relay over one, paired (issue 51)
     assert any(t["target"].startswith("fleet: e2e over ") for t in report["targets"])
+    # one server of three SIGKILLed and restarted under a trickle (issue 51's targets): nothing
+    # lost, order kept, no replica exited, /readyz 200 and the gauge 0 throughout the outage
+    for key in (
+        "fleet_outage_lost",
+        "fleet_outage_order_violations",
+        "fleet_outage_replica_exits",
+        "fleet_outage_readyz_not_200",
+        "fleet_outage_up_read_1_while_down",
+    ):
+        assert metrics[key] == 0, (key, metrics[key])
     # the adaptive limit against the fixed one at a fast ingress, paired
     assert any(t["target"].startswith("e2e_eps ≥ 0.95 × e2e_eps_fixed") for t in report["targets"])
 
@@ -417,3 +434,34 @@ def test_e2e_modes_name_what_runs_and_refuse_an_unknown_one(
     with pytest.raises(SystemExit):
         parse_args(["--e2e-modes", "fixed,adaptiv"])
     assert "no e2e mode adaptiv (the modes: default, httpx, fixed)" in capsys.readouterr().err
+
+
+def test_the_fleet_outage_scenario_has_its_options_and_a_short_smoke() -> None:
+    """`relay bench --only fleet_outage`: the outage lasts `--fleet-outage-s` (15 s, issue
+    51's), shorter under --smoke."""
+    from relay.tools.bench.main import parse_args
+
+    assert set(fleet_outage.KEYS) == set(SCENARIOS["fleet_outage"].keys)
+    a = parse_args(["--only", "fleet_outage"])
+    assert (a.fleet_outage_s, a.fleet_outage_rate, a.fleet_outage_per_run) == (15.0, 20.0, 4)
+    assert parse_args(["--only", "fleet_outage", "--fleet-outage-s", "5"]).fleet_outage_s == 5
+    smoke = parse_args(["--only", "fleet_outage", "--smoke"])
+    assert smoke.fleet_outage_s < 15 and smoke.fleet_outage_before_s < 15
+
+
+def test_the_outage_probes_are_judged_from_the_kill_to_the_restart() -> None:
+    """The killed database's gauge is seen 0 once every replica reads 0; a 1 read after that
+    and before the restart counts against it, a 1 before the kill or after the restart does
+    not; a /readyz answer other than 200 counts whenever it came."""
+    kill, restart = 10.0, 20.0
+    steady = [(9.0, 200, 1.0), (11.0, 200, 1.0), (12.0, 200, 0.0), (15.0, 200, 0.0)]
+    other = [(9.5, 200, 1.0), (13.0, 200, 0.0), (16.0, 200, 0.0), (21.0, 200, 1.0)]
+    got = fleet_outage.judge_probes([steady, other], kill, restart)
+    assert (got.down_seen_s, got.read_1, got.unread, got.not_200) == (3.0, 0, 0, 0)
+    assert got.probes == 8 and got.while_down == 5
+    flapped = fleet_outage.judge_probes(
+        [[*steady, (17.0, 503, 1.0)], [*other, (18.0, 200, None)]], kill, restart
+    )
+    assert (flapped.read_1, flapped.unread, flapped.not_200) == (1, 1, 1)
+    never = fleet_outage.judge_probes([steady, [(11.0, 200, 1.0), (14.0, 200, 1.0)]], kill, restart)
+    assert never.down_seen_s is None and never.read_1 == 0

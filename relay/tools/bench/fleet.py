@@ -30,7 +30,7 @@ import psycopg
 from psycopg import sql
 
 from relay.maintenance.migrate import migrate
-from relay.tools.bench import kit
+from relay.tools.bench import fleet_outage, kit
 
 MODES = ("one", "fleet")
 SAMPLE_EVERY = 0.05  # seconds between two counts of the replica's connections
@@ -203,4 +203,5 @@ SCENARIOS = [
         SMOKE,
         KEYS,
     ),
+    *fleet_outage.SCENARIOS,  # one server of three killed and restarted (issue 51's targets)
 ]
