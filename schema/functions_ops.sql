@@ -186,15 +186,19 @@ $$;
 -- Makes runs that are backing off due now (internal): the run p_run_id, or (p_run_id null) every
 -- run whose last failed attempt ended at or after p_since (null: any time). Backing off: active,
 -- not blocked, no lease, after a failed attempt (attempts > 0), and not due yet. Only
--- next_attempt_at moves, to now, and nothing else: the failed attempts stay counted (the backoff
--- grows on if the next one fails too), updated_at stays the time of the last failure (the
--- release that scheduled the backoff wrote it last: nothing writes an unleased, unblocked run
--- until it is claimed). A run with a lease is not backing off, whoever holds it, so a live
+-- next_attempt_at moves, to now, and the run's next attempt is let past the relays' retry
+-- budget (retry_waived, which claim returns and that attempt's end clears: schema version 11),
+-- and nothing else: the failed attempts stay counted (the backoff grows on if the next one fails
+-- too), updated_at stays the time of the last failure (the release that scheduled the backoff
+-- wrote it last: nothing writes an unleased, unblocked run until it is claimed). A run with a lease is not backing off, whoever holds it, so a live
 -- owner's run is never touched (its next_attempt_at is its lease's expiry, which claim reads).
 -- The update re-checks these conditions on the row it locks (the lock claim, ack and release
 -- take), so a run claimed meanwhile is left alone. Each run made due notifies the terminal
 -- channel with kind `run_due` (a relay's listener takes it as a wake), and who asked, so the
--- relays claim it at once rather than at the next safety-net poll. Through the partial index
+-- relays claim it at once rather than at the next safety-net poll. The waiver is the row's, not
+-- the notification's: a relay that claims the run before the notification reaches it, or whose
+-- LISTEN was down, sends it past the budget all the same (relays of version 10 and before keep
+-- a waiver in memory from the notification). Through the partial index
 -- of due runs (runs_due): active runs due after now, never the idle ones nor the outbox.
 -- Returns the runs made due (in no order): their failed attempts, the last failure's status,
 -- error and time, and when they would have been due.
@@ -210,7 +214,7 @@ declare
 begin
     for v_due in
         update runs r
-        set next_attempt_at = v_now
+        set next_attempt_at = v_now, retry_waived = true
         from runs was
         where was.run_id = r.run_id
           and (p_run_id is null or r.run_id = p_run_id)

@@ -15,7 +15,7 @@ are read here on the monotonic clock, and the sample is a pure function of the a
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import replace
 
 from relay import logs
@@ -43,21 +43,19 @@ class Bookkeeping:
         *,
         lane: str,
         budget: RetryBudget | None,
-        database: str | None = None,
     ) -> None:
         self.lane = lane
-        self.database = database  # in a fleet, the database whose runs these are (issue 51)
         self.budget = budget  # the replica's retry budget, shared with the other lane
         self.settings = settings
         self.stats = stats
 
-    def may_retry(self, retried: bool, runs: Iterable[str] = ()) -> bool:
+    def may_retry(self, retried: bool, waived: bool = False) -> bool:
         """A first attempt always goes; a retry (`retried`: a run with earlier attempts, and a
         multi-run POST is one if any of its runs is) only when the budget has a token for it, or
-        an operator retried one of its `runs` (`relay retry`: the budget waives it)."""
+        an operator retried one of its runs (`waived`: `relay retry`, which its claim carries)."""
         if self.budget is None or not retried:
             return True
-        return self.budget.try_retry(clock.now(), runs, self.database)
+        return self.budget.try_retry(clock.now(), waived)
 
     def deferral(self, attempts: int) -> float:
         """How long a retry the budget refused waits (`_held_back`). Counted in the executor's

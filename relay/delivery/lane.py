@@ -93,7 +93,6 @@ class Lane:
             lane=name,
             tracer=tracer,
             budget=budget,
-            database=database,
         )
         self.complete = Completer(
             name,
