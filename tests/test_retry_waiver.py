@@ -154,6 +154,10 @@ async def test_a_relay_started_after_relay_retry_sends_the_run_past_its_budget(
     backing_off(conn, schema, "r1")
     got = relay_retry(pg_url, schema, "--run", "r1")
     assert got.returncode == 0, got.stderr
+    # What it says is what happens below: the next claim sends it, past the budget.
+    said = " ".join(got.stdout.split())
+    assert "1 run due now" in said and "Sent past the retry budget" in said, got.stdout
+    assert "within its poll_interval" in said, got.stdout
     sink = Sink()
     async with serve_sink(sink) as url:
         r = Relay(settings(pg_url, schema, url, concurrency=2, critical_concurrency=1))
