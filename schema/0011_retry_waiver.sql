@@ -22,10 +22,12 @@
 -- type cannot be replaced, only dropped: claim, and claimed_prefixes whose arguments change, are
 -- dropped here and created again by this version's functions in the same transaction (callers
 -- see the old ones or the new, never none). A relay of the previous release goes on waiving the
--- budget from the notification alone, which make_due still sends.
+-- budget from the notification alone, which make_due still sends. `relay inspect`'s
+-- inspect_run_summary gains `retry_waived` last the same way (callers read its columns by name).
 
 drop function if exists claim(text, int, int, interval, text, text, bigint);
 drop function if exists claimed_prefixes(text[], bigint[], uuid[], timestamptz[], int[], bigint[],
                                          text[], text[], int, bigint, timestamptz);
+drop function if exists inspect_run_summary(text);
 
 alter table runs add column retry_waived boolean not null default false;

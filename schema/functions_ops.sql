@@ -420,13 +420,15 @@ $$;
 -- last_seq is the run's last seq: the highest in the outbox or, once retention removed them,
 -- its terminal seq (a finished run ends there), its cursor (retention removes only events at or
 -- below it, schema version 8), or the floor run_seqs.last_seq a version-7 retention left.
+-- retry_waived: an operator's `relay retry` made the run due and its next attempt goes past the
+-- relays' retry budget (make_due; schema version 11 added it, last).
 create or replace function inspect_run_summary(p_run_id text)
 returns table (
     run_id text, idle boolean, epoch bigint, lease_owner text, lease_expires_at timestamptz,
     lease_live boolean, next_attempt_at timestamptz, attempts int, last_error text,
     blocked_seq bigint, blocked_event_id text, critical boolean, updated_at timestamptz,
     last_seq bigint, terminal_seq bigint, events_total bigint, pending bigint,
-    delivered bigint, failed bigint, skipped bigint, db_now timestamptz
+    delivered bigint, failed bigint, skipped bigint, db_now timestamptz, retry_waived boolean
 )
 language plpgsql stable
 set search_path from current
@@ -454,7 +456,7 @@ begin
                r.updated_at, greatest(s.last_seq, s.terminal_seq, r.delivered_seq, m.last_seq),
                s.terminal_seq,
                c.total, c.after - c.failed, c.total - c.after - c.skipped, c.failed, c.skipped,
-               v_now
+               v_now, r.retry_waived
         from (select 1) one
         left join runs r on r.run_id = p_run_id
         left join run_seqs s on s.run_id = p_run_id

@@ -69,14 +69,19 @@ def waived(conn: psycopg.Connection[Any], schema: str, run_id: str) -> bool:
     return bool(row[0])
 
 
-def relay_retry(pg_url: str, schema: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """The real `relay retry` in a subprocess."""
+def relay_cli(pg_url: str, schema: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real `relay` in a subprocess."""
     env = {"RELAY_DATABASE_URL": pg_url, "RELAY_SCHEMA": schema, "USER": "tester",
            "PATH": "/usr/bin:/bin"}  # fmt: skip
     return subprocess.run(
-        [sys.executable, "-m", "relay.cli", "retry", *args],
+        [sys.executable, "-m", "relay.cli", *args],
         env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
+
+
+def relay_retry(pg_url: str, schema: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real `relay retry` in a subprocess."""
+    return relay_cli(pg_url, schema, "retry", *args)
 
 
 def went_or_held(sink: Sink, lines: Lines, run_id: str) -> bool:
@@ -158,6 +163,8 @@ async def test_a_relay_started_after_relay_retry_sends_the_run_past_its_budget(
     said = " ".join(got.stdout.split())
     assert "1 run due now" in said and "Sent past the retry budget" in said, got.stdout
     assert "within its poll_interval" in said, got.stdout
+    inspected = relay_cli(pg_url, schema, "inspect", "r1")
+    assert "due, past the retry budget (relay retry)" in inspected.stdout, inspected.stdout
     sink = Sink()
     async with serve_sink(sink) as url:
         r = Relay(settings(pg_url, schema, url, concurrency=2, critical_concurrency=1))
