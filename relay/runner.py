@@ -223,7 +223,6 @@ class Relay:
                     on_delivered=critical.delivered_elsewhere,
                     on_wake=self._wake_all,
                     on_connected=self._wake_all,
-                    on_due=self._operator_retried,
                     liveness=(s.schema, s.replica_id),
                 )
                 await self._serve(ordinary_store, metrics, port, task_status)
@@ -319,10 +318,6 @@ class Relay:
     def _on_terminal(self, run_id: str) -> None:
         self.lanes["ordinary"].promote(run_id)  # if the ordinary lane holds it, hand it over
         self.lanes["critical"].drain(run_id)
-
-    def _operator_retried(self, run_id: str) -> None:
-        """`relay retry` made the run due: its next retry is not one the budget holds back."""
-        self.budget.waive(run_id, clock.now(), self.database)
 
     def _wake_all(self) -> None:
         for lane in self.lanes.values():

@@ -1145,14 +1145,20 @@ $$;
 -- Claims up to p_runs whole runs: each run's lease is taken (owner, fresh token, expiry on the
 -- database clock, epoch bumped) and its pending prefix (up to p_batch events after its cursor)
 -- returned, one row per event, in seq order, each run's rows together; the run's own columns
--- (epoch, lease_token, lease_expires_at, attempts, critical, claimed_at, reclaimed_from) on its
--- first row only, NULL on the others (every relay version reads them there). p_run_id targets
--- one run (pick_run); else p_lane 'critical' (pick_critical) or 'ordinary' (pick_ordinary).
--- A lease is claimable before its expiry when its owner is dead (dead_owners). The fence does
--- not change: a new token, the epoch bumped, acks/renewals/releases fenced as ever.
+-- (epoch, lease_token, lease_expires_at, attempts, critical, claimed_at, reclaimed_from,
+-- retry_waived) on its first row only, NULL on the others (every relay version reads them
+-- there). p_run_id targets one run (pick_run); else p_lane 'critical' (pick_critical) or
+-- 'ordinary' (pick_ordinary). A lease is claimable before its expiry when its owner is dead
+-- (dead_owners). The fence does not change: a new token, the epoch bumped,
+-- acks/renewals/releases fenced as ever.
 -- `reclaimed_from` names the dead owner of a run whose unexpired lease was taken, else null.
+-- `retry_waived`: an operator's `relay retry` made the run due (make_due) and no attempt has
+-- ended since: the relay sends it past its retry budget (schema version 11). The claim leaves it
+-- set: what ends the attempt clears it (ack_round, release of a failed attempt, block_event), so
+-- a claim handed back unsent (a lost lease, a stop) keeps it for the next one.
 -- Shims for relays of older versions during a rolling upgrade are in the migrations that made
--- them necessary (the signature and result are those of version 6).
+-- them necessary (the signature is that of version 6; the result, version 6's with
+-- retry_waived last, which the relays of earlier versions do not name).
 create or replace function claim(
     p_owner text, p_runs int, p_batch int, p_ttl interval, p_lane text, p_run_id text default null,
     p_max_bytes bigint default null
@@ -1160,7 +1166,7 @@ create or replace function claim(
     run_id text, epoch bigint, lease_token uuid, lease_expires_at timestamptz, attempts int,
     critical boolean, seq bigint, event_id text, event_type text, payload text, terminal boolean,
     created_at timestamptz, traceparent text, wake_queue text, claimed_at timestamptz,
-    reclaimed_from text
+    reclaimed_from text, retry_waived boolean
 )
 language plpgsql volatile
 set search_path from current
@@ -1177,6 +1183,7 @@ declare
     v_attempts int[];
     v_cursors bigint[];
     v_reclaimed text[];
+    v_waived boolean[];
     v_empty text[];
 begin
     with picked as (
@@ -1199,12 +1206,13 @@ begin
         returning u.run_id, u.epoch, u.lease_token, u.lease_expires_at, u.attempts,
             u.delivered_seq,
             case when x.prev_owner = any(v_dead) and x.prev_expires > clock_timestamp()
-                 then x.prev_owner end as reclaimed
+                 then x.prev_owner end as reclaimed,
+            u.retry_waived
     )
     select array_agg(t.run_id), array_agg(t.epoch), array_agg(t.lease_token),
            array_agg(t.lease_expires_at), array_agg(t.attempts), array_agg(t.delivered_seq),
-           array_agg(t.reclaimed)
-    into v_taken, v_epochs, v_tokens, v_expires, v_attempts, v_cursors, v_reclaimed
+           array_agg(t.reclaimed), array_agg(t.retry_waived)
+    into v_taken, v_epochs, v_tokens, v_expires, v_attempts, v_cursors, v_reclaimed, v_waived
     from taken t;
     if v_taken is null then
         return;
@@ -1221,8 +1229,8 @@ begin
         perform settle_run(x) from unnest(v_empty) as x;
     end if;
     return query select * from claimed_prefixes(v_taken, v_epochs, v_tokens, v_expires, v_attempts,
-                                                v_cursors, v_reclaimed, v_empty, p_batch,
-                                                p_max_bytes, clock_timestamp());
+                                                v_cursors, v_reclaimed, v_waived, v_empty,
+                                                p_batch, p_max_bytes, clock_timestamp());
 end
 $$;
 
@@ -1234,13 +1242,13 @@ $$;
 -- (issue 16: ~5 us a row), hence NULL after the first row.
 create or replace function claimed_prefixes(
     p_taken text[], p_epochs bigint[], p_tokens uuid[], p_expires timestamptz[], p_attempts int[],
-    p_cursors bigint[], p_reclaimed text[], p_empty text[], p_batch int, p_max_bytes bigint,
-    p_now timestamptz
+    p_cursors bigint[], p_reclaimed text[], p_waived boolean[], p_empty text[], p_batch int,
+    p_max_bytes bigint, p_now timestamptz
 ) returns table (
     run_id text, epoch bigint, lease_token uuid, lease_expires_at timestamptz, attempts int,
     critical boolean, seq bigint, event_id text, event_type text, payload text, terminal boolean,
     created_at timestamptz, traceparent text, wake_queue text, claimed_at timestamptz,
-    reclaimed_from text
+    reclaimed_from text, retry_waived boolean
 )
 language plpgsql volatile
 set search_path from current
@@ -1257,9 +1265,12 @@ begin
            p.seq, p.event_id, p.event_type, p.payload, p.terminal, p.created_at,
            p.traceparent, p.wake_queue,
            case when p.n = 1 then p_now end,
-           case when p.n = 1 then u.reclaimed end
-    from unnest(p_taken, p_epochs, p_tokens, p_expires, p_attempts, p_cursors, p_reclaimed)
-         with ordinality as u(run_id, epoch, token, expires, attempts, cursor, reclaimed, i)
+           case when p.n = 1 then u.reclaimed end,
+           case when p.n = 1 then u.waived end
+    from unnest(p_taken, p_epochs, p_tokens, p_expires, p_attempts, p_cursors, p_reclaimed,
+                p_waived)
+         with ordinality as u(run_id, epoch, token, expires, attempts, cursor, reclaimed, waived,
+                              i)
     cross join lateral (
         select e.seq, e.event_id, e.event_type, t.payload, e.terminal, e.created_at,
                e.traceparent, e.wake_queue,
@@ -1298,7 +1309,8 @@ $$;
 -- Gives a lease back without delivering, fenced by token. p_delay schedules the next attempt
 -- (backoff); p_error, when given, counts a failed attempt of the run's head (its attempts, last
 -- error and status live on the run; p_first_seq/p_last_seq, the events the attempt carried, are
--- accepted for the relays of version 6 and not needed). Returns whether the token matched.
+-- accepted for the relays of version 6 and not needed) and takes an operator's waiver of the
+-- retry budget, which was that attempt's (claim). Returns whether the token matched.
 create or replace function release(
     p_run_id text, p_token uuid, p_delay interval default '0',
     p_error text default null, p_status int default null,
@@ -1315,6 +1327,7 @@ begin
         attempts = attempts + case when p_error is null then 0 else 1 end,
         last_error = coalesce(left(p_error, 2000), last_error),
         last_status = case when p_error is null then last_status else p_status end,
+        retry_waived = retry_waived and p_error is null,
         updated_at = clock_timestamp()
     where runs.run_id = p_run_id and lease_token = p_token;
     return found;
@@ -1367,7 +1380,7 @@ begin
     update runs
     set lease_owner = null, lease_token = null, lease_expires_at = null,
         blocked_seq = p_seq, last_error = left(p_error, 2000), last_status = p_status,
-        updated_at = clock_timestamp()
+        retry_waived = false, updated_at = clock_timestamp()
     where runs.run_id = p_run_id
     returning attempts + 1 into v_attempts;
     insert into event_failures as f (run_id, seq, attempts, last_status, last_error, failed_at)
@@ -1451,9 +1464,10 @@ $$;
 --      as every writer of runs rows locks them); the others are 'stale';
 --   2. the engine wakes of the events being acked (emit_wakes), which may stop a batch short;
 --   3. the transition, one statement for every batch: the cursor moves (never back, never past
---      the run's last visible event), the failed-attempt count is reset, and a released run's
---      lease is cleared and the run settled (idle when nothing is left and no producer is
---      writing it, as settle_run);
+--      the run's last visible event), the failed-attempt count is reset (and an operator's
+--      waiver of the retry budget, the attempt's, taken), and a released run's lease is
+--      cleared and the run settled (idle when nothing is left and no producer is writing it,
+--      as settle_run);
 --   4. a run whose engine refused a wake is blocked at that event (block_event);
 --   5. a run whose terminal event is delivered leaves pending_terminals;
 --   6. one outbox_delivered notification per batch that acked something, in input order.
@@ -1535,7 +1549,8 @@ begin
     update runs r
     set delivered_seq = greatest(r.delivered_seq, b.upto),
         delivered_at = case when b.upto > r.delivered_seq then v_now else r.delivered_at end,
-        attempts = 0, last_error = null, last_status = null, updated_at = v_now,
+        attempts = 0, last_error = null, last_status = null, retry_waived = false,
+        updated_at = v_now,
         lease_owner = case when b.release then null else r.lease_owner end,
         lease_token = case when b.release then null else r.lease_token end,
         lease_expires_at = case when b.release then null else r.lease_expires_at end,

@@ -186,15 +186,19 @@ $$;
 -- Makes runs that are backing off due now (internal): the run p_run_id, or (p_run_id null) every
 -- run whose last failed attempt ended at or after p_since (null: any time). Backing off: active,
 -- not blocked, no lease, after a failed attempt (attempts > 0), and not due yet. Only
--- next_attempt_at moves, to now, and nothing else: the failed attempts stay counted (the backoff
--- grows on if the next one fails too), updated_at stays the time of the last failure (the
--- release that scheduled the backoff wrote it last: nothing writes an unleased, unblocked run
--- until it is claimed). A run with a lease is not backing off, whoever holds it, so a live
+-- next_attempt_at moves, to now, and the run's next attempt is let past the relays' retry
+-- budget (retry_waived, which claim returns and that attempt's end clears: schema version 11),
+-- and nothing else: the failed attempts stay counted (the backoff grows on if the next one fails
+-- too), updated_at stays the time of the last failure (the release that scheduled the backoff
+-- wrote it last: nothing writes an unleased, unblocked run until it is claimed). A run with a lease is not backing off, whoever holds it, so a live
 -- owner's run is never touched (its next_attempt_at is its lease's expiry, which claim reads).
 -- The update re-checks these conditions on the row it locks (the lock claim, ack and release
 -- take), so a run claimed meanwhile is left alone. Each run made due notifies the terminal
 -- channel with kind `run_due` (a relay's listener takes it as a wake), and who asked, so the
--- relays claim it at once rather than at the next safety-net poll. Through the partial index
+-- relays claim it at once rather than at the next safety-net poll. The waiver is the row's, not
+-- the notification's: a relay that claims the run before the notification reaches it, or whose
+-- LISTEN was down, sends it past the budget all the same (relays of version 10 and before keep
+-- a waiver in memory from the notification). Through the partial index
 -- of due runs (runs_due): active runs due after now, never the idle ones nor the outbox.
 -- Returns the runs made due (in no order): their failed attempts, the last failure's status,
 -- error and time, and when they would have been due.
@@ -210,7 +214,7 @@ declare
 begin
     for v_due in
         update runs r
-        set next_attempt_at = v_now
+        set next_attempt_at = v_now, retry_waived = true
         from runs was
         where was.run_id = r.run_id
           and (p_run_id is null or r.run_id = p_run_id)
@@ -416,13 +420,15 @@ $$;
 -- last_seq is the run's last seq: the highest in the outbox or, once retention removed them,
 -- its terminal seq (a finished run ends there), its cursor (retention removes only events at or
 -- below it, schema version 8), or the floor run_seqs.last_seq a version-7 retention left.
+-- retry_waived: an operator's `relay retry` made the run due and its next attempt goes past the
+-- relays' retry budget (make_due; schema version 11 added it, last).
 create or replace function inspect_run_summary(p_run_id text)
 returns table (
     run_id text, idle boolean, epoch bigint, lease_owner text, lease_expires_at timestamptz,
     lease_live boolean, next_attempt_at timestamptz, attempts int, last_error text,
     blocked_seq bigint, blocked_event_id text, critical boolean, updated_at timestamptz,
     last_seq bigint, terminal_seq bigint, events_total bigint, pending bigint,
-    delivered bigint, failed bigint, skipped bigint, db_now timestamptz
+    delivered bigint, failed bigint, skipped bigint, db_now timestamptz, retry_waived boolean
 )
 language plpgsql stable
 set search_path from current
@@ -450,7 +456,7 @@ begin
                r.updated_at, greatest(s.last_seq, s.terminal_seq, r.delivered_seq, m.last_seq),
                s.terminal_seq,
                c.total, c.after - c.failed, c.total - c.after - c.skipped, c.failed, c.skipped,
-               v_now
+               v_now, r.retry_waived
         from (select 1) one
         left join runs r on r.run_id = p_run_id
         left join run_seqs s on s.run_id = p_run_id

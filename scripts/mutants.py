@@ -50,6 +50,7 @@ POST_TURN = "tests/test_post_turn.py"
 ADMISSION_E2E = "tests/test_admission_e2e.py"
 BUDGET_TEST = "test_retries_stay_within_the_budget_and_the_rest_wait_in_the_outbox"
 OUTAGE_LOGS = "tests/test_outage_logs.py"
+WAIVER = "tests/test_retry_waiver.py"
 FLEET = "tests/test_fleet.py"
 OUTAGE_TEST = "test_an_outage_logs_a_warning_per_failed_post_and_sums_up_the_deferrals"
 LEASE = "tests/test_lease_sql.py"
@@ -1196,11 +1197,27 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "operator-retry-held-by-budget",
-        "issue 49 item 3: relay retry sends a run at once, past the retry budget",
-        "relay/runner.py",
-        "        self.budget.waive(run_id, clock.now(), self.database)",
-        "        pass",
-        (f"{OUTAGE_LOGS}::test_relay_retry_sends_a_run_the_budget_holds_back_at_once",),
+        "issue 49 item 3: relay retry sends a run at once, past the retry budget (the claim"
+        " carries the run's waiver)",
+        "relay/edges/store.py",
+        "                retry_waived=r[15],",
+        "                retry_waived=False,",
+        (
+            f"{OUTAGE_LOGS}::test_relay_retry_sends_a_run_the_budget_holds_back_at_once",
+            f"{WAIVER}::test_a_relay_started_after_relay_retry_sends_the_run_past_its_budget",
+            f"{WAIVER}::test_a_relay_whose_listen_is_down_sends_the_run_past_its_budget",
+        ),
+    ),
+    Mutant(
+        "operator-retry-waiver-outlives-its-attempt",
+        "issue 49 item 3: relay retry's waiver of the retry budget is for one attempt",
+        SQL,
+        "        retry_waived = retry_waived and p_error is null,",
+        "        retry_waived = retry_waived,",
+        (
+            f"{WAIVER}::test_the_waiver_is_for_one_attempt_the_next_failure_is_budgeted_again",
+            f"{WAIVER}::test_the_run_row_keeps_the_waiver_until_an_attempt_ends",
+        ),
     ),
     Mutant(
         "ack-unknown-not-sent-again",

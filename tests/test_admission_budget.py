@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 
-from relay.admission.retry_budget import SPAN, WAIVER_TTL, Result, RetryBudget
+from relay.admission.retry_budget import SPAN, Result, RetryBudget
 from relay.admission.windows import WindowedMin, WindowedSum
 
 # --- a simulated ingress ----------------------------------------------------------------------
@@ -212,38 +212,19 @@ def test_ready_in_is_when_the_charged_retries_age_out_of_the_window() -> None:
     assert RetryBudget().ready_in(100.5) == 0.0  # a token now: no wait
 
 
-def test_an_operators_retry_passes_a_spent_budget_once_and_is_charged_as_any_retry() -> None:
+def test_an_operators_retry_passes_a_spent_budget_and_is_charged_as_any_retry() -> None:
+    """A claim `relay retry` waived (runs.retry_waived, which the database keeps and clears:
+    tests/test_retry_waiver.py) goes whatever the balance, holds a token and is charged."""
     budget = spent_budget(100.0)
-    assert not budget.try_retry(100.5, ["r1"])
-    budget.waive("r1", 100.5)
-    assert not budget.try_retry(100.6, ["r2"])  # another run's retry is still held back
-    assert budget.try_retry(100.7, ["r2", "r1"])  # a POST with r1 in it goes
+    assert not budget.try_retry(100.5)
+    assert budget.try_retry(100.7, waived=True)
+    assert budget.view(100.7).retrying == 1
     budget.record(Result.FAILED, retry=True, now=101.0)
     assert budget.balance(101.0) == pytest.approx(-1.0)
-    assert not budget.try_retry(101.1, ["r1"])  # the waiver was taken
-
-
-def test_a_waiver_nobody_took_lapses() -> None:
-    budget = RetryBudget()
-    budget.waive("r1", 100.0)
-    later = 100.0 + WAIVER_TTL + 1.0
-    for _ in range(2):  # the budget spent since, and the waiver's time is up
-        assert budget.try_retry(later)
-        budget.record(Result.FAILED, retry=True, now=later)
-    assert not budget.try_retry(later, ["r1"])
+    assert not budget.try_retry(101.1)
 
 
 def test_ready_in_does_not_wait_for_the_tokens_retries_in_flight_hold() -> None:
     budget = RetryBudget()
     assert budget.try_retry(100.0) and budget.try_retry(100.0)
     assert budget.spent(100.0) and budget.ready_in(100.0) == 0.0
-
-
-def test_a_waiver_is_one_databases_when_a_fleets_databases_share_a_run_id() -> None:
-    """A fleet's databases share one budget (issue 51) and may hold the same run id: `relay
-    retry` of run r1 in database a passes a's retry of r1, never b's."""
-    budget = spent_budget(100.0)
-    budget.waive("r1", 100.5, "a")
-    assert not budget.try_retry(100.6, ["r1"], "b")  # the same run id in another database
-    assert not budget.try_retry(100.6, ["r1"])  # nor in a relay alone
-    assert budget.try_retry(100.7, ["r1"], "a")

@@ -119,16 +119,18 @@ def test_a_failing_limit_is_logged_and_the_budget_still_records() -> None:
 
 
 def test_a_retry_the_budget_refused_waits_at_least_its_floor_and_is_counted() -> None:
-    """One question before a POST, one answer: no wait (it goes), or a wait per run."""
+    """One question before a POST, one answer: no wait (it goes), or a wait per run; a retry an
+    operator waived (`relay retry`, its claim's `retry_waived`) goes past a spent budget."""
     budget = RetryBudget()
     b = books(budget)
-    runs, attempts = ["r1", "r2"], [1, 1]
-    assert b.deferrals(False, runs, attempts) == []  # a first attempt goes, without a token
-    assert b.deferrals(True, runs, attempts) == []  # a retry the budget has a token for
+    attempts = [1, 1]
+    assert b.deferrals(False, False, attempts) == []  # a first attempt goes, without a token
+    assert b.deferrals(True, False, attempts) == []  # a retry the budget has a token for
     for _ in range(1000):
         if not budget.try_retry(clock.now()):
             break
-    delays = b.deferrals(True, runs, attempts)
+    assert b.deferrals(True, True, attempts) == []  # waived: it goes
+    delays = b.deferrals(True, False, attempts)
     assert len(delays) == 2
     assert min(delays) >= 5.0  # DEFER_AT_LEAST
     assert b.stats.deferred == 2

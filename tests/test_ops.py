@@ -214,8 +214,8 @@ def test_retry_run_now_makes_a_run_backing_off_due_and_only_that_moves(
     pg_url: str, schema: str, conn: Conn
 ) -> None:
     """A run backing off after a failed attempt waits up to max_backoff; retry_run_now makes
-    its next attempt due now (a relay's claim takes it), keeps its failed attempts and last
-    error, and wakes the relays."""
+    its next attempt due now (a relay's claim takes it, past the retry budget: retry_waived),
+    keeps its failed attempts and last error, and wakes the relays."""
     backing_off(conn, schema, "r1", n=3)
     before = run_row(conn, schema, "r1")
     assert next_prefix(conn, schema, "r1") == []  # backing off: no claim takes it
@@ -231,7 +231,8 @@ def test_retry_run_now_makes_a_run_backing_off_due_and_only_that_moves(
     assert got[0]["failed_at"] == before["updated_at"]
     after = run_row(conn, schema, "r1")
     changed = {k for k in before if before[k] != after[k]}
-    assert changed == {"next_attempt_at"}  # attempts, error, epoch, lease, updated_at kept
+    # attempts, error, epoch, lease, updated_at kept
+    assert changed == {"next_attempt_at", "retry_waived"} and after["retry_waived"]
     db_now = conn.execute("select clock_timestamp()").fetchone()
     assert db_now is not None and after["next_attempt_at"] <= db_now[0]
     assert [json.loads(n.payload) for n in notes] == [

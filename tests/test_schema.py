@@ -88,6 +88,8 @@ EXPECTED_COLUMNS = {
         ("last_status", "integer", False),
         # 0009_fairness_keys: the run's key, set by its first event
         ("fairness_key", "text", True),
+        # 0011_retry_waiver: an operator's retry lets the next attempt past the retry budget
+        ("retry_waived", "boolean", True),
     ],
     # 0007_delivery_cursor: written once; the delivery columns moved to the run and to
     # event_failures / event_skips. 0008_outbox_parts: the parts of the partitioned outbox.
@@ -257,8 +259,8 @@ EXPECTED_FUNCTIONS = {
     " p_run_id text, p_max_bytes bigint",
     "claimed_prefixes": "p_taken text[], p_epochs bigint[], p_tokens uuid[],"
     " p_expires timestamp with time zone[], p_attempts integer[], p_cursors bigint[],"
-    " p_reclaimed text[], p_empty text[], p_batch integer, p_max_bytes bigint,"
-    " p_now timestamp with time zone",
+    " p_reclaimed text[], p_waived boolean[], p_empty text[], p_batch integer,"
+    " p_max_bytes bigint, p_now timestamp with time zone",
     "renew": "p_run_ids text[], p_tokens uuid[], p_ttl interval",
     "release": "p_run_id text, p_token uuid, p_delay interval, p_error text, p_status integer,"
     " p_first_seq bigint, p_last_seq bigint",

@@ -23,10 +23,11 @@ refused here waits in the outbox (the caller hands its claim back with a delay):
 ever dropped for want of a token.
 
 An operator's explicit retry is not one the budget holds back (issue 49 item 3): `relay retry`
-makes a run due and names it on the terminal channel; a replica that hears it `waive`s the budget
-for that run, and the run's next retry goes whatever the balance (it still holds a token while in
-flight and is charged as any retry is, so the budget's accounts stay whole). A waiver is taken by
-the run's next retry, or lapses after WAIVER_TTL seconds.
+makes a run due and marks its row (`runs.retry_waived`, schema version 11), the claim returns the
+mark, and a retry of a `waived` claim goes whatever the balance (it still holds a token while in
+flight and is charged as any retry is, so the budget's accounts stay whole). The mark is the
+database's, so whichever replica claims the run honours it, whether or not it heard the
+notification that wakes it; the end of that attempt clears it (schema/0011_retry_waiver.sql).
 
 Pure: no I/O; `now` is the monotonic clock, passed in.
 """
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from relay.admission.windows import SLICES, WindowedSum
@@ -53,9 +53,6 @@ HEALTHY = 0.1  # at most this share of the window's POSTs failed: a served retry
 # at a 1 s floor in issue 42's bench, a claim and a release each).
 DEFER_AT_LEAST = SPAN / 2
 SLICE = SPAN / SLICES  # seconds: what the budget's window ages out at a time
-# How long an operator's `relay retry` of a run lets its next retry pass the budget: it is made due
-# at once and claimed within a poll interval; a waiver nobody took by then is dropped.
-WAIVER_TTL = 60.0
 
 
 class Result(enum.Enum):
@@ -89,7 +86,6 @@ class RetryBudget:
         self._failed = WindowedSum(span)  # POSTs that failed, first attempts and retries
         self._charged = WindowedSum(span)  # retries that kept their token
         self._retrying = 0
-        self._waived: dict[tuple[str | None, str], float] = {}  # (database, run id) -> until when
 
     def balance(self, now: float) -> float:
         """Tokens left: deposits and the reserve, less charged retries and retries in flight."""
@@ -122,28 +118,14 @@ class RetryBudget:
             when = (math.floor(when / width) + 1) * width + width * 1e-6  # the next slice's
         return self.span
 
-    def waive(self, run_id: str, now: float, database: str | None = None) -> None:
-        """An operator asked for `run_id` (of `database`, in a fleet) to be retried now: its next
-        retry passes the budget. A fleet's databases share one budget and may share run ids:
-        a waiver is the one database's (issue 51)."""
-        self._waived = {r: until for r, until in self._waived.items() if until > now}
-        self._waived[(database, run_id)] = now + WAIVER_TTL
-
-    def try_retry(self, now: float, runs: Iterable[str] = (), database: str | None = None) -> bool:
-        """May a retry (of `runs`, of `database`) go out now? If so it holds a token until
-        `record(retry=True, ...)`. One of `runs` an operator waived the budget for goes whatever
-        the balance, and takes its waiver."""
-        waived = self._take_waiver(runs, database, now)
+    def try_retry(self, now: float, waived: bool = False) -> bool:
+        """May a retry go out now? If so it holds a token until `record(retry=True, ...)`. One an
+        operator `waived` the budget for (`relay retry`: its claim says so) goes whatever the
+        balance."""
         if not waived and self.balance(now) < 1.0:
             return False
         self._retrying += 1
         return True
-
-    def _take_waiver(self, runs: Iterable[str], database: str | None, now: float) -> bool:
-        if not self._waived:  # the common case: nobody asked
-            return False
-        taken = [r for r in runs if self._waived.pop((database, r), 0.0) > now]
-        return bool(taken)
 
     def record(self, result: Result, *, retry: bool, now: float) -> None:
         """A POST is done (`retry`: one that `try_retry` let go; each is recorded once)."""

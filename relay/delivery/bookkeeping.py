@@ -43,25 +43,23 @@ class Bookkeeping:
         *,
         lane: str,
         budget: RetryBudget | None,
-        database: str | None = None,
     ) -> None:
         self.lane = lane
-        self.database = database  # in a fleet, the database whose runs these are (issue 51)
         self.budget = budget  # the replica's retry budget, shared with the other lane
         self.settings = settings
         self.stats = stats
 
-    def deferrals(self, retried: bool, runs: Iterable[str], attempts: Iterable[int]) -> list[float]:
+    def deferrals(self, retried: bool, waived: bool, attempts: Iterable[int]) -> list[float]:
         """Whether a POST may go, as one answer: none when it may, else how long each of its
         runs waits in the outbox. A first attempt always goes; a retry (`retried`: a run with
         earlier attempts, and a multi-run POST is one if any of its runs is) only when the
-        budget has a token for it, or an operator retried one of its `runs` (`relay retry`: the
-        budget waives it). Each run of a retry the budget refused waits the `held_back` of its
-        `attempts` (relay/core/policy.py), counted in the executor's `stats.deferred` (the
-        executor's `Deferred` carries it to the completer)."""
+        budget has a token for it, or an operator retried one of its runs (`waived`: `relay
+        retry`, which its claim carries). Each run of a retry the budget refused waits the
+        `held_back` of its `attempts` (relay/core/policy.py), counted in the executor's
+        `stats.deferred` (the executor's `Deferred` carries it to the completer)."""
         if self.budget is None or not retried:
             return []
-        if self.budget.try_retry(clock.now(), runs, self.database):
+        if self.budget.try_retry(clock.now(), waived):
             return []
         cap = self.settings.max_backoff
         delays = [

@@ -175,7 +175,6 @@ class Deliveries:
         observe_ack: Callable[[AckResult], None],
         tracer: Tracer,
         budget: RetryBudget | None,
-        database: str | None,
     ) -> None:
         # The lane's executor POSTs (relay/delivery/execute.py) and its completer writes what
         # the answers mean (relay/delivery/complete.py); its delivery calls both, in that order.
@@ -187,7 +186,6 @@ class Deliveries:
             lane=name,
             tracer=tracer,
             budget=budget,
-            database=database,
         )
         self.completer = Completer(
             name,

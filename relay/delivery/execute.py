@@ -42,6 +42,14 @@ def retried(holds: Sequence[Held]) -> bool:
     return False
 
 
+def waived(holds: Sequence[Held]) -> bool:
+    """An operator's `relay retry` lets a run of the POST past the retry budget (its claim)."""
+    for h in holds:
+        if h.claim.retry_waived:
+            return True
+    return False
+
+
 def _unheard(sample: Sample) -> None:
     """No limit to tell (a resend within a turn already told, or no adaptive limit)."""
 
@@ -116,10 +124,9 @@ class Executor:
         lane: str = "",
         tracer: Tracer = NO_TRACING,
         budget: RetryBudget | None = None,
-        database: str | None = None,
     ) -> None:
         self.lane = lane
-        self.books = Bookkeeping(settings, stats, lane=lane, budget=budget, database=database)
+        self.books = Bookkeeping(settings, stats, lane=lane, budget=budget)
         self.tracer = tracer
         self.settings = settings
         self.store = store  # read only: the widening of a claim and the renewal of leases
@@ -140,11 +147,9 @@ class Executor:
         outcome per run. Each holder keeps its claim's current value: a widening before the POST
         and each renewal are kept there. `answered` is told of each answer (the turn's limit).
         A retry (a claim with earlier attempts) goes only if the retry budget lets it, or an
-        operator retried one of its runs (`relay retry`, which the budget waives)."""
-        is_retry = retried(holds)
-        runs = (h.claim.run_id for h in holds)
+        operator retried one of its runs (`relay retry`: the claim's `retry_waived`)."""
         attempts = (h.claim.attempts for h in holds)
-        if delays := self.books.deferrals(is_retry, runs, attempts):
+        if delays := self.books.deferrals(retried(holds), waived(holds), attempts):
             return [
                 Outcome(h, h.claim.events, Deferred(delay))
                 for h, delay in zip(holds, delays, strict=True)

@@ -121,7 +121,6 @@ class Lane:
             observe_ack=observe_ack,
             tracer=tracer,
             budget=budget,
-            database=database,
         )
         self.stopping = False
         # Liveness, for /healthz and the systemd watchdog (read through view()).

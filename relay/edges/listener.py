@@ -46,7 +46,6 @@ class Listener:
         on_delivered: Callable[[str], None],
         on_wake: Callable[[], None],
         on_connected: Callable[[], None],
-        on_due: Callable[[str], None] = lambda run_id: None,
         check_interval: float = 5.0,
         check_timeout: float = 5.0,
         max_backoff: float = 10.0,
@@ -55,8 +54,8 @@ class Listener:
         """`liveness` is (schema, owner): the liveness lock to hold on every session. The lock is
         taken with this listener's incarnation (random, one per listener: one per relay run), so
         that a restart under the same owner id ends its dead predecessor's leases at once.
-        `on_due` is told of a run an operator made due (`relay retry`: kind `run_due`) before
-        the wake that claims it."""
+        A run an operator made due (`relay retry`: kind `run_due`) is a wake like any other: its
+        waiver of the retry budget is on the run's row, which the claim returns."""
         self.listening = Listening(
             conninfo,
             (terminal_channel, "absurd_wake"),
@@ -69,7 +68,6 @@ class Listener:
         self.on_terminal = on_terminal
         self.on_delivered = on_delivered
         self.on_wake = on_wake
-        self.on_due = on_due
         self.on_connected = on_connected
         self.up = False
         self.reconnects = 0
@@ -229,10 +227,7 @@ class Listener:
             self.on_terminal(run_id)
         elif kind == "outbox_delivered":
             self.on_delivered(run_id)
-        elif kind == "run_due":  # an operator's retry: it passes the retry budget, then a wake
-            self.on_due(run_id)
-            self.on_wake()
-        else:
+        else:  # a wake: run_due (an operator's retry) and run_unblocked among them
             self.on_wake()
 
     @staticmethod

@@ -110,6 +110,9 @@ class Claim:
     # permit go ahead of everything held, and only it may use the critical reserve. A run that
     # discovery found with a pending terminal is `critical` but not targeted.
     targeted: bool = False
+    # An operator's `relay retry` made the run due and no attempt of it has ended since (schema
+    # version 11, runs.retry_waived): this claim's retry goes past the retry budget.
+    retry_waived: bool = False
 
     def renewed(self, trust: Trust) -> Claim:
         """The claim once its lease was renewed: the same prefix under a new trust window."""
@@ -206,7 +209,7 @@ class Store:
             # session's zone (a ZoneInfo, ~3 us a value), a timestamp in well under 1 us
             "select c.run_id, c.epoch, c.lease_token, c.attempts, c.critical, c.seq, c.event_id,"
             " c.event_type, c.payload, c.terminal, c.created_at at time zone 'UTC',"
-            " c.traceparent, c.wake_queue, c.claimed_at, c.reclaimed_from"
+            " c.traceparent, c.wake_queue, c.claimed_at, c.reclaimed_from, c.retry_waived"
             " from {}.claim(%s, %s, %s, make_interval(secs => %s), %s, %s, %s) c"
         ).format(s)
         self._renew = sql.SQL(
@@ -296,6 +299,7 @@ class Store:
                 events=tuple(events),
                 reclaimed_from=r[14],
                 targeted=run_id is not None,
+                retry_waived=r[15],
             )
             for r, events in runs.values()
         ]

@@ -144,6 +144,8 @@ def run_state(run: Mapping[str, Any]) -> str:
     # count an event's failures kept from before a retry too)
     if run["attempts"] and run["last_error"] and run["next_attempt_at"] > run["db_now"]:
         return f"backing off until {fmt_time(run['next_attempt_at'])} ({run['attempts']} failed)"
+    if run.get("retry_waived"):  # schema version 11
+        return "due, past the retry budget (relay retry): the next claim sends it"
     return "due (waiting for a relay)"
 
 

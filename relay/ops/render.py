@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
+import textwrap
 import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -361,13 +362,20 @@ def render_due(runs: Sequence[Mapping[str, Any]], width: int) -> str:
          fmt_time(r["was_due_at"], short=True), clean(r["last_error"] or "", 120))
         for r in runs
     ]  # fmt: skip
-    title = (
-        f"{len(runs)} run{'s' if len(runs) != 1 else ''} due now"
-        " (was backing off; a relay claims it at once and sends it past the retry budget;"
-        " times UTC)"
-    )
+    plural = "s" if len(runs) != 1 else ""
+    title = f"{len(runs)} run{plural} due now (backing off until now; times UTC)"
     columns = ("run", "att", "status", "failed", "was due", "error")
-    return table(title, columns, rows, width)
+    return table(title, columns, rows, width) + "\n" + textwrap.fill(_DUE_NOW, max(40, width))
+
+
+# What happens next to a run `relay retry` made due (schema version 11, runs.retry_waived): the
+# waiver is the run's, so it holds whichever relay claims the run, and whenever.
+_DUE_NOW = (
+    "Sent past the retry budget: the relays were woken and claim each run at once (a relay that"
+    " missed the wake, within its poll_interval), and send it whatever their budget holds. If"
+    " that attempt fails too, the run backs off again and its next retry waits for the budget as"
+    " any other."
+)
 
 
 # -- stdout ------------------------------------------------------------------------------------
