@@ -25,6 +25,7 @@ from relay.edges.http_client import HttpxSender, Reply, open_sender
 from relay.edges.ingress import (
     MAX_BODY,
     USER_AGENT,
+    Answer,
     Batch,
     IngressClient,
     TransportFailure,
@@ -536,6 +537,37 @@ async def test_post_group_sends_the_same_headers_as_a_single_run_post_but_the_ep
         assert not any(k.startswith("webhook-") for k in h)
 
 
+@pytest.mark.anyio
+async def test_post_group_answers_run_by_run_from_a_2xx_reply_else_as_a_whole() -> None:
+    """DESIGN §5: a 2xx multi-run reply's `results` answer run by run (a run it does not answer,
+    or answers malformed, was not answered); any other reply is one answer for every run."""
+    results = [
+        {"run_id": "a", "status": 200, "accepted": 1},
+        {"run_id": "b", "status": "200"},  # malformed: b was not answered
+        {"run_id": "c", "status": 422, "rejected_event_id": "ev-1"},
+        {"run_id": "x", "status": 200},  # not a run of this request
+    ]
+    status = 200
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, json={"results": results})
+
+    batches = [batch(r, [event(1)]) for r in ("a", "b", "c")]
+    async with mock(handler) as http:
+        client = IngressClient(settings(RELAY_INGRESS_BATCH_URL=BATCH_URL), http)
+        split = await client.post_group(batches)
+        status = 503
+        failed = await client.post_group(batches)
+    assert (split.status, split.whole) == (200, False)
+    a, b, c = (split.per_run[r] for r in ("a", "b", "c"))
+    assert isinstance(a, Answer) and (a.status, orjson.loads(a.body)) == (200, {"accepted": 1})
+    assert isinstance(b, TransportFailure) and "no result for this run" in str(b)
+    assert isinstance(c, Answer)
+    assert (c.status, orjson.loads(c.body)) == (422, {"rejected_event_id": "ev-1"})
+    assert (failed.status, failed.whole) == (503, True)
+    assert failed.per_run == dict.fromkeys(["a", "b", "c"], failed.answer)
+
+
 # --- the request observer (metrics hook in here, DESIGN §8.2) -----------------------------------
 
 
@@ -572,7 +604,7 @@ async def test_every_post_is_observed_once_single_and_multi_run() -> None:
         single = await client.post(batch(events=events))
         group = await client.post_group([batch("a", [event(1)]), batch("b", [event(1)])])
     assert [status for status, _ in seen] == [200, 503]
-    assert [seconds for _, seconds in seen] == [single.seconds, group.seconds]
+    assert [seconds for _, seconds in seen] == [single.seconds, group.answer.seconds]
 
 
 @pytest.mark.anyio

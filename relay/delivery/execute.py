@@ -26,7 +26,7 @@ from relay.delivery.bookkeeping import Answered, Bookkeeping
 from relay.delivery.renewal import Renewer
 from relay.delivery.retries import QuickRetries
 from relay.delivery.stats import ExecuteStats
-from relay.edges.ingress import Answer, Batch, IngressClient, TransportFailure, split_results
+from relay.edges.ingress import Answer, Batch, GroupAnswer, IngressClient, TransportFailure
 from relay.edges.store import Claim, ClaimedEvent, Held, Store
 from relay.edges.tracing import NO_SPAN, NO_TRACING, Delivery, DeliverySpan, Tracer
 from relay.settings import Settings
@@ -261,24 +261,22 @@ class Executor:
         return replies
 
     async def _try(self, sends: list[Send], *, group: bool, spans: list[DeliverySpan]) -> _Replies:
-        answer: Answer | TransportFailure
+        answer: Answer | GroupAnswer | TransportFailure
         per_run: dict[str, Answer | TransportFailure]
         batches = [_batch(h.claim, e) for h, e in sends]
         try:
             answer = await self._send(batches, group=group, spans=spans)
         except TransportFailure as exc:
             answer = exc
-        if not group:  # the common case, kept lean: one run, one answer
+        runs = [h.claim.run_id for h, _ in sends]
+        if isinstance(answer, GroupAnswer):  # per run, or one answer for the whole request
+            per_run, whole = answer.per_run, answer.whole
+        elif group:  # no answer: one failure for the whole request
+            per_run, whole = dict.fromkeys(runs, answer), True
+        else:  # the common case: one run, one answer
             ((held, events),) = sends
             decision = self._decide(held.claim, len(events), answer)
             return _Replies({held.claim.run_id: (answer, decision)}, True)
-        runs = [h.claim.run_id for h, _ in sends]
-        if isinstance(answer, Answer) and 200 <= answer.status < 300:
-            per_run = split_results(answer, runs)
-            whole = False
-        else:
-            per_run = dict.fromkeys(runs, answer)  # one answer for the whole request
-            whole = True
         decided = {
             run_id: (per_run[run_id], self._decide(held.claim, len(events), per_run[run_id]))
             for (held, events), run_id in zip(sends, runs, strict=True)
@@ -287,7 +285,7 @@ class Executor:
 
     async def _send(
         self, batches: list[Batch], *, group: bool, spans: list[DeliverySpan]
-    ) -> Answer:
+    ) -> Answer | GroupAnswer:
         """The POST itself; when tracing, as a client span (of a multi-run request, inside the
         first run's delivery span, linked to the others') whose context goes out as the
         `traceparent` header."""
@@ -297,6 +295,7 @@ class Executor:
             return await self.ingress.post(batches[0])
         url = self.ingress.group_url() if group else self.ingress.url(batches[0])
         with spans[0].post(url, spans[1:]) as post:
+            answer: Answer | GroupAnswer
             try:
                 if group:
                     answer = await self.ingress.post_group(batches, post.traceparent)

@@ -43,7 +43,7 @@ from relay.edges.http_client import (
 )
 from relay.settings import Secret, Settings, scrub
 
-__all__ = ["MAX_BODY", "Answer", "Batch", "IngressClient", "TransportFailure"]
+__all__ = ["MAX_BODY", "Answer", "Batch", "GroupAnswer", "IngressClient", "TransportFailure"]
 
 USER_AGENT = f"ledger-relay/{__version__}"
 DOT_SEGMENTS = frozenset({".", ".."})
@@ -69,6 +69,22 @@ class Answer:
         if not self.secrets:
             return excerpt(self.body)
         return excerpt(scrubbed(self.body.decode("utf-8", "replace"), self.secrets).encode())
+
+
+@dataclass(frozen=True, slots=True)
+class GroupAnswer:
+    """A multi-run POST's answer (DESIGN §5): the reply to the request (`answer`, observed as one
+    request) and what it says for each run (`per_run`). A 2xx reply carries each run's result;
+    any other is one answer for the whole request (`whole`), standing for every run in it."""
+
+    answer: Answer
+    per_run: dict[str, Answer | TransportFailure]
+    whole: bool
+
+    @property
+    def status(self) -> int:
+        """The request's status, as a single run's answer has it."""
+        return self.answer.status
 
 
 def scrubbed(text: str, secrets: Sequence[Secret]) -> str:
@@ -306,12 +322,19 @@ class IngressClient:
         body = encode_body(batch)
         return await self._send(self.url(batch), body, self.headers(batch, body, traceparent))
 
-    async def post_group(self, batches: Sequence[Batch], traceparent: str | None = None) -> Answer:
-        """One POST carrying several runs' batches to `ingress_batch_url` (DESIGN §5)."""
+    async def post_group(
+        self, batches: Sequence[Batch], traceparent: str | None = None
+    ) -> GroupAnswer:
+        """One POST carrying several runs' batches to `ingress_batch_url`, and what its answer
+        says for each run (DESIGN §5)."""
         body = encode_group(batches)
-        return await self._send(
+        answer = await self._send(
             self.group_url(), body, self.group_headers(batches, body, traceparent)
         )
+        run_ids = [b.run_id for b in batches]
+        if 200 <= answer.status < 300:
+            return GroupAnswer(answer, split_results(answer, run_ids), whole=False)
+        return GroupAnswer(answer, dict.fromkeys(run_ids, answer), whole=True)
 
     async def _send(self, url: str, body: bytes, headers: dict[str, str]) -> Answer:
         """Where every POST goes out, single-run and multi-run: the one place it is observed."""
