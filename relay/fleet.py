@@ -33,6 +33,7 @@ import psycopg
 from anyio.abc import TaskStatus
 
 from relay import logs
+from relay.core import clock
 from relay.core.policy import backoff
 from relay.databases import Database, for_database
 from relay.edges.store import CONNECT_KWARGS
@@ -40,7 +41,7 @@ from relay.edges.tracing import NO_TRACING, Tracer, flush_timeout
 from relay.maintenance.migrate import read_version, version_problem
 from relay.runner import Relay, shared_for
 from relay.serving import health, sdnotify
-from relay.serving.metrics import FleetMetrics
+from relay.serving.metrics import FleetMetrics, Metrics
 from relay.serving.ui.web import Request, Response
 from relay.settings import Settings, passwords_in, scrub
 
@@ -137,9 +138,19 @@ class Fleet:
             "prune_interval": prune_interval,
             "tracer": tracer,
             "shared": self.shared,
+            "keep_metrics": settings.metrics_addr is not None,  # for this fleet's /metrics
         }
         self._stop = anyio.Event()
-        self.metrics = FleetMetrics(self.up)
+        shared = self.shared
+        self.metrics = FleetMetrics(
+            self.up,
+            relays=self.relay_metrics,
+            ready=lambda: not self.stopping,
+            admission=lambda: shared.permits.view() if shared.permits is not None else None,
+            retry_budget=lambda: shared.budget.view(clock.now()),
+            fixed_limit=settings.post_ceiling,
+            retention=settings.retention,
+        )
 
     # -- public ------------------------------------------------------------------------------
 
@@ -159,6 +170,14 @@ class Fleet:
     def up(self) -> dict[str, bool]:
         """Whether each database is served (`Member.up`), by name: `ledger_relay_database_up`."""
         return {m.database.name: m.up for m in self.members}
+
+    def relay_metrics(self) -> dict[str, Metrics]:
+        """The metrics of each database whose relay runs, by name (for this fleet's /metrics)."""
+        return {
+            m.database.name: m.relay.metrics
+            for m in self.members
+            if m.relay is not None and m.relay.metrics is not None
+        }
 
     async def run(self, *, task_status: TaskStatus[Fleet] = anyio.TASK_STATUS_IGNORED) -> None:
         try:

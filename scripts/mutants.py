@@ -51,6 +51,7 @@ ADMISSION_E2E = "tests/test_admission_e2e.py"
 BUDGET_TEST = "test_retries_stay_within_the_budget_and_the_rest_wait_in_the_outbox"
 OUTAGE_LOGS = "tests/test_outage_logs.py"
 FLEET = "tests/test_fleet.py"
+FLEET_METRICS = "test_a_fleets_metrics_carry_each_databases_delivery_under_its_name"
 OUTAGE_TEST = "test_an_outage_logs_a_warning_per_failed_post_and_sums_up_the_deferrals"
 LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
@@ -1368,6 +1369,22 @@ MUTANTS: tuple[Mutant, ...] = (
         '            h["relay-database"] = self.database',
         "            pass",
         (f"{FLEET}::test_three_databases_deliver_into_one_ingress_each_post_naming_its_own",),
+    ),
+    Mutant(
+        "fleet-metrics-without-database",
+        "issue 51 item 4: a fleet's metrics carry each database's name",
+        "relay/serving/metrics.py",
+        'sample._replace(labels={**sample.labels, "database": database})',
+        "sample._replace(labels={**sample.labels})",
+        (f"{FLEET}::{FLEET_METRICS}",),
+    ),
+    Mutant(
+        "fleet-metrics-relays-not-kept",
+        "issue 51 item 4: a fleet's /metrics serves each database's delivery metrics",
+        "relay/fleet.py",
+        '"keep_metrics": settings.metrics_addr is not None,',
+        '"keep_metrics": False,',
+        (f"{FLEET}::{FLEET_METRICS}",),
     ),
 )
 

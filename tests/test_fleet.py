@@ -95,7 +95,9 @@ async def ingress() -> AsyncIterator[tuple[RecordingSink, str]]:
         yield sink, url
 
 
-def fleet(urls: dict[str, str], ingress_url: str, **options: Any) -> Fleet:
+def fleet(
+    urls: dict[str, str], ingress_url: str, env: dict[str, str] | None = None, **options: Any
+) -> Fleet:
     settings, databases = load_all(
         {},
         {
@@ -104,6 +106,7 @@ def fleet(urls: dict[str, str], ingress_url: str, **options: Any) -> Fleet:
             "RELAY_SIGNING_SECRET": WHSEC,
             "RELAY_POLL_INTERVAL": "0.2",
             "RELAY_RETENTION": "0",
+            **(env or {}),
         },
     )
     assert databases is not None
@@ -237,6 +240,71 @@ def database_up(text: str) -> dict[str, float]:
         if family.name == "ledger_relay_database_up"
         for sample in family.samples
     }
+
+
+def acked(f: Fleet) -> int:
+    """Events the fleet's relays acknowledged (the ingress receives each before its ack)."""
+    return sum(
+        sum(lane.stats.by_type.values())
+        for m in f.members
+        if m.relay is not None
+        for lane in m.relay.lanes.values()
+    )
+
+
+async def test_a_fleets_metrics_carry_each_databases_delivery_under_its_name(
+    shards: dict[str, str],
+) -> None:
+    """Issue 51 item 4: a fleet's /metrics has each database's delivery metrics (lanes,
+    listener, ingress answers) with `database="NAME"`, each figure that database's own; what is
+    the replica's (the process, the build, the shared limit and budget) once, without one."""
+    runs = {"s0": 2, "s1": 4, "s2": 6}
+    ids = {name: enqueue_runs(url, name, runs=runs[name]) for name, url in shards.items()}
+    metrics = f"127.0.0.1:{closed_port()}"
+    async with ingress() as (sink, url), anyio.create_task_group() as tg:
+        f = fleet(shards, url, {"RELAY_METRICS_ADDR": metrics})
+        await tg.start(f.run)
+        await wait_for(lambda: delivered(sink, set().union(*ids.values())), what="delivery")
+        await wait_for(lambda: set(f.states().values()) == {"serving"}, what="all serving")
+        await wait_for(lambda: acked(f) == sum(map(len, ids.values())), what="acks")
+        async with httpx.AsyncClient(base_url=f"http://{metrics}") as http:
+            scraped = await http.get("/metrics")
+        posts = {
+            m.database.name: sum(lane.stats.posts for lane in m.relay.lanes.values())
+            for m in f.members
+            if m.relay is not None
+        }
+        f.stop()
+    assert scraped.status_code == 200
+    families = {family.name: family for family in text_string_to_metric_families(scraped.text)}
+
+    def by_database(name: str, sample_name: str | None = None) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for sample in families[name].samples:
+            if sample_name is None or sample.name == sample_name:
+                database = sample.labels["database"]  # every sample names its database
+                out[database] = out.get(database, 0.0) + sample.value
+        return out
+
+    delivered_events = by_database("ledger_relay_delivered_events")
+    assert delivered_events == {name: float(len(ids[name])) for name in NAMES}, delivered_events
+    assert by_database("ledger_relay_ingress_requests", "ledger_relay_ingress_requests_total") == {
+        name: float(n) for name, n in posts.items()
+    }
+    assert by_database("ledger_relay_listen_up") == {name: 1.0 for name in NAMES}
+    lag = by_database(
+        "ledger_relay_delivery_lag_seconds", "ledger_relay_delivery_lag_seconds_count"
+    )
+    assert set(lag) == set(NAMES) and all(n > 0 for n in lag.values()), lag
+    assert set(by_database("ledger_relay_claimed_runs")) == set(NAMES)
+    assert database_up(scraped.text) == {name: 1.0 for name in NAMES}
+    # The replica's own, once and without a database label.
+    for name in ("ledger_relay_post_limit", "ledger_relay_build_info", "ledger_relay_ready"):
+        assert [s.labels.get("database") for s in families[name].samples] == [None], name
+    assert "process_cpu_seconds" in families
+    # One family per name (a name twice is refused by Prometheus' parser).
+    typed = [line.split()[2] for line in scraped.text.splitlines() if line.startswith("# TYPE")]
+    assert len(typed) == len(set(typed)) and "ledger_relay_listen_up" in typed
 
 
 def closed_port() -> int:
