@@ -1371,6 +1371,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{FLEET}::test_three_databases_deliver_into_one_ingress_each_post_naming_its_own",),
     ),
     Mutant(
+        "fleet-terminal-posted-as-ordinary",
+        "issue 51 item 3: a terminal goes first across the databases (the reserve, critical"
+        " waiters first)",
+        "relay/delivery/post_turn.py",
+        '    if lane == "critical":\n        return True\n    for h in holds:',
+        "    return False\n    for h in holds:",
+        (
+            f"{FLEET}::"
+            "test_a_terminal_goes_ahead_of_other_databases_backlogs_queued_for_the_permits",
+        ),
+    ),
+    Mutant(
         "fleet-metrics-without-database",
         "issue 51 item 4: a fleet's metrics carry each database's name",
         "relay/serving/metrics.py",

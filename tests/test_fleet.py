@@ -25,7 +25,7 @@ from psycopg import sql
 
 from relay import fleet as relay_fleet
 from relay.admission.limit import Limit
-from relay.admission.permits import Admission
+from relay.admission.permits import Admission, Priority
 from relay.admission.retry_budget import RetryBudget
 from relay.databases import for_database, load_all
 from relay.delivery.post_turn import LoopLag, Permits
@@ -524,6 +524,77 @@ async def test_a_backlog_in_one_database_does_not_starve_anothers_trickle_nor_it
     # s1 was served all along: its runs and its terminal went while s0 still had most of its
     # backlog (900 events) to deliver.
     assert drained_by_then < len(backlog) / 2, (drained_by_then, behind, terminal_behind)
+    assert sink.state.order_violations == 0
+
+
+class HeldBacklog(Sink):
+    """An ingress that holds every POST of the backlog databases until `gate` is set, and notes
+    each POST's run id as it arrives, before any hold: the order POSTs reached it in."""
+
+    def __init__(self, backlog: tuple[str, ...]) -> None:
+        super().__init__()
+        self.backlog = backlog
+        self.gate = anyio.Event()
+        self.arrivals: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/runs/"):
+            run_id = unquote(scope["path"].removeprefix("/runs/").removesuffix("/events"))
+            self.arrivals.append(run_id)
+            if run_id.partition("-")[0] in self.backlog:
+                await self.gate.wait()
+        await super().__call__(scope, receive, send)
+
+
+async def test_a_terminal_goes_ahead_of_other_databases_backlogs_queued_for_the_permits(
+    shards: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Terminals first across the databases (issue 51 item 3): s0 and s2 have backlogs of
+    finished runs, whose POSTs an ingress holds; the replica's limit (6, a reserve of 1) is
+    then all held by their ordinary POSTs but the reserve, and more of theirs queue for a
+    permit. A terminal
+    committed in s1 meanwhile (targeted: the critical lane claims it) takes the reserve and
+    reaches the ingress while every backlog POST is still held: ahead of the queued ones, with
+    no permit freed. Sent as an ordinary POST, it would queue behind them and never arrive
+    while they are held. Judged by the order POSTs reached the ingress, not by time."""
+
+    def limit_of_six(settings: Any) -> Shared:
+        loop_lag = LoopLag()
+        limit = Limit(6, initial=6, slow_start=False)
+        return Shared(
+            loop_lag, Permits(Admission(limit, max_reserve=1), loop_lag.value), RetryBudget()
+        )
+
+    monkeypatch.setattr(relay_fleet, "shared_for", limit_of_six)
+    for name in ("s0", "s2"):
+        enqueue_runs(shards[name], name, runs=100, per_run=2)  # each run ends in its terminal
+    sink = HeldBacklog(("s0", "s2"))
+    async with serve_sink(sink) as url, anyio.create_task_group() as tg:
+        # No POST held here times out: the held ones stay in flight, holding their permits.
+        f = fleet(shards, url, {"RELAY_HTTP_TIMEOUT": "60s", "RELAY_LEASE_TTL": "5m"})
+        await tg.start(f.run)
+        permits = f.shared.permits
+        assert permits is not None
+
+        def held_and_queued() -> bool:
+            # The ordinary share (6 - 1) in flight, arrived and held; each database's lane
+            # claims ahead, and what the share leaves out waits for a permit.
+            view = permits.view()
+            inflight, waiting = view.inflight[Priority.ORDINARY], view.waiting[Priority.ORDINARY]
+            return inflight == 5 and waiting >= 5 and len(sink.arrivals) == 5
+
+        await wait_for(held_and_queued, what="the backlogs' POSTs held and queued")
+        committed = len(sink.arrivals)
+        with psycopg.connect(shards["s1"], autocommit=True) as conn:
+            enqueue(conn, "s1-fresh", "s1-fresh-end", "done", {}, terminal=True)
+        await wait_for(
+            lambda: "s1-fresh" in sink.arrivals, timeout=20, what="the terminal, backlog held"
+        )
+        sink.gate.set()
+        await wait_for(lambda: delivered(sink, {"s1-fresh-end"}), what="its delivery")
+        f.stop()
+    after = sink.arrivals[committed:]
+    assert after.index("s1-fresh") == 0, after[: after.index("s1-fresh") + 1]
     assert sink.state.order_violations == 0
 
 
