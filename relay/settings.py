@@ -363,6 +363,22 @@ def _ingress_template(text: str) -> str:
     return text
 
 
+def _batch_template(text: str) -> str:
+    """`ingress_batch_url`: an http(s) URL that may name `{database}` (issue 51), in the path or
+    query only, as `ingress_url` may; no `{run_id}`, since one POST to it carries several runs."""
+    _http_url_shape(text)
+    if "{" in urlsplit(text).netloc:
+        raise ValueError("{database} may stand only in the path or query, not in the host or port")
+    rest = text.replace("{database}", "")
+    if "{" in rest or "}" in rest:
+        raise ValueError(
+            "may contain no placeholder other than {database} (a POST to it carries several "
+            "runs: no {run_id})"
+        )
+    _usable_by_httpx(text.replace("{database}", "default"))
+    return text
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         if text.lower() not in options:
@@ -602,7 +618,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "ingress_url": _ingress_template,
     "listen_database_url": _database_url,
     "schema": validate_schema_name,
-    "ingress_batch_url": _http_url,
+    "ingress_batch_url": _batch_template,
     "ingress_token": _ingress_token,
     "signing_secret": _signing_secrets,
     "ingress_ca_file": _ca_file,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from relay.databases import LIST, LIST_FILE, for_database, load_all, load_databases, server_key
-from relay.settings import LIST_VARIABLES, ConfigError, unknown_variables
+from relay.edges.ingress import render_group_url
+from relay.settings import LIST_VARIABLES, ConfigError, Settings, load, unknown_variables
 
 INGRESS = "http://127.0.0.1:9/runs/{run_id}/events"
 PASSWORD = "CANARY-pw"
@@ -164,3 +165,33 @@ def test_relay_check_refuses_the_list_beside_database_url() -> None:
 
     env = cli_env(RELAY_DATABASES="a=postgresql://u@127.0.0.1:1/app")
     assert "RELAY_DATABASES and database_url" in refusal("check", env)
+
+
+def batch_url(value: str) -> Settings:
+    return load({}, env(RELAY_DATABASE_URL="postgresql://u@h/app", RELAY_INGRESS_BATCH_URL=value))
+
+
+def test_the_batch_url_may_name_the_database_in_its_path_or_query() -> None:
+    """Issue 51: `ingress_batch_url` names `{database}` as `ingress_url` does."""
+    for url in ("http://in/batch", "http://in/{database}/batch", "http://in/batch?db={database}"):
+        assert batch_url(url).ingress_batch_url == url
+    assert render_group_url("http://in/{database}/batch?d={database}", "s1") == (
+        "http://in/s1/batch?d=s1"
+    )
+    assert render_group_url("http://in/batch") == "http://in/batch"
+    assert render_group_url("http://in/{database}/batch") == "http://in/default/batch"
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://{database}.in/batch", "only in the path or query"),
+        ("http://in/runs/{run_id}/batch", "no {run_id}"),
+        ("http://in/{db}/batch", "no placeholder other than {database}"),
+        ("http://in/{{database}}/batch", "no placeholder other than {database}"),
+    ],
+)
+def test_the_batch_url_names_no_other_placeholder(url: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        batch_url(url)
+    assert "ingress_batch_url" in str(caught.value) and says in str(caught.value)

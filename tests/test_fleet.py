@@ -57,12 +57,17 @@ class RecordingSink(Sink):
     def __init__(self) -> None:
         super().__init__(signing_secrets=[WHSEC])  # every POST's signature checked
         self.urls: list[tuple[str, str]] = []  # (run id, the query's database)
+        self.groups: list[tuple[str, str]] = []  # /batch: (relay-database, the query's database)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/runs/"):
             query = parse_qs(scope["query_string"].decode())
             run_id = unquote(scope["path"].removeprefix("/runs/").removesuffix("/events"))
             self.urls.append((run_id, query.get("database", [""])[0]))
+        if scope["type"] == "http" and scope["path"] == "/batch":
+            query = parse_qs(scope["query_string"].decode())
+            header = dict(scope["headers"]).get(b"relay-database", b"").decode()
+            self.groups.append((header, query.get("database", [""])[0]))
         await super().__call__(scope, receive, send)
 
 
@@ -165,6 +170,24 @@ async def test_three_databases_deliver_into_one_ingress_each_post_naming_its_own
     started = decisions.named("started")
     assert sorted(line["database"] for line in started) == sorted(NAMES)
     assert decisions.named("database_set_aside") == []
+
+
+async def test_the_batch_url_names_each_groups_database(shards: dict[str, str]) -> None:
+    """Issue 51: `ingress_batch_url` may name `{database}`; each multi-run POST's URL names the
+    database its runs came from (the runs' own headers name theirs: the same one)."""
+    ids = {name: enqueue_runs(url, name, runs=40, per_run=1) for name, url in shards.items()}
+    async with ingress() as (sink, url), anyio.create_task_group() as tg:
+        f = fleet(shards, url, {"RELAY_INGRESS_BATCH_URL": url + "/batch?database={database}"})
+        await tg.start(f.run)
+        await wait_for(lambda: delivered(sink, set().union(*ids.values())), what="delivery")
+        f.stop()
+    assert sink.groups, "no multi-run POST"
+    assert all(header == database for header, database in sink.groups), sink.groups
+    assert {database for _, database in sink.groups} == set(NAMES)
+    answered = [b for b in sink.state.received if b["status"] == 200]
+    for batch in answered:  # each run of a group under its own database's header
+        assert batch["headers"].get("relay-database") == batch["run_id"].partition("-")[0]
+    assert sink.state.unauthorized == {}
 
 
 async def test_a_database_at_a_schema_version_this_release_cannot_serve_is_set_aside(
