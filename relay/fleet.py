@@ -141,6 +141,8 @@ class Fleet:
             "keep_metrics": settings.metrics_addr is not None,  # for this fleet's /metrics
         }
         self._stop = anyio.Event()
+        # Set once a database is served, or on a stop: `startup_timeout` no longer applies.
+        self._startup_over = anyio.Event()
         shared = self.shared
         self.metrics = FleetMetrics(
             self.up,
@@ -159,6 +161,7 @@ class Fleet:
         if not self._stop.is_set():
             logs.info("shutdown_requested", replica=self.settings.replica_id)
         self._stop.set()
+        self._startup_over.set()
         for member in self.members:
             if member.relay is not None:
                 member.relay.stop()
@@ -205,6 +208,8 @@ class Fleet:
             notifier = sdnotify.from_environ()
             if notifier is not None:
                 background.start_soon(self._tell_systemd, notifier)
+            if self.settings.startup_timeout > 0:
+                background.start_soon(self._give_up_unless_served)
             async with anyio.create_task_group() as databases:
                 for member in self.members:
                     databases.start_soon(self._serve, member, name=member.database.name)
@@ -250,12 +255,31 @@ class Fleet:
         try:
             if self._stop.is_set():  # asked between the probe and now: `stop` missed this relay
                 return None
-            await relay.run()
+            async with anyio.create_task_group() as tg:
+                await tg.start(relay.run)  # its lanes run: the fleet has served
+                self._startup_over.set()
         except Exception as exc:  # never the process's end: the database is set aside
+            if self._stop.is_set():  # a stop while it started: it returned without serving
+                return None
             return failure(exc, settings.database_url.reveal())
         finally:
             member.relay = None
         return None
+
+    async def _give_up_unless_served(self) -> None:
+        """`startup_timeout` in a fleet: no database served within it (every one set aside or
+        still starting) ends the fleet as a relay alone ends, `refused_to_start` and exit 2,
+        naming why for each; a deployment whose every URL is wrong fails where it is seen.
+        Once one database is served, nothing but a stop ends the fleet: no database alone is
+        ever given up on."""
+        timeout = self.settings.startup_timeout
+        with anyio.move_on_after(timeout):
+            await self._startup_over.wait()
+            return
+        why = "; ".join(f"{m.database.name}: {m.set_aside or m.state.value}" for m in self.members)
+        raise ConnectionError(
+            f"no database of the fleet was served within startup_timeout ({timeout:g}s): {why}"
+        )
 
     async def _tell_systemd(self, notifier: sdnotify.Notifier) -> None:
         """Under systemd (`Type=notify`): READY at once, every database's delivery started in a

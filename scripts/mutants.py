@@ -1383,6 +1383,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "fleet-startup-timeout-ignores-served",
+        "issue 51: startup_timeout ends a fleet only when none of its databases was served",
+        "relay/fleet.py",
+        "# its lanes run: the fleet has served\n                self._startup_over.set()",
+        "# its lanes run: the fleet has served\n                pass",
+        (f"{FLEET}::test_startup_timeout_never_ends_a_fleet_once_a_database_is_served",),
+    ),
+    Mutant(
         "fleet-metrics-without-database",
         "issue 51 item 4: a fleet's metrics carry each database's name",
         "relay/serving/metrics.py",

@@ -482,6 +482,60 @@ async def test_a_relay_that_fails_once_serving_is_set_aside_and_started_again(
     assert set_aside[0]["reason"] == "failed: RuntimeError: the first relay of s1 fails"
 
 
+def first_error(group: BaseException) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
+
+
+async def test_startup_timeout_ends_a_fleet_none_of_whose_databases_is_served(
+    shards: dict[str, str],
+) -> None:
+    """`startup_timeout` in a fleet: no database served within it ends the fleet as a relay
+    alone ends (ConnectionError: `relay run` logs `refused_to_start`, exit 2), naming each
+    database's reason."""
+    dead = {
+        name: urlunsplit(urlsplit(shards[name])._replace(netloc=f"127.0.0.1:{closed_port()}"))
+        for name in ("s0", "s1")
+    }
+    async with ingress() as (_, url):
+        f = fleet(dead, url, {"RELAY_STARTUP_TIMEOUT": "1s"}, max_retry=0.2)
+        with pytest.raises(BaseExceptionGroup) as caught:
+            with anyio.fail_after(30):
+                await f.run()
+    error = first_error(caught.value)
+    assert isinstance(error, ConnectionError), error
+    text = str(error)
+    assert text.startswith("no database of the fleet was served within startup_timeout (1s)")
+    assert "s0: unreachable: " in text and "s1: unreachable: " in text, text
+
+
+async def test_startup_timeout_never_ends_a_fleet_once_a_database_is_served(
+    shards: dict[str, str],
+) -> None:
+    """One database served within `startup_timeout`, another down all along: the fleet runs on
+    past the timeout, the down one set aside and tried again (never given up on)."""
+    dead = urlunsplit(urlsplit(shards["s1"])._replace(netloc=f"127.0.0.1:{closed_port()}"))
+    ids = enqueue_runs(shards["s0"], "s0")
+    with relay_logs(Decisions()) as decisions:
+        async with ingress() as (sink, url), anyio.create_task_group() as tg:
+            f = fleet(
+                {"s0": shards["s0"], "s1": dead},
+                url,
+                {"RELAY_STARTUP_TIMEOUT": "0.5s"},
+                max_retry=0.2,
+            )
+            await tg.start(f.run)
+            await wait_for(lambda: delivered(sink, ids), what="s0's delivery")
+            # Past the timeout (not a measure of speed: a wait for the rule to have its say).
+            await anyio.sleep(1.5)
+            assert f.states() == {"s0": "serving", "s1": "set_aside"}
+            more = enqueue_runs(shards["s0"], "s0", prefix="late")
+            await wait_for(lambda: delivered(sink, more), what="s0's later delivery")
+            f.stop()
+    assert decisions.named("refused_to_start") == []
+
+
 class FewAtATime(RecordingSink):
     """An ingress that serves two POSTs at a time, each a little slow: a queue forms at it, as
     at a runtime ingress under load. Its `deliveries` keep the order events first arrived."""
