@@ -35,10 +35,11 @@ from anyio.abc import TaskStatus
 from relay import logs
 from relay.core import clock
 from relay.core.policy import backoff
-from relay.databases import Database, for_database
+from relay.databases import Database, connection_shares, for_database
 from relay.edges.store import CONNECT_KWARGS
 from relay.edges.tracing import NO_TRACING, Tracer, flush_timeout
 from relay.maintenance.migrate import read_version, version_problem
+from relay.pools import pool_size
 from relay.runner import Relay, shared_for
 from relay.serving import health, sdnotify
 from relay.serving.metrics import FleetMetrics, Metrics
@@ -109,6 +110,19 @@ def failure(exc: BaseException, url: str) -> str:
     return "failed: " + scrub(logs.redact_text(logs.error_text(exc)), passwords_in(url))
 
 
+def split_share(settings: Settings, share: int) -> tuple[int, int]:
+    """One database's share of `server_connections` as its ordinary and critical pool sizes: one
+    connection for its LISTEN session, the critical pool a third of the rest (at least 2), the
+    ordinary pool the remainder, neither above what its lane uses unbudgeted (`pool_size`); a
+    share that holds both unbudgeted pools leaves them as they are."""
+    full = pool_size(settings.concurrency), pool_size(settings.critical_concurrency)
+    if share >= 1 + sum(full):
+        return full
+    rest = share - 1
+    critical = min(pool_size(settings.critical_concurrency), max(2, rest // 3))
+    return min(pool_size(settings.concurrency), rest - critical), critical
+
+
 async def _ping(notifier: sdnotify.Notifier, interval: float) -> None:
     while True:
         notifier.notify("WATCHDOG=1")
@@ -131,6 +145,11 @@ class Fleet:
         self.tracer = tracer
         self.shared = shared_for(settings)  # one limit, one budget, one lateness probe
         self.members = [Member(d) for d in databases]
+        # Each database's pools within its share of `server_connections`, when one is set.
+        self.pool_sizes = {
+            name: split_share(settings, share)
+            for name, share in connection_shares(settings, databases, os.environ).items()
+        }
         self.max_retry = max_retry
         self._relay_options: dict[str, Any] = {
             "client": client,
@@ -250,7 +269,10 @@ class Fleet:
 
     async def _deliver(self, member: Member, settings: Settings) -> str | None:
         """The database's relay, run until the fleet stops (None) or it fails (the reason)."""
-        relay = Relay(settings, database=member.database.name, **self._relay_options)
+        name = member.database.name
+        relay = Relay(
+            settings, database=name, pool_sizes=self.pool_sizes.get(name), **self._relay_options
+        )
         member.relay, member.set_aside = relay, None
         try:
             if self._stop.is_set():  # asked between the probe and now: `stop` missed this relay

@@ -98,6 +98,7 @@ class Relay:
         shared: Shared | None = None,
         database: str | None = None,
         keep_metrics: bool = False,
+        pool_sizes: tuple[int, int] | None = None,
     ) -> None:
         self.settings = settings
         self.tracer = tracer  # spans of every delivery (relay/edges/tracing.py), when configured
@@ -119,7 +120,8 @@ class Relay:
         if self.app_http is None:  # an extra the relay's own client needs: said now, not later
             require_extras(settings, os.environ)
         self.prune_interval = prune_interval
-        self._pools = Pools(settings)  # the database pools and the stores over them
+        # The database pools and the stores over them; `pool_sizes`: a fleet's connection budget.
+        self._pools = Pools(settings, pool_sizes)
         # What each POST may go under: the adaptive limit's permits and the retry budget, one
         # of each per replica, shared by both lanes (relay/delivery/post_turn.py,
         # relay/admission/retry_budget.py), and by every database's lanes in a fleet.

@@ -215,6 +215,9 @@ class Settings:
     max_backoff: float = 300.0
     shutdown_timeout: float = 20.0
     startup_timeout: float = 0.0  # 0: wait for the database forever (relay/startup.py)
+    # With the list form (relay/databases.py): the most connections one replica opens to one
+    # PostgreSQL server across the databases on it; 0: no budget (docs/sharding.md)
+    server_connections: int = 0
     retention: float = 86400.0
     statement_timeout: float = 10.0
     metrics_addr: str | None = None
@@ -640,6 +643,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "max_backoff": _duration_in(0.1, 86400.0),
     "shutdown_timeout": _duration_in(0.0, 3600.0),
     "startup_timeout": _duration_in(0.0, 7 * 86400.0),
+    "server_connections": _int_in(0, 100_000),
     "retention": _duration_in(0.0, 365 * 86400.0),
     "statement_timeout": _duration_in(0.1, 600.0),
     "metrics_addr": _addr,

@@ -1391,6 +1391,14 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{FLEET}::test_startup_timeout_never_ends_a_fleet_once_a_database_is_served",),
     ),
     Mutant(
+        "fleet-pools-unbudgeted",
+        "issue 51: a fleet's connections to one server stay within server_connections",
+        "relay/fleet.py",
+        "pool_sizes=self.pool_sizes.get(name),",
+        "pool_sizes=None,",
+        (f"{FLEET}::test_server_connections_bounds_a_replicas_connections_to_one_server",),
+    ),
+    Mutant(
         "fleet-metrics-without-database",
         "issue 51 item 4: a fleet's metrics carry each database's name",
         "relay/serving/metrics.py",

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from relay import fleet as relay_fleet
+from relay import pools as relay_pools
 from relay.admission.limit import Limit
 from relay.admission.permits import Admission, Priority
 from relay.admission.retry_budget import RetryBudget
@@ -480,6 +481,51 @@ async def test_a_relay_that_fails_once_serving_is_set_aside_and_started_again(
     set_aside = decisions.named("database_set_aside")
     assert [x["database"] for x in set_aside] == ["s1"]
     assert set_aside[0]["reason"] == "failed: RuntimeError: the first relay of s1 fails"
+
+
+def connections(pg_url: str, datnames: list[str]) -> int:
+    """The relay's connections to these databases now (pg_stat_activity)."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        row = conn.execute(
+            "select count(*) from pg_stat_activity"
+            " where application_name = 'ledger-relay' and datname = any(%s)",
+            (datnames,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_server_connections_bounds_a_replicas_connections_to_one_server(
+    shards: dict[str, str], pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 51: three databases on one server, `server_connections = 15`: each database's
+    pools are built to fit its share (5) beside its LISTEN connection (unbudgeted, they may grow
+    to 10 + 6), and the replica held no more than 15 connections to that server while it
+    drained a backlog in all three (sampled all along)."""
+    built: list[int] = []  # each pool's most connections, as the relay built it
+
+    class Recorded(relay_pools.AsyncConnectionPool):  # type: ignore[type-arg]
+        def __init__(self, *args: Any, max_size: int, **kwargs: Any) -> None:
+            built.append(max_size)
+            super().__init__(*args, max_size=max_size, **kwargs)
+
+    monkeypatch.setattr(relay_pools, "AsyncConnectionPool", Recorded)
+    ids = set().union(*(enqueue_runs(u, n, runs=150, per_run=2) for n, u in shards.items()))
+    datnames = [urlsplit(u).path.lstrip("/") for u in shards.values()]
+    most = 0
+    async with ingress() as (sink, url), anyio.create_task_group() as tg:
+        f = fleet(shards, url, {"RELAY_SERVER_CONNECTIONS": "15"})
+        await tg.start(f.run)
+
+        def sampled() -> bool:
+            nonlocal most
+            most = max(most, connections(pg_url, datnames))
+            return delivered(sink, ids)
+
+        await wait_for(sampled, interval=0.005, what="delivery")
+        f.stop()
+    assert len(built) == 6 and sum(built) + 3 <= 15, built  # two pools and LISTEN each
+    assert 3 <= most <= 15, most
 
 
 def first_error(group: BaseException) -> BaseException:
