@@ -16,7 +16,7 @@ would be drained twice.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -174,10 +174,44 @@ def load_all(
     if databases is None:
         return load(flags, environ), None
     first = {**flags, "database_url": databases[0].url.reveal()}
-    return load(first, environ), databases
+    settings = load(first, environ)
+    connection_shares(settings, databases, environ)  # a budget too small is refused at start
+    return settings, databases
 
 
 def for_database(settings: Settings, database: Database) -> Settings:
     """The settings one database of a fleet runs on: its URL; no `metrics_addr` of its own (the
     fleet answers it, relay/fleet.py)."""
     return replace(settings, database_url=database.url, metrics_addr=None)
+
+
+# What one database of a fleet needs at least under `server_connections`: its LISTEN connection
+# and two connections for each lane's pool (its claim loop, its acks and renewals wait in turn).
+MIN_CONNECTIONS = 5
+
+
+def connection_shares(
+    settings: Settings, databases: Sequence[Database], environ: Mapping[str, str]
+) -> dict[str, int]:
+    """Each database's share of `server_connections` (issue 51): the budget of a server split
+    evenly among the databases of the list on it (the same host and port, as libpq reads them).
+    Empty without a budget. ConfigError when a share is below MIN_CONNECTIONS, naming the
+    server; relay/fleet.py sizes each database's pools within its share."""
+    budget = settings.server_connections
+    if budget <= 0:
+        return {}
+    on: dict[tuple[str, str], list[Database]] = {}
+    for d in databases:
+        host, port, _ = server_key(d.url.reveal(), environ)
+        on.setdefault((host, port), []).append(d)
+    shares = {}
+    for (host, port), together in on.items():
+        share = budget // len(together)
+        if share < MIN_CONNECTIONS:
+            raise ConfigError(
+                f"server_connections ({budget}) is too few for the {len(together)} databases on "
+                f"host {host or '(local socket)'}, port {port}: each needs at least "
+                f"{MIN_CONNECTIONS} (its LISTEN connection and two for each lane's pool)"
+            )
+        shares.update(dict.fromkeys((d.name for d in together), share))
+    return shares

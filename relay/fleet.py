@@ -33,14 +33,16 @@ import psycopg
 from anyio.abc import TaskStatus
 
 from relay import logs
+from relay.core import clock
 from relay.core.policy import backoff
-from relay.databases import Database, for_database
+from relay.databases import Database, connection_shares, for_database
 from relay.edges.store import CONNECT_KWARGS
 from relay.edges.tracing import NO_TRACING, Tracer, flush_timeout
 from relay.maintenance.migrate import read_version, version_problem
+from relay.pools import pool_size
 from relay.runner import Relay, shared_for
 from relay.serving import health, sdnotify
-from relay.serving.metrics import FleetMetrics
+from relay.serving.metrics import FleetMetrics, Metrics
 from relay.serving.ui.web import Request, Response
 from relay.settings import Settings, passwords_in, scrub
 
@@ -108,6 +110,19 @@ def failure(exc: BaseException, url: str) -> str:
     return "failed: " + scrub(logs.redact_text(logs.error_text(exc)), passwords_in(url))
 
 
+def split_share(settings: Settings, share: int) -> tuple[int, int]:
+    """One database's share of `server_connections` as its ordinary and critical pool sizes: one
+    connection for its LISTEN session, the critical pool a third of the rest (at least 2), the
+    ordinary pool the remainder, neither above what its lane uses unbudgeted (`pool_size`); a
+    share that holds both unbudgeted pools leaves them as they are."""
+    full = pool_size(settings.concurrency), pool_size(settings.critical_concurrency)
+    if share >= 1 + sum(full):
+        return full
+    rest = share - 1
+    critical = min(pool_size(settings.critical_concurrency), max(2, rest // 3))
+    return min(pool_size(settings.concurrency), rest - critical), critical
+
+
 async def _ping(notifier: sdnotify.Notifier, interval: float) -> None:
     while True:
         notifier.notify("WATCHDOG=1")
@@ -130,6 +145,11 @@ class Fleet:
         self.tracer = tracer
         self.shared = shared_for(settings)  # one limit, one budget, one lateness probe
         self.members = [Member(d) for d in databases]
+        # Each database's pools within its share of `server_connections`, when one is set.
+        self.pool_sizes = {
+            name: split_share(settings, share)
+            for name, share in connection_shares(settings, databases, os.environ).items()
+        }
         self.max_retry = max_retry
         self._relay_options: dict[str, Any] = {
             "client": client,
@@ -137,9 +157,21 @@ class Fleet:
             "prune_interval": prune_interval,
             "tracer": tracer,
             "shared": self.shared,
+            "keep_metrics": settings.metrics_addr is not None,  # for this fleet's /metrics
         }
         self._stop = anyio.Event()
-        self.metrics = FleetMetrics(self.up)
+        # Set once a database is served, or on a stop: `startup_timeout` no longer applies.
+        self._startup_over = anyio.Event()
+        shared = self.shared
+        self.metrics = FleetMetrics(
+            self.up,
+            relays=self.relay_metrics,
+            ready=lambda: not self.stopping,
+            admission=lambda: shared.permits.view() if shared.permits is not None else None,
+            retry_budget=lambda: shared.budget.view(clock.now()),
+            fixed_limit=settings.post_ceiling,
+            retention=settings.retention,
+        )
 
     # -- public ------------------------------------------------------------------------------
 
@@ -148,6 +180,7 @@ class Fleet:
         if not self._stop.is_set():
             logs.info("shutdown_requested", replica=self.settings.replica_id)
         self._stop.set()
+        self._startup_over.set()
         for member in self.members:
             if member.relay is not None:
                 member.relay.stop()
@@ -159,6 +192,14 @@ class Fleet:
     def up(self) -> dict[str, bool]:
         """Whether each database is served (`Member.up`), by name: `ledger_relay_database_up`."""
         return {m.database.name: m.up for m in self.members}
+
+    def relay_metrics(self) -> dict[str, Metrics]:
+        """The metrics of each database whose relay runs, by name (for this fleet's /metrics)."""
+        return {
+            m.database.name: m.relay.metrics
+            for m in self.members
+            if m.relay is not None and m.relay.metrics is not None
+        }
 
     async def run(self, *, task_status: TaskStatus[Fleet] = anyio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -186,6 +227,8 @@ class Fleet:
             notifier = sdnotify.from_environ()
             if notifier is not None:
                 background.start_soon(self._tell_systemd, notifier)
+            if self.settings.startup_timeout > 0:
+                background.start_soon(self._give_up_unless_served)
             async with anyio.create_task_group() as databases:
                 for member in self.members:
                     databases.start_soon(self._serve, member, name=member.database.name)
@@ -226,17 +269,39 @@ class Fleet:
 
     async def _deliver(self, member: Member, settings: Settings) -> str | None:
         """The database's relay, run until the fleet stops (None) or it fails (the reason)."""
-        relay = Relay(settings, database=member.database.name, **self._relay_options)
+        name = member.database.name
+        relay = Relay(
+            settings, database=name, pool_sizes=self.pool_sizes.get(name), **self._relay_options
+        )
         member.relay, member.set_aside = relay, None
         try:
             if self._stop.is_set():  # asked between the probe and now: `stop` missed this relay
                 return None
-            await relay.run()
+            async with anyio.create_task_group() as tg:
+                await tg.start(relay.run)  # its lanes run: the fleet has served
+                self._startup_over.set()
         except Exception as exc:  # never the process's end: the database is set aside
+            if self._stop.is_set():  # a stop while it started: it returned without serving
+                return None
             return failure(exc, settings.database_url.reveal())
         finally:
             member.relay = None
         return None
+
+    async def _give_up_unless_served(self) -> None:
+        """`startup_timeout` in a fleet: no database served within it (every one set aside or
+        still starting) ends the fleet as a relay alone ends, `refused_to_start` and exit 2,
+        naming why for each; a deployment whose every URL is wrong fails where it is seen.
+        Once one database is served, nothing but a stop ends the fleet: no database alone is
+        ever given up on."""
+        timeout = self.settings.startup_timeout
+        with anyio.move_on_after(timeout):
+            await self._startup_over.wait()
+            return
+        why = "; ".join(f"{m.database.name}: {m.set_aside or m.state.value}" for m in self.members)
+        raise ConnectionError(
+            f"no database of the fleet was served within startup_timeout ({timeout:g}s): {why}"
+        )
 
     async def _tell_systemd(self, notifier: sdnotify.Notifier) -> None:
         """Under systemd (`Type=notify`): READY at once, every database's delivery started in a

@@ -31,8 +31,15 @@ class Pools:
     either with the settings' schema, lease and bounds. It keeps no pool: the caller holds what
     `open` returned and closes it."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, sizes: tuple[int, int] | None = None) -> None:
+        """`sizes`: the ordinary and the critical pool's most connections, when a budget sets
+        them (a fleet's `server_connections`, relay/databases.py); else `pool_size` of each
+        lane's concurrency."""
         self.settings = settings
+        self.sizes = sizes or (
+            pool_size(settings.concurrency),
+            pool_size(settings.critical_concurrency),
+        )
 
     async def open(self, stop: anyio.Event) -> list[Pool] | None:
         """The ordinary and the critical pool, open; None when a stop request came while the
@@ -40,8 +47,8 @@ class Pools:
         s = self.settings
         url = s.database_url.reveal()
         pools = [
-            self._pool(url, "ordinary", pool_size(s.concurrency)),
-            self._pool(url, "critical", pool_size(s.critical_concurrency)),
+            self._pool(url, "ordinary", self.sizes[0]),
+            self._pool(url, "critical", self.sizes[1]),
         ]
         from relay.startup import wait_for_database
 

@@ -97,6 +97,8 @@ class Relay:
         tracer: Tracer = NO_TRACING,
         shared: Shared | None = None,
         database: str | None = None,
+        keep_metrics: bool = False,
+        pool_sizes: tuple[int, int] | None = None,
     ) -> None:
         self.settings = settings
         self.tracer = tracer  # spans of every delivery (relay/edges/tracing.py), when configured
@@ -107,6 +109,10 @@ class Relay:
         self.alone = shared is None
         # The database's name in a fleet: on each of its log lines and POSTs (issue 51).
         self.database = database
+        # Its metrics, kept for the fleet's /metrics (`keep_metrics`) or served on its own
+        # metrics_addr; None until it runs, and without either.
+        self.keep_metrics = keep_metrics
+        self.metrics: Metrics | None = None
         # The application's own HTTP client (or transport, e.g. an in-process ASGI app): both
         # lanes POST through it, and it stays the application's to close
         # (relay/edges/http_client.py).
@@ -114,7 +120,8 @@ class Relay:
         if self.app_http is None:  # an extra the relay's own client needs: said now, not later
             require_extras(settings, os.environ)
         self.prune_interval = prune_interval
-        self._pools = Pools(settings)  # the database pools and the stores over them
+        # The database pools and the stores over them; `pool_sizes`: a fleet's connection budget.
+        self._pools = Pools(settings, pool_sizes)
         # What each POST may go under: the adaptive limit's permits and the retry budget, one
         # of each per replica, shared by both lanes (relay/delivery/post_turn.py,
         # relay/admission/retry_budget.py), and by every database's lanes in a fleet.
@@ -187,10 +194,11 @@ class Relay:
                     problem = version_problem(await read_version(conn, s.schema), s.schema)
             if problem:
                 raise SchemaError(problem)
-            # Metrics only when they are served; their observers are wired into the lanes.
+            # Metrics only when they are served; their observers are wired into the lanes. One
+            # database's of a fleet leave out what is the replica's (the fleet exports it once).
             metrics = None
-            if port is not None:
-                metrics = Metrics(
+            if port is not None or self.keep_metrics:
+                metrics = self.metrics = Metrics(
                     views=self.view.lanes,
                     listener_view=self.view.listener,
                     ingress_ok=self.view.ingress_ok,
@@ -198,6 +206,7 @@ class Relay:
                     retry_budget=self.view.retry_budget,
                     fixed_limit=s.post_ceiling,
                     retention=s.retention,
+                    replica=self.alone,
                 )
             async with (
                 open_sender(s, s.concurrency, self.app_http) as ordinary_http,

@@ -215,6 +215,9 @@ class Settings:
     max_backoff: float = 300.0
     shutdown_timeout: float = 20.0
     startup_timeout: float = 0.0  # 0: wait for the database forever (relay/startup.py)
+    # With the list form (relay/databases.py): the most connections one replica opens to one
+    # PostgreSQL server across the databases on it; 0: no budget (docs/sharding.md)
+    server_connections: int = 0
     retention: float = 86400.0
     statement_timeout: float = 10.0
     metrics_addr: str | None = None
@@ -360,6 +363,22 @@ def _ingress_template(text: str) -> str:
     if "{" in rest or "}" in rest:
         raise ValueError("may contain no placeholder other than {run_id} and {database}")
     _usable_by_httpx(text.replace("{run_id}", SAMPLE_RUN_ID).replace("{database}", "default"))
+    return text
+
+
+def _batch_template(text: str) -> str:
+    """`ingress_batch_url`: an http(s) URL that may name `{database}` (issue 51), in the path or
+    query only, as `ingress_url` may; no `{run_id}`, since one POST to it carries several runs."""
+    _http_url_shape(text)
+    if "{" in urlsplit(text).netloc:
+        raise ValueError("{database} may stand only in the path or query, not in the host or port")
+    rest = text.replace("{database}", "")
+    if "{" in rest or "}" in rest:
+        raise ValueError(
+            "may contain no placeholder other than {database} (a POST to it carries several "
+            "runs: no {run_id})"
+        )
+    _usable_by_httpx(text.replace("{database}", "default"))
     return text
 
 
@@ -602,7 +621,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "ingress_url": _ingress_template,
     "listen_database_url": _database_url,
     "schema": validate_schema_name,
-    "ingress_batch_url": _http_url,
+    "ingress_batch_url": _batch_template,
     "ingress_token": _ingress_token,
     "signing_secret": _signing_secrets,
     "ingress_ca_file": _ca_file,
@@ -624,6 +643,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "max_backoff": _duration_in(0.1, 86400.0),
     "shutdown_timeout": _duration_in(0.0, 3600.0),
     "startup_timeout": _duration_in(0.0, 7 * 86400.0),
+    "server_connections": _int_in(0, 100_000),
     "retention": _duration_in(0.0, 365 * 86400.0),
     "statement_timeout": _duration_in(0.1, 600.0),
     "metrics_addr": _addr,

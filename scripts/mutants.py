@@ -52,6 +52,7 @@ BUDGET_TEST = "test_retries_stay_within_the_budget_and_the_rest_wait_in_the_outb
 OUTAGE_LOGS = "tests/test_outage_logs.py"
 WAIVER = "tests/test_retry_waiver.py"
 FLEET = "tests/test_fleet.py"
+FLEET_METRICS = "test_a_fleets_metrics_carry_each_databases_delivery_under_its_name"
 OUTAGE_TEST = "test_an_outage_logs_a_warning_per_failed_post_and_sums_up_the_deferrals"
 LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
@@ -1385,6 +1386,50 @@ MUTANTS: tuple[Mutant, ...] = (
         '            h["relay-database"] = self.database',
         "            pass",
         (f"{FLEET}::test_three_databases_deliver_into_one_ingress_each_post_naming_its_own",),
+    ),
+    Mutant(
+        "fleet-terminal-posted-as-ordinary",
+        "issue 51 item 3: a terminal goes first across the databases (the reserve, critical"
+        " waiters first)",
+        "relay/delivery/post_turn.py",
+        '    if lane == "critical":\n        return True\n    for h in holds:',
+        "    return False\n    for h in holds:",
+        (
+            f"{FLEET}::"
+            "test_a_terminal_goes_ahead_of_other_databases_backlogs_queued_for_the_permits",
+        ),
+    ),
+    Mutant(
+        "fleet-startup-timeout-ignores-served",
+        "issue 51: startup_timeout ends a fleet only when none of its databases was served",
+        "relay/fleet.py",
+        "# its lanes run: the fleet has served\n                self._startup_over.set()",
+        "# its lanes run: the fleet has served\n                pass",
+        (f"{FLEET}::test_startup_timeout_never_ends_a_fleet_once_a_database_is_served",),
+    ),
+    Mutant(
+        "fleet-pools-unbudgeted",
+        "issue 51: a fleet's connections to one server stay within server_connections",
+        "relay/fleet.py",
+        "pool_sizes=self.pool_sizes.get(name),",
+        "pool_sizes=None,",
+        (f"{FLEET}::test_server_connections_bounds_a_replicas_connections_to_one_server",),
+    ),
+    Mutant(
+        "fleet-metrics-without-database",
+        "issue 51 item 4: a fleet's metrics carry each database's name",
+        "relay/serving/metrics.py",
+        'sample._replace(labels={**sample.labels, "database": database})',
+        "sample._replace(labels={**sample.labels})",
+        (f"{FLEET}::{FLEET_METRICS}",),
+    ),
+    Mutant(
+        "fleet-metrics-relays-not-kept",
+        "issue 51 item 4: a fleet's /metrics serves each database's delivery metrics",
+        "relay/fleet.py",
+        '"keep_metrics": settings.metrics_addr is not None,',
+        '"keep_metrics": False,',
+        (f"{FLEET}::{FLEET_METRICS}",),
     ),
 )
 

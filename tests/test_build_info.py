@@ -37,6 +37,8 @@ needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="no git on PA
 def test_the_version_is_the_same_in_each_place_with_a_changelog_entry() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     headings = re.findall(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    # What is merged since the last release waits under "Unreleased", above it.
+    headings = headings[1:] if headings[0] == "Unreleased" else headings
     assert project["version"] == relay.__version__
     # What is merged since the last release gathers under "Unreleased", on top, until a release
     # bumps the version and renames the heading.

@@ -8,8 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from relay.databases import LIST, LIST_FILE, for_database, load_all, load_databases, server_key
-from relay.settings import LIST_VARIABLES, ConfigError, unknown_variables
+from relay.databases import (
+    LIST,
+    LIST_FILE,
+    connection_shares,
+    for_database,
+    load_all,
+    load_databases,
+    server_key,
+)
+from relay.edges.ingress import render_group_url
+from relay.fleet import split_share
+from relay.settings import LIST_VARIABLES, ConfigError, Settings, load, unknown_variables
 
 INGRESS = "http://127.0.0.1:9/runs/{run_id}/events"
 PASSWORD = "CANARY-pw"
@@ -164,3 +174,59 @@ def test_relay_check_refuses_the_list_beside_database_url() -> None:
 
     env = cli_env(RELAY_DATABASES="a=postgresql://u@127.0.0.1:1/app")
     assert "RELAY_DATABASES and database_url" in refusal("check", env)
+
+
+def batch_url(value: str) -> Settings:
+    return load({}, env(RELAY_DATABASE_URL="postgresql://u@h/app", RELAY_INGRESS_BATCH_URL=value))
+
+
+def test_the_batch_url_may_name_the_database_in_its_path_or_query() -> None:
+    """Issue 51: `ingress_batch_url` names `{database}` as `ingress_url` does."""
+    for url in ("http://in/batch", "http://in/{database}/batch", "http://in/batch?db={database}"):
+        assert batch_url(url).ingress_batch_url == url
+    assert render_group_url("http://in/{database}/batch?d={database}", "s1") == (
+        "http://in/s1/batch?d=s1"
+    )
+    assert render_group_url("http://in/batch") == "http://in/batch"
+    assert render_group_url("http://in/{database}/batch") == "http://in/default/batch"
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://{database}.in/batch", "only in the path or query"),
+        ("http://in/runs/{run_id}/batch", "no {run_id}"),
+        ("http://in/{db}/batch", "no placeholder other than {database}"),
+        ("http://in/{{database}}/batch", "no placeholder other than {database}"),
+    ],
+)
+def test_the_batch_url_names_no_other_placeholder(url: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        batch_url(url)
+    assert "ingress_batch_url" in str(caught.value) and says in str(caught.value)
+
+
+def test_server_connections_is_split_among_the_databases_of_each_server() -> None:
+    """Issue 51: the budget is per server (host and port), each database's share split into its
+    LISTEN connection and its two pools, neither pool above what it uses unbudgeted."""
+    listed = "a=postgresql://u@h1/a b=postgresql://u@h1/b c=postgresql://u@h1:6432/c"
+    settings, databases = load_all({}, env(RELAY_DATABASES=listed, RELAY_SERVER_CONNECTIONS="20"))
+    assert databases is not None
+    assert connection_shares(settings, databases, {}) == {"a": 10, "b": 10, "c": 20}
+    assert split_share(settings, 10) == (6, 3)  # + 1 LISTEN = 10
+    assert split_share(settings, 5) == (2, 2)
+    assert split_share(settings, 20) == (10, 6)  # the unbudgeted pools: 17 in all, under 20
+    assert split_share(settings, 17) == (10, 6)
+    assert split_share(settings, 16) == (10, 5)
+    unbudgeted, _ = load_all({}, env(RELAY_DATABASES=listed))
+    assert connection_shares(unbudgeted, databases, {}) == {}
+
+
+def test_a_server_connections_too_few_for_a_servers_databases_is_refused_at_start() -> None:
+    listed = "a=postgresql://u@h1/a b=postgresql://u@h1/b"
+    with pytest.raises(ConfigError) as caught:
+        load_all({}, env(RELAY_DATABASES=listed, RELAY_SERVER_CONNECTIONS="9"))
+    assert "server_connections (9) is too few for the 2 databases on host h1, port 5432" in str(
+        caught.value
+    )
+    load_all({}, env(RELAY_DATABASES=listed, RELAY_SERVER_CONNECTIONS="10"))

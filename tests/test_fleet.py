@@ -24,8 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from psycopg import sql
 
 from relay import fleet as relay_fleet
+from relay import pools as relay_pools
 from relay.admission.limit import Limit
-from relay.admission.permits import Admission
+from relay.admission.permits import Admission, Priority
 from relay.admission.retry_budget import RetryBudget
 from relay.databases import for_database, load_all
 from relay.delivery.post_turn import LoopLag, Permits
@@ -57,12 +58,17 @@ class RecordingSink(Sink):
     def __init__(self) -> None:
         super().__init__(signing_secrets=[WHSEC])  # every POST's signature checked
         self.urls: list[tuple[str, str]] = []  # (run id, the query's database)
+        self.groups: list[tuple[str, str]] = []  # /batch: (relay-database, the query's database)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/runs/"):
             query = parse_qs(scope["query_string"].decode())
             run_id = unquote(scope["path"].removeprefix("/runs/").removesuffix("/events"))
             self.urls.append((run_id, query.get("database", [""])[0]))
+        if scope["type"] == "http" and scope["path"] == "/batch":
+            query = parse_qs(scope["query_string"].decode())
+            header = dict(scope["headers"]).get(b"relay-database", b"").decode()
+            self.groups.append((header, query.get("database", [""])[0]))
         await super().__call__(scope, receive, send)
 
 
@@ -95,7 +101,9 @@ async def ingress() -> AsyncIterator[tuple[RecordingSink, str]]:
         yield sink, url
 
 
-def fleet(urls: dict[str, str], ingress_url: str, **options: Any) -> Fleet:
+def fleet(
+    urls: dict[str, str], ingress_url: str, env: dict[str, str] | None = None, **options: Any
+) -> Fleet:
     settings, databases = load_all(
         {},
         {
@@ -104,6 +112,7 @@ def fleet(urls: dict[str, str], ingress_url: str, **options: Any) -> Fleet:
             "RELAY_SIGNING_SECRET": WHSEC,
             "RELAY_POLL_INTERVAL": "0.2",
             "RELAY_RETENTION": "0",
+            **(env or {}),
         },
     )
     assert databases is not None
@@ -162,6 +171,24 @@ async def test_three_databases_deliver_into_one_ingress_each_post_naming_its_own
     started = decisions.named("started")
     assert sorted(line["database"] for line in started) == sorted(NAMES)
     assert decisions.named("database_set_aside") == []
+
+
+async def test_the_batch_url_names_each_groups_database(shards: dict[str, str]) -> None:
+    """Issue 51: `ingress_batch_url` may name `{database}`; each multi-run POST's URL names the
+    database its runs came from (the runs' own headers name theirs: the same one)."""
+    ids = {name: enqueue_runs(url, name, runs=40, per_run=1) for name, url in shards.items()}
+    async with ingress() as (sink, url), anyio.create_task_group() as tg:
+        f = fleet(shards, url, {"RELAY_INGRESS_BATCH_URL": url + "/batch?database={database}"})
+        await tg.start(f.run)
+        await wait_for(lambda: delivered(sink, set().union(*ids.values())), what="delivery")
+        f.stop()
+    assert sink.groups, "no multi-run POST"
+    assert all(header == database for header, database in sink.groups), sink.groups
+    assert {database for _, database in sink.groups} == set(NAMES)
+    answered = [b for b in sink.state.received if b["status"] == 200]
+    for batch in answered:  # each run of a group under its own database's header
+        assert batch["headers"].get("relay-database") == batch["run_id"].partition("-")[0]
+    assert sink.state.unauthorized == {}
 
 
 async def test_a_database_at_a_schema_version_this_release_cannot_serve_is_set_aside(
@@ -237,6 +264,71 @@ def database_up(text: str) -> dict[str, float]:
         if family.name == "ledger_relay_database_up"
         for sample in family.samples
     }
+
+
+def acked(f: Fleet) -> int:
+    """Events the fleet's relays acknowledged (the ingress receives each before its ack)."""
+    return sum(
+        sum(lane.stats.by_type.values())
+        for m in f.members
+        if m.relay is not None
+        for lane in m.relay.lanes.values()
+    )
+
+
+async def test_a_fleets_metrics_carry_each_databases_delivery_under_its_name(
+    shards: dict[str, str],
+) -> None:
+    """Issue 51 item 4: a fleet's /metrics has each database's delivery metrics (lanes,
+    listener, ingress answers) with `database="NAME"`, each figure that database's own; what is
+    the replica's (the process, the build, the shared limit and budget) once, without one."""
+    runs = {"s0": 2, "s1": 4, "s2": 6}
+    ids = {name: enqueue_runs(url, name, runs=runs[name]) for name, url in shards.items()}
+    metrics = f"127.0.0.1:{closed_port()}"
+    async with ingress() as (sink, url), anyio.create_task_group() as tg:
+        f = fleet(shards, url, {"RELAY_METRICS_ADDR": metrics})
+        await tg.start(f.run)
+        await wait_for(lambda: delivered(sink, set().union(*ids.values())), what="delivery")
+        await wait_for(lambda: set(f.states().values()) == {"serving"}, what="all serving")
+        await wait_for(lambda: acked(f) == sum(map(len, ids.values())), what="acks")
+        async with httpx.AsyncClient(base_url=f"http://{metrics}") as http:
+            scraped = await http.get("/metrics")
+        posts = {
+            m.database.name: sum(lane.stats.posts for lane in m.relay.lanes.values())
+            for m in f.members
+            if m.relay is not None
+        }
+        f.stop()
+    assert scraped.status_code == 200
+    families = {family.name: family for family in text_string_to_metric_families(scraped.text)}
+
+    def by_database(name: str, sample_name: str | None = None) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for sample in families[name].samples:
+            if sample_name is None or sample.name == sample_name:
+                database = sample.labels["database"]  # every sample names its database
+                out[database] = out.get(database, 0.0) + sample.value
+        return out
+
+    delivered_events = by_database("ledger_relay_delivered_events")
+    assert delivered_events == {name: float(len(ids[name])) for name in NAMES}, delivered_events
+    assert by_database("ledger_relay_ingress_requests", "ledger_relay_ingress_requests_total") == {
+        name: float(n) for name, n in posts.items()
+    }
+    assert by_database("ledger_relay_listen_up") == {name: 1.0 for name in NAMES}
+    lag = by_database(
+        "ledger_relay_delivery_lag_seconds", "ledger_relay_delivery_lag_seconds_count"
+    )
+    assert set(lag) == set(NAMES) and all(n > 0 for n in lag.values()), lag
+    assert set(by_database("ledger_relay_claimed_runs")) == set(NAMES)
+    assert database_up(scraped.text) == {name: 1.0 for name in NAMES}
+    # The replica's own, once and without a database label.
+    for name in ("ledger_relay_post_limit", "ledger_relay_build_info", "ledger_relay_ready"):
+        assert [s.labels.get("database") for s in families[name].samples] == [None], name
+    assert "process_cpu_seconds" in families
+    # One family per name (a name twice is refused by Prometheus' parser).
+    typed = [line.split()[2] for line in scraped.text.splitlines() if line.startswith("# TYPE")]
+    assert len(typed) == len(set(typed)) and "ledger_relay_listen_up" in typed
 
 
 def closed_port() -> int:
@@ -391,6 +483,105 @@ async def test_a_relay_that_fails_once_serving_is_set_aside_and_started_again(
     assert set_aside[0]["reason"] == "failed: RuntimeError: the first relay of s1 fails"
 
 
+def connections(pg_url: str, datnames: list[str]) -> int:
+    """The relay's connections to these databases now (pg_stat_activity)."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        row = conn.execute(
+            "select count(*) from pg_stat_activity"
+            " where application_name = 'ledger-relay' and datname = any(%s)",
+            (datnames,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_server_connections_bounds_a_replicas_connections_to_one_server(
+    shards: dict[str, str], pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 51: three databases on one server, `server_connections = 15`: each database's
+    pools are built to fit its share (5) beside its LISTEN connection (unbudgeted, they may grow
+    to 10 + 6), and the replica held no more than 15 connections to that server while it
+    drained a backlog in all three (sampled all along)."""
+    built: list[int] = []  # each pool's most connections, as the relay built it
+
+    class Recorded(relay_pools.AsyncConnectionPool):  # type: ignore[type-arg]
+        def __init__(self, *args: Any, max_size: int, **kwargs: Any) -> None:
+            built.append(max_size)
+            super().__init__(*args, max_size=max_size, **kwargs)
+
+    monkeypatch.setattr(relay_pools, "AsyncConnectionPool", Recorded)
+    ids = set().union(*(enqueue_runs(u, n, runs=150, per_run=2) for n, u in shards.items()))
+    datnames = [urlsplit(u).path.lstrip("/") for u in shards.values()]
+    most = 0
+    async with ingress() as (sink, url), anyio.create_task_group() as tg:
+        f = fleet(shards, url, {"RELAY_SERVER_CONNECTIONS": "15"})
+        await tg.start(f.run)
+
+        def sampled() -> bool:
+            nonlocal most
+            most = max(most, connections(pg_url, datnames))
+            return delivered(sink, ids)
+
+        await wait_for(sampled, interval=0.005, what="delivery")
+        f.stop()
+    assert len(built) == 6 and sum(built) + 3 <= 15, built  # two pools and LISTEN each
+    assert 3 <= most <= 15, most
+
+
+def first_error(group: BaseException) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
+
+
+async def test_startup_timeout_ends_a_fleet_none_of_whose_databases_is_served(
+    shards: dict[str, str],
+) -> None:
+    """`startup_timeout` in a fleet: no database served within it ends the fleet as a relay
+    alone ends (ConnectionError: `relay run` logs `refused_to_start`, exit 2), naming each
+    database's reason."""
+    dead = {
+        name: urlunsplit(urlsplit(shards[name])._replace(netloc=f"127.0.0.1:{closed_port()}"))
+        for name in ("s0", "s1")
+    }
+    async with ingress() as (_, url):
+        f = fleet(dead, url, {"RELAY_STARTUP_TIMEOUT": "1s"}, max_retry=0.2)
+        with pytest.raises(BaseExceptionGroup) as caught:
+            with anyio.fail_after(30):
+                await f.run()
+    error = first_error(caught.value)
+    assert isinstance(error, ConnectionError), error
+    text = str(error)
+    assert text.startswith("no database of the fleet was served within startup_timeout (1s)")
+    assert "s0: unreachable: " in text and "s1: unreachable: " in text, text
+
+
+async def test_startup_timeout_never_ends_a_fleet_once_a_database_is_served(
+    shards: dict[str, str],
+) -> None:
+    """One database served within `startup_timeout`, another down all along: the fleet runs on
+    past the timeout, the down one set aside and tried again (never given up on)."""
+    dead = urlunsplit(urlsplit(shards["s1"])._replace(netloc=f"127.0.0.1:{closed_port()}"))
+    ids = enqueue_runs(shards["s0"], "s0")
+    with relay_logs(Decisions()) as decisions:
+        async with ingress() as (sink, url), anyio.create_task_group() as tg:
+            f = fleet(
+                {"s0": shards["s0"], "s1": dead},
+                url,
+                {"RELAY_STARTUP_TIMEOUT": "0.5s"},
+                max_retry=0.2,
+            )
+            await tg.start(f.run)
+            await wait_for(lambda: delivered(sink, ids), what="s0's delivery")
+            # Past the timeout (not a measure of speed: a wait for the rule to have its say).
+            await anyio.sleep(1.5)
+            assert f.states() == {"s0": "serving", "s1": "set_aside"}
+            more = enqueue_runs(shards["s0"], "s0", prefix="late")
+            await wait_for(lambda: delivered(sink, more), what="s0's later delivery")
+            f.stop()
+    assert decisions.named("refused_to_start") == []
+
+
 class FewAtATime(RecordingSink):
     """An ingress that serves two POSTs at a time, each a little slow: a queue forms at it, as
     at a runtime ingress under load. Its `deliveries` keep the order events first arrived."""
@@ -456,6 +647,77 @@ async def test_a_backlog_in_one_database_does_not_starve_anothers_trickle_nor_it
     # s1 was served all along: its runs and its terminal went while s0 still had most of its
     # backlog (900 events) to deliver.
     assert drained_by_then < len(backlog) / 2, (drained_by_then, behind, terminal_behind)
+    assert sink.state.order_violations == 0
+
+
+class HeldBacklog(Sink):
+    """An ingress that holds every POST of the backlog databases until `gate` is set, and notes
+    each POST's run id as it arrives, before any hold: the order POSTs reached it in."""
+
+    def __init__(self, backlog: tuple[str, ...]) -> None:
+        super().__init__()
+        self.backlog = backlog
+        self.gate = anyio.Event()
+        self.arrivals: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/runs/"):
+            run_id = unquote(scope["path"].removeprefix("/runs/").removesuffix("/events"))
+            self.arrivals.append(run_id)
+            if run_id.partition("-")[0] in self.backlog:
+                await self.gate.wait()
+        await super().__call__(scope, receive, send)
+
+
+async def test_a_terminal_goes_ahead_of_other_databases_backlogs_queued_for_the_permits(
+    shards: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Terminals first across the databases (issue 51 item 3): s0 and s2 have backlogs of
+    finished runs, whose POSTs an ingress holds; the replica's limit (6, a reserve of 1) is
+    then all held by their ordinary POSTs but the reserve, and more of theirs queue for a
+    permit. A terminal
+    committed in s1 meanwhile (targeted: the critical lane claims it) takes the reserve and
+    reaches the ingress while every backlog POST is still held: ahead of the queued ones, with
+    no permit freed. Sent as an ordinary POST, it would queue behind them and never arrive
+    while they are held. Judged by the order POSTs reached the ingress, not by time."""
+
+    def limit_of_six(settings: Any) -> Shared:
+        loop_lag = LoopLag()
+        limit = Limit(6, initial=6, slow_start=False)
+        return Shared(
+            loop_lag, Permits(Admission(limit, max_reserve=1), loop_lag.value), RetryBudget()
+        )
+
+    monkeypatch.setattr(relay_fleet, "shared_for", limit_of_six)
+    for name in ("s0", "s2"):
+        enqueue_runs(shards[name], name, runs=100, per_run=2)  # each run ends in its terminal
+    sink = HeldBacklog(("s0", "s2"))
+    async with serve_sink(sink) as url, anyio.create_task_group() as tg:
+        # No POST held here times out: the held ones stay in flight, holding their permits.
+        f = fleet(shards, url, {"RELAY_HTTP_TIMEOUT": "60s", "RELAY_LEASE_TTL": "5m"})
+        await tg.start(f.run)
+        permits = f.shared.permits
+        assert permits is not None
+
+        def held_and_queued() -> bool:
+            # The ordinary share (6 - 1) in flight, arrived and held; each database's lane
+            # claims ahead, and what the share leaves out waits for a permit.
+            view = permits.view()
+            inflight, waiting = view.inflight[Priority.ORDINARY], view.waiting[Priority.ORDINARY]
+            return inflight == 5 and waiting >= 5 and len(sink.arrivals) == 5
+
+        await wait_for(held_and_queued, what="the backlogs' POSTs held and queued")
+        committed = len(sink.arrivals)
+        with psycopg.connect(shards["s1"], autocommit=True) as conn:
+            enqueue(conn, "s1-fresh", "s1-fresh-end", "done", {}, terminal=True)
+        await wait_for(
+            lambda: "s1-fresh" in sink.arrivals, timeout=20, what="the terminal, backlog held"
+        )
+        sink.gate.set()
+        await wait_for(lambda: delivered(sink, {"s1-fresh-end"}), what="its delivery")
+        f.stop()
+    after = sink.arrivals[committed:]
+    assert after.index("s1-fresh") == 0, after[: after.index("s1-fresh") + 1]
     assert sink.state.order_violations == 0
 
 

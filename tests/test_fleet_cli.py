@@ -14,17 +14,18 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import anyio
+import httpx
 import psycopg
 import pytest
 from psycopg import sql
 
-from relay.databases import load_databases
+from relay.databases import load_all, load_databases
 from relay.maintenance.migrate import _read_version, code_version, migrate
-from relay.ops.checks import DATABASE
+from relay.ops.checks import DATABASE, INGRESS, check_ingresses, exit_code
 from relay.ops.format import NOT_FOUND, UNAVAILABLE, USAGE, OpsError
 from relay.ops.targets import Target, pick, targets, where
 from relay.producer import enqueue
-from relay.settings import ConfigError
+from relay.settings import ConfigError, load
 from relay.tools.sink import Sink
 from tests.conftest import unique
 from tests.test_cli import RELAY
@@ -137,8 +138,7 @@ async def test_check_names_each_database_and_a_down_one_fails_alone(
     lines = out.splitlines()
     assert code == DATABASE, lines
     assert lines[0].startswith("ok   configuration"), lines
-    assert lines[-1].startswith("ok   ingress"), lines
-    seen = {(line.split()[1], line.split()[2]): line.split()[0] for line in lines[1:-1]}
+    seen = {(line.split()[1], line.split()[2]): line.split()[0] for line in lines[1:]}
     assert seen == {
         ("database", "[shard1]"): "ok", ("schema", "[shard1]"): "ok",
         ("listen", "[shard1]"): "ok",
@@ -146,11 +146,67 @@ async def test_check_names_each_database_and_a_down_one_fails_alone(
         ("listen", "[shard2]"): "ok",
         ("database", "[down]"): "FAIL", ("schema", "[down]"): "skip",
         ("listen", "[down]"): "skip",
+        # The ingress as each database would post to it, the down one's included.
+        ("ingress", "[shard1]"): "ok", ("ingress", "[shard2]"): "ok",
+        ("ingress", "[down]"): "ok",
     }, lines  # fmt: skip
+    assert [line.split()[1] for line in lines[-3:]] == ["ingress"] * 3, lines
 
     code, out = await check(env, "--database", "shard2")
     assert code == 0, out
     assert "[shard2]" in out and "[shard1]" not in out and "[down]" not in out
+
+
+@pytest.mark.anyio
+async def test_check_probes_the_ingress_as_each_database_posts_to_it() -> None:
+    """Issue 51: with `{database}` in the ingress URLs, each database's probe goes to its own
+    URL with its `relay-database` header; an ingress that knows one database only fails the
+    other's lines alone."""
+    seen: list[tuple[str, str | None]] = []
+
+    def ingress(request: httpx.Request) -> httpx.Response:
+        seen.append((str(request.url), request.headers.get("relay-database")))
+        known = request.url.path.startswith("/shard1/")
+        return httpx.Response(422 if known else 404, json={})
+
+    settings, databases = load_all(
+        {},
+        {
+            "RELAY_DATABASES": "shard1=postgresql://u@h/a shard2=postgresql://u@h/b",
+            "RELAY_INGRESS_URL": "http://in/{database}/runs/{run_id}/events",
+            "RELAY_INGRESS_BATCH_URL": "http://in/{database}/batch",
+        },
+    )
+    results = await check_ingresses(
+        settings, 3.0, databases, transport=httpx.MockTransport(ingress)
+    )
+    got = [(r.name, r.database, r.ok) for r in results]
+    assert got == [
+        ("ingress", "shard1", True),
+        ("ingress_batch", "shard1", True),
+        ("ingress", "shard2", False),
+        ("ingress_batch", "shard2", False),
+    ], [r.line() for r in results]
+    assert sorted(seen) == [
+        ("http://in/shard1/batch", "shard1"),
+        ("http://in/shard1/runs/relay-check/events", "shard1"),
+        ("http://in/shard2/batch", "shard2"),
+        ("http://in/shard2/runs/relay-check/events", "shard2"),
+    ]
+    assert "fix ingress_url" in results[2].line() and "[shard2]" in results[2].line()
+    assert exit_code(results) == INGRESS
+    # The one-database form: one probe, as `default`, without the header.
+    seen.clear()
+    one = load(
+        {},
+        {
+            "RELAY_DATABASE_URL": "postgresql://u@h/a",
+            **{"RELAY_INGRESS_URL": "http://in/{database}/runs/{run_id}/events"},
+        },
+    )
+    [alone] = await check_ingresses(one, 3.0, None, transport=httpx.MockTransport(ingress))
+    assert alone.database is None and not alone.ok
+    assert seen == [("http://in/default/runs/relay-check/events", None)]
 
 
 # -- status ------------------------------------------------------------------------------------

@@ -370,6 +370,8 @@ async def test_scrape_of_a_running_relay(
         for (name, labels) in samples
         if name.startswith("ledger_relay_") and name != "ledger_relay_build_info"
     ]
+    # No `database` label in the one-database form: its dashboards and alerts read as before
+    # (a fleet's relays carry one, docs/sharding.md).
     assert {k for (_, labels) in ours for k, _ in labels} <= {
         "lane",
         "type",
@@ -519,3 +521,33 @@ def test_label_names_match_prometheus_rules() -> None:
         if line.startswith("#") or not line:
             continue
         assert re.match(r"^(ledger_relay|process|python)_[a-z_]+(\{.*\})? ", line), line
+
+
+def test_a_fleets_scrape_labels_each_database_and_parses_as_openmetrics_too() -> None:
+    """Issue 51 item 4: FleetMetrics merges the databases' families, one per name, each sample
+    with its `database`; the strict OpenMetrics parser takes it (histograms included)."""
+    from prometheus_client.openmetrics.parser import (
+        text_string_to_metric_families as openmetrics_families,
+    )
+
+    from relay.serving.metrics import FleetMetrics
+
+    a, b = Metrics(replica=False), Metrics(replica=False)
+    a.request_observer("ordinary")(200, 0.01)
+    b.request_observer("critical")(None, 0.2)
+    fleet = FleetMetrics(lambda: {"a": True, "b": False}, relays=lambda: {"a": a, "b": b})
+    body, content_type = fleet.exposition("application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    families = {f.name: f for f in openmetrics_families(body.decode())}
+    requests = families["ledger_relay_ingress_requests"].samples
+    assert {(s.labels["database"], s.labels["status_class"]) for s in requests} == {
+        ("a", "2xx"),
+        ("b", "error"),
+    }
+    lag = families["ledger_relay_delivery_lag_seconds"].samples
+    assert {s.labels["database"] for s in lag} == {"a", "b"}
+    # What is the replica's, once: no database label, and no per-database copy of it.
+    assert all("database" not in s.labels for s in families["ledger_relay_build_info"].samples)
+    assert "ledger_relay_ready" in families and "ledger_relay_backlog_events" not in families
+    samples = parse(fleet.exposition()[0].decode())
+    assert total(samples, "ledger_relay_database_up", database="b") == 0

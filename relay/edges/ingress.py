@@ -136,6 +136,12 @@ def render_url(template: str, run_id: str, database: str = DEFAULT_NAME) -> str:
     return template.replace("{database}", database).replace("{run_id}", segment)
 
 
+def render_group_url(template: str, database: str = DEFAULT_NAME) -> str:
+    """The URL of a multi-run POST (`ingress_batch_url`): `{database}` filled in, as in
+    `render_url` (a group's runs are all of one database)."""
+    return template.replace("{database}", database)
+
+
 def encode_body(batch: Batch) -> bytes:
     return orjson.dumps(
         {
@@ -316,7 +322,7 @@ class IngressClient:
 
     def group_url(self) -> str:
         assert self.settings.ingress_batch_url is not None
-        return self.settings.ingress_batch_url
+        return render_group_url(self.settings.ingress_batch_url, self.database or DEFAULT_NAME)
 
     async def post(self, batch: Batch, traceparent: str | None = None) -> Answer:
         body = encode_body(batch)

@@ -18,9 +18,10 @@ failed, as a sum of bits, so a script can tell "database down" from "ingress unr
 e.g. 36 = database and ingress failed. With several databases (RELAY_DATABASES, issue 51) the
 database, schema and listen lines come once per database, each naming it (`[shard1]`), and the
 bits of all of them add up: 4 when any database is down, the others' lines `ok` beside it;
-`--database NAME` checks one. The ingress is checked once. Nothing a check prints carries a
-password or token: database URLs are redacted and every error text is scrubbed of the
-configured secrets.
+`--database NAME` checks one. The ingress is probed once per database too, as that database's
+relay posts (the URL's `{database}` filled in, its `relay-database` header). Nothing a check
+prints carries a password or token: database URLs are redacted and every error text is scrubbed
+of the configured secrets.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ from psycopg import sql
 
 from relay.core import loop
 from relay.core.policy import Outcome, classify
-from relay.databases import Database, for_database
+from relay.databases import DEFAULT_NAME, Database, for_database
 from relay.edges.http_client import TransportFailure, open_sender, sent_secrets
-from relay.edges.ingress import USER_AGENT, render_url, sign
+from relay.edges.ingress import USER_AGENT, render_group_url, render_url, sign
 from relay.edges.store import CONNECT_KWARGS
 from relay.maintenance.migrate import code_version, read_version, version_problem
 from relay.ops.targets import pick
@@ -183,37 +184,44 @@ async def check_ingress(
     transport: httpx.AsyncBaseTransport | None = None,
     *,
     batch: bool = False,
+    database: str | None = None,
 ) -> Result:
     """A POST like `relay run`'s (its headers, token and signature) that carries no event: an
     empty batch for the probe run `relay-check` (`batch`: an empty `{"batches": []}` to
-    `ingress_batch_url`), so nothing is delivered. The answer is judged by the table `relay
-    run` uses (relay.core.policy.classify): what would pause a lane as `ingress_misconfigured`
-    (401, 403, 404, 405, 410, a redirect) fails, naming the setting to fix; any other answer
-    (an empty batch may well be refused as such: 400, 422) proves the endpoint takes POSTs.
+    `ingress_batch_url`), so nothing is delivered. `database`: as one database of a fleet
+    posts (issue 51), its name in the URL's `{database}` and in `relay-database`. The answer
+    is judged by the table `relay run` uses (relay.core.policy.classify): what would pause a
+    lane as `ingress_misconfigured` (401, 403, 404, 405, 410, a redirect) fails, naming the
+    setting to fix; any other answer (an empty batch may well be refused as such: 400, 422)
+    proves the endpoint takes POSTs.
 
     A POST rather than a HEAD: an endpoint that takes only POSTs answers a HEAD with 405 (or,
     under some frameworks, 404), so a HEAD cannot tell a right URL from a wrong one."""
     setting = "ingress_batch_url" if batch else "ingress_url"
+    named = database or DEFAULT_NAME
     if batch:
         assert s.ingress_batch_url is not None
-        url, body = s.ingress_batch_url, PROBE_GROUP_BODY
+        url, body = render_group_url(s.ingress_batch_url, named), PROBE_GROUP_BODY
     else:
-        url, body = render_url(s.ingress_url, PROBE_RUN_ID), PROBE_BODY
+        url, body = render_url(s.ingress_url, PROBE_RUN_ID, named), PROBE_BODY
     where = redact_url(url)
     name = "ingress_batch" if batch else "ingress"
+    headers = probe_headers(s, body, epoch=not batch)
+    if database is not None:
+        headers["relay-database"] = database
     try:
         # The relay's own client (relay/edges/http_client.py): its TLS trust, proxies, transport and
         # the URL's userinfo handled as `relay run` handles them.
         with anyio.fail_after(within):
             async with open_sender(s, 1, transport) as sender:
-                reply = await sender.send(url, body, probe_headers(s, body, epoch=not batch))
+                reply = await sender.send(url, body, headers)
     except (TransportFailure, ConfigError, TimeoutError) as exc:
-        return Result(name, False, f"{where}: {_error(exc, s)}")
+        return Result(name, False, f"{where}: {_error(exc, s)}", database)
     status = reply.status
     outcome = classify(status)
     if outcome is Outcome.MISCONFIGURED:
         why = _misconfigured(status, reply.location, setting, s)
-        return Result(name, False, f"{where} answered {status}: {why}")
+        return Result(name, False, f"{where} answered {status}: {why}", database)
     if outcome is Outcome.ACCEPTED and reply.unframed and not reply.body.strip():
         # relay/core/policy.py: such an answer cannot be told from a reset, so relay run would
         # retry every batch and deliver none.
@@ -222,13 +230,43 @@ async def check_ingress(
             False,
             f"{where} answered {status} with an empty body and no Content-Length or chunked "
             "framing, which relay run cannot tell from a connection reset: frame the answers",
+            database,
         )
     note = {
         Outcome.ACCEPTED: "",
         Outcome.POISON: " (to an empty batch: the endpoint takes POSTs)",
         Outcome.TRANSIENT: " (relay run would retry: the ingress is failing now)",
     }[outcome]
-    return Result(name, True, f"{where} answered {status}{note}")
+    return Result(name, True, f"{where} answered {status}{note}", database)
+
+
+# At most this many of a fleet's ingress probes at once (one per database, issue 51).
+PROBES_AT_ONCE = 8
+
+
+async def check_ingresses(
+    s: Settings,
+    within: float,
+    databases: Sequence[Database] | None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> list[Result]:
+    """The ingress probe(s) as `relay run` would post: once in the one-database form; with the
+    list form, once per database (its name in the URL's `{database}` and in `relay-database`,
+    as its POSTs carry them), a few at once, the lines in the list's order."""
+    names: list[str | None] = [None] if databases is None else [d.name for d in databases]
+    kinds = [False] if s.ingress_batch_url is None else [False, True]
+    probes = [(name, batch) for name in names for batch in kinds]
+    results: list[Result | None] = [None] * len(probes)
+    limiter = anyio.CapacityLimiter(PROBES_AT_ONCE)
+
+    async def probe(i: int, name: str | None, batch: bool) -> None:
+        async with limiter:
+            results[i] = await check_ingress(s, within, transport, batch=batch, database=name)
+
+    async with anyio.create_task_group() as tg:
+        for i, (name, batch) in enumerate(probes):
+            tg.start_soon(probe, i, name, batch)
+    return [r for r in results if r is not None]
 
 
 def probe_headers(s: Settings, body: bytes, *, epoch: bool) -> dict[str, str]:
@@ -270,7 +308,7 @@ async def run_checks(
     """Every check in order; `warned`: the start warnings said on stderr (their log events),
     which the configuration line names so that an `ok` does not read as "nothing to fix".
     `databases`: the list form's (issue 51): the database, schema and listen checks of each in
-    turn, each line naming it, then the ingress once (the fleet's one ingress)."""
+    turn, each line naming it, then the ingress as each database posts to it."""
     note = f" (warned on stderr: {', '.join(warned)})" if warned else ""
     config = Result(
         "configuration",
@@ -285,10 +323,7 @@ async def run_checks(
         for d in databases:
             results = await check_store(for_database(s, d), within)
             stores += [replace(r, database=d.name) for r in results]
-    ingresses = [await check_ingress(s, within)]
-    if s.ingress_batch_url is not None:
-        ingresses.append(await check_ingress(s, within, batch=True))
-    return [config, *stores, *ingresses]
+    return [config, *stores, *await check_ingresses(s, within, databases)]
 
 
 async def check_store(s: Settings, within: float) -> list[Result]:

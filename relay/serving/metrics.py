@@ -392,9 +392,10 @@ class _StatsCollector(Collector):
 
 
 class _PostTurnCollector(Collector):
-    """The POST turn's limit, permits and retry budget, read at scrape time."""
+    """The POST turn's limit, permits and retry budget, read at scrape time: the replica's,
+    whatever the number of databases it serves."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics | FleetMetrics) -> None:
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
@@ -433,12 +434,15 @@ class Metrics:
         retry_budget: Callable[[], BudgetView | None] = lambda: None,
         fixed_limit: int | None = None,
         retention: float | None = None,
+        replica: bool = True,
     ) -> None:
         """`views` and `listener_view` return snapshots of the lanes and of the LISTEN
         connection, `admission` and `retry_budget` of the POST turn (None: the fixed limit, or
         no budget), read at each scrape; `fixed_limit` is the POSTs in flight the fixed limit
         allows, exported when `admission` gives None; `retention` (seconds) is exported as
-        configured."""
+        configured. `replica=False`: one database's metrics in a fleet, without what is the
+        replica's (the process, the build, the POST turn), which the fleet exports once
+        (`FleetMetrics`)."""
         self.registry = CollectorRegistry()
         self.views = views
         self.listener_view = listener_view
@@ -465,16 +469,13 @@ class Metrics:
             self.retention.set(retention)
         self.ready = READY.make(r)
         self.probe_failures = PROBE_FAILURES.make(r)
-        BUILD_INFO.make(r).labels(__version__, build.commit(), platform.python_version()).set(1)
-        # The standard process_* / python_* collectors, on this registry too.
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        GCCollector(registry=r)
+        if replica:
+            replica_wide(r)
+            r.register(_PostTurnCollector(self))
         for lane in LANES:
             self.lag.labels(lane)
             self.request_seconds.labels(lane)
         r.register(_StatsCollector(self))
-        r.register(_PostTurnCollector(self))
         # The last 15 minutes of lags per lane, for the status page's p50/p99 (relay/serving/ui/).
         self.recent_lag = {lane: LagWindow() for lane in LANES}
 
@@ -536,6 +537,15 @@ class Metrics:
         return encoder(self.registry), content_type
 
 
+def replica_wide(registry: CollectorRegistry) -> None:
+    """What is the process's, once per replica: the build and the standard process_* /
+    python_* collectors."""
+    BUILD_INFO.make(registry).labels(__version__, build.commit(), platform.python_version()).set(1)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+
+
 class _DatabasesCollector(Collector):
     """`ledger_relay_database_up{database}`, read at scrape time from `up()` (name -> up)."""
 
@@ -554,16 +564,89 @@ class _DatabasesCollector(Collector):
         yield family
 
 
-class FleetMetrics:
-    """The metrics of a fleet over several databases (relay/fleet.py, issue 51), for now: one
-    gauge per database saying whether it is served. The lanes' own metrics, with a `database`
-    label, are for a later release (docs/sharding.md)."""
+# What a fleet exports of each database's relay, with a `database` label: the delivery's own
+# figures (its lanes, its listener, its ingress's answers). The backlog gauges and readiness are
+# refreshed by the one-database relay's probe loop (relay/serving/health.py), which a fleet's
+# relays do not run: not exported yet rather than exported as zeros (docs/sharding.md).
+PER_DATABASE = frozenset(
+    PREFIX + name
+    for name in (
+        LAG.name,
+        REQUESTS.name,
+        REQUEST_SECONDS.name,
+        DELIVERED.name,
+        CLAIMED_BY_CLASS.name,
+        MISCONFIGURED.name,
+        *(scraped.name for scraped in PER_LANE),
+        *(scraped.name for scraped in OF_LISTENER),
+    )
+)
 
-    def __init__(self, up: Callable[[], Mapping[str, bool]]) -> None:
+
+def labelled(database: str, families: Iterable[Metric], into: dict[str, Metric]) -> None:
+    """`families` (one database's) with `database` on each sample, merged into `into` by name:
+    one family per name across the databases, as the exposition requires."""
+    for family in families:
+        if family.name not in PER_DATABASE:
+            continue
+        merged = into.get(family.name)
+        if merged is None:
+            merged = into[family.name] = Metric(
+                family.name, family.documentation, family.type, family.unit
+            )
+        for sample in family.samples:
+            merged.samples.append(sample._replace(labels={**sample.labels, "database": database}))
+
+
+class _PerDatabaseCollector(Collector):
+    """Each served database's relay metrics (`PER_DATABASE`), labelled with its name, read at
+    scrape time from `relays()` (name -> that relay's Metrics)."""
+
+    def __init__(self, relays: Callable[[], Mapping[str, Metrics]]) -> None:
+        self.relays = relays
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for database, metrics in self.relays().items():
+            labelled(database, metrics.registry.collect(), merged)
+        yield from merged.values()
+
+
+class FleetMetrics:
+    """The metrics of a fleet over several databases (relay/fleet.py, issue 51): what is the
+    replica's once (the process, the build, the shared POST turn and retry budget, the
+    retention, `ready`), one `ledger_relay_database_up` per database, and each served
+    database's delivery metrics with a `database` label (`PER_DATABASE`). A database's series
+    are there while its relay runs: set aside, it has none but its `database_up` 0, and its
+    counters start again from 0 when its relay does (a counter reset, which `rate()` takes)."""
+
+    def __init__(
+        self,
+        up: Callable[[], Mapping[str, bool]],
+        *,
+        relays: Callable[[], Mapping[str, Metrics]] = lambda: {},
+        ready: Callable[[], bool] = lambda: True,
+        admission: Callable[[], AdmissionView | None] = lambda: None,
+        retry_budget: Callable[[], BudgetView | None] = lambda: None,
+        fixed_limit: int | None = None,
+        retention: float | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_DatabasesCollector(up))
+        self.admission = admission
+        self.retry_budget = retry_budget
+        self.fixed_limit = fixed_limit
+        self.ready = ready
+        r = self.registry
+        replica_wide(r)
+        self._ready = READY.make(r)
+        if retention is not None:
+            RETENTION.make(r).set(retention)
+        r.register(_PostTurnCollector(self))
+        r.register(_DatabasesCollector(up))
+        r.register(_PerDatabaseCollector(relays))
 
     def exposition(self, accept: str = "") -> tuple[bytes, str]:
         """The scrape body and its content type (OpenMetrics when the scraper asks for it)."""
+        self._ready.set(1.0 if self.ready() else 0.0)  # what /readyz answers now
         encoder, content_type = choose_encoder(accept)
         return encoder(self.registry), content_type
