@@ -4,6 +4,8 @@ later, so each round is one judging window and one decision."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from relay.admission.limit import (
@@ -212,6 +214,24 @@ def test_starts_at_the_initial_limit_within_its_bounds() -> None:
     assert Limit(64).allowed == 4
     assert Limit(3).allowed == 3
     assert Limit(64, initial=1, min_limit=2).allowed == 2
+
+
+def test_what_the_limit_allows_follows_every_move_of_its_value() -> None:
+    """`allowed` is kept, not worked out on each read (issue 52 item 3): after every answer of
+    every kind of move (slow start, one by one, overload, queueing, the floor, the ceiling) it
+    is what the value allows now, never what it allowed before the move."""
+    ingress = Ingress(Limit(40, min_limit=3))
+    ok, full = (RTT, Signal.ANSWERED), (RTT, Signal.OVERLOADED)
+    moves = [ok] * 4 + [full] + [ok] * 3 + [(0.200, Signal.ANSWERED)] + [full] * 6 + [ok] * 3
+    seen: set[int] = set()
+    for rtt, signal in moves:  # slow start, overload, one by one, queueing, the floor, growth
+        for k in range(ingress.limit.allowed):
+            ingress.limit.observe(Sample(rtt, signal), inflight=k + 1, now=ingress.now + RTT)
+            value = ingress.limit.view(ingress.now + RTT).value
+            assert ingress.limit.allowed == max(3, math.floor(value)), (rtt, signal, k, value)
+            seen.add(ingress.limit.allowed)
+        ingress.now += RTT
+    assert {3, 4, 40} <= seen  # the floor, the start and the ceiling were all reached
 
 
 # --- the recent minimum ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import psycopg
 import pytest
 import trustme
@@ -349,6 +350,60 @@ async def test_the_ingress_cannot_set_cookies_on_the_client(http_transport: str)
         await server.wait_closed()
     assert len(heads) == 3
     assert not [h for h in heads if b"\r\ncookie:" in h], heads
+
+
+class HeadRecorder:
+    """A keep-alive HTTP/1.1 server on a real socket that answers 200 to every request and keeps
+    each request's head as it came (lower-cased)."""
+
+    def __init__(self) -> None:
+        self.heads: list[bytes] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).lower()
+                self.heads.append(head)
+                length = int(head.partition(b"content-length:")[2].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                writer.write(OK_EMPTY)
+                await writer.drain()
+        writer.close()
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[str]:
+        server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        try:
+            yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        finally:
+            server.close()
+            await server.wait_closed()
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "httpx", "application", "app-transport"])
+async def test_every_post_asks_for_its_answer_unencoded(client: str) -> None:
+    """An answer is read as sent (no decompression: a small gzip body can inflate without
+    bound), so every POST says `accept-encoding: identity`, once: from the relay's own client on
+    either transport (its default headers, issue 52 item 3), from an application's client whose
+    own defaults ask for gzip (written on each request), and from a client over an application's
+    transport. With userinfo in the URL as well (a request rebuilt without it)."""
+    recorder = HeadRecorder()
+    async with recorder.serving() as url:
+        app: httpx.AsyncClient | httpx.AsyncBaseTransport | None = None
+        if client == "application":
+            app = httpx.AsyncClient(headers={"accept-encoding": "gzip"})
+        elif client == "app-transport":
+            app = httpx.AsyncHTTPTransport()
+        transport = client if client in HTTP_TRANSPORTS else DEFAULT
+        async with open_sender(client_settings(http_transport=transport), 1, app) as sender:
+            for target in (url, url.replace("http://", "http://u:p@")):
+                assert (await sender.send(target + "/runs/e", b"{}", {})).status == 200
+        if app is not None:
+            await app.aclose()
+    assert len(recorder.heads) == 2
+    for head in recorder.heads:
+        codings = [line for line in head.split(b"\r\n") if line.startswith(b"accept-encoding:")]
+        assert codings == [b"accept-encoding: identity"], head
 
 
 async def test_a_retired_transport_starts_with_one_warning(

@@ -162,8 +162,10 @@ class Limit:
         if not 1 <= min_limit <= ceiling:
             raise ValueError(f"limits [{min_limit}, {ceiling}] are not a range")
         self.ceiling = ceiling
-        self.min_limit = min_limit
-        self._value = float(max(min_limit, min(ceiling, initial)))
+        self._min_limit = min_limit
+        self._value: float  # the limit, unrounded, and `_allowed`, what it allows: set by `_move`
+        self._allowed: int
+        self._move(float(max(min_limit, min(ceiling, initial))))
         self._min_rtt = WindowedMin(MIN_RTT_SPAN)
         self._window: _Window | None = None
         self._median: float | None = None  # the last judged window's median round trip
@@ -177,9 +179,20 @@ class Limit:
         self._answered_at = -math.inf  # the last answer (idle: none for IDLE_SPAN)
 
     @property
+    def min_limit(self) -> int:
+        return self._min_limit
+
+    @property
     def allowed(self) -> int:
-        """POSTs in flight the limit allows now."""
-        return max(self.min_limit, math.floor(self._value))
+        """POSTs in flight the limit allows now: read several times per POST (the permits'
+        decisions, the windows), so kept as `_move` left it rather than worked out on each read."""
+        return self._allowed
+
+    def _move(self, value: float) -> None:
+        """The limit's value becomes `value`, and what it allows with it: the only place either
+        changes (`min_limit` is fixed at construction), so `allowed` is never stale."""
+        self._value = value
+        self._allowed = max(self._min_limit, math.floor(value))
 
     def view(self, now: float) -> LimitView:
         return LimitView(
@@ -230,7 +243,7 @@ class Limit:
         decrease = self._decrease(window, now)
         if decrease is not None:
             factor, reason = decrease
-            self._value = max(float(self.min_limit), self._value * factor)
+            self._move(max(float(self.min_limit), self._value * factor))
             self._decreased_at = now
             self._slow_start = False
             return self._fall(reason, window, now)
@@ -239,7 +252,7 @@ class Limit:
             return self._recover("unused", now)
         if window.rtts and now >= self._paused_until:
             step = self._value if self._slow_start else 1.0
-            self._value = min(float(self.ceiling), self._value + step)
+            self._move(min(float(self.ceiling), self._value + step))
             return self._rise(now)
         return self._sustained(now)
 

@@ -39,8 +39,9 @@ from relay.core import clock
 from relay.delivery.slots import Slots
 from relay.edges.store import Claim, Held
 
-LAG_TICK = 0.01  # seconds between the loop-lag probe's wakes
+LAG_TICK = 0.01  # seconds between the loop-lag probe's wakes while answers read its value
 LAG_SPAN = 1.0  # seconds over which the most the loop ran late counts
+LAG_IDLE_TICK = 0.5  # seconds between its wakes once no answer has read it for LAG_SPAN
 SETTLE_TICK = 1.0  # seconds between asking the limit whether an idle replica is still fallen
 
 
@@ -63,27 +64,59 @@ class _Waiter:
     woken: anyio.Event = field(default_factory=anyio.Event)
 
 
+def probe_tick(quiet_for: float) -> float:
+    """The loop-lag probe's next sleep, `quiet_for` seconds after an answer last read its value:
+    dense while answers come, sparse once none has for LAG_SPAN (nothing reads it meanwhile)."""
+    return LAG_TICK if quiet_for < LAG_SPAN else LAG_IDLE_TICK
+
+
 class LoopLag:
     """How late this process's event loop runs (`run()` as a background task): a probe that
-    sleeps LAG_TICK and notes by how much it overslept, the most over the last LAG_SPAN. A busy
-    relay reads its answers that much late, which the adaptive limit must not take for the
-    ingress's queueing: against a 0.6 ms ingress, a CPU-bound relay's round trips swung by tens
-    of milliseconds and its limit with them (issue 42's bench). 100 wakes a second."""
+    sleeps and notes by how much it overslept, the most over the last LAG_SPAN. A busy relay
+    reads its answers that much late, which the adaptive limit must not take for the ingress's
+    queueing: against a 0.6 ms ingress, a CPU-bound relay's round trips swung by tens of
+    milliseconds and its limit with them (issue 42's bench).
+
+    It sleeps LAG_TICK (100 wakes a second) while answers read its value, and from the start;
+    once none has for LAG_SPAN, LAG_IDLE_TICK (2 a second: an idle relay pays next to nothing,
+    issue 52 item 3), and the next answer's read wakes it at once to sleep LAG_TICK again. The
+    value means the same either way, the most a sleep of the probe overran in the last LAG_SPAN;
+    what an answer after a quiet spell reads was taken from fewer sleeps."""
 
     def __init__(self) -> None:
         self._most = WindowedMax(LAG_SPAN)
         self._value = 0.0  # the window's most, as of the last wake: read once per answer
+        self._read = False  # an answer read the value since the probe's last wake
+        self._woken: anyio.Event | None = None  # the probe's wake while it sleeps LAG_IDLE_TICK
+        self.tick = LAG_TICK  # the probe's sleep now
 
     async def run(self) -> None:
+        read_at = anyio.current_time()  # a relay starts with POSTs to come: dense at first
         while True:
             asked = anyio.current_time()
-            await anyio.sleep(LAG_TICK)
+            if self._read:
+                self._read, read_at = False, asked
+            self.tick = probe_tick(asked - read_at)
+            if self.tick == LAG_TICK:
+                await anyio.sleep(LAG_TICK)
+            else:
+                await self._sleep_idle()
             now = anyio.current_time()
-            self._most.add(max(0.0, now - asked - LAG_TICK), now)
+            # Woken early by a read, it overslept nothing: the max ignores the 0.0.
+            self._most.add(max(0.0, now - asked - self.tick), now)
             self._value = self._most.value(now) or 0.0
+
+    async def _sleep_idle(self) -> None:
+        self._woken = woken = anyio.Event()
+        with anyio.move_on_after(LAG_IDLE_TICK):
+            await woken.wait()
+        self._woken = None
 
     def value(self) -> float:
         """Seconds the loop ran late at most, lately (0.0 before the probe ran)."""
+        self._read = True
+        if self._woken is not None:  # sleeping sparse: an answer came, so measure densely again
+            self._woken.set()
         return self._value
 
 
