@@ -148,8 +148,9 @@ class Executor:
         and each renewal are kept there. `answered` is told of each answer (the turn's limit).
         A retry (a claim with earlier attempts) goes only if the retry budget lets it, or an
         operator retried one of its runs (`relay retry`: the claim's `retry_waived`)."""
+        is_retry, is_waived = retried(holds), waived(holds)
         attempts = (h.claim.attempts for h in holds)
-        if delays := self.books.deferrals(retried(holds), waived(holds), attempts):
+        if delays := self.books.deferrals(is_retry, is_waived, attempts):
             return [
                 Outcome(h, h.claim.events, Deferred(delay))
                 for h, delay in zip(holds, delays, strict=True)
