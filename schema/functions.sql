@@ -826,13 +826,19 @@ language plpgsql volatile
 rows 10  -- a claim's size: the planner's default of 1,000 would scan runs to join them
 set search_path from current
 as $$
+declare
+    -- The claim's moment, read once: a variable is a parameter of the query, which the index
+    -- can bound by (runs_due_by_key: fairness_key = p_key and next_attempt_at <= v_moment);
+    -- clock_timestamp() is volatile, so a filter on it would read every run of the key
+    -- (schema version 12). A run falling due during the claim waits for the next claim.
+    v_moment timestamptz := clock_timestamp();
 begin
     if p_lane = 'critical' then
         return query
         select r.run_id, r.lease_owner, r.lease_expires_at
         from pending_terminals t join runs r on r.run_id = t.run_id
         where t.fairness_key = p_key and not r.idle and r.blocked_seq is null
-          and (r.next_attempt_at <= clock_timestamp() or r.lease_owner = any(p_dead))
+          and (r.next_attempt_at <= v_moment or r.lease_owner = any(p_dead))
           and not (r.run_id = any(p_exclude))
         order by t.created_at
         limit p_runs
@@ -842,7 +848,7 @@ begin
         select r.run_id, r.lease_owner, r.lease_expires_at
         from runs r
         where r.fairness_key = p_key and not r.idle and r.blocked_seq is null
-          and r.next_attempt_at <= clock_timestamp()
+          and r.next_attempt_at <= v_moment
           and not (r.run_id = any(p_exclude))
         order by r.next_attempt_at
         limit p_runs
@@ -923,11 +929,23 @@ declare
     v_round_expires timestamptz[];
     v_round_keys text[];
     v_round_short text[];
+    v_moment timestamptz := clock_timestamp();  -- the claim's moment (below)
 begin
     select c.vtime into v_clock from fairness_clock c where c.lane = p_lane for update;
     -- Only the keys with due work: one descent of runs_due_by_key for each key walked past
     -- (a key whose runs are all leased or backing off has none due in either lane), and for the
     -- critical lane then its pending terminals, the oldest first, to one whose run is due.
+    -- One descent because the bound is v_moment, read once: a variable is a parameter of the
+    -- query, so the index scan is bounded by the key and the moment (Index Cond: fairness_key =
+    -- f.key and next_attempt_at <= $n) and ends at the key's first run not due. Until schema
+    -- version 12 the bound was clock_timestamp(), which is volatile: the scan was bounded by the
+    -- key alone and filtered the key's runs one by one, so a key with 200 runs leased cost ~400
+    -- buffers, not ~4 (docs/performance.md, issue 50). A run that falls due during the claim
+    -- waits for the next claim.
+    -- The critical walk's two `exists` stay subqueries asked key by key in the walk's order
+    -- (`offset 0`: PostgreSQL neither turns such an exists into a join nor hashes it). Without
+    -- the volatile clock it may, and the claim's generic plan then read every due run (one scan
+    -- of runs_due hashed: 200,000 runs a claim at 1M events, 100-150 ms) before the first key.
     if p_lane = 'critical' then
         open v_walk for
             select f.key, f.pass_critical, f.weight from fairness_keys f
@@ -935,18 +953,20 @@ begin
                    or exists (select 1 from runs r
                               where r.fairness_key = f.key and not r.idle
                                 and r.blocked_seq is null
-                                and r.next_attempt_at <= clock_timestamp()))
+                                and r.next_attempt_at <= v_moment
+                              offset 0))
               and exists (select 1 from pending_terminals t join runs r on r.run_id = t.run_id
                           where t.fairness_key = f.key and not r.idle and r.blocked_seq is null
-                            and (r.next_attempt_at <= clock_timestamp()
-                                 or r.lease_owner = any(p_dead)))
+                            and (r.next_attempt_at <= v_moment
+                                 or r.lease_owner = any(p_dead))
+                          offset 0)
             order by f.pass_critical, f.key;
     else
         open v_walk for
             select f.key, f.pass_ordinary, f.weight from fairness_keys f
             where exists (select 1 from runs r
                           where r.fairness_key = f.key and not r.idle and r.blocked_seq is null
-                            and r.next_attempt_at <= clock_timestamp())
+                            and r.next_attempt_at <= v_moment)
             order by f.pass_ordinary, f.key;
     end if;
 

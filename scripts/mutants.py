@@ -204,7 +204,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-claim-ordinary-due",
         "§4.2 lease clock: the ordinary lane judges due/expired at the statement",
         SQL,
-        "and r.next_attempt_at <= clock_timestamp()\n          and not (r.run_id = any(p_exclude))",
+        "and r.next_attempt_at <= v_moment\n          and not (r.run_id = any(p_exclude))",
         "and r.next_attempt_at <= now()\n          and not (r.run_id = any(p_exclude))",
         (f"{CLOCK}::test_a_lease_that_expired_while_the_transaction_waited_is_claimable",),
     ),
@@ -212,7 +212,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-claim-critical-due",
         "§4.2 lease clock: the critical lane judges due/expired at the statement",
         SQL,
-        "(r.next_attempt_at <= clock_timestamp() or r.lease_owner = any(p_dead))",
+        "(r.next_attempt_at <= v_moment or r.lease_owner = any(p_dead))",
         "(r.next_attempt_at <= now() or r.lease_owner = any(p_dead))",
         (f"{CLOCK}::test_a_lease_that_expired_while_the_transaction_waited_is_claimable",),
     ),
@@ -719,6 +719,16 @@ MUTANTS: tuple[Mutant, ...] = (
             f"{FAIR}::test_a_shared_claim_reads_about_as_many_keys_as_it_takes_runs[ordinary]",
             f"{FAIR}::test_a_shared_claim_reads_about_as_many_keys_as_it_takes_runs[critical]",
         ),
+    ),
+    Mutant(
+        "fair-claim-filters-due-row-by-row",
+        "issue 50: the walk's due bound is one the index can use (schema 12)",
+        SQL,
+        "                            and r.next_attempt_at <= v_moment)\n"
+        "            order by f.pass_ordinary, f.key;",
+        "                            and r.next_attempt_at <= clock_timestamp())\n"
+        "            order by f.pass_ordinary, f.key;",
+        (f"{FAIR}::test_a_key_with_runs_but_none_due_costs_the_walk_one_descent[ordinary]",),
     ),
     Mutant(
         "fair-prune-races-enqueue",

@@ -325,6 +325,63 @@ def test_a_shared_claim_reads_about_as_many_keys_as_it_takes_runs(
     assert descents <= 60, descents
 
 
+def runs_read(conn: psycopg.Connection[Any], schema: str) -> int:
+    """Entries of `runs` this transaction's scans read so far, whatever the plan: its indexes'
+    (idx_tup_read) and a sequential scan's rows (seq_tup_read), each an object's
+    pg_stat_get_xact_tuples_returned."""
+    row = conn.execute(
+        "select sum(pg_stat_get_xact_tuples_returned(c.oid)) from pg_class c"
+        " where c.oid = %(t)s::regclass"
+        " or c.oid in (select i.indexrelid from pg_index i where i.indrelid = %(t)s::regclass)",
+        {"t": f'"{schema}"."runs"'},
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize("lane", ["ordinary", "critical"])
+def test_a_key_with_runs_but_none_due_costs_the_walk_one_descent(
+    pg_url: str, conn: psycopg.Connection[Any], schema: str, lane: str
+) -> None:
+    """Schema version 12: the walk asks runs_due_by_key for a key's due run bounded by the
+    claim's moment read once (a query parameter), so the index scan ends at the key's first run
+    not due. Bounded by clock_timestamp() (volatile), the scan was bounded by the key alone and
+    read every run of each key walked past: here 20 keys of 500 runs leased elsewhere, walked
+    before the 10 keys with due work (the issue's 1M-event case: 1,000 keys of 1,000 runs)."""
+    conn.execute(
+        sql.SQL(
+            "select {}('busy' || k || '-' || i, 'eb' || k || '-' || i, 't', '{{}}', true,"
+            " p_fairness_key => 'a-busy-' || k)"
+            " from generate_series(1, 20) k, generate_series(1, 500) i order by k, i"
+        ).format(fn(schema, "enqueue"))
+    )
+    conn.execute(
+        sql.SQL(
+            "update {} set lease_owner = 'elsewhere', lease_expires_at = now() + interval '1 hour',"
+            " next_attempt_at = now() + interval '1 hour' where fairness_key like 'a-busy-%%'"
+        ).format(fn(schema, "runs"))
+    )
+    conn.execute(
+        sql.SQL(
+            "select {}('due' || k || '-' || i, 'ed' || k || '-' || i, 't', '{{}}', true,"
+            " p_fairness_key => 'z-due-' || k)"
+            " from generate_series(1, 10) k, generate_series(1, 2) i order by k, i"
+        ).format(fn(schema, "enqueue"))
+    )
+    conn.execute(sql.SQL("vacuum (analyze) {}").format(fn(schema, "runs")))  # no dead entries
+    with psycopg.connect(pg_url) as tx:  # one transaction: its own statistics so far
+        before = runs_read(tx, schema)
+        got = claim(tx, schema, 10, lane)
+        read = runs_read(tx, schema) - before
+        tx.rollback()
+    assert len(got) == 10 and {key_of(conn, schema, r) for r in got} == {
+        f"z-due-{k}" for k in range(1, 11)
+    }, got
+    # 30 keys walked, 10 runs taken: a few entries a key (122 ordinary, 50 critical, measured),
+    # not the 10,000 runs leased (10,122 and 10,040 with clock_timestamp() in the walk)
+    assert read <= 5 * 30, read
+
+
 def keys_kept(conn: psycopg.Connection[Any], schema: str) -> list[str]:
     rows = conn.execute(
         sql.SQL("select key from {} order by key").format(fn(schema, "fairness_keys"))

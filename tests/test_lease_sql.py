@@ -1275,6 +1275,7 @@ def test_claim_is_index_backed_whatever_the_backlog(
         .replace("p_key", "''")
         .replace("p_exclude", "'{}'::text[]")
         .replace("p_runs", "5")
+        .replace("v_moment", "now()")  # the claim's moment, a parameter there (schema v12)
     )
     with conn.transaction():
         conn.execute(

@@ -1,0 +1,22 @@
+-- ledger-relay schema, version 12: a claim's due bound is one the index can use (issue 50, the
+-- claim over 1,000 keys; docs/performance.md "1M events").
+--
+-- Version 10's shared claim walks `fairness_keys` and keeps a key with due work, asked of
+-- runs_due_by_key with `next_attempt_at <= clock_timestamp()`. clock_timestamp() is volatile,
+-- so PostgreSQL cannot bound the index scan by it: the scan was bounded by the key alone
+-- (Index Cond: fairness_key = f.key) and read every run of the key to filter it, and a key
+-- with nothing due cost all its runs (200 runs leased: ~400 buffers, not ~4). With 10 keys due
+-- among 1,000 keys of 1,000 runs each, one walk read 399,406 buffers in 158 ms. From version 12
+-- pick_shared and pick_of_key read the clock once into a variable, a parameter of the query
+-- (Index Cond: fairness_key = f.key and next_attempt_at <= $n): one descent per key walked
+-- past, 7.4 ms for the same walk. A run that falls due during the claim's few milliseconds
+-- waits for the next claim (docs/design.md "Scheduling"). The critical walk's two `exists` keep
+-- `offset 0`: with a bound that is not volatile PostgreSQL may hash the first one, reading every
+-- due run at each claim (200,000 at 1M events), where asked key by key it stops at the first
+-- key it needs.
+--
+-- Nothing here but the version: no table or index changes, and the functions of this version
+-- are re-created in the same transaction (functions.sql). The version tells a relay of the
+-- previous release, whose `relay migrate` would otherwise put its own slower functions back,
+-- that the schema is newer. Rolling upgrade: every function keeps its signature and its
+-- result, so relays of version 11 (and earlier) go on calling claim as before.
