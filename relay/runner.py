@@ -271,6 +271,8 @@ class Relay:
                 self.endpoints = await background.start(
                     health.serve, s, self.view, store, metrics, port
                 )
+            elif metrics is not None:  # one database's of a fleet: its gauges, for its /metrics
+                await background.start(health.refresh_gauges, s, store, metrics)
             notifier = sdnotify.from_environ() if self.alone else None
             if notifier is not None:
                 background.start_soon(sdnotify.supervise, s, self.view, notifier)

@@ -1441,6 +1441,15 @@ MUTANTS: tuple[Mutant, ...] = (
         '"keep_metrics": False,',
         (f"{FLEET}::{FLEET_METRICS}",),
     ),
+    Mutant(
+        "fleet-backlog-gauges-not-refreshed",
+        "issue 51 item 4: a fleet's /metrics serves each database's backlog gauges, refreshed as"
+        " a relay alone's are",
+        "relay/runner.py",
+        "                await background.start(health.refresh_gauges, s, store, metrics)",
+        "                pass",
+        (f"{FLEET}::test_a_fleets_metrics_carry_each_databases_backlog_gauges_under_its_name",),
+    ),
 )
 
 

@@ -331,6 +331,52 @@ async def test_a_fleets_metrics_carry_each_databases_delivery_under_its_name(
     assert len(typed) == len(set(typed)) and "ledger_relay_listen_up" in typed
 
 
+async def test_a_fleets_metrics_carry_each_databases_backlog_gauges_under_its_name(
+    shards: dict[str, str],
+) -> None:
+    """Issue 51 item 4: each database's relay of a fleet refreshes its database's gauges as a
+    relay alone does (the backlog, the outbox's part age, the probe's failures), and the fleet's
+    /metrics has them with `database="NAME"`, each that database's own numbers. The ingress
+    never answers (nothing listens there): the events stay pending, 2 runs of 3 in s0, 5 in s1."""
+    urls = {name: shards[name] for name in ("s0", "s1")}
+    runs = {"s0": 2, "s1": 5}
+    for name, url in urls.items():
+        enqueue_runs(url, name, runs=runs[name])
+    metrics = f"127.0.0.1:{closed_port()}"
+    nowhere = f"http://127.0.0.1:{closed_port()}"
+    async with anyio.create_task_group() as tg:
+        f = fleet(urls, nowhere, {"RELAY_METRICS_ADDR": metrics})
+        await tg.start(f.run)
+        await wait_for(lambda: set(f.states().values()) == {"serving"}, what="both serving")
+        async with httpx.AsyncClient(base_url=f"http://{metrics}") as http:
+            scraped = await http.get("/metrics")
+        f.stop()
+    assert scraped.status_code == 200
+    families = {family.name: family for family in text_string_to_metric_families(scraped.text)}
+
+    def by_database(name: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for sample in families[name].samples if name in families else ():
+            database = sample.labels["database"]  # every sample names its database
+            out[database] = out.get(database, 0.0) + sample.value
+        return out
+
+    # Refreshed before each relay's lanes started (as a relay alone's first probe): each
+    # database's backlog, summed over its lanes, is its own.
+    events = by_database("ledger_relay_backlog_events")
+    assert events == {"s0": 6.0, "s1": 15.0}, events
+    assert by_database("ledger_relay_backlog_runs") == {"s0": 2.0, "s1": 5.0}
+    assert by_database("ledger_relay_blocked_runs") == {"s0": 0.0, "s1": 0.0}
+    assert by_database("ledger_relay_failed_events") == {"s0": 0.0, "s1": 0.0}
+    refreshed = by_database("ledger_relay_backlog_refresh_timestamp_seconds")
+    assert set(refreshed) == {"s0", "s1"} and all(t > 0 for t in refreshed.values()), refreshed
+    assert set(by_database("ledger_relay_outbox_part_age_seconds")) == {"s0", "s1"}
+    assert by_database("ledger_relay_database_probe_failures") == {"s0": 0.0, "s1": 0.0}
+    # One family per name, as for the delivery's.
+    typed = [line.split()[2] for line in scraped.text.splitlines() if line.startswith("# TYPE")]
+    assert len(typed) == len(set(typed)) and "ledger_relay_backlog_events" in typed
+
+
 def closed_port() -> int:
     """A local port where nothing listens (bound, then closed)."""
     import socket

@@ -19,7 +19,14 @@ from psycopg import sql
 from relay.delivery.lane import LaneStats, LaneView
 from relay.runner import GC_THRESHOLDS, Relay, tune_gc
 from relay.serving import server as serving
-from relay.serving.health import Endpoints, readiness, refresh_gap, refresh_interval, split_addr
+from relay.serving.health import (
+    DatabaseProbe,
+    Endpoints,
+    readiness,
+    refresh_gap,
+    refresh_interval,
+    split_addr,
+)
 from relay.serving.metrics import Metrics
 from relay.serving.progress import ListenerView, RelayView, loops_alive, stall_limit
 from relay.serving.server import to_evict
@@ -97,7 +104,7 @@ async def test_liveness_and_readiness_read_the_view() -> None:
     cfg = settings("postgresql://x@h/db", "relay", "http://sink", poll_interval="0.2")
     relay = FakeRelay()
     endpoints = Endpoints(cfg, relay.view(), store=None, metrics=Metrics())  # type: ignore[arg-type]
-    endpoints.database, endpoints.schema_problem = True, None
+    endpoints.gauges.database, endpoints.gauges.schema_problem = True, None
     now = anyio.current_time()
     relay.turned_at = [now, now]
     assert endpoints.alive()
@@ -250,11 +257,11 @@ async def test_functions_older_than_this_relay_are_warned_once_each_then_quiet(
     try:
         cfg = settings("postgresql://x@h/db", older, "http://sink")
         store = SimpleNamespace(schema=older, statement_timeout=5.0)
-        endpoints = Endpoints(cfg, FakeRelay().view(), store=store, metrics=Metrics())  # type: ignore[arg-type]
+        gauges = DatabaseProbe(cfg, store=store, metrics=Metrics())  # type: ignore[arg-type]
         with relay_logs(Decisions()) as seen:
             for _ in range(3):
-                assert await endpoints._refresh_backlog_keys(aconn) == ()
-                await endpoints._refresh_part_age(aconn)
+                assert await gauges._refresh_backlog_keys(aconn) == ()
+                await gauges._refresh_part_age(aconn)
         assert [f["hint"] for f in seen.named("backlog_by_key_unavailable")] == [
             "run `relay migrate` (with the roles, if the relay has its own)"
         ]

@@ -535,6 +535,7 @@ def test_a_fleets_scrape_labels_each_database_and_parses_as_openmetrics_too() ->
     a, b = Metrics(replica=False), Metrics(replica=False)
     a.request_observer("ordinary")(200, 0.01)
     b.request_observer("critical")(None, 0.2)
+    a.set_backlog([("blocked", 2, 3, 60.0)])
     fleet = FleetMetrics(lambda: {"a": True, "b": False}, relays=lambda: {"a": a, "b": b})
     body, content_type = fleet.exposition("application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text")
@@ -548,6 +549,9 @@ def test_a_fleets_scrape_labels_each_database_and_parses_as_openmetrics_too() ->
     assert {s.labels["database"] for s in lag} == {"a", "b"}
     # What is the replica's, once: no database label, and no per-database copy of it.
     assert all("database" not in s.labels for s in families["ledger_relay_build_info"].samples)
-    assert "ledger_relay_ready" in families and "ledger_relay_backlog_events" not in families
+    assert [s.labels for s in families["ledger_relay_ready"].samples] == [{}]
+    # Each database's gauges (its relay's probe refreshes them) carry its name too.
+    blocked = families["ledger_relay_blocked_runs"].samples
+    assert {s.labels["database"]: s.value for s in blocked} == {"a": 2, "b": 0}
     samples = parse(fleet.exposition()[0].decode())
     assert total(samples, "ledger_relay_database_up", database="b") == 0

@@ -14,11 +14,13 @@ Of the relay itself the endpoints read only the `RelayView` the runner hands the
 (relay/serving/progress.py), and of the metrics only what relay/serving/metrics.py exposes.
 
 A background task probes the database every `refresh_interval` (reads the schema version and
-refreshes the backlog gauges with the `backlog()` SQL function): scrapes and probes never query
-the database themselves. The same task re-evaluates readiness after every probe, and a scrape
-re-evaluates it too, so `ledger_relay_ready` says what `/readyz` would say whether or not anyone
-asks `/readyz` (under systemd nobody does: the gauge once read 0 on every healthy replica and
-the shipped alert paged for all of them, issue 41).
+refreshes the backlog gauges with the `backlog()` SQL function; `DatabaseProbe`): scrapes and
+probes never query the database themselves. Each database's relay of a fleet, which serves no
+endpoints of its own, runs the same probe alone (`refresh_gauges`) for the fleet's /metrics.
+The endpoints re-evaluate readiness after every probe, and a scrape re-evaluates it too, so
+`ledger_relay_ready` says what `/readyz` would say whether or not anyone asks `/readyz` (under
+systemd nobody does: the gauge once read 0 on every healthy replica and the shipped alert paged
+for all of them, issue 41).
 
 The server is the lightest that is correct: an anyio TCP listener with h11 (already under
 httpx), one request per connection, no keep-alive, bounded in time and in connections, with an
@@ -110,92 +112,48 @@ def split_addr(addr: str) -> tuple[str | None, int]:
     return (host or None), int(port)
 
 
-# -- the endpoints ----------------------------------------------------------------------------
+# -- the database probe -----------------------------------------------------------------------
 
 
-class Endpoints:
-    def __init__(self, settings: Settings, view: RelayView, store: Store, metrics: Metrics) -> None:
+class DatabaseProbe:
+    """The database's probe and the gauges it refreshes: every READY_PROBE_INTERVAL it reads the
+    schema version (reachability, for /readyz, and `database_probe_failures`); every
+    `refresh_interval`, or later after a costly refresh (`refresh_gap`), the backlog gauges and
+    the outbox's part age. On a connection of the relay's store pool, never one of its own: the
+    endpoints of a relay alone run it, and so does each database's relay of a fleet, alone, for
+    the fleet's /metrics (issue 51 item 4; no status page there, no replica report)."""
+
+    def __init__(self, settings: Settings, store: Store, metrics: Metrics) -> None:
         self.settings = settings
-        self.view = view
         self.store = store
         self.metrics = metrics
-        self.since = anyio.current_time()
         self.database = False
         self.schema_problem: str | None = "not checked yet"
         self.probes = 0
         self.refresh_took = 0.0  # the last backlog refresh's duration (refresh_gap)
-        self.port = 0
-        # The status page reads on a connection of its own, never the delivery pools (issue 32)
-        self.page_pool = PagePool(settings.database_url.reveal())
         self.backlog: Backlog | None = None  # the backlog gauges' last refresh, for the page
         # The *_unavailable warnings already said: outbox_part_age() or backlog_by_key() older
         # than this relay (missing, or not granted), each said once
         self._warned_unavailable: set[str] = set()
-        self._reporting = False
-        self.page = StatusPage(
-            Data(self.page_pool.query, settings.schema, view.on_liveness_session),
-            replica_id=settings.replica_id,
-            token=settings.ui_token,
-            refresh_seconds=min(5.0, max(1.0, refresh_interval(settings) / 2)),
-            backlog=lambda: self.backlog,
-            admission=view.admission,
-            retry_budget=view.retry_budget,
-            fixed_limit=settings.post_ceiling,
-            open_without_token=serves_without_token(split_addr(settings.metrics_addr or ":0")[0]),
-            lanes=view.lanes,
-        )
 
-    # liveness and readiness
+    @property
+    def usable(self) -> bool:
+        """The database answered the last probe, at the schema version this relay serves."""
+        return self.database and self.schema_problem is None
 
-    def alive(self) -> bool:
-        if self.view.stop_requested():
-            return True  # draining, bounded by shutdown_timeout
-        turned = [lane.turned_at for lane in self.view.lanes()]
-        return loops_alive(turned, self.since, anyio.current_time(), stall_limit(self.settings))
-
-    def ready(self) -> tuple[bool, dict[str, Any]]:
-        listener = self.view.listener()
-        ok, checks = readiness(
-            started=self.view.started() and not self.view.stop_requested(),
-            database=self.database,
-            schema_problem=self.schema_problem,
-            listen_up=listener is not None and listener.up,
-            ingress_ok=self.view.ingress_ok(),
-        )
-        self.metrics.ready.set(1.0 if ok else 0.0)
-        return ok, checks
-
-    # the database probe
-
-    async def probe_loop(self) -> None:
+    async def run(self, after: Callable[[bool], None] = lambda refreshed: None) -> None:
+        """Probe until cancelled; `after(refreshed)` once each probe is done (whether it was
+        due to refresh the gauges too)."""
         interval = refresh_interval(self.settings)
         refreshed = anyio.current_time()
-        try:
-            async with anyio.create_task_group() as reports:
-                while True:
-                    await anyio.sleep(min(READY_PROBE_INTERVAL, interval))
-                    now = anyio.current_time()
-                    due = now - refreshed >= refresh_gap(interval, self.refresh_took)
-                    await self.probe(refresh=due)
-                    self.ready()  # the gauge, whether or not anyone asks /readyz
-                    if due:
-                        refreshed = now
-                        ok = self.database and self.schema_problem is None
-                        if ok and not self._reporting:
-                            self._reporting = True
-                            reports.start_soon(self._report)
-        finally:  # the page's connection ends with the endpoints
-            with anyio.CancelScope(shield=True):
-                await self.page_pool.close()
-
-    async def _report(self) -> None:
-        """This replica's report, beside the probes rather than in their way: it waits for the
-        LISTEN connection (between two of its waits for notifications) before it is sent."""
-        try:
-            with anyio.move_on_after(self.store.deadline + LISTEN_WAIT):
-                await self.page.report(self.view.lanes(), self.metrics.recent_lag)
-        finally:
-            self._reporting = False
+        while True:
+            await anyio.sleep(min(READY_PROBE_INTERVAL, interval))
+            now = anyio.current_time()
+            due = now - refreshed >= refresh_gap(interval, self.refresh_took)
+            await self.probe(refresh=due)
+            after(due)
+            if due:
+                refreshed = now
 
     async def probe(self, *, refresh: bool = True) -> None:
         """Read the schema version within READY_PROBE_DEADLINE and record reachability; then,
@@ -304,6 +262,84 @@ class Endpoints:
             error=logs.error_text(exc),
             hint="run `relay migrate` (with the roles, if the relay has its own)",
         )
+
+
+# -- the endpoints ----------------------------------------------------------------------------
+
+
+class Endpoints:
+    def __init__(self, settings: Settings, view: RelayView, store: Store, metrics: Metrics) -> None:
+        self.settings = settings
+        self.view = view
+        self.store = store
+        self.metrics = metrics
+        self.since = anyio.current_time()
+        self.gauges = DatabaseProbe(settings, store, metrics)  # reachability, schema, backlog
+        self.port = 0
+        # The status page reads on a connection of its own, never the delivery pools (issue 32)
+        self.page_pool = PagePool(settings.database_url.reveal())
+        self._reporting = False
+        self.page = StatusPage(
+            Data(self.page_pool.query, settings.schema, view.on_liveness_session),
+            replica_id=settings.replica_id,
+            token=settings.ui_token,
+            refresh_seconds=min(5.0, max(1.0, refresh_interval(settings) / 2)),
+            backlog=lambda: self.gauges.backlog,
+            admission=view.admission,
+            retry_budget=view.retry_budget,
+            fixed_limit=settings.post_ceiling,
+            open_without_token=serves_without_token(split_addr(settings.metrics_addr or ":0")[0]),
+            lanes=view.lanes,
+        )
+
+    # liveness and readiness
+
+    def alive(self) -> bool:
+        if self.view.stop_requested():
+            return True  # draining, bounded by shutdown_timeout
+        turned = [lane.turned_at for lane in self.view.lanes()]
+        return loops_alive(turned, self.since, anyio.current_time(), stall_limit(self.settings))
+
+    def ready(self) -> tuple[bool, dict[str, Any]]:
+        listener = self.view.listener()
+        ok, checks = readiness(
+            started=self.view.started() and not self.view.stop_requested(),
+            database=self.gauges.database,
+            schema_problem=self.gauges.schema_problem,
+            listen_up=listener is not None and listener.up,
+            ingress_ok=self.view.ingress_ok(),
+        )
+        self.metrics.ready.set(1.0 if ok else 0.0)
+        return ok, checks
+
+    # the database probe (DatabaseProbe), and the replica's report after each refresh
+
+    async def probe(self, *, refresh: bool = True) -> None:
+        await self.gauges.probe(refresh=refresh)
+
+    async def probe_loop(self) -> None:
+        try:
+            async with anyio.create_task_group() as reports:
+
+                def after(refreshed: bool) -> None:
+                    self.ready()  # the gauge, whether or not anyone asks /readyz
+                    if refreshed and self.gauges.usable and not self._reporting:
+                        self._reporting = True
+                        reports.start_soon(self._report)
+
+                await self.gauges.run(after)
+        finally:  # the page's connection ends with the endpoints
+            with anyio.CancelScope(shield=True):
+                await self.page_pool.close()
+
+    async def _report(self) -> None:
+        """This replica's report, beside the probes rather than in their way: it waits for the
+        LISTEN connection (between two of its waits for notifications) before it is sent."""
+        try:
+            with anyio.move_on_after(self.store.deadline + LISTEN_WAIT):
+                await self.page.report(self.view.lanes(), self.metrics.recent_lag)
+        finally:
+            self._reporting = False
 
     # HTTP
 
@@ -439,6 +475,22 @@ async def serve(
     port.respond = endpoints.dispatch
     task_status.started(endpoints)
     await endpoints.probe_loop()
+
+
+async def refresh_gauges(
+    settings: Settings,
+    store: Store,
+    metrics: Metrics,
+    *,
+    task_status: TaskStatus[DatabaseProbe] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """The gauges of one database's relay in a fleet, which serves no endpoints of its own: the
+    probe and the refresh on a relay alone's schedule, the first before it is started (as
+    `serve`), until cancelled. The fleet's /metrics reads them with its `database` label."""
+    gauges = DatabaseProbe(settings, store, metrics)
+    await gauges.probe()
+    task_status.started(gauges)
+    await gauges.run()
 
 
 async def _waiting(request: Request) -> Response:

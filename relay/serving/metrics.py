@@ -8,7 +8,7 @@ Three sources, none of which puts an id in a label:
   at construction: the commit-to-ack lag of each acknowledged batch (`ack_observer`, from the
   ack's own result, database clock) and each ingress request's status class and duration
   (`request_observer`, called by the lane's IngressClient wherever a POST is sent);
-- gauges of the database's backlog, refreshed by a background task (`health.probe_loop`) from
+- gauges of the database's backlog, refreshed by a background task (`health.DatabaseProbe`) from
   the `backlog()` SQL function, never inside a scrape;
 - the POST turn's adaptive limit, its permits per lane and the retry budget (issue 42), read at
   scrape time from the `AdmissionView` and `BudgetView` that callables given at construction
@@ -565,9 +565,9 @@ class _DatabasesCollector(Collector):
 
 
 # What a fleet exports of each database's relay, with a `database` label: the delivery's own
-# figures (its lanes, its listener, its ingress's answers). The backlog gauges and readiness are
-# refreshed by the one-database relay's probe loop (relay/serving/health.py), which a fleet's
-# relays do not run: not exported yet rather than exported as zeros (docs/sharding.md).
+# figures (its lanes, its listener, its ingress's answers), and its database's gauges, which
+# each relay of a fleet refreshes on a relay alone's schedule (relay/serving/health.py,
+# `refresh_gauges`). Readiness is the replica's (`FleetMetrics`).
 PER_DATABASE = frozenset(
     PREFIX + name
     for name in (
@@ -577,6 +577,16 @@ PER_DATABASE = frozenset(
         DELIVERED.name,
         CLAIMED_BY_CLASS.name,
         MISCONFIGURED.name,
+        BACKLOG_EVENTS.name,
+        BACKLOG_RUNS.name,
+        BACKLOG_KEY_RUNS.name,
+        OLDEST_PENDING.name,
+        BLOCKED_RUNS.name,
+        FAILED_EVENTS.name,
+        OLDEST_FAILED.name,
+        BACKLOG_REFRESHED.name,
+        OUTBOX_PART_AGE.name,
+        PROBE_FAILURES.name,
         *(scraped.name for scraped in PER_LANE),
         *(scraped.name for scraped in OF_LISTENER),
     )
