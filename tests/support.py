@@ -361,3 +361,9 @@ def admission_view(*, min_rtt: float | None = 0.0414, fallen: bool = True) -> Ad
 
 # The retry budget beside it: 9.5 tokens, no retry in flight.
 TOKENS = BudgetView(9.5, 0)
+
+
+# The metrics a fleet alone serves (RELAY_DATABASES): the shipped rules may read them, and
+# tests/test_fleet.py finds them in a fleet's scrape, tests/test_monitoring.py the rest in a
+# single relay's.
+FLEET_ONLY = frozenset({"ledger_relay_database_up"})

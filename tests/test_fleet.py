@@ -40,7 +40,7 @@ from tests.conftest import unique
 from tests.faults import own_server
 from tests.faults.failover import kill
 from tests.faults.proxy import FaultProxy, via
-from tests.support import Decisions, relay_logs, wait_for
+from tests.support import FLEET_ONLY, Decisions, relay_logs, wait_for
 from tests.test_cli import RELAY, relay_run
 from tests.test_sdnotify import NotifySocket
 
@@ -375,6 +375,10 @@ async def test_a_fleets_metrics_carry_each_databases_backlog_gauges_under_its_na
     # One family per name, as for the delivery's.
     typed = [line.split()[2] for line in scraped.text.splitlines() if line.startswith("# TYPE")]
     assert len(typed) == len(set(typed)) and "ledger_relay_backlog_events" in typed
+    # What the shipped alerts read of a fleet alone (tests/test_monitoring.py leaves them out of
+    # a single relay's scrape) is in this one, for each database.
+    for name in FLEET_ONLY:
+        assert by_database(name) == {"s0": 1.0, "s1": 1.0}, name
 
 
 def closed_port() -> int:
