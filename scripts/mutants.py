@@ -672,6 +672,17 @@ MUTANTS: tuple[Mutant, ...] = (
         ci=True,
     ),
     Mutant(
+        "lane-foretold-terminal-claimed-as-ordinary",
+        "issue 50: a terminal notified while its run's ordinary claim is on the wire goes first",
+        "relay/delivery/lane.py",
+        "            if self.foretold.take(claim.run_id, now):",
+        "            if False:",
+        (
+            "tests/test_lane_targets.py::"
+            "test_a_terminal_notified_while_its_runs_ordinary_claim_is_on_the_wire_goes_first",
+        ),
+    ),
+    Mutant(
         "lane-terminal-drain-to-ordinary",
         "§4.3/§9.6: a targeted terminal drain goes to the critical lane",
         "relay/runner.py",

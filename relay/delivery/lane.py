@@ -36,6 +36,7 @@ import psycopg
 from relay import logs
 from relay.admission.retry_budget import RetryBudget
 from relay.core.policy import backoff, plan_groups
+from relay.core.recent import Recent
 from relay.delivery.complete import Completer
 from relay.delivery.deliveries import Deliveries
 from relay.delivery.discovery import Discovery
@@ -104,7 +105,13 @@ class Lane:
         # Which runs the ordinary lane claims, and how many (relay/delivery/discovery.py).
         self.discovery = Discovery(settings, store, self.holdings, self.fetched)
         # Which runs the critical lane claims by id, at once (relay/delivery/targets.py).
-        self.targets = Targets(name, store, self.holdings, self.fetched)
+        self.targets = Targets(
+            name, store, self.holdings, self.fetched, wanted_for=settings.lease_ttl
+        )
+        # Runs a terminal event targeted before this lane's claim of them came back: the claim
+        # was on the wire when the notification came (or took the run before the critical lane
+        # could), and arrives as a targeted terminal (`promote`). Kept a lease's time at most.
+        self.foretold = Recent(settings.lease_ttl)
         # Each claim's or group's delivery (its turn, the POST, the results) and the tasks they
         # run in, kept and reused, beside the ack group and the renewer that serve them; the
         # executor and the completer are built there (relay/delivery/deliveries.py).
@@ -237,7 +244,10 @@ class Lane:
         held: list[Held] = []
         reclaimed: dict[str, list[str]] = {}  # dead owner -> the runs this claim took from it
         by_class = self.fetched.by_class
+        now = anyio.current_time()
         for claim in claims:
+            if self.foretold.take(claim.run_id, now):  # targeted while its claim was on the way
+                claim = claim.promoted()
             self.fetched.claimed_runs += 1
             by_class[_class_of(claim)] += 1
             held.append(self.holdings.hold(claim))
@@ -289,9 +299,12 @@ class Lane:
 
     def promote(self, run_id: str) -> None:
         """A terminal event was committed for a run this lane holds but has not started: mark it
-        critical and widen it before its POST; a queued one is handed to the critical lane."""
+        critical and widen it before its POST; a queued one is handed to the critical lane. A
+        run it does not hold yet is foretold: its claim may be on the way, and arrives promoted."""
         held = self.inflight.get(run_id)
-        if held is not None and run_id not in self.post_turn.posting_runs:
+        if held is None:
+            self.foretold.add(run_id, anyio.current_time())
+        elif run_id not in self.post_turn.posting_runs:
             held.claim = held.claim.promoted()
             self.slot_freed.set()
             # Its waiter queues again, as critical: a single claim hands itself over to the
@@ -303,6 +316,7 @@ class Lane:
         if self.stopping or not self.deliveries.started or len(self.inflight) >= self.concurrency:
             return False
         held = self.holdings.hold(claim)
+        self.targets.claimed(claim.run_id)  # no longer wanted: drained here
         self.fetched.adopted += 1
         self.deliveries.start([held])
         return True

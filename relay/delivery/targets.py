@@ -6,7 +6,9 @@ at once, whatever the lane holds (control traffic). The claim gate does not hold
 terminal, only the lane's capacity and byte budget do (relay/delivery/holdings.py,
 `may_target`). A run it could not claim (leased elsewhere, or backing off) is wanted: targeted
 again once another replica delivers its events (`delivered_elsewhere`), unless the lane claimed
-it meanwhile (`claimed`).
+it meanwhile (`claimed`). A run is wanted for a lease's time at most (relay/core/recent.py): a
+run another replica delivered to its end is never claimed here again, and a set of such names
+would only grow.
 
 It claims through the store and returns the claims; waking the lane's loop for a drain and
 starting the claims are the lane's (relay/delivery/lane.py), and it calls nothing back in the
@@ -15,6 +17,9 @@ lane.
 
 from __future__ import annotations
 
+import anyio
+
+from relay.core.recent import Recent
 from relay.delivery.holdings import Holdings
 from relay.delivery.stats import FetchStats
 from relay.edges.store import Claim, Store
@@ -24,13 +29,15 @@ class Targets:
     """A lane's targeted drains: `add(run_id)` records a run to claim by id, `claim()` claims the
     next one and returns its claim."""
 
-    def __init__(self, lane: str, store: Store, holdings: Holdings, fetched: FetchStats) -> None:
+    def __init__(
+        self, lane: str, store: Store, holdings: Holdings, fetched: FetchStats, *, wanted_for: float
+    ) -> None:
         self.lane = lane
         self.store = store
         self.holdings = holdings  # read for the claims held and the room left, never changed here
         self.fetched = fetched  # the lane's fetch counters: its claim statements
         self.runs: list[str] = []  # runs to drain now
-        self.wanted: set[str] = set()  # terminal runs we could not claim yet
+        self.wanted = Recent(wanted_for)  # terminal runs we could not claim yet
 
     @property
     def pending(self) -> bool:
@@ -49,10 +56,7 @@ class Targets:
     def delivered_elsewhere(self, run_id: str) -> bool:
         """Another replica delivered this run's events: whether it was wanted here (no longer),
         and so is to be drained again."""
-        if run_id in self.wanted:
-            self.wanted.discard(run_id)
-            return True
-        return False
+        return self.wanted.take(run_id, anyio.current_time())
 
     async def claim(self) -> list[Claim]:
         """The next run's claim by id: none if it is leased elsewhere or backing off (it is
@@ -61,7 +65,8 @@ class Targets:
         self.fetched.claims += 1
         claims = await self.store.claim(self.lane, 1, run_id)
         if not claims and run_id not in self.holdings.inflight:
-            self.wanted.add(run_id)  # leased elsewhere or backing off; retried on delivery
+            # leased elsewhere or backing off; retried on delivery
+            self.wanted.add(run_id, anyio.current_time())
         return claims
 
     def claimed(self, run_id: str) -> None:
