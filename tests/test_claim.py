@@ -65,6 +65,13 @@ def test_promoted_is_critical_and_asks_for_a_widening_and_the_old_one_is_unchang
     assert (c.critical, c.widen) == (False, False)
 
 
+def test_promoted_with_its_terminal_already_held_asks_for_no_widening() -> None:
+    """A claim that came back after the terminal's commit holds it: a widening would be a
+    statement for nothing before its POST."""
+    promoted = claim(event(1), event(2, terminal=True)).promoted()
+    assert (promoted.targeted, promoted.critical, promoted.widen) == (True, True, False)
+
+
 def test_widened_grows_the_prefix_in_order_and_asks_for_no_more_widening() -> None:
     c = claim(event(1), event(2)).promoted()
     widened = c.widened([event(3), event(4)])

@@ -168,7 +168,7 @@ async def test_a_terminal_notified_while_its_runs_ordinary_claim_is_on_the_wire_
         lane.promote("r1")  # the runner's _on_terminal: nothing held yet
         store.answer.set()
         await wait_for(lambda: len(handed) == 1, what="r1 handed to the critical lane", timeout=10)
-        assert handed[0].run_id == "r1" and handed[0].targeted and handed[0].widen
+        assert handed[0].run_id == "r1" and handed[0].targeted and handed[0].widen  # a step event
         assert lane.stats.by_class["targeted"] == 1
         lane.stop()
         lane.post_turn.slots.release()

@@ -119,9 +119,11 @@ class Claim:
         return replace(self, trust=trust)
 
     def promoted(self) -> Claim:
-        """A terminal event was committed for the run after the claim: it is a targeted terminal
-        now, and its prefix is widened before its first POST."""
-        return replace(self, critical=True, widen=True, targeted=True)
+        """A terminal event was committed for the run: it is a targeted terminal now, and its
+        prefix is widened before its first POST, unless it holds a terminal event already (a
+        claim that came back after the commit: relay/delivery/lane.py, `foretold`)."""
+        holds_terminal = any(e.terminal for e in self.events)
+        return replace(self, critical=True, widen=not holds_terminal, targeted=True)
 
     def widened(self, more: Sequence[ClaimedEvent]) -> Claim:
         """The prefix grown by `more` (the run's events committed since,
