@@ -750,6 +750,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{FAIR}::test_retention_keeps_the_row_of_a_key_whose_run_is_being_enqueued",),
     ),
     Mutant(
+        "backlog-class-is-the-lane",
+        "issue 50 item 4: the backlog gauges name the class of runs they count, not the lane of"
+        " before issue 50 (finished runs as `critical`)",
+        "relay/serving/metrics.py",
+        "                labels = (backlog_class(row), row)",
+        "                labels = (row, row)",
+        ("tests/test_backlog_classes.py::test_a_backlog_of_finished_and_due_runs_reads_per_class",),
+    ),
+    Mutant(
         "fair-run-changes-key",
         "issue 50: a run has one key; a later event naming another is refused",
         SQL,

@@ -3,7 +3,15 @@ relay/core/classes.py): pure, on a simulated backlog and a fake clock."""
 
 from __future__ import annotations
 
-from relay.core.classes import DUE_WEIGHT, FINISHED_WEIGHT, Discovered, Shares
+from relay.core.classes import (
+    BACKLOG_CLASSES,
+    DUE_WEIGHT,
+    FINISHED_WEIGHT,
+    Discovered,
+    Shares,
+    backlog_class,
+)
+from relay.serving.ui.data import CLASSES as CLAIM_CLASSES
 
 CLAIM = 8  # runs a claim asks for
 
@@ -69,3 +77,12 @@ def test_due_runs_are_not_starved_by_an_endless_stream_of_finished_runs() -> Non
         gap = 0 if first is Discovered.DUE else gap + 1
         seen_due_within = max(seen_due_within, gap)
     assert seen_due_within <= FINISHED_WEIGHT // DUE_WEIGHT + 1, seen_due_within
+
+
+def test_the_backlogs_classes_are_the_claim_counters() -> None:
+    """Issue 50 item 4: the backlog's rows are named by the classes the claim counters count
+    (`claimed_runs_by_class_total{class}`, the page's cards), so a class's backlog and its
+    claims read side by side; an unknown row of `backlog()` keeps its own name."""
+    assert BACKLOG_CLASSES == {"critical": "finished", "ordinary": "due"}
+    assert set(BACKLOG_CLASSES.values()) <= set(CLAIM_CLASSES)
+    assert backlog_class("blocked") == "blocked"

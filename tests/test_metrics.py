@@ -156,7 +156,7 @@ def test_every_metric_of_the_table_is_exported_with_its_type_help_and_labels() -
     )
     m.requests.labels("ordinary", "2xx").inc()
     for gauge in (m.backlog_events, m.backlog_runs, m.oldest_pending):
-        gauge.labels("ordinary").set(1)
+        gauge.labels("due", "ordinary").set(1)
     m.backlog_key_runs.labels("tenant").set(1)
     families = {
         f.name: f

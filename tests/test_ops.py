@@ -880,7 +880,7 @@ def test_cli_human_tables(pg_url: str, schema: str, conn: Conn) -> None:
     )
     status = cli(env, "status")
     assert status.returncode == 0, status.stderr
-    words = ("Backlog", "finished", "open", "Blocked runs", "r1-1", "422", "Outbox size",
+    words = ("Backlog", "finished", "due", "Blocked runs", "r1-1", "422", "Outbox size",
              "Current outbox part: taking new events for",
              "outbox ", "event_failures ", "Runs with deliveries in the last minute")  # fmt: skip
     for word in words:

@@ -160,7 +160,7 @@ def status_data(**overrides: Any) -> dict[str, Any]:
 def test_status_shows_every_figure() -> None:
     got = render_status(status_data(), 200)
     for words in ("Backlog", "finished   1       2                5m 01s",
-                  "open       0       0                -", "blocked    3       5 held",
+                  "due        0       0                -", "blocked    3       5 held",
                   "1m 15s since failure", "Blocked runs (3)", "r1-2", "422", "1m 15s ago",
                   "… and 2 more (--limit)", "Live leases: none",
                   "Runs with deliveries in the last minute: 17",

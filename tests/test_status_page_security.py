@@ -388,14 +388,14 @@ def test_ui_status_reads_no_pass_over_the_pending_events(
 def test_the_lanes_totals_come_from_the_backlog_refresh_and_say_so() -> None:
     doc = {"blocked_runs": [], "count_cap": 100_000, "held_events": 100_001}
     view, html = page_of({**doc, **backlog_figures(None, 100_001, 10.0)})
-    assert view["figures"]["open.events"] == "-"
+    assert view["figures"]["due.events"] == "-"
     assert view["figures"]["backlog_age"] == "not measured yet"
     assert view["figures"]["blocked.held"] == "100,000+"
     rows = (("ordinary", 3, 2_000_000, 40.0), ("blocked", 1, 1, 5.0))
     totals = backlog_figures(Backlog(rows, 4.0), 7, 10.0)
     assert totals["backlog_age_seconds"] == 6.0
     view, html = page_of({**doc, **totals})
-    assert view["figures"]["open.events"] == "2,000,000"
+    assert view["figures"]["due.events"] == "2,000,000"
     assert view["figures"]["finished.events"] == "0"
     assert view["figures"]["backlog_age"] == "6.0 s ago"
     assert "backlog refresh" in html and "6.0 s ago" in html

@@ -216,20 +216,24 @@ def test_the_backlog_by_key_shows_producers_keys_as_text(key: str) -> None:
         assert 'id="key-rows-empty" class="empty">' in status_page(view, 3.0, 50).decode()
 
 
-def test_the_backlog_rows_are_finished_and_open_runs_not_lanes() -> None:
+def test_the_backlog_rows_are_finished_and_due_runs_not_lanes() -> None:
     """Issue 50: the backlog's runs whose terminal is pending are finished runs, prioritised
     work found by discovery, not the critical lane's control traffic: the page names the rows
-    by the runs they count, as `relay status` does, and keeps 'critical' for the lane's own
-    rate and lag. The JSON's `lanes` keep `backlog()`'s names, as `relay status --json`."""
+    by the class of runs they count (item 4: finished, due), as `relay status` and the metrics'
+    `class` label do, and keeps 'critical' for the lane's own rate and lag. The JSON's `lanes`
+    carry the class beside `backlog()`'s names, as `relay status --json`."""
     rows = (("critical", 2, 20, 5.0), ("ordinary", 3, 4, 1.0))
     data = hostile_status("r") | ui_data.backlog_figures(ui_data.Backlog(rows, 0.0), 0, 1.0)
-    assert [x["lane"] for x in data["lanes"]] == ["critical", "ordinary"]
+    assert [(x["class"], x["lane"]) for x in data["lanes"]] == [
+        ("finished", "critical"),
+        ("due", "ordinary"),
+    ]
     view = status_view(data)
     f = view["figures"]
-    assert (f["finished.runs"], f["finished.events"], f["open.runs"]) == ("2", "20", "3")
+    assert (f["finished.runs"], f["finished.events"], f["due.runs"]) == ("2", "20", "3")
     html = status_page(view, 3.0, 50).decode()
     backlog = section(html, "backlog")
-    assert "<td>finished</td>" in backlog and "<td>open</td>" in backlog
+    assert "<td>finished</td>" in backlog and "<td>due</td>" in backlog
     assert "critical" not in backlog and "ordinary" not in backlog, backlog
     lanes = section(html, "lanes")
     assert "<td>critical</td>" in lanes and 'data-k="critical.rate"' in lanes

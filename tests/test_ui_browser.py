@@ -179,14 +179,14 @@ async def test_status_page_in_chromium(
         # The figures match `relay status --json` (the traffic is done: they hold still).
         cli = await off(status_cli, pg_url, schema)
         shown = await off(lambda: {k: figure(browser, k) for k in (
-            "blocked.runs", "blocked.events", "blocked.held", "open.events",
+            "blocked.runs", "blocked.events", "blocked.held", "due.events",
             "finished.events", "expired_leases")})  # fmt: skip
         lanes = {x["lane"]: x for x in cli["lanes"]}
         assert shown == {
             "blocked.runs": str(cli["blocked"]["runs"]),
             "blocked.events": str(cli["blocked"]["events"]),
             "blocked.held": str(cli["blocked"]["held_events"]),
-            "open.events": str(lanes.get("ordinary", {}).get("events", 0)),
+            "due.events": str(lanes.get("ordinary", {}).get("events", 0)),
             "finished.events": str(lanes.get("critical", {}).get("events", 0)),
             "expired_leases": str(cli["expired_leases"]),
         }

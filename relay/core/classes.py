@@ -34,6 +34,21 @@ import enum
 FINISHED_WEIGHT = 3
 DUE_WEIGHT = 1
 
+# The backlog by class (issue 50 item 4): `backlog()` (schema/functions_ops_metrics.sql) names its
+# two rows of pending work by the lanes of before issue 50, and keeps those names so that a relay
+# of an earlier release reading the same database keeps its series. Each row counts one class of
+# the runs: 'critical' the runs whose terminal event is pending (pending_terminals), the finished
+# runs discovery finds (b); 'ordinary' every other run with pending events, class (c), due now or
+# after its backoff. A targeted terminal (a) is in the 'critical' row only for the moment before
+# the critical lane claims it: the lanes' claim counters by class show those.
+BACKLOG_CLASSES = {"critical": "finished", "ordinary": "due"}
+
+
+def backlog_class(row: str) -> str:
+    """The class a row of `backlog()` counts: `finished` or `due` (an unknown row keeps its
+    name)."""
+    return BACKLOG_CLASSES.get(row, row)
+
 
 class Discovered(enum.Enum):
     """A class of work discovery finds; its value is the claim's `p_lane` (schema/functions.sql

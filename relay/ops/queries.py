@@ -15,6 +15,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import DictRow, TupleRow, dict_row
 
+from relay.core.classes import backlog_class
 from relay.ops.format import NOT_FOUND, UNAVAILABLE, USAGE, OpsError, clean, exit_code
 from relay.settings import redact_url
 
@@ -110,8 +111,11 @@ def _fn(schema: str, name: str, args: str) -> sql.Composed:
 
 
 def status(conn: Conn, schema: str, blocked_limit: int = 100) -> dict[str, Any]:
+    """`status()`'s JSON, each row of `lanes` with the class of runs it counts beside
+    `backlog()`'s name for it (`class`: finished, due; issue 50 item 4)."""
     [rows] = _call(conn, (_fn(schema, "status", "%s"), (blocked_limit,)))
     result: dict[str, Any] = rows[0]["status"]
+    result["lanes"] = [{"class": backlog_class(x["lane"]), **x} for x in result["lanes"]]
     return result
 
 

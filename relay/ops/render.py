@@ -21,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from relay.core.classes import backlog_class
 from relay.ops.format import (
     audit,
     clean,
@@ -148,19 +149,16 @@ def table(
 # -- the operator's views ----------------------------------------------------------------------
 
 
-# The backlog's rows by the runs they count (`backlog()`'s lanes): a run whose terminal event is
-# pending is a finished one, found by discovery; the critical lane's control traffic is only the
-# terminals it is signalled (docs/design.md, "Scheduling: which run goes next"), so the row is
-# not called "critical" here. The JSON keeps `backlog()`'s names.
-BACKLOG_ROWS = {"critical": "finished", "ordinary": "open"}
-
-
 def render_status(data: Mapping[str, Any], width: int) -> str:
+    # The backlog's rows by the class of runs they count (issue 50 item 4; relay/core/classes.py),
+    # as the metrics' `class` label and the claim counters name them: a run whose terminal event
+    # is pending is a finished one, found by discovery; the critical lane's control traffic is
+    # only the terminals it is signalled (docs/design.md, "Scheduling: which run goes next"), so
+    # the row is not called "critical" here.
     lanes = []
     for lane in data["lanes"]:
         age = fmt_age(lane["oldest_pending_age_seconds"]) if lane["events"] else "-"
-        name = BACKLOG_ROWS.get(lane["lane"], lane["lane"])
-        lanes.append((name, lane["runs"], lane["events"], age))
+        lanes.append((backlog_class(lane["lane"]), lane["runs"], lane["events"], age))
     b = data["blocked"]
     since = fmt_age(b["oldest_failure_age_seconds"]) + " since failure" if b["runs"] else "-"
     lanes.append(("blocked", b["runs"], f"{b['held_events']} held", since))

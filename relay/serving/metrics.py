@@ -40,6 +40,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from relay import __version__
+from relay.core.classes import backlog_class
 from relay.edges.ingress import RequestObserver
 from relay.edges.store import AckResult
 from relay.serving import build
@@ -143,17 +144,25 @@ REQUEST_SECONDS = Instrument(
     ("lane",),
     HTTP_BUCKETS,
 )
+# The backlog by class (issue 50 item 4): `finished` runs (a terminal event pending) and `due` runs
+# (the rest), as the claim counters name them. `lane` is the class's name before issue 50, when
+# finished runs went to the critical lane (`critical` = finished, `ordinary` = due): kept on the
+# same series for one release so that rules and dashboards reading it keep working, deprecated
+# (docs/operations.md §7), removed in the next.
+BACKLOG_LABELS = ("class", "lane")
 BACKLOG_EVENTS = Instrument(
     Gauge,
     "backlog_events",
-    "Pending events of runs that are not blocked, by lane (whole database).",
-    ("lane",),
+    "Pending events of runs that are not blocked, by class: finished (a terminal event"
+    " pending), due (the rest); whole database. `lane` is deprecated (critical = finished).",
+    BACKLOG_LABELS,
 )
 BACKLOG_RUNS = Instrument(
     Gauge,
     "backlog_runs",
-    "Runs with pending events that are not blocked, by lane (whole database).",
-    ("lane",),
+    "Runs with pending events that are not blocked, by class: finished (a terminal event"
+    " pending), due (the rest); whole database. `lane` is deprecated (critical = finished).",
+    BACKLOG_LABELS,
 )
 BACKLOG_KEY_RUNS = Instrument(
     Gauge,
@@ -168,8 +177,9 @@ BACKLOG_KEYS = 10
 OLDEST_PENDING = Instrument(
     Gauge,
     "oldest_pending_age_seconds",
-    "Age of the oldest pending event of an unblocked run, by lane (database clock).",
-    ("lane",),
+    "Age of the oldest pending event of an unblocked run, by class: finished (a terminal event"
+    " pending), due (the rest); database clock. `lane` is deprecated (critical = finished).",
+    BACKLOG_LABELS,
 )
 BLOCKED_RUNS = Instrument(
     Gauge,
@@ -512,16 +522,18 @@ class Metrics:
     # -- gauges and the exposition -----------------------------------------------------------
 
     def set_backlog(self, rows: Iterable[tuple[str, int, int, float]]) -> None:
-        """Rows of `backlog()`: (lane, runs, events, oldest_age_seconds)."""
-        for lane, runs, events, oldest in rows:
-            if lane == "blocked":
+        """Rows of `backlog()`: (row, runs, events, oldest_age_seconds), each row of pending
+        work labelled with the class it counts and, deprecated, its name (`BACKLOG_LABELS`)."""
+        for row, runs, events, oldest in rows:
+            if row == "blocked":
                 self.blocked_runs.set(runs)
                 self.failed_events.set(events)
                 self.oldest_failed.set(oldest)
             else:
-                self.backlog_runs.labels(lane).set(runs)
-                self.backlog_events.labels(lane).set(events)
-                self.oldest_pending.labels(lane).set(oldest)
+                labels = (backlog_class(row), row)
+                self.backlog_runs.labels(*labels).set(runs)
+                self.backlog_events.labels(*labels).set(events)
+                self.oldest_pending.labels(*labels).set(oldest)
 
     def set_backlog_keys(self, rows: Iterable[tuple[str | None, int]]) -> None:
         """Rows of `backlog_by_key()`: (key, runs), None for the rest. Keys that left the top

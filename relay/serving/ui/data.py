@@ -19,6 +19,7 @@ import orjson
 from psycopg import sql
 
 from relay.admission.permits import Priority
+from relay.core.classes import backlog_class
 from relay.serving.ui.series import LANES, RateSeries
 
 if TYPE_CHECKING:
@@ -196,10 +197,10 @@ def claimed_by_class(lanes: Iterable[LaneView]) -> dict[str, int]:
 
 
 def backlog_figures(backlog: Backlog | None, held_events: Any, now: float) -> dict[str, Any]:
-    """`lanes`, `keys` and `blocked` shaped as `status()` shapes them, from the backlog gauges'
-    last refresh instead of a pass over the pending events per page view: exact as of
-    `backlog_age_seconds` ago (None, and every figure None, before the first refresh; `keys`
-    empty then)."""
+    """`lanes`, `keys` and `blocked` shaped as `relay status --json` shapes them (each row of
+    `lanes` with its class), from the backlog gauges' last refresh instead of a pass over the
+    pending events per page view: exact as of `backlog_age_seconds` ago (None, and every
+    figure None, before the first refresh; `keys` empty then)."""
     rows = {r[0]: r for r in backlog.rows} if backlog is not None else {}
 
     def of(lane: str) -> tuple[int | None, int | None, float | None]:
@@ -209,11 +210,12 @@ def backlog_figures(backlog: Backlog | None, held_events: Any, now: float) -> di
         return row[1], row[2], row[3]
 
     lanes = []
-    for lane in LANES:
+    for lane in LANES:  # backlog()'s names for its rows, each with the class it counts
         runs, events, oldest = of(lane)
         lanes.append(
-            {"lane": lane, "runs": runs, "events": events, "oldest_pending_age_seconds": oldest}
-        )
+            {"class": backlog_class(lane), "lane": lane, "runs": runs, "events": events,
+             "oldest_pending_age_seconds": oldest}
+        )  # fmt: skip
     runs, events, oldest = of("blocked")
     blocked = {
         "runs": runs,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from relay.ops.render import BACKLOG_ROWS
+from relay.core.classes import backlog_class
 from relay.serving.ui.assets import CSS, SCRIPT
 from relay.serving.ui.series import LANES
 from relay.serving.ui.view import (
@@ -124,10 +124,11 @@ def _rows(f: dict[str, str], names: tuple[str, ...], keys: tuple[str, ...]) -> s
     )
 
 
-# The backlog's rows by the runs they count, not by lane: a finished run found by discovery is
-# prioritised work that takes an ordinary slot, not the critical lane's control traffic
-# (docs/design.md, "Scheduling: which run goes next"), as in `relay status`.
-BACKLOG_NAMES = tuple(BACKLOG_ROWS[lane] for lane in LANES)
+# The backlog's rows by the class of runs they count, not by lane: a finished run found by
+# discovery is prioritised work that takes an ordinary slot, not the critical lane's control
+# traffic (docs/design.md, "Scheduling: which run goes next"), as in `relay status` and the
+# metrics' `class` label (issue 50 item 4).
+BACKLOG_NAMES = tuple(backlog_class(lane) for lane in LANES)
 KEYS_HEAD = ("fairness key", "runs")
 
 
@@ -164,7 +165,8 @@ def _backlog(f: dict[str, str]) -> str:
         f" pending events, spaced by its own cost), as of {_fig(f, 'backlog_age')}; other"
         " counts that grow with the backlog stop at a cap (shown with a +). Finished runs have"
         " their terminal event pending (what an outage leaves behind: prioritised work, found"
-        " by discovery, not the critical lane's), open runs have not.</p>"
+        " by discovery, not the critical lane's), due runs have not (they are due now or after"
+        " their backoff).</p>"
         '<table><thead><tr><th>runs</th><th class="n">count</th>'
         '<th class="n">pending events</th><th class="n">oldest pending</th>'
         f'</tr></thead><tbody id="backlog">{rows}</tbody></table>'
@@ -202,7 +204,7 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
         + _keys(view["keys"])
         + '<h2>Lanes</h2><p class="meta">The critical lane delivers the terminals it is'
         " signalled as they commit; the ordinary lane all the rest, finished runs in three of"
-        " every four claims while open ones wait too.</p><table><thead><tr><th>lane</th>"
+        " every four claims while due ones wait too.</p><table><thead><tr><th>lane</th>"
         '<th class="n">delivery rate</th><th class="n">lag p50</th><th class="n">lag p99</th>'
         f'</tr></thead><tbody id="lanes">{lanes}</tbody></table>'
         "<h2>Runs claimed by class (this replica, since it started)</h2>"

@@ -14,8 +14,8 @@ import shlex
 from typing import Any
 from urllib.parse import quote
 
+from relay.core.classes import backlog_class
 from relay.ops.format import clean, fmt_age, fmt_bytes, fmt_time, key_label
-from relay.ops.render import BACKLOG_ROWS
 from relay.serving.ui.data import CLASSES
 from relay.serving.ui.series import LANES
 
@@ -89,12 +89,12 @@ LIMIT_FIGURES = (
 
 def figures(data: dict[str, Any]) -> dict[str, str]:
     """Every single figure on the status page, by the key of its element. The backlog's are
-    by the runs they count (`finished.runs`, `open.events`, ...: `BACKLOG_ROWS`), the delivery
-    rate and lag by the lane that delivered (`critical.rate`, ...)."""
+    by the class of runs they count (`finished.runs`, `due.events`, ...: `backlog_class`), the
+    delivery rate and lag by the lane that delivered (`critical.rate`, ...)."""
     lanes = {x["lane"]: x for x in data.get("lanes") or []}
     out: dict[str, str] = {}
     for lane in LANES:
-        row, name = lanes.get(lane, {}), BACKLOG_ROWS[lane]
+        row, name = lanes.get(lane, {}), backlog_class(lane)
         out[f"{name}.runs"] = _num(row.get("runs", 0))
         out[f"{name}.events"] = _num(row.get("events", 0))
         out[f"{name}.oldest"] = fmt_age(row.get("oldest_pending_age_seconds", 0))
