@@ -192,15 +192,22 @@ def require_extras(settings: Settings, environ: Mapping[str, str]) -> None:
 
 
 def build_client(
-    settings: Settings, connections: int, environ: Mapping[str, str] | None = None
+    settings: Settings,
+    connections: int,
+    environ: Mapping[str, str] | None = None,
+    *,
+    announce: bool = True,
 ) -> CookielessClient:
     """A client for one lane, `connections` wide; raises ConfigError when an extra it needs
-    (`h2` for HTTP/2, `socksio` for a SOCKS proxy) is not installed."""
+    (`h2` for HTTP/2, `socksio` for a SOCKS proxy) is not installed. `announce`: log the
+    transport and keep-alive chosen once (`http_transport_chosen`), where they need saying;
+    `relay check` says them on its configuration line instead."""
     env = os.environ if environ is None else environ
     require_extras(settings, env)
     name, why = transport_for(settings, env)
     keepalive, keepalive_why = keepalive_for(settings, name)
-    if why is not None or (name == "httpx" and settings.ingress_keepalive is not False):
+    told = why is not None or (name == "httpx" and settings.ingress_keepalive is not False)
+    if announce and told:
         _say_once(
             "http_transport_chosen",
             configured=settings.http_transport,
@@ -596,10 +603,12 @@ async def open_sender(
     settings: Settings,
     connections: int,
     app: httpx.AsyncClient | httpx.AsyncBaseTransport | None = None,
+    *,
+    announce: bool = True,
 ) -> AsyncIterator[HttpxSender]:
     """A lane's sender, `connections` wide, closed on exit. An application's own client (or
     transport, e.g. an in-process ASGI app) is used as it is and left open: it is the
-    application's to close."""
+    application's to close. `announce`: as `build_client`'s."""
     if isinstance(app, httpx.AsyncClient):
         yield HttpxSender(app)
         return
@@ -607,7 +616,7 @@ async def open_sender(
         client = CookielessClient(transport=app, follow_redirects=False)
         yield HttpxSender(client)
         return
-    client = build_client(settings, connections)
+    client = build_client(settings, connections, announce=announce)
     try:
         yield HttpxSender(client)
     finally:

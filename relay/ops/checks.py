@@ -218,9 +218,10 @@ async def check_ingress(
         headers["relay-database"] = database
     try:
         # The relay's own client (relay/edges/http_client.py): its TLS trust, proxies, transport and
-        # the URL's userinfo handled as `relay run` handles them.
+        # the URL's userinfo handled as `relay run` handles them. Its transport and keep-alive
+        # are the configuration line's to say (`transport_line`), not a log line on stderr.
         with anyio.fail_after(within):
-            async with open_sender(s, 1, transport) as sender:
+            async with open_sender(s, 1, transport, announce=False) as sender:
                 reply = await sender.send(url, body, headers)
     except (TransportFailure, ConfigError, TimeoutError) as exc:
         return Result(name, False, f"{where}: {_error(exc, s)}", database)
