@@ -33,8 +33,9 @@ _HELP = {
     "http_transport": "transport under httpx's client: aiohttp (default) or httpx (its own)",
     "event_loop": "auto (default: uvloop where installed, else asyncio), uvloop or asyncio",
     "http2": "HTTP/2 to the ingress: true or false (default); httpx's transport, the http2 extra",
-    "ingress_keepalive": "true (default): a connection to the ingress carries many POSTs; false:"
-    " one POST a connection, so no late answer can be read as another POST's",
+    "ingress_keepalive": "true: a connection to the ingress carries many POSTs; false: one POST a"
+    " connection, so no late answer can be read as another POST's; auto (default): true over"
+    " aiohttp's transport, false over httpx's own (docs/security.md)",
     "ingress_proxy": "proxy for the ingress, e.g. http://proxy:3128 (default: HTTP_PROXY etc.; "
     "secret)",
     "batch_size": "events per POST (default 100)",

@@ -190,8 +190,11 @@ class Settings:
         "aiohttp"  # the transport under httpx's client (relay/edges/http_client.py)
     )
     http2: bool = False
-    # false: no connection to the ingress is used twice (issue 48 item 1: docs/security.md)
-    ingress_keepalive: bool = True
+    # Whether a connection to the ingress carries more than one POST; None (unset, or `auto`):
+    # the transport's default, on for aiohttp's and off for httpx's own, which over HTTP/1.1 may
+    # read a copy of an answer as the next POST's (relay/edges/http_client.py `keepalive_for`;
+    # issue 48 item 1, docs/security.md)
+    ingress_keepalive: bool | None = None
     event_loop: str = "auto"  # auto (uvloop where installed), uvloop or asyncio: relay/core/loop.py
     ingress_proxy: Secret | None = None  # else the environment's (HTTP_PROXY ...), read by httpx
     batch_size: int = 100
@@ -405,6 +408,16 @@ def _boolean(text: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"must be true or false, got {text!r}")
+
+
+def _keepalive(text: str) -> bool | None:
+    """`true` or `false` as set; `auto` is the unset default (None): the transport decides."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return _boolean(text)
+    except ValueError:
+        raise ValueError(f"must be true, false or auto, got {text!r}") from None
 
 
 def _proxy_url(text: str) -> Secret:
@@ -627,7 +640,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "ingress_ca_file": _ca_file,
     "http_transport": _http_transport,
     "http2": _boolean,
-    "ingress_keepalive": _boolean,
+    "ingress_keepalive": _keepalive,
     "event_loop": _choice("auto", "uvloop", "asyncio"),
     "ingress_proxy": _proxy_url,
     "batch_size": _int_in(1, 10_000),

@@ -883,6 +883,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ci=True,
     ),
     Mutant(
+        "httpx-transport-keeps-alive-by-default",
+        "§9.1 (issue 48 item 1): over httpx's own transport, unless `ingress_keepalive=true` is "
+        "set, no connection carries a second POST (h11 keeps a copy that came in the answer's "
+        "segment where no reuse check sees it)",
+        "relay/edges/http_client.py",
+        "    return False, (\n        f\"the default with httpx's own transport",
+        "    return True, (\n        f\"the default with httpx's own transport",
+        (
+            "tests/test_stale_answer.py::test_httpxs_own_transport_uses_no_connection_twice_"
+            "unless_told[asyncio-direct-http_transport=httpx]",
+        ),
+        ci=True,
+    ),
+    Mutant(
         "unframed-empty-2xx-accepted",
         "§9.1 (issue 40): an empty 2xx ended only by the connection (maybe a reset) is no ack",
         "relay/core/policy.py",

@@ -25,6 +25,7 @@ from relay.ops.checks import (
     check_ingress,
     exit_code,
     scrub,
+    transport_line,
 )
 from relay.settings import Settings, load
 from relay.tools.sink import Sink, serve_sink
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.anyio
 
 UNREACHABLE_DB = "postgresql://nobody@127.0.0.1:1/none"
 UNREACHABLE_HTTP = "http://127.0.0.1:9"
+URL = UNREACHABLE_HTTP + "/runs/{run_id}"
 
 
 async def check(env: dict[str, str], *args: str) -> tuple[int, list[str]]:
@@ -95,6 +97,45 @@ async def test_the_event_loop_setting_chooses_the_loop_the_checks_run_on(
     _, lines = await check(env)
     assert marks(lines)["configuration"] == "ok", lines
     assert lines[0].endswith(f" event_loop={running}"), lines
+
+
+@pytest.mark.parametrize(
+    ("variables", "said"),
+    [
+        ({}, "transport=aiohttp keepalive=on (the default: aiohttp's"),
+        (
+            {"RELAY_HTTP_TRANSPORT": "httpx"},
+            "transport=httpx keepalive=off (the default with httpx's own transport",
+        ),
+        (
+            {"RELAY_HTTP_TRANSPORT": "httpx", "RELAY_INGRESS_KEEPALIVE": "false"},
+            "transport=httpx keepalive=off (ingress_keepalive=false",
+        ),
+    ],
+)
+async def test_the_configuration_line_names_the_keepalive_in_force(
+    variables: dict[str, str], said: str
+) -> None:
+    """The configuration line says which transport carries the POSTs and whether a connection
+    carries more than one, and why, as `relay run` decides (issue 48 item 1); the client's own
+    line about it (`http_transport_chosen`) is not said on stderr as well (`check` holds it
+    empty)."""
+    env = relay_env(UNREACHABLE_DB, "relay", UNREACHABLE_HTTP, **variables)
+    _, lines = await check(env)
+    assert said in lines[0], lines
+
+
+def test_over_httpxs_own_transport_keepalive_is_off_unless_set() -> None:
+    """What the configuration line says over httpx's own transport: off by default, naming the
+    hazard; on when set, naming it too; and `http2=true` takes that transport."""
+    for flags, said in [
+        ({"http_transport": "httpx"}, "keepalive=off (the default with httpx's own transport"),
+        ({"http2": "true"}, "transport=httpx keepalive=off"),
+        ({"http_transport": "httpx", "ingress_keepalive": "true"}, "keepalive=on (ingress_kee"),
+    ]:
+        cfg = load({"database_url": UNREACHABLE_DB, "ingress_url": URL, **flags}, {})
+        line = transport_line(cfg)
+        assert said in line and "docs/security.md" in line, line
 
 
 async def test_a_bad_event_loop_is_refused_by_name() -> None:

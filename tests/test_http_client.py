@@ -91,9 +91,11 @@ async def test_an_answer_written_twice_is_not_read_as_the_next_posts(
     """The ingress writes its first answer twice (a bug on its side), then refuses the next
     POST. With the default transport the next POST reads the 503 it was given, straight to the
     ingress and through a proxy's CONNECT tunnel (a byte pipe, where a stale answer would pass
-    as well). httpx's own transport read the stale 200 here (issue 40)."""
+    as well). httpx's own transport read the stale 200 here (issue 40). Keep-alive is set on,
+    as the default transport's is unset: its check at reuse is under test, not the default that
+    keeps httpx's own transport from reusing a connection (tests/test_stale_answer.py)."""
     twice = OK_EMPTY + OK_EMPTY
-    flags: dict[str, str] = {}
+    flags: dict[str, str] = {"ingress_keepalive": "true"}
     server_ctx = None
     if route == "connect":
         ca, cert = tls

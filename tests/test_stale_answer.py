@@ -9,17 +9,22 @@ kept-alive connection; it refuses every later POST (`503`). Run b's POST must re
 (aiohttp) reused the connection holding the copy: b read `200`, the ingress never received b's
 body, and b was marked delivered. httpx's own transport checks an idle connection at reuse.
 
+These set `ingress_keepalive=true`: the check at reuse is what they test, on either transport.
+
 Also: an ingress that closes its side after an answer without saying so (a connection at EOF
 is not reused), and `ingress_keepalive=false`, which uses no connection twice, against the copy
 that comes in the same segment as the answer (which httpx's own transport reads as the next
-POST's at keep-alive: docs/security.md).
+POST's at keep-alive: docs/security.md). Over httpx's own transport keep-alive is off unless
+set, for that copy (`keepalive_for`): a run after it stays pending, on every route, whether
+that transport was chosen or `http2=true` took it; set on, the start warning names the hazard.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -31,8 +36,10 @@ import psycopg
 import pytest
 import trustme
 
-from relay.edges.http_client import open_sender, proxy_routes
+from relay.edges import http_client
+from relay.edges.http_client import keepalive_for, open_sender, proxy_routes, transport_for
 from relay.runner import Relay
+from relay.settings import ConfigError
 from tests.servers import TaskServer
 from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
 from tests.test_http_client import OK_EMPTY, REFUSED, client_settings, settled
@@ -163,6 +170,7 @@ async def test_a_run_is_not_acked_by_an_answer_written_again_while_idle(
             schema,
             url,
             http_transport=http_transport,
+            ingress_keepalive="true",  # the reuse check is under test, on either transport
             concurrency="1",
             critical_concurrency="1",
             max_backoff="60s",
@@ -191,7 +199,7 @@ async def test_the_next_post_reads_its_own_answer_after_a_late_copy(
     out on a connection without the copy (a new one) and reads its own `503`."""
     late = LateCopy()
     async with routed(route, late, monkeypatch, tmp_path) as (ingress, url, flags):
-        cfg = client_settings(http_transport=http_transport, **flags)
+        cfg = client_settings(http_transport=http_transport, ingress_keepalive="true", **flags)
         async with open_sender(cfg, 1) as sender:
             first = await sender.send(url + "/runs/a", b"{}", {})
             await copy_arrived(late)
@@ -217,7 +225,8 @@ async def test_a_connection_the_ingress_closed_while_idle_is_not_reused(
 
     ingress = RawIngress(answer_then_close)
     async with ingress.serving() as url:
-        async with open_sender(client_settings(http_transport=http_transport), 1) as sender:
+        cfg = client_settings(http_transport=http_transport, ingress_keepalive="true")
+        async with open_sender(cfg, 1) as sender:
             assert (await sender.send(url + "/runs/a", b"{}", {})).status == 200
             await wait_for(lambda: closed.is_set(), what="the ingress closed")
             await loop_turns()  # the end crosses the loopback into the client's connection
@@ -246,6 +255,139 @@ async def test_without_keepalive_no_copy_is_read_even_in_the_answers_segment(
             second = await sender.send(url + "/runs/b", b"{}", {})
     assert (second.status, second.body) == (503, b"busy"), "the copy was read as b's answer"
     assert len(ingress.requests) == 2
+
+
+# The ways the POSTs go over httpx's own transport: chosen, or taken by `http2=true` (HTTP/2 is
+# offered by TLS ALPN only, and these ingresses take HTTP/1.1, so it is spoken). A SOCKS proxy is
+# the third (`test_keepalive_follows_the_transport_unless_set`): socksio is not installed here.
+HTTPX_WAYS = {"http_transport=httpx": {"http_transport": "httpx"}, "http2=true": {"http2": "true"}}
+
+
+def copy_in_the_answers_segment() -> Callable[[asyncio.StreamWriter], Awaitable[None]]:
+    """The first POST's `200` written twice in one write (one segment), every later POST `503`."""
+    first_twice = [OK_EMPTY + OK_EMPTY]
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(first_twice.pop() if first_twice else REFUSED)
+        await writer.drain()
+
+    return answer
+
+
+@pytest.fixture
+def said_afresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's once-only lines said again in this test (each is said once a process)."""
+    monkeypatch.setattr(http_client, "_said", set())
+
+
+def transport_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.getMessage() == "http_transport_chosen"]
+
+
+@pytest.mark.parametrize("way", HTTPX_WAYS)
+@pytest.mark.parametrize("route", ROUTES)
+async def test_httpxs_own_transport_uses_no_connection_twice_unless_told(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    said_afresh: None,
+    route: str,
+    way: str,
+) -> None:
+    """End to end over httpx's own transport, `ingress_keepalive` unset: run a's `200` comes
+    twice in one segment, where h11 keeps the copy out of reach of httpcore's reuse check; run
+    b must reach the ingress on a connection of its own and be refused, so it stays pending.
+    Red with the rule planted out (keep-alive on whatever the transport): b read the copy, the
+    ingress saw one POST, and b was marked delivered. The start line says keep-alive is off
+    and why."""
+    caplog.set_level("WARNING", logger="relay")
+    async with routed(route, copy_in_the_answers_segment(), monkeypatch, tmp_path) as (
+        ingress,
+        url,
+        flags,
+    ):
+        cfg = settings(
+            pg_url,
+            schema,
+            url,
+            concurrency="1",
+            critical_concurrency="1",
+            max_backoff="60s",
+            **HTTPX_WAYS[way],
+            **flags,
+        )
+        async with Relay(cfg).running():
+            enqueue_some(conn, schema, 1, 1, prefix="a")
+            await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="a")
+            enqueue_some(conn, schema, 1, 1, prefix="b")
+            await wait_for(lambda: settled(conn, schema, "b0"), what="b rescheduled or acked")
+    rows = conn.execute(
+        q(schema, "select run_id, state from {s}.events order by run_id")
+    ).fetchall()
+    assert rows == [("a0", "delivered"), ("b0", "pending")], (rows, ingress.requests)
+    posted = [urlsplit(target).path.split("/")[2] for _, target in ingress.requests]
+    assert posted[:2] == ["a0", "b0"], "the ingress never received b's body"
+    told = transport_lines(caplog)
+    assert told, "no line says which keep-alive is in force"
+    fields = told[0].fields  # type: ignore[attr-defined]
+    assert (fields["using"], fields["keepalive"]) == ("httpx", "off"), fields
+    assert "docs/security.md" in fields["keepalive_why"], fields
+
+
+@pytest.mark.parametrize("way", HTTPX_WAYS)
+async def test_keepalive_set_on_httpxs_own_transport_is_warned_and_reads_the_copy(
+    caplog: pytest.LogCaptureFixture, said_afresh: None, way: str
+) -> None:
+    """`ingress_keepalive=true` set over httpx's own transport keeps connections, and the start
+    warning names what that costs: the documented hazard, which shows (the copy that came in
+    the answer's segment is read as the next POST's, which the ingress refused). Should
+    httpcore ever drop h11's leftover bytes at reuse, this turns red: docs/security.md, the
+    default of `keepalive_for` and this test then change together."""
+    caplog.set_level("WARNING", logger="relay")
+    ingress = RawIngress(copy_in_the_answers_segment())
+    async with ingress.serving() as url:
+        cfg = client_settings(ingress_keepalive="true", **HTTPX_WAYS[way])
+        async with open_sender(cfg, 1) as sender:
+            assert (await sender.send(url + "/runs/a", b"{}", {})).status == 200
+            second = await sender.send(url + "/runs/b", b"{}", {})
+    # httpcore writes b's whole request, then finds the copy already parsed: the ingress refused
+    # b, and b read a's 200.
+    assert (second.status, len(ingress.requests)) == (200, 2), "the documented hazard is gone"
+    told = transport_lines(caplog)
+    assert len(told) == 1 and told[0].levelname == "WARNING", told
+    fields = told[0].fields  # type: ignore[attr-defined]
+    assert fields["keepalive"] == "on", fields
+    assert "twice in one segment" in fields["keepalive_why"], fields
+    assert "docs/security.md" in fields["keepalive_why"], fields
+
+
+def test_keepalive_follows_the_transport_unless_set() -> None:
+    """Unset (or `auto`), keep-alive is on over aiohttp's transport and off over httpx's own,
+    however it was reached: chosen, by its retired name, `http2=true`, a SOCKS proxy in the
+    setting or the environment. Set, it is as set, over either."""
+
+    def decided(environ: Mapping[str, str] | None = None, **flags: str) -> bool:
+        cfg = client_settings(**flags)
+        return keepalive_for(cfg, transport_for(cfg, environ or {})[0])[0]
+
+    assert decided() and decided(ingress_keepalive="auto")
+    assert decided(http_transport="aiohttp") and decided(http_transport="httptools")
+    assert decided({"HTTP_PROXY": "http://p:1"})
+    assert not decided(http_transport="httpx") and not decided(http_transport="httpcore")
+    assert not decided(http2="true") and not decided(
+        http_transport="httpx", ingress_keepalive="auto"
+    )
+    assert not decided(ingress_proxy="socks5://p:1")
+    assert not decided({"ALL_PROXY": "socks5h://p:1"})
+    for transport in ("aiohttp", "httpx"):
+        assert decided(http_transport=transport, ingress_keepalive="true")
+        assert not decided(http_transport=transport, ingress_keepalive="false")
+    assert client_settings().ingress_keepalive is None
+    with pytest.raises(ConfigError, match="true, false or auto"):
+        client_settings(ingress_keepalive="sometimes")
 
 
 def test_proxy_routes_are_httpxs_rules(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,8 @@ choosing (`http_transport`):
 - `httpx`: httpx's own transport (httpcore). The only one that speaks HTTP/2, so `http2=true`
   uses it, and so does a SOCKS proxy (aiohttp takes HTTP proxies only). It drops a connection on
   which bytes arrived while idle, but over HTTP/1.1 reads a copy that came in the same segment as
-  the answer as the next POST's (docs/security.md).
+  the answer as the next POST's (docs/security.md), so under it no connection carries a second
+  POST unless `ingress_keepalive=true` is set (`keepalive_for`).
 
 `ingress_keepalive=false` uses no connection twice, on either: what no reuse check can see (an
 answer arriving after it) cannot be read as another POST's.
@@ -65,6 +66,12 @@ MAX_BODY = 64 * 1024
 READ_LIMIT = MAX_BODY + 1  # what is read of an answer: one byte more than is kept
 KEEPALIVE_EXPIRY = 5.0  # seconds an idle connection is kept: httpx's default
 TRANSPORTS = ("aiohttp", "httpx")
+# What httpx's own transport does over HTTP/1.1 keep-alive that no public API lets the relay
+# prevent (`keepalive_for`): said where keep-alive is chosen or refused.
+KEEPALIVE_HAZARD = (
+    "over HTTP/1.1 reads an answer the ingress wrote twice in one segment as the next POST's "
+    "(docs/security.md)"
+)
 # `http_transport` values of earlier releases, and what now does their job. They still start (a
 # rolling upgrade never fails on a setting it used to accept), with one warning.
 RETIRED_TRANSPORTS = {"httptools": "aiohttp", "httpcore": "httpx"}
@@ -135,6 +142,28 @@ def transport_for(settings: Settings, environ: Mapping[str, str]) -> tuple[str, 
     return name, None
 
 
+def keepalive_for(settings: Settings, transport: str) -> tuple[bool, str]:
+    """Whether a connection to the ingress carries more than one POST under `transport` (the one
+    `transport_for` chose), and why, as the `http_transport_chosen` line and `relay check` say
+    it. `ingress_keepalive` as the operator set it; unset, on with aiohttp's transport, whose
+    connector hands out no connection holding bytes (`FreshConnector`), and off with httpx's
+    own: over HTTP/1.1 (chosen, or `http2=true` towards an ingress that does not take HTTP/2, or
+    a SOCKS proxy) it reads a copy that came in the answer's segment as the next POST's, held in
+    h11's buffer where no check and no public API reaches (issue 48 item 1, docs/security.md)."""
+    if settings.ingress_keepalive is False:
+        return False, "ingress_keepalive=false: one POST a connection"
+    if transport != "httpx":
+        if settings.ingress_keepalive:
+            return True, "ingress_keepalive=true"
+        return True, "the default: aiohttp's transport reuses no connection holding bytes"
+    if settings.ingress_keepalive:
+        return True, f"ingress_keepalive=true: {KEEPALIVE_HAZARD}"
+    return False, (
+        f"the default with httpx's own transport, which {KEEPALIVE_HAZARD}; "
+        "ingress_keepalive=true keeps connections with that hazard"
+    )
+
+
 def configured_proxies(settings: Settings, environ: Mapping[str, str]) -> list[str]:
     """The proxies the client may use: `ingress_proxy` alone when it is set (httpx then reads no
     variable), else the variables httpx's `trust_env` reads (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY,
@@ -163,19 +192,34 @@ def require_extras(settings: Settings, environ: Mapping[str, str]) -> None:
 
 
 def build_client(
-    settings: Settings, connections: int, environ: Mapping[str, str] | None = None
+    settings: Settings,
+    connections: int,
+    environ: Mapping[str, str] | None = None,
+    *,
+    announce: bool = True,
 ) -> CookielessClient:
     """A client for one lane, `connections` wide; raises ConfigError when an extra it needs
-    (`h2` for HTTP/2, `socksio` for a SOCKS proxy) is not installed."""
+    (`h2` for HTTP/2, `socksio` for a SOCKS proxy) is not installed. `announce`: log the
+    transport and keep-alive chosen once (`http_transport_chosen`), where they need saying;
+    `relay check` says them on its configuration line instead."""
     env = os.environ if environ is None else environ
     require_extras(settings, env)
     name, why = transport_for(settings, env)
-    if why is not None:
-        _say_once("http_transport_chosen", configured=settings.http_transport, using=name, why=why)
-    # `ingress_keepalive=false`: no idle connection is kept, so none is used for a second POST.
+    keepalive, keepalive_why = keepalive_for(settings, name)
+    told = why is not None or (name == "httpx" and settings.ingress_keepalive is not False)
+    if announce and told:
+        _say_once(
+            "http_transport_chosen",
+            configured=settings.http_transport,
+            using=name,
+            why=why or "as configured",
+            keepalive="on" if keepalive else "off",
+            keepalive_why=keepalive_why,
+        )
+    # Keep-alive off: no idle connection is kept, so none is used for a second POST.
     limits = httpx.Limits(
         max_connections=connections,
-        max_keepalive_connections=connections if settings.ingress_keepalive else 0,
+        max_keepalive_connections=connections if keepalive else 0,
         keepalive_expiry=KEEPALIVE_EXPIRY,
     )
     # TLS is verified always: against `ingress_ca_file` when given, else the operating system's
@@ -186,7 +230,7 @@ def build_client(
     # is built by httpx, proxies read by its `trust_env` (given a transport, it reads none).
     try:
         direct, mounts = (
-            aiohttp_routes(settings, verify, limits, connections)
+            aiohttp_routes(settings, verify, limits, connections, keepalive=keepalive)
             if name == "aiohttp"
             else (None, None)
         )
@@ -207,7 +251,12 @@ def build_client(
 
 
 def aiohttp_routes(
-    settings: Settings, verify: ssl.SSLContext, limits: httpx.Limits, connections: int
+    settings: Settings,
+    verify: ssl.SSLContext,
+    limits: httpx.Limits,
+    connections: int,
+    *,
+    keepalive: bool,
 ) -> tuple[AiohttpTransport, dict[str, httpx.AsyncBaseTransport | None]]:
     """The default transport's routes, every one built here over an aiohttp session of the
     relay's own (`aiohttp_session`: its connector hands out no connection holding bytes, its jar
@@ -215,7 +264,6 @@ def aiohttp_routes(
     proxies take elsewhere (`proxy_routes`; None: straight). Left to httpx-aiohttp, a proxied
     route got a session it built itself, which neither reached (issue 48 item 1). Raises
     ValueError for a proxy URL httpx does not take."""
-    keepalive = settings.ingress_keepalive
 
     def route(proxy: str | None) -> AiohttpTransport:
         return AiohttpTransport(
@@ -555,10 +603,12 @@ async def open_sender(
     settings: Settings,
     connections: int,
     app: httpx.AsyncClient | httpx.AsyncBaseTransport | None = None,
+    *,
+    announce: bool = True,
 ) -> AsyncIterator[HttpxSender]:
     """A lane's sender, `connections` wide, closed on exit. An application's own client (or
     transport, e.g. an in-process ASGI app) is used as it is and left open: it is the
-    application's to close."""
+    application's to close. `announce`: as `build_client`'s."""
     if isinstance(app, httpx.AsyncClient):
         yield HttpxSender(app)
         return
@@ -566,7 +616,7 @@ async def open_sender(
         client = CookielessClient(transport=app, follow_redirects=False)
         yield HttpxSender(client)
         return
-    client = build_client(settings, connections)
+    client = build_client(settings, connections, announce=announce)
     try:
         yield HttpxSender(client)
     finally:

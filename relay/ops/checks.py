@@ -27,6 +27,7 @@ of the configured secrets.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -42,7 +43,13 @@ from psycopg import sql
 from relay.core import loop
 from relay.core.policy import Outcome, classify
 from relay.databases import DEFAULT_NAME, Database, for_database
-from relay.edges.http_client import TransportFailure, open_sender, sent_secrets
+from relay.edges.http_client import (
+    TransportFailure,
+    keepalive_for,
+    open_sender,
+    sent_secrets,
+    transport_for,
+)
 from relay.edges.ingress import USER_AGENT, render_group_url, render_url, sign
 from relay.edges.store import CONNECT_KWARGS
 from relay.maintenance.migrate import code_version, read_version, version_problem
@@ -211,9 +218,10 @@ async def check_ingress(
         headers["relay-database"] = database
     try:
         # The relay's own client (relay/edges/http_client.py): its TLS trust, proxies, transport and
-        # the URL's userinfo handled as `relay run` handles them.
+        # the URL's userinfo handled as `relay run` handles them. Its transport and keep-alive
+        # are the configuration line's to say (`transport_line`), not a log line on stderr.
         with anyio.fail_after(within):
-            async with open_sender(s, 1, transport) as sender:
+            async with open_sender(s, 1, transport, announce=False) as sender:
                 reply = await sender.send(url, body, headers)
     except (TransportFailure, ConfigError, TimeoutError) as exc:
         return Result(name, False, f"{where}: {_error(exc, s)}", database)
@@ -314,7 +322,7 @@ async def run_checks(
         "configuration",
         True,
         f"schema={s.schema} ingress={redact_url(s.ingress_url)} replica={s.replica_id}"
-        f" event_loop={loop.running()}{note}",
+        f" {transport_line(s)} event_loop={loop.running()}{note}",
     )
     if databases is None:
         stores = await check_store(s, within)
@@ -324,6 +332,15 @@ async def run_checks(
             results = await check_store(for_database(s, d), within)
             stores += [replace(r, database=d.name) for r in results]
     return [config, *stores, *await check_ingresses(s, within, databases)]
+
+
+def transport_line(s: Settings) -> str:
+    """The transport that will carry the POSTs and the keep-alive in force, and why (issue 48
+    item 1: over httpx's own transport keep-alive is off unless set), as `relay run` decides
+    them (relay/edges/http_client.py)."""
+    name, _ = transport_for(s, os.environ)
+    keepalive, why = keepalive_for(s, name)
+    return f"transport={name} keepalive={'on' if keepalive else 'off'} ({why})"
 
 
 async def check_store(s: Settings, within: float) -> list[Result]:

@@ -313,10 +313,12 @@ async def _e2e_run(
 # and the fixed POST limit (each lane's own concurrency, the relay before issue 42). Reps rotate
 # which goes first, so all see the same machine, and the targets (main.py) compare like with
 # like: issue 42's "a fast ingress loses nothing to the limit" is the median of the paired
-# reps' e2e_eps / e2e_eps_fixed (`e2e_adaptive_ratio`).
+# reps' e2e_eps / e2e_eps_fixed (`e2e_adaptive_ratio`). httpx's own transport keeps connections
+# as the default's does (`ingress_keepalive=true`; unset, it would connect per POST, issue 48
+# item 1): the sink answers each POST once, and the transports are compared, not a connect.
 E2E_MODES: dict[str, dict[str, str]] = {
     "e2e_eps": {},
-    "e2e_eps_httpx": {"http_transport": "httpx"},
+    "e2e_eps_httpx": {"http_transport": "httpx", "ingress_keepalive": "true"},
     "e2e_eps_fixed": {"post_limit": "fixed"},
 }
 MODE_NAMES = {"default": "e2e_eps", "httpx": "e2e_eps_httpx", "fixed": "e2e_eps_fixed"}
