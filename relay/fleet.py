@@ -96,7 +96,8 @@ class Member:
         listener = relay.view.listener() if relay is not None else None
         error, since = self.set_aside, self.since
         if state is State.SERVING and listener is not None and not listener.up:
-            error = listener.error or "its LISTEN connection is not connected"
+            text = logs.redact_text(listener.error or "its LISTEN connection is not connected")
+            error = "lost: " + scrub(text, passwords_in(self.database.url.reveal()))
             since = listener.down_since or since
         status = relay.status if relay is not None else None
         return DatabaseState(

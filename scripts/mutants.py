@@ -1473,6 +1473,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{FLEET_PAGE}::test_a_fleets_page_shows_every_database_a_down_one_unmistakably",),
     ),
     Mutant(
+        "fleet-page-lost-server-shown-up",
+        "issue 51 item 4: a database served whose server is lost shows down on the fleet's page,"
+        " as ledger_relay_database_up reads it",
+        "relay/fleet.py",
+        "            state.value,\n            self.up,",
+        "            state.value,\n            state is State.SERVING,",
+        (
+            f"{FLEET_PAGE}::test_a_database_whose_server_is_lost_while_served_shows_down_until_it_is"
+            "_back",
+        ),
+    ),
+    Mutant(
         "fleet-page-ungated",
         "issue 32 item 3 in a fleet: ui_token guards the fleet's page as a relay alone's",
         "relay/serving/ui/fleet.py",

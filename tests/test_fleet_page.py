@@ -20,6 +20,7 @@ import pytest
 
 from relay.serving.ui.page import run_page, status_page
 from relay.serving.ui.view import run_href, status_view
+from tests.faults.proxy import FaultProxy, via
 from tests.support import wait_for
 from tests.test_cli import RELAY
 from tests.test_fleet import (
@@ -36,6 +37,7 @@ from tests.test_fleet_cli import env_of
 pytestmark = pytest.mark.anyio
 
 TOKEN = "fleet-page-token-0123456789"
+DOWN_S1 = '<p class="banner" id="down">1 of 2 databases DOWN: s1</p>'
 
 
 def reported(url: str, owner: str) -> dict[str, Any] | None:
@@ -179,6 +181,57 @@ async def test_a_fleets_page_shows_every_database_a_down_one_unmistakably(
     assert down_json.json()["up"] is False and down_json.json()["database"] == "gone"
     assert unknown.status_code == 404
     assert unnamed_run.status_code == 404 and b"?database=NAME" in unnamed_run.content
+
+
+async def test_a_database_whose_server_is_lost_while_served_shows_down_until_it_is_back(
+    shards: dict[str, str],  # noqa: F811 - the fixture
+    pg_url: str,
+) -> None:
+    """s1's server lost once served (every connection through its proxy cut, new ones refused):
+    the list shows it DOWN, with an error and since when, whether its relay rides the loss out
+    or is set aside; once its server answers again it is up and the banner is gone."""
+    host, port = urlsplit(pg_url).hostname, urlsplit(pg_url).port
+    assert host is not None and port is not None
+    metrics = f"127.0.0.1:{closed_port()}"
+    nowhere = f"http://127.0.0.1:{closed_port()}"
+    async with anyio.create_task_group() as proxies:
+        proxy = FaultProxy(host, port, "s1")
+        await proxy.start(proxies)
+        urls = {"s0": shards["s0"], "s1": via(shards["s1"], proxy.port)}
+        f = fleet(urls, nowhere, {"RELAY_METRICS_ADDR": metrics}, max_retry=0.5)
+        async with (
+            anyio.create_task_group() as tg,
+            httpx.AsyncClient(base_url=f"http://{metrics}") as http,
+        ):
+            await tg.start(f.run)
+
+            async def listed() -> dict[str, dict[str, Any]]:
+                answer = await http.get("/api/status")
+                return {d["database"]: d for d in answer.json()["databases"]}
+
+            async def up(name: str, want: bool) -> bool:
+                return (await listed())[name]["up"] is want
+
+            await wait_for(lambda: up("s1", True), what="s1 up")
+            proxy.target = (host, closed_port())  # its server is gone
+            proxy.reset()
+
+            seen: list[str] = []
+
+            async def shown_down() -> bool:
+                seen.append((await http.get("/")).text)
+                return DOWN_S1 in seen[-1]
+
+            await wait_for(shown_down, what="s1 shown DOWN")
+            proxy.target = (host, port)  # back
+            await wait_for(lambda: up("s1", True), what="s1 up again")
+            healed = (await http.get("/")).text
+            f.stop()
+        proxies.cancel_scope.cancel()
+    row = seen[-1].split('<tr id="database-s1" class="down">')[1].split("</tr>")[0]
+    assert "<td>DOWN</td>" in row and " ago)" in row, row  # since when
+    assert any(why in row for why in ("lost: ", "unreachable: ", "failed: ")), row
+    assert '<p class="allup" id="down">All 2 databases are up.</p>' in healed
 
 
 async def test_a_fleets_page_is_guarded_by_ui_token_as_a_relay_alones(
