@@ -5,7 +5,8 @@
 lock, lanes and retention, all in one task group. What is the replica's and not a database's is
 built once here and handed to each relay (`Shared`): the adaptive limit's permits, the retry
 budget, the event loop's lateness the limit tolerates, and the tracer; the fleet runs their
-background tasks, answers `metrics_addr` and flushes the tracer at the end.
+background tasks, answers `metrics_addr` (its probes, its metrics, and its status page over every
+database: relay/serving/ui/fleet.py) and flushes the tracer at the end.
 
 A database is on its own: before its relay is built, one connection reads its schema version
 (`probe`). A database that does not answer, refuses, is at a schema version this release cannot

@@ -431,7 +431,8 @@ def fleet_route(
     while the process runs, ready while it serves and until a stop is asked for, whatever each
     database does (one database down must not take the replica out of service, nor restart it:
     Sequin #2154's lesson); `databases` (name -> state) is in the /readyz answer; /metrics is
-    `scrape()`'s (`ledger_relay_database_up`). No status page yet (docs/sharding.md)."""
+    `scrape()`'s (`ledger_relay_database_up`). The status page's paths are the fleet's page's
+    (relay/serving/ui/fleet.py), asked before this."""
     if method not in ("GET", "HEAD"):
         return 405, "text/plain; charset=utf-8", b"method not allowed\n"
     if path == "/healthz":
