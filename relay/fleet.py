@@ -5,7 +5,8 @@
 lock, lanes and retention, all in one task group. What is the replica's and not a database's is
 built once here and handed to each relay (`Shared`): the adaptive limit's permits, the retry
 budget, the event loop's lateness the limit tolerates, and the tracer; the fleet runs their
-background tasks, answers `metrics_addr` and flushes the tracer at the end.
+background tasks, answers `metrics_addr` (its probes, its metrics, and its status page over every
+database: relay/serving/ui/fleet.py) and flushes the tracer at the end.
 
 A database is on its own: before its relay is built, one connection reads its schema version
 (`probe`). A database that does not answer, refuses, is at a schema version this release cannot
@@ -22,9 +23,10 @@ from __future__ import annotations
 import enum
 import os
 import random
+import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -43,7 +45,8 @@ from relay.pools import pool_size
 from relay.runner import Relay, shared_for
 from relay.serving import health, sdnotify
 from relay.serving.metrics import FleetMetrics, Metrics
-from relay.serving.ui.web import Request, Response
+from relay.serving.ui.fleet import DatabaseState, FleetPage
+from relay.serving.ui.web import Request, Response, serves_without_token
 from relay.settings import Settings, passwords_in, scrub
 
 FIRST_RETRY = 0.5  # seconds before a set-aside database is tried again, doubling
@@ -66,6 +69,7 @@ class Member:
     database: Database
     relay: Relay | None = None
     set_aside: str | None = None  # the reason, while set aside
+    since: float = field(default_factory=time.time)  # wall clock: when it entered its state
 
     @property
     def up(self) -> bool:
@@ -84,6 +88,28 @@ class Member:
         if self.relay is not None and self.relay.view.started():
             return State.SERVING
         return State.STARTING
+
+    def page_state(self) -> DatabaseState:
+        """The database as the status page shows it (relay/serving/ui/fleet.py): a database
+        served whose LISTEN connection is down is down since that connection's first failure,
+        with its error; one set aside since it was, with the reason."""
+        state, relay = self.state, self.relay
+        listener = relay.view.listener() if relay is not None else None
+        error, since = self.set_aside, self.since
+        if state is State.SERVING and listener is not None and not listener.up:
+            text = logs.redact_text(listener.error or "its LISTEN connection is not connected")
+            error = "lost: " + scrub(text, passwords_in(self.database.url.reveal()))
+            since = listener.down_since or since
+        status = relay.status if relay is not None else None
+        return DatabaseState(
+            self.database.name,
+            state.value,
+            self.up,
+            error=error,
+            since=since,
+            page=status.page if status is not None else None,
+            backlog=status.gauges.backlog if status is not None else None,
+        )
 
 
 async def probe(settings: Settings) -> str | None:
@@ -163,6 +189,15 @@ class Fleet:
         # Set once a database is served, or on a stop: `startup_timeout` no longer applies.
         self._startup_over = anyio.Event()
         shared = self.shared
+        self.page = FleetPage(
+            lambda: [m.page_state() for m in self.members],
+            replica_id=settings.replica_id,
+            token=settings.ui_token,
+            open_without_token=serves_without_token(
+                health.split_addr(settings.metrics_addr or ":0")[0]
+            ),
+            refresh_seconds=health.page_refresh(settings),
+        )
         self.metrics = FleetMetrics(
             self.up,
             relays=self.relay_metrics,
@@ -273,13 +308,14 @@ class Fleet:
         relay = Relay(
             settings, database=name, pool_sizes=self.pool_sizes.get(name), **self._relay_options
         )
-        member.relay, member.set_aside = relay, None
+        member.relay, member.set_aside, member.since = relay, None, time.time()
         try:
             if self._stop.is_set():  # asked between the probe and now: `stop` missed this relay
                 return None
             async with anyio.create_task_group() as tg:
                 await tg.start(relay.run)  # its lanes run: the fleet has served
                 self._startup_over.set()
+                member.since = time.time()
         except Exception as exc:  # never the process's end: the database is set aside
             if self._stop.is_set():  # a stop while it started: it returned without serving
                 return None
@@ -324,11 +360,14 @@ class Fleet:
         """One line when a database is set aside; while it stays aside, its retries at debug."""
         if member.set_aside is None:
             logs.warning("database_set_aside", reason=reason, retry_in=round(delay, 2))
+            member.since = time.time()  # down since: its retries are the same outage
         else:
             logs.debug("database_still_set_aside", reason=reason, retry_in=round(delay, 2))
         member.set_aside = reason
 
     async def _respond(self, request: Request) -> Response:
+        if self.page.handles(request.path):
+            return await self.page.handle(request)
         accept = request.headers.get("accept", "")
         answer = health.fleet_route(
             request.method,

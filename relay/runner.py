@@ -135,6 +135,9 @@ class Relay:
         self._stop = anyio.Event()
         self._started = anyio.Event()
         self.endpoints: health.Endpoints | None = None  # /metrics etc., when metrics_addr is set
+        # One database's of a fleet: its gauges, its report and its status page, for the
+        # fleet's /metrics and page; None until it runs, and without them.
+        self.status: health.DatabaseStatus | None = None
         # What health, sdnotify and metrics read of this relay (they get no other handle on it).
         self.view = relay_view(self)
 
@@ -271,8 +274,10 @@ class Relay:
                 self.endpoints = await background.start(
                     health.serve, s, self.view, store, metrics, port
                 )
-            elif metrics is not None:  # one database's of a fleet: its gauges, for its /metrics
-                await background.start(health.refresh_gauges, s, store, metrics)
+            elif metrics is not None:  # one database's of a fleet: for its /metrics and page
+                self.status = await background.start(
+                    health.serve_status, s, self.view, store, metrics, self.database
+                )
             notifier = sdnotify.from_environ() if self.alone else None
             if notifier is not None:
                 background.start_soon(sdnotify.supervise, s, self.view, notifier)
@@ -352,7 +357,9 @@ def relay_view(relay: Relay) -> RelayView:
         built = relay.listener
         if built is None:
             return None
-        return ListenerView(built.up, built.reconnects, built.received)
+        return ListenerView(
+            built.up, built.reconnects, built.received, built.down_since, built.error
+        )
 
     def admission() -> AdmissionView | None:
         return relay.permits.view() if relay.permits is not None else None

@@ -52,6 +52,7 @@ BUDGET_TEST = "test_retries_stay_within_the_budget_and_the_rest_wait_in_the_outb
 OUTAGE_LOGS = "tests/test_outage_logs.py"
 WAIVER = "tests/test_retry_waiver.py"
 FLEET = "tests/test_fleet.py"
+FLEET_PAGE = "tests/test_fleet_page.py"
 FLEET_METRICS = "test_a_fleets_metrics_carry_each_databases_delivery_under_its_name"
 OUTAGE_TEST = "test_an_outage_logs_a_warning_per_failed_post_and_sums_up_the_deferrals"
 LEASE = "tests/test_lease_sql.py"
@@ -1480,9 +1481,50 @@ MUTANTS: tuple[Mutant, ...] = (
         "issue 51 item 4: a fleet's /metrics serves each database's backlog gauges, refreshed as"
         " a relay alone's are",
         "relay/runner.py",
-        "                await background.start(health.refresh_gauges, s, store, metrics)",
-        "                pass",
+        "            elif metrics is not None:  # one database's of a fleet: for its /metrics"
+        " and page",
+        "            elif False:  # planted: no gauges, no report, no page",
         (f"{FLEET}::test_a_fleets_metrics_carry_each_databases_backlog_gauges_under_its_name",),
+    ),
+    Mutant(
+        "fleet-report-not-written",
+        "issue 51 item 4: each database's relay of a fleet writes this replica's report into its"
+        " database, as a relay alone does",
+        "relay/serving/health.py",
+        "    await status.run()",
+        "    await status.gauges.run()",
+        (
+            f"{FLEET_PAGE}::test_each_database_of_a_fleet_holds_this_replicas_report_and_its_status"
+            "_shows_it",
+        ),
+    ),
+    Mutant(
+        "fleet-page-leaves-down-databases-out",
+        "issue 51 item 4: a fleet's status page shows every database, a down one unmistakably",
+        "relay/fleet.py",
+        "lambda: [m.page_state() for m in self.members],",
+        "lambda: [m.page_state() for m in self.members if m.up],",
+        (f"{FLEET_PAGE}::test_a_fleets_page_shows_every_database_a_down_one_unmistakably",),
+    ),
+    Mutant(
+        "fleet-page-lost-server-shown-up",
+        "issue 51 item 4: a database served whose server is lost shows down on the fleet's page,"
+        " as ledger_relay_database_up reads it",
+        "relay/fleet.py",
+        "            state.value,\n            self.up,",
+        "            state.value,\n            state is State.SERVING,",
+        (
+            f"{FLEET_PAGE}::test_a_database_whose_server_is_lost_while_served_shows_down_until_it_is"
+            "_back",
+        ),
+    ),
+    Mutant(
+        "fleet-page-ungated",
+        "issue 32 item 3 in a fleet: ui_token guards the fleet's page as a relay alone's",
+        "relay/serving/ui/fleet.py",
+        "refused = gate(self.token, self.open_without_token, request)",
+        "refused = None",
+        (f"{FLEET_PAGE}::test_a_fleets_page_is_guarded_by_ui_token_as_a_relay_alones",),
     ),
 )
 

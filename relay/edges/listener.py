@@ -21,6 +21,7 @@ the replica is then not listed as dead (issue 41), and no later session takes th
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,6 +71,10 @@ class Listener:
         self.on_wake = on_wake
         self.on_connected = on_connected
         self.up = False
+        # While down: since when (wall clock, the first failure of the outage) and why, for a
+        # fleet's status page (relay/serving/ui/fleet.py); None while up and before any try.
+        self.down_since: float | None = None
+        self.error: str | None = None
         self.reconnects = 0
         self.received = 0
         self.malformed = 0
@@ -125,6 +130,7 @@ class Listener:
             logs.info("listen_reconnected", backend_pid=self.backend_pid)
         self.reconnects += 1
         self.up = True
+        self.down_since = self.error = None
         # NOTIFY is not durable: whatever was sent while we were away is found by a full pass.
         self.on_connected()
         self.first_session.set()
@@ -167,9 +173,12 @@ class Listener:
         self.liveness_held = False
         self._liveness_conn = None
         self.backend_pid = None
+        if self.down_since is None:
+            self.down_since = time.time()
+        self.error = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
         logs.warning(
             "listen_lost" if was_up else "listen_connect_failed",
-            error=f"{type(exc).__name__}: {str(exc).strip()[:200]}",
+            error=self.error,
             retry_in=round(retry_in, 3),
         )
 

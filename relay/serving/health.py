@@ -16,7 +16,8 @@ Of the relay itself the endpoints read only the `RelayView` the runner hands the
 A background task probes the database every `refresh_interval` (reads the schema version and
 refreshes the backlog gauges with the `backlog()` SQL function; `DatabaseProbe`): scrapes and
 probes never query the database themselves. Each database's relay of a fleet, which serves no
-endpoints of its own, runs the same probe alone (`refresh_gauges`) for the fleet's /metrics.
+endpoints of its own, runs the same probe and report alone (`serve_status`) for the fleet's
+/metrics and status page.
 The endpoints re-evaluate readiness after every probe, and a scrape re-evaluates it too, so
 `ledger_relay_ready` says what `/readyz` would say whether or not anyone asks `/readyz` (under
 systemd nobody does: the gauge once read 0 on every healthy replica and the shipped alert paged
@@ -103,6 +104,11 @@ def readiness(
     }
     ok = started and database and schema_problem is None and listen_up and ingress_ok
     return ok, checks
+
+
+def page_refresh(s: Settings) -> float:
+    """How often the status page refreshes itself: half the probe's period, 1 s to 5 s."""
+    return min(5.0, max(1.0, refresh_interval(s) / 2))
 
 
 def split_addr(addr: str) -> tuple[str | None, int]:
@@ -267,15 +273,24 @@ class DatabaseProbe:
 # -- the endpoints ----------------------------------------------------------------------------
 
 
-class Endpoints:
-    def __init__(self, settings: Settings, view: RelayView, store: Store, metrics: Metrics) -> None:
-        self.settings = settings
+class DatabaseStatus:
+    """One database's side of the status page: its probe and gauges (`DatabaseProbe`), the
+    page's own connection to it, its `StatusPage`, and this replica's report into it after
+    each refresh of the gauges. The endpoints of a relay alone hold one; each database's relay
+    of a fleet runs one alone (`serve_status`), whose page the fleet's serves (issue 51)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        view: RelayView,
+        store: Store,
+        metrics: Metrics,
+        database: str | None = None,
+    ) -> None:
         self.view = view
         self.store = store
         self.metrics = metrics
-        self.since = anyio.current_time()
         self.gauges = DatabaseProbe(settings, store, metrics)  # reachability, schema, backlog
-        self.port = 0
         # The status page reads on a connection of its own, never the delivery pools (issue 32)
         self.page_pool = PagePool(settings.database_url.reveal())
         self._reporting = False
@@ -283,14 +298,53 @@ class Endpoints:
             Data(self.page_pool.query, settings.schema, view.on_liveness_session),
             replica_id=settings.replica_id,
             token=settings.ui_token,
-            refresh_seconds=min(5.0, max(1.0, refresh_interval(settings) / 2)),
+            refresh_seconds=page_refresh(settings),
             backlog=lambda: self.gauges.backlog,
             admission=view.admission,
             retry_budget=view.retry_budget,
             fixed_limit=settings.post_ceiling,
             open_without_token=serves_without_token(split_addr(settings.metrics_addr or ":0")[0]),
             lanes=view.lanes,
+            database=database,
         )
+
+    async def run(self, after: Callable[[], object] = lambda: None) -> None:
+        """Probe until cancelled (`DatabaseProbe.run`); `after()` once each probe is done, then
+        this replica's report when the probe refreshed the gauges of a usable database."""
+        try:
+            async with anyio.create_task_group() as reports:
+
+                def probed(refreshed: bool) -> None:
+                    after()
+                    if refreshed and self.gauges.usable and not self._reporting:
+                        self._reporting = True
+                        reports.start_soon(self._report)
+
+                await self.gauges.run(probed)
+        finally:  # the page's connection ends with the probe
+            with anyio.CancelScope(shield=True):
+                await self.page_pool.close()
+
+    async def _report(self) -> None:
+        """This replica's report, beside the probes rather than in their way: it waits for the
+        LISTEN connection (between two of its waits for notifications) before it is sent."""
+        try:
+            with anyio.move_on_after(self.store.deadline + LISTEN_WAIT):
+                await self.page.report(self.view.lanes(), self.metrics.recent_lag)
+        finally:
+            self._reporting = False
+
+
+class Endpoints:
+    def __init__(self, settings: Settings, view: RelayView, store: Store, metrics: Metrics) -> None:
+        self.settings = settings
+        self.view = view
+        self.metrics = metrics
+        self.since = anyio.current_time()
+        self.status = DatabaseStatus(settings, view, store, metrics)
+        self.gauges = self.status.gauges
+        self.page = self.status.page
+        self.port = 0
 
     # liveness and readiness
 
@@ -312,34 +366,13 @@ class Endpoints:
         self.metrics.ready.set(1.0 if ok else 0.0)
         return ok, checks
 
-    # the database probe (DatabaseProbe), and the replica's report after each refresh
+    # the database probe, and the replica's report after each refresh (DatabaseStatus)
 
     async def probe(self, *, refresh: bool = True) -> None:
         await self.gauges.probe(refresh=refresh)
 
     async def probe_loop(self) -> None:
-        try:
-            async with anyio.create_task_group() as reports:
-
-                def after(refreshed: bool) -> None:
-                    self.ready()  # the gauge, whether or not anyone asks /readyz
-                    if refreshed and self.gauges.usable and not self._reporting:
-                        self._reporting = True
-                        reports.start_soon(self._report)
-
-                await self.gauges.run(after)
-        finally:  # the page's connection ends with the endpoints
-            with anyio.CancelScope(shield=True):
-                await self.page_pool.close()
-
-    async def _report(self) -> None:
-        """This replica's report, beside the probes rather than in their way: it waits for the
-        LISTEN connection (between two of its waits for notifications) before it is sent."""
-        try:
-            with anyio.move_on_after(self.store.deadline + LISTEN_WAIT):
-                await self.page.report(self.view.lanes(), self.metrics.recent_lag)
-        finally:
-            self._reporting = False
+        await self.status.run(after=self.ready)  # the gauge, whether or not anyone asks /readyz
 
     # HTTP
 
@@ -398,7 +431,8 @@ def fleet_route(
     while the process runs, ready while it serves and until a stop is asked for, whatever each
     database does (one database down must not take the replica out of service, nor restart it:
     Sequin #2154's lesson); `databases` (name -> state) is in the /readyz answer; /metrics is
-    `scrape()`'s (`ledger_relay_database_up`). No status page yet (docs/sharding.md)."""
+    `scrape()`'s (`ledger_relay_database_up`). The status page's paths are the fleet's page's
+    (relay/serving/ui/fleet.py), asked before this."""
     if method not in ("GET", "HEAD"):
         return 405, "text/plain; charset=utf-8", b"method not allowed\n"
     if path == "/healthz":
@@ -477,20 +511,23 @@ async def serve(
     await endpoints.probe_loop()
 
 
-async def refresh_gauges(
+async def serve_status(
     settings: Settings,
+    view: RelayView,
     store: Store,
     metrics: Metrics,
+    database: str,
     *,
-    task_status: TaskStatus[DatabaseProbe] = anyio.TASK_STATUS_IGNORED,
+    task_status: TaskStatus[DatabaseStatus] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The gauges of one database's relay in a fleet, which serves no endpoints of its own: the
-    probe and the refresh on a relay alone's schedule, the first before it is started (as
-    `serve`), until cancelled. The fleet's /metrics reads them with its `database` label."""
-    gauges = DatabaseProbe(settings, store, metrics)
-    await gauges.probe()
-    task_status.started(gauges)
-    await gauges.run()
+    """One database's relay in a fleet, which serves no endpoints of its own: its gauges, its
+    report and its status page (`DatabaseStatus`), the probe and the refresh on a relay alone's
+    schedule, the first before it is started (as `serve`), until cancelled. The fleet's
+    /metrics reads the gauges with its `database` label, its page serves the page."""
+    status = DatabaseStatus(settings, view, store, metrics, database)
+    await status.gauges.probe()
+    task_status.started(status)
+    await status.run()
 
 
 async def _waiting(request: Request) -> Response:

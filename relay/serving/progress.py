@@ -34,6 +34,9 @@ class ListenerView:
     up: bool
     reconnects: int  # successful connects, the first one included
     received: int  # notifications received
+    # While down: since when (wall-clock seconds) and its last error (issue 51's fleet page)
+    down_since: float | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

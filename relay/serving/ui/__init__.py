@@ -9,6 +9,7 @@ The package: series.py (pure: the in-process rate and lag windows), data.py (the
 and the replica report, one bounded statement each, and the pure shaping of their answers),
 pool.py (the page's own database connection), coalesce.py (one query shared by many viewers),
 page.py (HTML, every value through html.escape), assets.py (the inline CSS and script, which
-writes data only through textContent), web.py (routing, who may see the page, ui_token).
+writes data only through textContent), web.py (routing, who may see the page, ui_token),
+fleet.py (a fleet's page: the list of its databases, up or down, and each database's page).
 This package imports nothing of relay/tools.
 """

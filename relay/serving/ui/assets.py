@@ -23,6 +23,9 @@ padding:.5em 1em;min-width:9em}.card b{display:block;font-size:1.3em}
 pre{background:#fff;box-shadow:0 0 0 1px #d0d7de;padding:.6em;overflow-x:auto}
 .legend span{margin-right:1em}.legend .critical{color:#cf222e}.legend .ordinary{color:#0969da}
 .axis{font-size:11px;fill:#57606a}.empty{color:#57606a}
+.banner{background:#cf222e;color:#fff;padding:.6em 1em;font-weight:600;margin:.8em 0}
+.allup{background:#dafbe1;color:#116329;padding:.6em 1em;margin:.8em 0}
+tr.down td{background:#ffebe9;color:#82071e;font-weight:600}
 """
 
 SCRIPT = """
@@ -30,6 +33,9 @@ SCRIPT = """
   "use strict";
   var interval = Number(document.body.getAttribute("data-refresh")) * 1000 || 3000;
   var offset = document.body.getAttribute("data-offset") || "0";
+  // A fleet's page of one database names it (relay/serving/ui/fleet.py); else nothing.
+  var database = document.body.getAttribute("data-database");
+  var of = database === null ? "" : "&database=" + encodeURIComponent(database);
   function cell(tr, value) {
     var td = document.createElement("td");
     // A link only to a run page (view.py builds those); any other pair is text.
@@ -79,7 +85,7 @@ SCRIPT = """
       String(Number(document.body.getAttribute("data-updates") || "0") + 1));
   }
   function tick() {
-    fetch("/api/status?offset=" + encodeURIComponent(offset),
+    fetch("/api/status?offset=" + encodeURIComponent(offset) + of,
           {credentials: "same-origin", cache: "no-store"})
       .then(function (r) { if (!r.ok) { throw new Error("HTTP " + r.status); } return r.json(); })
       .then(function (d) {

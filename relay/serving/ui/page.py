@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from html import escape
 from typing import Any
+from urllib.parse import quote
 
 from relay.core.classes import backlog_class
 from relay.serving.ui.assets import CSS, SCRIPT
@@ -13,6 +14,7 @@ from relay.serving.ui.series import LANES
 from relay.serving.ui.view import (
     CHART_H,
     CHART_W,
+    DATABASE_HEAD,
     Cell,
     commands,
     is_run_href,
@@ -76,10 +78,10 @@ def _table(head: tuple[str, ...], rows: list[list[Cell]], body_id: str, empty: s
     )
 
 
-def _doc(title: str, body: str, attrs: str = "") -> bytes:
+def _doc(title: str, body: str, attrs: str = "", head: str = "") -> bytes:
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">{head}'
         f'<meta name="referrer" content="no-referrer"><title>{esc(title)}</title>'
         f"<style>{CSS}</style></head><body{attrs}>{body}<script>{SCRIPT}</script></body></html>\n"
     ).encode()
@@ -146,14 +148,26 @@ def _chart_svg(chart: dict[str, Any]) -> str:
     )
 
 
-def _pager(offset: int, shown: int, page_size: int) -> str:
-    """Links to the newer and older pages of blocked runs, those that exist."""
+def _pager(offset: int, shown: int, page_size: int, database: str | None) -> str:
+    """Links to the newer and older pages of blocked runs, those that exist (of `database`'s
+    page, in a fleet)."""
+    of = "" if database is None else f"&amp;database={esc(quote(database, safe=''))}"
     links = []
     if offset > 0:
-        links.append(f'<a href="/?offset={max(0, offset - page_size)}">newer failures</a>')
+        links.append(f'<a href="/?offset={max(0, offset - page_size)}{of}">newer failures</a>')
     if shown >= page_size:
-        links.append(f'<a href="/?offset={offset + page_size}">older failures</a>')
+        links.append(f'<a href="/?offset={offset + page_size}{of}">older failures</a>')
     return " · ".join(links)
+
+
+def _of_fleet(database: str | None) -> str:
+    """A fleet's page of one database says which, and leads to the page of every database."""
+    if database is None:
+        return ""
+    return (
+        f'<p class="meta">database <b id="database">{esc(database)}</b> of this fleet · '
+        '<a href="/">every database, up or down</a></p>'
+    )
 
 
 def _backlog(f: dict[str, str]) -> str:
@@ -191,13 +205,15 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
     chart = view["chart"]
     svg = _chart_svg(chart)
     offset = int(view.get("blocked_offset") or 0)
-    pager = _pager(offset, len(view["blocked"]), page_size)
+    database = view.get("database")
+    pager = _pager(offset, len(view["blocked"]), page_size, database)
     cards = "".join(_card(f, key, label, alarm) for key, label, alarm in CARDS)
     limit_cards = "".join(_card(f, key, label, alarm) for key, label, alarm in LIMIT_CARDS)
     claim_cards = "".join(_card(f, key, label, alarm) for key, label, alarm in CLAIM_CARDS)
     body = (
         "<h1>ledger-relay</h1>"
-        f'<p class="meta">served by {_fig(f, "replica_id")} · database time {_fig(f, "db_now")}'
+        + _of_fleet(database)
+        + f'<p class="meta">served by {_fig(f, "replica_id")} · database time {_fig(f, "db_now")}'
         ' · <span id="updated">as rendered</span> · read-only</p>'
         f'<div class="cards">{cards}</div>'
         + _backlog(f)
@@ -236,21 +252,26 @@ def status_page(view: dict[str, Any], refresh_seconds: float, page_size: int) ->
         " that fails the checks shows as rejected, with no figures.</p>"
     )
     attrs = f' data-refresh="{esc(refresh_seconds)}" data-offset="{offset}" data-updates="0"'
-    return _doc("ledger-relay status", body, attrs)
+    if database is None:
+        return _doc("ledger-relay status", body, attrs)
+    attrs += f' data-database="{esc(database)}"'  # the script's /api/status names it
+    return _doc(f"{database} · ledger-relay status", body, attrs)
 
 
-def run_page(doc: dict[str, Any], limit: int) -> bytes:
+def run_page(doc: dict[str, Any], limit: int, database: str | None = None) -> bytes:
     run, events = doc["run"], doc["events"]
     f = run_figures(run)
     cmds = "\n".join(commands(run, events))
     more = ""
     if len(events) >= limit:
         after = int(events[-1]["seq"]) + 1
-        href = f"{run_href(run['run_id'])}?from_seq={after}"
+        href = run_href(run["run_id"], database)
+        href += f"{'?' if database is None else '&'}from_seq={after}"
         more = f'<p>{limit} events shown. <a id="more" href="{esc(href)}">The next ones</a></p>'
 
+    back = "/" if database is None else f"/?database={quote(database, safe='')}"
     body = (
-        '<p><a href="/">← status</a></p>'
+        f'<p><a href="{esc(back)}">← status</a></p>'
         f'<h1>Run <span id="run-id">{esc(f["run_id"])}</span></h1>'
         f'<p id="run-state">{esc(f["state"])}</p>'
         f'<p class="meta">epoch {esc(f["epoch"])} · lease owner {esc(f["lease_owner"])}'
@@ -267,3 +288,70 @@ def run_page(doc: dict[str, Any], limit: int) -> bytes:
 
 def message_page(status: int, text: str) -> bytes:
     return _doc(f"{status} · ledger-relay", f'<p><a href="/">← status</a></p><p>{esc(text)}</p>')
+
+
+# -- a fleet's list of databases (relay/serving/ui/fleet.py) -------------------------------------
+
+
+def _reloading(refresh_seconds: float) -> str:
+    """The list reloads itself whole (it costs no statement): no script needed."""
+    return f'<meta http-equiv="refresh" content="{esc(max(1, round(refresh_seconds)))}">'
+
+
+def _down_banner(down: list[str], total: int) -> str:
+    if not down:
+        return f'<p class="allup" id="down">All {total} databases are up.</p>'
+    return (
+        f'<p class="banner" id="down">{len(down)} of {total} databases DOWN: '
+        f"{esc(', '.join(down))}</p>"
+    )
+
+
+def _database_tr(row: dict[str, Any]) -> str:
+    down = row["status"] == "DOWN"
+    cells = (
+        f'<td><a href="{esc(row["href"])}">{esc(row["name"])}</a></td>'
+        f"<td>{esc(row['status'])}</td><td>{esc(row['since'])}</td><td>{esc(row['why'])}</td>"
+        + "".join(f'<td class="n">{esc(x)}</td>' for x in row["figures"])
+    )
+    attrs = f' id="database-{esc(row["name"])}"' + (' class="down"' if down else "")
+    return f"<tr{attrs}>{cells}</tr>"
+
+
+def fleet_page(view: dict[str, Any], refresh_seconds: float) -> bytes:
+    """Every database of a fleet: a banner naming the down ones, a row each (a down one in
+    red, with why and since when), each leading to its own page."""
+    rows = view["databases"]
+    th = "".join(f"<th>{esc(h)}</th>" for h in DATABASE_HEAD)
+    body = (
+        "<h1>ledger-relay: a fleet over several databases</h1>"
+        f'<p class="meta">served by {esc(view["replica_id"])} · this replica\'s view of each'
+        " database · read-only</p>"
+        + _down_banner(view["down"], len(rows))
+        + f'<table><thead><tr>{th}</tr></thead><tbody id="databases">'
+        + "".join(_database_tr(r) for r in rows)
+        + "</tbody></table>"
+        '<p class="meta">Up: served, its LISTEN connection up (ledger_relay_database_up 1). DOWN:'
+        " set aside (unreachable, refused, at a schema version this release cannot serve, or"
+        " its relay failed: tried again with backoff) or its server lost while served, since"
+        " the first failure; starting: probed, its relay starting. The backlog is its relay's"
+        " last refresh of the backlog gauges. Each database's page has its lanes, blocked runs"
+        " and replicas.</p>"
+    )
+    return _doc("ledger-relay fleet", body, head=_reloading(refresh_seconds))
+
+
+def database_down_page(view: dict[str, Any], refresh_seconds: float) -> bytes:
+    """The page of a database that is down (or starting): why, and since when."""
+    [row] = view["databases"]
+    word = "is DOWN" if row["status"] == "DOWN" else f"is {row['status']}"
+    why = f" {esc(row['why'])}" if row["why"] else ""
+    body = (
+        '<p><a href="/">← every database</a></p>'
+        f"<h1>ledger-relay: database {esc(row['name'])}</h1>"
+        f'<p class="banner" id="down">Database {esc(row["name"])} {esc(word)} since'
+        f" {esc(row['since'])}.{why}</p>"
+        '<p class="meta">Its page (backlog, lanes, blocked runs, replicas) is back once it is'
+        " served again; this page reloads itself until then.</p>"
+    )
+    return _doc(f"{row['name']} down · ledger-relay", body, head=_reloading(refresh_seconds))

@@ -24,8 +24,10 @@ EXCERPT = 200  # characters of an ingress body shown in the blocked-runs table
 CHART_W, CHART_H = 600, 120
 
 
-def run_href(run_id: str) -> str:
-    return "/runs/" + quote(run_id, safe="")
+def run_href(run_id: str, database: str | None = None) -> str:
+    """A run page's path; a fleet's names the database that holds the run."""
+    href = "/runs/" + quote(run_id, safe="")
+    return href if database is None else f"{href}?database={quote(database, safe='')}"
 
 
 def is_run_href(href: object) -> bool:
@@ -125,10 +127,11 @@ def figures(data: dict[str, Any]) -> dict[str, str]:
 def blocked_rows(data: dict[str, Any]) -> list[list[Cell]]:
     rows: list[list[Cell]] = []
     cap = data.get("count_cap")
+    database = data.get("database")
     for b in data.get("blocked_runs") or []:
         rows.append(
             [
-                [clean(b["run_id"], 120), run_href(b["run_id"])],
+                [clean(b["run_id"], 120), run_href(b["run_id"], database)],
                 clean(b["event_id"], 120),
                 _num(b["seq"]),
                 _num(b.get("last_status")),
@@ -207,7 +210,7 @@ def status_view(data: dict[str, Any]) -> dict[str, Any]:
         "fleet": fleet_rows(data),
         "chart": chart(data),
         "blocked_offset": offset,
-    }
+    } | ({"database": data["database"]} if "database" in data else {})  # a fleet's only
 
 
 # -- the run page -------------------------------------------------------------------------------
@@ -282,4 +285,58 @@ def run_figures(run: dict[str, Any]) -> dict[str, str]:
             f"{_num(run.get('delivered'))} delivered, {_num(run.get('failed'))} failed, "
             f"{_num(run.get('skipped'))} skipped"
         ),
+    }
+
+
+# -- a fleet's list of databases (relay/serving/ui/fleet.py) -------------------------------------
+
+DATABASE_HEAD = (
+    "database", "status", "since", "why", "finished runs", "open runs", "pending events",
+    "oldest pending", "blocked runs", "backlog as of",
+)  # fmt: skip
+
+
+def _status_word(entry: dict[str, Any]) -> str:
+    """`up`; `DOWN` for a database set aside or whose server does not answer; `starting`."""
+    if entry.get("up"):
+        return "up"
+    return "starting" if entry.get("state") == "starting" else "DOWN"
+
+
+def database_row(entry: dict[str, Any]) -> dict[str, Any]:
+    """One database of the list as text: its name and page, its status, since when, why it is
+    down, and its backlog's figures ('-' while down or before its first refresh)."""
+    lanes = {x["lane"]: x for x in entry.get("lanes") or []}
+    # backlog()'s `critical` row counts the finished runs, its `ordinary` row the open ones
+    finished, opened = lanes.get("critical", {}), lanes.get("ordinary", {})
+    events = [finished.get("events"), opened.get("events")]
+    oldest = [finished.get("oldest_pending_age_seconds"), opened.get("oldest_pending_age_seconds")]
+    known = [x for x in oldest if x is not None]
+    since = entry.get("since")
+    age = entry.get("for_seconds")
+    name = str(entry.get("database", ""))
+    return {
+        "name": clean(name, 40),
+        "href": "/?database=" + quote(name, safe=""),
+        "status": _status_word(entry),
+        "since": "-" if since is None else f"{fmt_time(since, short=True)} ({fmt_age(age)} ago)",
+        "why": clean(entry.get("error") or "", 500),
+        "figures": [
+            _num(finished.get("runs")),
+            _num(opened.get("runs")),
+            _num(None if None in events else sum(e for e in events if e is not None)),
+            fmt_age(max(known)) if known else "-",
+            _num((entry.get("blocked") or {}).get("runs")),
+            _backlog_age(entry.get("backlog_age_seconds")) if entry.get("up") else "-",
+        ],
+    }
+
+
+def database_view(data: dict[str, Any]) -> dict[str, Any]:
+    """All a fleet's list shows: a row per database, and the names of those down."""
+    rows = [database_row(e) for e in data.get("databases") or []]
+    return {
+        "databases": rows,
+        "down": [r["name"] for r in rows if r["status"] == "DOWN"],
+        "replica_id": clean(data.get("replica_id", ""), 200),
     }

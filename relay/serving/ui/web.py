@@ -155,6 +155,37 @@ OFF_WITHOUT_TOKEN = (
 )
 
 
+def gate(token: Secret | None, open_without_token: bool, request: Request) -> Response | None:
+    """The answer to a request the page does not serve (a method other than GET and HEAD, a
+    page that is off, a login, a request without the token), or None: it may be served."""
+    if request.method not in ("GET", "HEAD"):
+        return Response(405, TEXT, b"method not allowed (the status page is read-only)\n")
+    if token is None and not open_without_token:
+        return Response(403, TEXT, OFF_WITHOUT_TOKEN)
+    query = request.query
+    if token is not None and "token" in query:
+        return _login(token, request, query)
+    if not authorized(token, request):
+        return Response(
+            401,
+            TEXT,
+            b"unauthorized: send Authorization: Bearer <ui_token> or open /?token=<ui_token>\n",
+            (("www-authenticate", 'Bearer realm="ledger-relay"'),),
+        )
+    return None
+
+
+def _login(token: Secret, request: Request, query: Mapping[str, str]) -> Response:
+    """`?token=` that matches: set the cookie and redirect to the same page without the token
+    in its URL (so it stays out of history and referrers); otherwise 401."""
+    if not same(query["token"], token.reveal()):
+        return Response(401, TEXT, b"unauthorized: wrong token\n")
+    rest = {k: v for k, v in query.items() if k != "token"}
+    location = request.path + ("?" + urlencode(rest) if rest else "")
+    cookie = session_cookie(token.reveal())
+    return Response(303, TEXT, b"see other\n", (("location", location), ("set-cookie", cookie)))
+
+
 def _offset(query: Mapping[str, str]) -> int:
     try:
         return min(max(int(query.get("offset", "0")), 0), MAX_OFFSET)
@@ -174,12 +205,12 @@ def _html_headers() -> tuple[tuple[str, str], ...]:
 _JSON_HEADERS = (("x-content-type-options", "nosniff"),)
 
 
-def _json(doc: Any, status: int = 200) -> Response:
+def json_response(doc: Any, status: int = 200) -> Response:
     body = orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS) + b"\n"
     return Response(status, JSON, body, _JSON_HEADERS)
 
 
-def _html(status: int, body: bytes) -> Response:
+def html_response(status: int, body: bytes) -> Response:
     return Response(status, HTML, body, _html_headers())
 
 
@@ -189,7 +220,8 @@ class StatusPage:
     the backlog gauges' last refresh; `admission` and `retry_budget` this replica's POST turn
     (RelayView's), `fixed_limit` the POSTs the fixed limit allows; `open_without_token` is
     `serves_without_token`'s answer for `metrics_addr`; `lanes` this replica's lanes (for its
-    claims by class)."""
+    claims by class); `database` the database's name in a fleet (relay/serving/ui/fleet.py),
+    which its pages and their links carry (None: the one-database form)."""
 
     def __init__(
         self,
@@ -204,6 +236,7 @@ class StatusPage:
         fixed_limit: int = 0,
         open_without_token: bool = True,
         lanes: Callable[[], Iterable[LaneView]] = lambda: (),
+        database: str | None = None,
     ) -> None:
         self.data = data
         self.replica_id = replica_id
@@ -215,6 +248,7 @@ class StatusPage:
         self.fixed_limit = fixed_limit
         self.open_without_token = open_without_token
         self.lanes = lanes
+        self.database = database
         self.series = RateSeries()
         self.last_misconfigured: float | None = None
         self._report_failing = False
@@ -256,46 +290,28 @@ class StatusPage:
     # -- HTTP ----------------------------------------------------------------------------------
 
     async def handle(self, request: Request) -> Response:
-        if request.method not in ("GET", "HEAD"):
-            return Response(405, TEXT, b"method not allowed (the status page is read-only)\n")
-        if self.token is None and not self.open_without_token:
-            return Response(403, TEXT, OFF_WITHOUT_TOKEN)
-        query = request.query
-        if self.token is not None and "token" in query:
-            return self._login(request, query)
-        if not authorized(self.token, request):
-            return Response(
-                401,
-                TEXT,
-                b"unauthorized: send Authorization: Bearer <ui_token> or open /?token=<ui_token>\n",
-                (("www-authenticate", 'Bearer realm="ledger-relay"'),),
-            )
+        refused = gate(self.token, self.open_without_token, request)
+        if refused is not None:
+            return refused
+        return await self.answer(request)
+
+    async def answer(self, request: Request) -> Response:
+        """The answer to a request `gate` let through."""
         try:
-            return await self._route(request.path, query)
+            return await self._route(request.path, request.query)
         except psycopg.errors.NoDataFound:
             return self._not_found(request.path)
         except (psycopg.Error, OSError, TimeoutError) as exc:
             logs.warning("status_page_failed", error=logs.error_text(exc))
             text = "the database did not answer: see /readyz and the relay's logs"
             if request.path.startswith("/api/"):
-                return _json({"error": text}, 503)
-            return _html(503, page.message_page(503, text))
-
-    def _login(self, request: Request, query: Mapping[str, str]) -> Response:
-        """`?token=` that matches: set the cookie and redirect to the same page without the
-        token in its URL (so it stays out of history and referrers); otherwise 401."""
-        assert self.token is not None
-        if not same(query["token"], self.token.reveal()):
-            return Response(401, TEXT, b"unauthorized: wrong token\n")
-        rest = {k: v for k, v in query.items() if k != "token"}
-        location = request.path + ("?" + urlencode(rest) if rest else "")
-        cookie = session_cookie(self.token.reveal())
-        return Response(303, TEXT, b"see other\n", (("location", location), ("set-cookie", cookie)))
+                return json_response({"error": text}, 503)
+            return html_response(503, page.message_page(503, text))
 
     def _not_found(self, path: str) -> Response:
         if path.startswith("/api/"):
-            return _json({"error": "no such run"}, 404)
-        return _html(404, page.message_page(404, "No such run."))
+            return json_response({"error": "no such run"}, 404)
+        return html_response(404, page.message_page(404, "No such run."))
 
     async def status(self, offset: int = 0) -> dict[str, Any]:
         """What /api/status answers: the shared document (at most one statement per
@@ -308,6 +324,8 @@ class StatusPage:
             self.admission(), self.retry_budget(), self.fixed_limit
         )
         data["claimed_by_class"] = claimed_by_class(self.lanes())
+        if self.database is not None:  # a fleet's: the page and its links name it
+            data["database"] = self.database
         data["view"] = status_view(data)
         return data
 
@@ -317,11 +335,11 @@ class StatusPage:
         data = await self.status(offset)
         if kind == "html":
             return page.status_page(data["view"], self.refresh_seconds, BLOCKED_PAGE)
-        return _json(data).body
+        return json_response(data).body
 
     async def _route(self, path: str, query: Mapping[str, str]) -> Response:
         if path == "/":
-            return _html(200, await self.bodies.get(("html", _offset(query))))
+            return html_response(200, await self.bodies.get(("html", _offset(query))))
         if path == "/api/status":
             body = await self.bodies.get(("json", _offset(query)))
             return Response(200, JSON, body, _JSON_HEADERS)
@@ -334,6 +352,6 @@ class StatusPage:
                     from_seq = 1
                 doc = await self.data.run(run_id, from_seq, RUN_EVENTS_PAGE)
                 if prefix == "/api/runs/":
-                    return _json(doc)
-                return _html(200, page.run_page(doc, RUN_EVENTS_PAGE))
+                    return json_response(doc)
+                return html_response(200, page.run_page(doc, RUN_EVENTS_PAGE, self.database))
         return self._not_found(path)
