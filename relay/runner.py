@@ -23,6 +23,7 @@ from relay.admission.limit import Limit
 from relay.admission.permits import Admission, AdmissionView
 from relay.admission.retry_budget import BudgetView, RetryBudget
 from relay.core import clock, loop
+from relay.delivery.deliveries import Wiring
 from relay.delivery.lane import Lane, LaneView
 from relay.delivery.post_turn import LoopLag, Permits
 from relay.edges.http_client import Sender, open_sender, require_extras
@@ -308,18 +309,15 @@ class Relay:
         """One lane with its own HTTP client, observed by `metrics` when they are served."""
         s = self.settings
         on_request = metrics.request_observer(name) if metrics else None
-        return Lane(
-            name,
-            s,
-            store,
+        wiring = Wiring(
             IngressClient(s, http, on_request=on_request, database=self.database),
-            concurrency,
+            tracer=self.tracer,
+            budget=self.budget,
             on_ready_change=self._ingress_ready,
             observe_ack=metrics.ack_observer(name) if metrics else _ignore_ack,
-            tracer=self.tracer,
-            permits=self.permits,
-            budget=self.budget,
-            database=self.database,
+        )
+        return Lane(
+            name, s, store, wiring, concurrency, permits=self.permits, database=self.database
         )
 
     def _bound(self) -> AbstractContextManager[None]:
