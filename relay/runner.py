@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +52,7 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def post_permits(settings: Settings, lag: Callable[[], float] = lambda: 0.0) -> Permits | None:
+def post_permits(settings: Settings, lag: LoopLag | None = None) -> Permits | None:
     """The replica's permits for POSTs under the adaptive limit (docs/admission.md), shared by
     both lanes; None with `post_limit = fixed`, where each lane's slots alone bound its POSTs.
     The ceiling is both lanes' concurrency and the critical reserve at most the critical lane's,
@@ -78,7 +78,7 @@ class Shared:
 def shared_for(settings: Settings) -> Shared:
     """One replica's permits, budget and lateness probe, for `settings`."""
     loop_lag = LoopLag()  # the relay's own lateness, which the limit tolerates
-    return Shared(loop_lag, post_permits(settings, loop_lag.value), RetryBudget())
+    return Shared(loop_lag, post_permits(settings, loop_lag), RetryBudget())
 
 
 @dataclass

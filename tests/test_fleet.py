@@ -639,9 +639,7 @@ def fix_the_limit(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
     def shared_for(settings: Any) -> Shared:
         loop_lag = LoopLag()
         limit = Limit(size, initial=size, slow_start=False)
-        return Shared(
-            loop_lag, Permits(Admission(limit, max_reserve=1), loop_lag.value), RetryBudget()
-        )
+        return Shared(loop_lag, Permits(Admission(limit, max_reserve=1), loop_lag), RetryBudget())
 
     monkeypatch.setattr(relay_fleet, "shared_for", shared_for)
 
