@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +23,7 @@ from relay.admission.limit import Limit
 from relay.admission.permits import Admission, AdmissionView
 from relay.admission.retry_budget import BudgetView, RetryBudget
 from relay.core import clock, loop
+from relay.delivery.deliveries import Wiring
 from relay.delivery.lane import Lane, LaneView
 from relay.delivery.post_turn import LoopLag, Permits
 from relay.edges.http_client import Sender, open_sender, require_extras
@@ -51,7 +52,7 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def post_permits(settings: Settings, lag: Callable[[], float] = lambda: 0.0) -> Permits | None:
+def post_permits(settings: Settings, lag: LoopLag | None = None) -> Permits | None:
     """The replica's permits for POSTs under the adaptive limit (docs/admission.md), shared by
     both lanes; None with `post_limit = fixed`, where each lane's slots alone bound its POSTs.
     The ceiling is both lanes' concurrency and the critical reserve at most the critical lane's,
@@ -77,7 +78,7 @@ class Shared:
 def shared_for(settings: Settings) -> Shared:
     """One replica's permits, budget and lateness probe, for `settings`."""
     loop_lag = LoopLag()  # the relay's own lateness, which the limit tolerates
-    return Shared(loop_lag, post_permits(settings, loop_lag.value), RetryBudget())
+    return Shared(loop_lag, post_permits(settings, loop_lag), RetryBudget())
 
 
 @dataclass
@@ -313,18 +314,15 @@ class Relay:
         """One lane with its own HTTP client, observed by `metrics` when they are served."""
         s = self.settings
         on_request = metrics.request_observer(name) if metrics else None
-        return Lane(
-            name,
-            s,
-            store,
+        wiring = Wiring(
             IngressClient(s, http, on_request=on_request, database=self.database),
-            concurrency,
+            tracer=self.tracer,
+            budget=self.budget,
             on_ready_change=self._ingress_ready,
             observe_ack=metrics.ack_observer(name) if metrics else _ignore_ack,
-            tracer=self.tracer,
-            permits=self.permits,
-            budget=self.budget,
-            database=self.database,
+        )
+        return Lane(
+            name, s, store, wiring, concurrency, permits=self.permits, database=self.database
         )
 
     def _bound(self) -> AbstractContextManager[None]:

@@ -1405,6 +1405,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         ci=True,
     ),
+    Mutant(
+        "looplag-dense-only-from-the-answer",
+        "issue 52: after a quiet spell the loop's lateness is measured densely from the first"
+        " POST's permit, so its answer reads what the loop did while it was on the wire",
+        "relay/delivery/post_turn.py",
+        "        self.lag.stir()\n",
+        "",
+        (
+            "tests/test_looplag.py::"
+            "test_a_posts_permit_wakes_a_sparse_probe_so_its_answer_sees_the_loop_blocked",
+        ),
+    ),
     # -- one fleet over many outbox databases (issue 51) ------------------------------------------
     Mutant(
         "fleet-set-aside-fatal",

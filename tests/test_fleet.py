@@ -632,6 +632,18 @@ async def test_startup_timeout_never_ends_a_fleet_once_a_database_is_served(
     assert decisions.named("refused_to_start") == []
 
 
+def fix_the_limit(monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    """The fleet's replica shares a limit held at `size` POSTs (no slow start, a reserve of 1
+    for targeted terminals): permits run short as soon as a database has a backlog."""
+
+    def shared_for(settings: Any) -> Shared:
+        loop_lag = LoopLag()
+        limit = Limit(size, initial=size, slow_start=False)
+        return Shared(loop_lag, Permits(Admission(limit, max_reserve=1), loop_lag), RetryBudget())
+
+    monkeypatch.setattr(relay_fleet, "shared_for", shared_for)
+
+
 class FewAtATime(RecordingSink):
     """An ingress that serves two POSTs at a time, each a little slow: a queue forms at it, as
     at a runtime ingress under load. Its `deliveries` keep the order events first arrived."""
@@ -661,15 +673,7 @@ async def test_a_backlog_in_one_database_does_not_starve_anothers_trickle_nor_it
     from drained: a freed permit goes to the waiter that queued first, whatever its database,
     and each database queues no more POSTs than its lanes' slots; a terminal goes first across
     the databases. Judged by what the ingress received, not by time."""
-
-    def small_limit(settings: Any) -> Shared:
-        loop_lag = LoopLag()
-        limit = Limit(3, initial=3, slow_start=False)
-        return Shared(
-            loop_lag, Permits(Admission(limit, max_reserve=1), loop_lag.value), RetryBudget()
-        )
-
-    monkeypatch.setattr(relay_fleet, "shared_for", small_limit)
+    fix_the_limit(monkeypatch, 3)
     backlog = enqueue_runs(shards["s0"], "s0", runs=300, per_run=3)
     urls = {"s0": shards["s0"], "s1": shards["s1"]}
     sink = FewAtATime()
@@ -730,15 +734,7 @@ async def test_a_terminal_goes_ahead_of_other_databases_backlogs_queued_for_the_
     reaches the ingress while every backlog POST is still held: ahead of the queued ones, with
     no permit freed. Sent as an ordinary POST, it would queue behind them and never arrive
     while they are held. Judged by the order POSTs reached the ingress, not by time."""
-
-    def limit_of_six(settings: Any) -> Shared:
-        loop_lag = LoopLag()
-        limit = Limit(6, initial=6, slow_start=False)
-        return Shared(
-            loop_lag, Permits(Admission(limit, max_reserve=1), loop_lag.value), RetryBudget()
-        )
-
-    monkeypatch.setattr(relay_fleet, "shared_for", limit_of_six)
+    fix_the_limit(monkeypatch, 6)
     for name in ("s0", "s2"):
         enqueue_runs(shards[name], name, runs=100, per_run=2)  # each run ends in its terminal
     sink = HeldBacklog(("s0", "s2"))

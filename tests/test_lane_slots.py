@@ -12,6 +12,7 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
+from relay.delivery.deliveries import Wiring
 from relay.delivery.lane import Lane
 from relay.delivery.post_turn import Slot
 from relay.edges.store import Held
@@ -36,7 +37,7 @@ def lane(concurrency: int = 1) -> Lane:
     )
     store: Any = object()  # never called: only the slot queue runs here
     ingress: Any = object()
-    return Lane("ordinary", cfg, store, ingress, concurrency)
+    return Lane("ordinary", cfg, store, Wiring(ingress), concurrency)
 
 
 async def until(check: Any) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
+from relay.delivery.deliveries import Wiring
 from relay.delivery.holdings import Holdings
 from relay.delivery.lane import Lane
 from relay.delivery.stats import FetchStats
@@ -104,7 +105,7 @@ async def test_a_drain_wakes_the_critical_lanes_loop_and_a_delivery_elsewhere_dr
     store = Store()
     store_: Any = store
     ingress: Any = object()
-    lane = Lane("critical", cfg(), store_, ingress, 4)
+    lane = Lane("critical", cfg(), store_, Wiring(ingress), 4)
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(lane.run)
         await wait_for(lambda: lane.turns >= 1, what="the lane's first turn")

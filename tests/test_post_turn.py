@@ -331,7 +331,11 @@ async def test_permits_hand_the_loop_lag_to_the_limit_with_each_answer() -> None
             seen.append(sample.lag)
             return super().observe(sample, inflight=inflight, now=now)
 
-    p = Permits(Admission(Spy(4, initial=4)), lag=lambda: 0.025)
+    class Late(LoopLag):
+        def value(self) -> float:
+            return 0.025
+
+    p = Permits(Admission(Spy(4, initial=4)), lag=Late())
     permit = await p.take(Priority.ORDINARY)
     assert permit is not None
     p.answered(permit, Sample(0.010, Signal.ANSWERED))

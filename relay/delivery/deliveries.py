@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskGroup
@@ -36,8 +37,22 @@ from relay.delivery.stats import CompleteStats, ExecuteStats
 from relay.delivery.wake import Wake
 from relay.edges.ingress import IngressClient
 from relay.edges.store import AckResult, Held, Store
-from relay.edges.tracing import Tracer
+from relay.edges.tracing import NO_TRACING, Tracer
 from relay.settings import Settings
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What a lane's deliveries are wired to beyond the lane (by the runner): the ingress client
+    they POST with, the tracer of their spans, the replica's retry budget (None: unbudgeted), and
+    the runner's observers of the ingress's readiness (the completer's misconfigured gate) and of
+    each ack. The lane hands it to its deliveries as it is."""
+
+    ingress: IngressClient
+    tracer: Tracer = NO_TRACING
+    budget: RetryBudget | None = None
+    on_ready_change: Callable[[bool], None] = lambda ok: None
+    observe_ack: Callable[[AckResult], None] = lambda result: None
 
 
 class Delivery:
@@ -165,27 +180,23 @@ class Deliveries:
         name: str,
         settings: Settings,
         store: Store,
-        ingress: IngressClient,
         post_turn: PostTurn,
         holdings: Holdings,
+        wiring: Wiring,
         *,
         settled: Callable[[], None],
         critical_done: Callable[[], None],
-        on_ready_change: Callable[[bool], None],
-        observe_ack: Callable[[AckResult], None],
-        tracer: Tracer,
-        budget: RetryBudget | None,
     ) -> None:
         # The lane's executor POSTs (relay/delivery/execute.py) and its completer writes what
         # the answers mean (relay/delivery/complete.py); its delivery calls both, in that order.
         self.executor = Executor(
             settings,
             store,
-            ingress,
+            wiring.ingress,
             ExecuteStats(),
             lane=name,
-            tracer=tracer,
-            budget=budget,
+            tracer=wiring.tracer,
+            budget=wiring.budget,
         )
         self.completer = Completer(
             name,
@@ -193,9 +204,9 @@ class Deliveries:
             store,
             CompleteStats(),
             resend=self.executor.resend,
-            on_ready_change=on_ready_change,
-            observe_ack=observe_ack,
-            observe=tracer.observe,
+            on_ready_change=wiring.on_ready_change,
+            observe_ack=wiring.observe_ack,
+            observe=wiring.tracer.observe,
         )
         self.delivery = Delivery(
             name,

@@ -263,21 +263,22 @@ class Executor:
 
     async def _try(self, sends: list[Send], *, group: bool, spans: list[DeliverySpan]) -> _Replies:
         answer: Answer | GroupAnswer | TransportFailure
-        per_run: dict[str, Answer | TransportFailure]
         batches = [_batch(h.claim, e) for h, e in sends]
         try:
             answer = await self._send(batches, group=group, spans=spans)
         except TransportFailure as exc:
             answer = exc
-        runs = [h.claim.run_id for h, _ in sends]
-        if isinstance(answer, GroupAnswer):  # per run, or one answer for the whole request
-            per_run, whole = answer.per_run, answer.whole
-        elif group:  # no answer: one failure for the whole request
-            per_run, whole = dict.fromkeys(runs, answer), True
-        else:  # the common case: one run, one answer
+        if not group:  # the common case: one run, one answer
+            assert not isinstance(answer, GroupAnswer)  # post() answers one run
             ((held, events),) = sends
             decision = self._decide(held.claim, len(events), answer)
             return _Replies({held.claim.run_id: (answer, decision)}, True)
+        per_run: dict[str, Answer | TransportFailure]
+        runs = [h.claim.run_id for h, _ in sends]
+        if isinstance(answer, GroupAnswer):  # per run, or one answer for the whole request
+            per_run, whole = answer.per_run, answer.whole
+        else:  # no answer: one failure for the whole request
+            per_run, whole = dict.fromkeys(runs, answer), True
         decided = {
             run_id: (per_run[run_id], self._decide(held.claim, len(events), per_run[run_id]))
             for (held, events), run_id in zip(sends, runs, strict=True)

@@ -27,27 +27,23 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import anyio
 import psycopg
 
 from relay import logs
-from relay.admission.retry_budget import RetryBudget
 from relay.core.policy import backoff, plan_groups
 from relay.core.recent import Recent
 from relay.delivery.complete import Completer
-from relay.delivery.deliveries import Deliveries
+from relay.delivery.deliveries import Deliveries, Wiring
 from relay.delivery.discovery import Discovery
 from relay.delivery.holdings import Holdings
 from relay.delivery.post_turn import Permits, PostTurn
 from relay.delivery.stats import FetchStats, LaneStats
 from relay.delivery.targets import Targets
 from relay.delivery.wake import Wake
-from relay.edges.ingress import IngressClient
-from relay.edges.store import AckResult, Claim, Held, Store
-from relay.edges.tracing import NO_TRACING, Tracer
+from relay.edges.store import Claim, Held, Store
 from relay.settings import Settings
 
 
@@ -74,14 +70,10 @@ class Lane:
         name: str,
         settings: Settings,
         store: Store,
-        ingress: IngressClient,
+        wiring: Wiring,
         concurrency: int,
         *,
-        on_ready_change: Callable[[bool], None] = lambda ok: None,
-        observe_ack: Callable[[AckResult], None] = lambda result: None,
-        tracer: Tracer = NO_TRACING,
         permits: Permits | None = None,
-        budget: RetryBudget | None = None,
         database: str | None = None,
     ) -> None:
         self.name = name
@@ -114,20 +106,17 @@ class Lane:
         self.foretold = Recent(settings.lease_ttl)
         # Each claim's or group's delivery (its turn, the POST, the results) and the tasks they
         # run in, kept and reused, beside the ack group and the renewer that serve them; the
-        # executor and the completer are built there (relay/delivery/deliveries.py).
+        # executor and the completer are built there (relay/delivery/deliveries.py), wired to
+        # the ingress and the runner's observers as `wiring` says.
         self.deliveries = Deliveries(
             name,
             settings,
             store,
-            ingress,
             self.post_turn,
             self.holdings,
+            wiring,
             settled=self._settled,
             critical_done=self.wake.set,
-            on_ready_change=on_ready_change,
-            observe_ack=observe_ack,
-            tracer=tracer,
-            budget=budget,
         )
         self.stopping = False
         # Liveness, for /healthz and the systemd watchdog (read through view()).

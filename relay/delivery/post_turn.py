@@ -77,32 +77,33 @@ class LoopLag:
     queueing: against a 0.6 ms ingress, a CPU-bound relay's round trips swung by tens of
     milliseconds and its limit with them (issue 42's bench).
 
-    It sleeps LAG_TICK (100 wakes a second) while answers read its value, and from the start;
-    once none has for LAG_SPAN, LAG_IDLE_TICK (2 a second: an idle relay pays next to nothing,
-    issue 52 item 3), and the next answer's read wakes it at once to sleep LAG_TICK again. The
-    value means the same either way, the most a sleep of the probe overran in the last LAG_SPAN;
-    what an answer after a quiet spell reads was taken from fewer sleeps."""
+    It sleeps LAG_TICK (100 wakes a second) from the start and while POSTs go (`stir()`, as each
+    takes its permit) or answers read its value; once neither has for LAG_SPAN, LAG_IDLE_TICK
+    (2 a second: an idle relay pays next to nothing, issue 52 item 3), and the next POST wakes
+    it at once to sleep LAG_TICK again, so the first answer after a quiet spell reads lateness
+    measured densely while its POST was on the wire. The value means the same either way, the
+    most a sleep of the probe overran in the last LAG_SPAN."""
 
     def __init__(self) -> None:
         self._most = WindowedMax(LAG_SPAN)
         self._value = 0.0  # the window's most, as of the last wake: read once per answer
-        self._read = False  # an answer read the value since the probe's last wake
+        self._stirred = False  # a POST went or an answer read the value since the last wake
         self._woken: anyio.Event | None = None  # the probe's wake while it sleeps LAG_IDLE_TICK
         self.tick = LAG_TICK  # the probe's sleep now
 
     async def run(self) -> None:
-        read_at = anyio.current_time()  # a relay starts with POSTs to come: dense at first
+        stirred_at = anyio.current_time()  # a relay starts with POSTs to come: dense at first
         while True:
             asked = anyio.current_time()
-            if self._read:
-                self._read, read_at = False, asked
-            self.tick = probe_tick(asked - read_at)
+            if self._stirred:
+                self._stirred, stirred_at = False, asked
+            self.tick = probe_tick(asked - stirred_at)
             if self.tick == LAG_TICK:
                 await anyio.sleep(LAG_TICK)
             else:
                 await self._sleep_idle()
             now = anyio.current_time()
-            # Woken early by a read, it overslept nothing: the max ignores the 0.0.
+            # Woken early by a stir, it overslept nothing: the max ignores the 0.0.
             self._most.add(max(0.0, now - asked - self.tick), now)
             self._value = self._most.value(now) or 0.0
 
@@ -112,11 +113,16 @@ class LoopLag:
             await woken.wait()
         self._woken = None
 
+    def stir(self) -> None:
+        """Work is under way (a POST about to go, an answer read): measure densely from now; a
+        probe sleeping sparse is woken at once."""
+        self._stirred = True
+        if self._woken is not None:
+            self._woken.set()
+
     def value(self) -> float:
         """Seconds the loop ran late at most, lately (0.0 before the probe ran)."""
-        self._read = True
-        if self._woken is not None:  # sleeping sparse: an answer came, so measure densely again
-            self._woken.set()
+        self.stir()
         return self._value
 
 
@@ -124,11 +130,12 @@ class Permits:
     """The replica's permits for POSTs to the ingress: relay/admission/permits.py's decisions,
     awaited (relay/delivery/slots.py's shape: a freed permit is handed straight to the waiter that
     goes next, and one handed to a waiter cancelled meanwhile is passed on, never leaked). Each
-    answer's sample carries the event loop's recent lateness (`lag`, a `LoopLag`'s value)."""
+    answer's sample carries the event loop's recent lateness (`lag`, a `LoopLag`, which each
+    POST's ask for a permit stirs)."""
 
-    def __init__(self, admission: Admission, lag: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self, admission: Admission, lag: LoopLag | None = None) -> None:
         self.admission = admission
-        self.lag = lag
+        self.lag = lag if lag is not None else LoopLag()  # never run, it reads 0.0
         self._waiters: dict[Ticket, _Waiter] = {}
         self._by_key: dict[Hashable, _Waiter] = {}
 
@@ -159,7 +166,9 @@ class Permits:
         return waiter.permit
 
     def try_take(self, priority: Priority) -> Permit | None:
-        """A permit for a POST of `priority` if one may go now, without queueing for one."""
+        """A permit for a POST of `priority` if one may go now, without queueing for one. Every
+        POST asks here first: the lateness probe measures densely from now (`LoopLag.stir`)."""
+        self.lag.stir()
         return self.admission.try_acquire(priority, clock.now())
 
     def wake(self, key: Hashable) -> None:
@@ -181,7 +190,7 @@ class Permits:
     def answered(self, permit: Permit, sample: Sample) -> None:
         """An answer to a POST under `permit`: the limit judges it, and may let waiters go."""
         now = clock.now()
-        lagged = Sample(sample.rtt, sample.signal, sample.retry_after, self.lag())
+        lagged = Sample(sample.rtt, sample.signal, sample.retry_after, self.lag.value())
         event = self.admission.answered(permit, lagged, now)
         if event is not None:
             _log(event, self.admission.inflight)

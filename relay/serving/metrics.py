@@ -492,7 +492,8 @@ class Metrics:
     # -- observers (handed to each lane at construction) --------------------------------------
 
     def ack_observer(self, lane: str) -> Callable[[AckResult], None]:
-        """For `Lane(observe_ack=...)`: the commit-to-ack lag of each acknowledged batch."""
+        """For `Wiring(observe_ack=...)` (a lane's deliveries): the commit-to-ack lag of each
+        acknowledged batch."""
         histogram = self.lag.labels(lane)
         recent = self.recent_lag.setdefault(lane, LagWindow())
 

@@ -35,32 +35,15 @@ from typing import Any
 
 import psycopg
 
-from relay.tools.bench.kit import BenchFailed, Env, Result, Scenario, positive, reset
+from relay.tools.bench.kit import BenchFailed, Env, Result, Scenario, positive_options, reset
 
-
-def _arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("enqueue_scaling")
-    g.add_argument(
-        "--enqueue-small", type=positive(int), default=100, help="events, small transaction (100)"
-    )
-    g.add_argument(
-        "--enqueue-large",
-        type=positive(int),
-        default=16_000,
-        help="events, large transaction (16,000)",
-    )
-    g.add_argument(
-        "--enqueue-small-reps",
-        type=positive(int),
-        default=7,
-        help="small transactions per rep (7; --reps large ones)",
-    )
-    g.add_argument(
-        "--enqueue-runs",
-        type=positive(int),
-        default=100_000,
-        help="distinct runs in one transaction (100,000)",
-    )
+ARGUMENTS = positive_options(
+    "enqueue_scaling",
+    ("--enqueue-small", int, 100, "events, small transaction (100)"),
+    ("--enqueue-large", int, 16_000, "events, large transaction (16,000)"),
+    ("--enqueue-small-reps", int, 7, "small transactions per rep (7; --reps large ones)"),
+    ("--enqueue-runs", int, 100_000, "distinct runs in one transaction (100,000)"),
+)
 
 
 SMOKE = {
@@ -255,7 +238,7 @@ SCENARIOS = [
         "enqueue_scaling",
         "enqueue per event as one transaction grows: events of one run, events of many runs",
         enqueue_scaling,
-        _arguments,
+        ARGUMENTS,
         SMOKE,
         (
             "enqueue_us_per_event_100",

@@ -37,15 +37,13 @@ SAMPLE_EVERY = 0.05  # seconds between two counts of the replica's connections
 PER_DATABASE = 17  # connections per database and replica at the defaults (docs/sharding.md)
 
 
-def _arguments(p: argparse.ArgumentParser) -> None:
-    kit.positive_options(
-        p,
-        "fleet (issue 51)",
-        ("--fleet-runs", int, 20_000, "runs in all (20k)"),
-        ("--fleet-per-run", int, 10, "events (10)"),
-        ("--fleet-databases", int, 3, "(3)"),
-        ("--fleet-reps", int, 2, "paired reps (2)"),
-    )
+ARGUMENTS = kit.positive_options(
+    "fleet (issue 51)",
+    ("--fleet-runs", int, 20_000, "runs in all (20k)"),
+    ("--fleet-per-run", int, 10, "events (10)"),
+    ("--fleet-databases", int, 3, "(3)"),
+    ("--fleet-reps", int, 2, "paired reps (2)"),
+)
 
 
 SMOKE = {"fleet_runs": 300, "fleet_per_run": 5, "fleet_reps": 1}
@@ -199,7 +197,7 @@ SCENARIOS = [
         "one fleet over three databases against one relay over one, the same backlog of "
         "finished runs, paired: e2e events/s, their ratio, connections (issue 51)",
         fleet,
-        _arguments,
+        ARGUMENTS,
         SMOKE,
         KEYS,
     ),

@@ -50,17 +50,15 @@ PROBE_EVERY = 0.25  # seconds between two probes of each replica
 TARGET_S = 10.0  # a replica started while one database is down: the others' events within
 
 
-def _arguments(p: argparse.ArgumentParser) -> None:
-    kit.positive_options(
-        p,
-        "fleet outage (issue 51)",
-        ("--fleet-outage-s", float, 15.0, "seconds the server stays down (15)"),
-        ("--fleet-outage-before-s", float, 10.0, "measured before the kill (10)"),
-        ("--fleet-outage-after-s", float, 5.0, "measured after the restart (5)"),
-        ("--fleet-outage-warmup-s", float, 15.0, "from the replicas' start (15)"),
-        ("--fleet-outage-rate", float, 20.0, "runs/s per database (20)"),
-        ("--fleet-outage-per-run", int, 4, "events per run, the last its terminal (4)"),
-    )
+ARGUMENTS = kit.positive_options(
+    "fleet outage (issue 51)",
+    ("--fleet-outage-s", float, 15.0, "seconds the server stays down (15)"),
+    ("--fleet-outage-before-s", float, 10.0, "measured before the kill (10)"),
+    ("--fleet-outage-after-s", float, 5.0, "measured after the restart (5)"),
+    ("--fleet-outage-warmup-s", float, 15.0, "from the replicas' start (15)"),
+    ("--fleet-outage-rate", float, 20.0, "runs/s per database (20)"),
+    ("--fleet-outage-per-run", int, 4, "events per run, the last its terminal (4)"),
+)
 
 
 SMOKE = {  # the servers' and replicas' starts are most of its ~40 s on a loaded machine
@@ -530,7 +528,7 @@ SCENARIOS = [
         "the others' commit→receipt p99 before and during, nothing lost, probes; a replica "
         "started while it is down (issue 51)",
         fleet_outage,
-        _arguments,
+        ARGUMENTS,
         SMOKE,
         KEYS,
     ),

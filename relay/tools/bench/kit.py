@@ -131,15 +131,19 @@ def positive(kind: Callable[[str], float]) -> Callable[[str], Any]:
     return parse
 
 
-def positive_options(
-    p: argparse.ArgumentParser,
-    title: str,
-    *options: tuple[str, Callable[[str], float], float, str],
-) -> None:
-    """A scenario's option group of positive numbers, each (flag, int or float, default, help)."""
-    g = p.add_argument_group(title)
-    for flag, kind, default, text in options:
-        g.add_argument(flag, type=positive(kind), default=default, help=text)
+Option = tuple[str, Callable[[str], float], float, str]  # flag, int or float, default, help
+
+
+def positive_options(title: str, *options: Option) -> Callable[[argparse.ArgumentParser], None]:
+    """A scenario's `add_arguments` when its options are positive numbers: one option group,
+    `title`, of `options`, each (flag, int or float, default, help)."""
+
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        g = p.add_argument_group(title)
+        for flag, kind, default, text in options:
+            g.add_argument(flag, type=positive(kind), default=default, help=text)
+
+    return add_arguments
 
 
 T = TypeVar("T")

@@ -30,22 +30,22 @@ from relay.tools.bench.kit import (
     Scenario,
     backlog,
     median,
-    positive,
+    positive_options,
     relay_processes,
     reset,
 )
 from relay.tools.demo import percentile
 
-
-def _arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("latency")
-    g.add_argument("--samples", type=positive(int), default=200, help="events per rep (200)")
-    g.add_argument("--pace", type=positive(float), default=0.02, help="mean gap (0.02 s)")
-    g.add_argument("--slow-ingress", type=positive(float), default=0.5, help="backlog (0.5 s)")
-    g.add_argument("--producer-seconds", type=positive(float), default=5.0, help="(5 s)")
-    g.add_argument("--soak-seconds", type=positive(float), default=300.0, help="(300 s)")
-    g.add_argument("--soak-rate", type=positive(int), default=1000, help="events/s (1000)")
-    g.add_argument("--soak-retention", type=positive(float), default=10.0, help="(10 s)")
+ARGUMENTS = positive_options(
+    "latency",
+    ("--samples", int, 200, "events per rep (200)"),
+    ("--pace", float, 0.02, "mean gap (0.02 s)"),
+    ("--slow-ingress", float, 0.5, "backlog (0.5 s)"),
+    ("--producer-seconds", float, 5.0, "(5 s)"),
+    ("--soak-seconds", float, 300.0, "(300 s)"),
+    ("--soak-rate", int, 1000, "events/s (1000)"),
+    ("--soak-retention", float, 10.0, "(10 s)"),
+)
 
 
 SMOKE = {
@@ -359,7 +359,7 @@ SCENARIOS = [
         "latency",
         "commit-to-ingress latency: terminal idle and behind a backlog, ordinary notify on/off",
         latency,
-        _arguments,
+        ARGUMENTS,
         SMOKE,
         (
             "terminal_p50_ms_idle",
