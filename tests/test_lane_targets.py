@@ -153,7 +153,7 @@ async def test_a_terminal_notified_while_its_runs_ordinary_claim_is_on_the_wire_
     store = SlowStore()
     store_: Any = store
     ingress: Any = object()
-    lane = Lane("ordinary", cfg(), store_, ingress, 1)
+    lane = Lane("ordinary", cfg(), store_, Wiring(ingress), 1)
     handed: list[Claim] = []
 
     def handoff(claim: Claim) -> bool:
@@ -181,7 +181,7 @@ async def test_a_run_foretold_and_never_claimed_is_forgotten_after_a_lease() -> 
     the names it keeps for a claim on the way are kept for a lease's time, no longer."""
     store_: Any = Store()
     ingress: Any = object()
-    lane = Lane("ordinary", cfg(), store_, ingress, 1)
+    lane = Lane("ordinary", cfg(), store_, Wiring(ingress), 1)
     async with lane.deliveries.running():
         lane.promote("r1")
         now = anyio.current_time()
@@ -198,7 +198,7 @@ async def test_a_run_the_lane_adopts_is_no_longer_wanted() -> None:
     store = Store()
     store_: Any = store
     ingress: Any = object()
-    lane = Lane("critical", cfg(), store_, ingress, 1)
+    lane = Lane("critical", cfg(), store_, Wiring(ingress), 1)
     lane.targets.add("r1")
     assert await lane.targets.claim() == []  # leased by this replica's ordinary lane
     assert wanted(lane.targets) == {"r1"}
