@@ -58,7 +58,7 @@ PER_RUN = 3  # events per run, the last its terminal
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EmbeddedPostgres]]:
     """Three durable embedded servers, started side by side: name -> server."""
-    root = tmp_path_factory.mktemp("fleet-servers")
+    root = tmp_path_factory.mktemp("fs")  # short: a unix socket path has at most 107 bytes
     made = {name: EmbeddedPostgres(root / name, durable=True) for name in NAMES}
     try:
         with ThreadPoolExecutor(len(made)) as pool:
