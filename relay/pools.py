@@ -29,7 +29,7 @@ POOL_CHECK_IDLE = 1.0  # seconds idle after which a pooled connection is checked
 POOL_FOR_DELIVERIES = 8
 # How long one series of reconnection attempts lasts (psycopg_pool's `reconnect_timeout`): its
 # attempts at 0, ~1, ~3, ~7 and 10 s, the next series' first at once, so a server back is tried
-# within about 4 s (docs/sharding.md, "A server lost").
+# within about 4 s (docs/sharding.md, "How soon a server that is back is served again").
 RECONNECT_WINDOW = 10.0
 
 
