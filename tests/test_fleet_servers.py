@@ -38,6 +38,7 @@ from psycopg import sql
 
 from relay.maintenance.migrate import code_version, migrate
 from relay.ops.checks import SCHEMA
+from relay.producer import enqueue
 from relay.tools.bench.fleet_outage import Probe, Producer, judge_probes
 from relay.tools.bench.kit import RelayProcess, free_port
 from relay.tools.embedded import EmbeddedPostgres
@@ -110,41 +111,33 @@ def fleet_env(servers: dict[str, EmbeddedPostgres], schema: str, ingress: str) -
 
 
 @asynccontextmanager
-async def replicas(
-    env: dict[str, str], logs: Path, n: int, first: int = 0
-) -> AsyncIterator[list[RelayProcess]]:
+async def replicas(env: dict[str, str], logs: Path, n: int) -> AsyncIterator[list[RelayProcess]]:
     """`n` replicas of `relay run`, each answering its probes on a port of its own, once each
     `/readyz` answered 200; on the way out each must still run and end cleanly on SIGTERM."""
     started: list[RelayProcess] = []
-    async with anyio.create_task_group() as tg:
-        try:
-            for i in range(first, first + n):
-                port = free_port()
-                with (logs / f"replica{i}.log").open("wb") as log:
-                    proc = await anyio.open_process(
-                        [*RELAY, "run"],
-                        env=env
-                        | {"RELAY_METRICS_ADDR": f"127.0.0.1:{port}"}
-                        | {"RELAY_REPLICA_ID": f"replica-{i}"},
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
-                started.append(RelayProcess(proc, f"http://127.0.0.1:{port}"))
-            for rp in started:
-                await wait_for(lambda rp=rp: ready(rp), what="a replica's /readyz 200")
-            yield started
-            for rp in started:
-                assert rp.proc.returncode is None, f"a replica exited {rp.proc.returncode}"
-                rp.proc.send_signal(signal.SIGTERM)
-            for rp in started:
-                with anyio.fail_after(60):
-                    assert await rp.proc.wait() == 0
-        finally:
-            for rp in started:
-                if rp.proc.returncode is None:
-                    rp.proc.kill()
-                    await rp.proc.wait()
-            tg.cancel_scope.cancel()
+    try:
+        for i in range(n):
+            port = free_port()
+            own = {"RELAY_METRICS_ADDR": f"127.0.0.1:{port}", "RELAY_REPLICA_ID": f"replica-{i}"}
+            with (logs / f"replica{i}.log").open("wb") as log:
+                proc = await anyio.open_process(
+                    [*RELAY, "run"], env=env | own, stdout=log, stderr=subprocess.STDOUT
+                )
+            started.append(RelayProcess(proc, f"http://127.0.0.1:{port}"))
+        for rp in started:
+            await wait_for(lambda rp=rp: ready(rp), what="a replica's /readyz 200")
+        yield started
+        for rp in started:
+            assert rp.proc.returncode is None, f"a replica exited {rp.proc.returncode}"
+            rp.proc.send_signal(signal.SIGTERM)
+        for rp in started:
+            with anyio.fail_after(60):
+                assert await rp.proc.wait() == 0
+    finally:
+        for rp in started:
+            if rp.proc.returncode is None:
+                rp.proc.kill()
+                await rp.proc.wait()
 
 
 async def ready(rp: RelayProcess) -> bool:
@@ -171,8 +164,6 @@ def outbox(url: str, schema: str) -> set[str]:
 
 def enqueue_runs(url: str, schema: str, name: str, prefix: str, runs: int = 5) -> set[str]:
     """`runs` runs of PER_RUN events in one transaction; their event ids."""
-    from relay.producer import enqueue
-
     ids = set()
     with psycopg.connect(url, autocommit=True) as conn, conn.transaction():
         for r in range(runs):
