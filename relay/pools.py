@@ -4,9 +4,18 @@ Each lane has a pool of its own, so that no backlog of ordinary work can keep th
 waiting for a connection (DESIGN §4.3); both go to `database_url`, and their sizes make the
 connection budget of docs/operations.md. The runner asks this part for the open pools at start
 and for a store over each; it closes them itself, after the lanes and the listener stopped.
+
+A pool whose server went away reconnects by itself, in series of attempts psycopg_pool spaces
+with a doubling delay (1 s, 2 s, 4 s, ...) until its `reconnect_timeout`. At its default (5
+minutes) a server back after a 15 s outage waited up to 16 s for the pool's next attempt (10.9 s
+measured by `relay bench --only fleet_outage`), after a 2-minute one up to 2 minutes. Each series
+here lasts RECONNECT_WINDOW and the next starts at once (`rearm`): attempts are never much more
+than half the window apart however long the outage, and no pool gives up while its relay runs.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import anyio
 from psycopg_pool import AsyncConnectionPool
@@ -18,6 +27,18 @@ POOL_CHECK_IDLE = 1.0  # seconds idle after which a pooled connection is checked
 # A lane's database work does not grow with its POST slots: one claim loop, one ack group and
 # one renewer, plus the releases of failed POSTs, which may wait for a connection.
 POOL_FOR_DELIVERIES = 8
+# How long one series of reconnection attempts lasts (psycopg_pool's `reconnect_timeout`): its
+# attempts at 0, ~1, ~3, ~7 and 10 s, the next series' first at once, so a server back is tried
+# within about 4 s (docs/sharding.md, "How soon a server that is back is served again").
+RECONNECT_WINDOW = 10.0
+
+
+async def rearm(pool: AsyncConnectionPool[Any]) -> None:
+    """psycopg_pool's `reconnect_failed`: a series of attempts ended without a connection. The
+    next starts at once: `check()` grows a pool short of connections (a no-op while another
+    series runs). Not once the pool is closed."""
+    if not pool.closed:
+        await pool.check()
 
 
 def pool_size(concurrency: int) -> int:
@@ -31,11 +52,18 @@ class Pools:
     either with the settings' schema, lease and bounds. It keeps no pool: the caller holds what
     `open` returned and closes it."""
 
-    def __init__(self, settings: Settings, sizes: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        sizes: tuple[int, int] | None = None,
+        *,
+        reconnect_window: float = RECONNECT_WINDOW,
+    ) -> None:
         """`sizes`: the ordinary and the critical pool's most connections, when a budget sets
         them (a fleet's `server_connections`, relay/databases.py); else `pool_size` of each
-        lane's concurrency."""
+        lane's concurrency. `reconnect_window`: RECONNECT_WINDOW but in tests."""
         self.settings = settings
+        self.reconnect_window = reconnect_window
         self.sizes = sizes or (
             pool_size(settings.concurrency),
             pool_size(settings.critical_concurrency),
@@ -93,4 +121,6 @@ class Pools:
             open=False,
             timeout=self.settings.statement_timeout,
             check=IdleCheck(POOL_CHECK_IDLE),
+            reconnect_timeout=self.reconnect_window,
+            reconnect_failed=rearm,
         )

@@ -54,6 +54,8 @@ WAIVER = "tests/test_retry_waiver.py"
 FLEET = "tests/test_fleet.py"
 FLEET_PAGE = "tests/test_fleet_page.py"
 FLEET_METRICS = "test_a_fleets_metrics_carry_each_databases_delivery_under_its_name"
+FLEET_SERVERS = "tests/test_fleet_servers.py"
+SERVER_KILLED = "test_a_server_killed_mid_stream_and_restarted_under_two_replicas"
 OUTAGE_TEST = "test_an_outage_logs_a_warning_per_failed_post_and_sums_up_the_deferrals"
 LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
@@ -1537,6 +1539,36 @@ MUTANTS: tuple[Mutant, ...] = (
         "refused = gate(self.token, self.open_without_token, request)",
         "refused = None",
         (f"{FLEET_PAGE}::test_a_fleets_page_is_guarded_by_ui_token_as_a_relay_alones",),
+    ),
+    Mutant(
+        "fleet-database-up-ignores-its-server",
+        "issue 51 item 4: ledger_relay_database_up reads 0 for a served database whose server is"
+        " gone",
+        "relay/fleet.py",
+        "        listener = self.relay.view.listener()\n        return listener is not None and"
+        " listener.up",
+        "        return True",
+        (f"{FLEET_SERVERS}::{SERVER_KILLED}",),
+    ),
+    Mutant(
+        "fleet-not-ready-while-a-database-is-down",
+        "issue 51 item 4: a fleet's /readyz answers 200 while it serves, whatever its databases do",
+        "relay/fleet.py",
+        "            self.stopping,\n",
+        "            self.stopping or not all(self.up().values()),\n",
+        (f"{FLEET_SERVERS}::{SERVER_KILLED}",),
+    ),
+    Mutant(
+        "pool-reconnect-gives-up",
+        "issue 51: a pool whose server is gone keeps trying, a series of attempts every"
+        " RECONNECT_WINDOW, with nothing asking it for a connection",
+        "relay/pools.py",
+        "            reconnect_failed=rearm,\n",
+        "",
+        (
+            "tests/test_pools.py::"
+            "test_a_pool_keeps_trying_past_its_window_and_reconnects_with_nobody_asking",
+        ),
     ),
 )
 

@@ -28,7 +28,7 @@ from relay.tools.absurd import install_absurd
 from relay.tools.embedded import EmbeddedPostgres
 from tests.faults import own_server, scaled
 from tests.faults.checker import Row, check
-from tests.faults.failover import Pair, kill
+from tests.faults.failover import Pair
 from tests.faults.harness import Lab, Workload
 from tests.faults.proxy import FaultProxy
 from tests.test_faults import reclaimed
@@ -147,7 +147,7 @@ async def test_restart_under_traffic(single: EmbeddedPostgres, tmp_path: Path) -
             lab.produce(Workload(runs=scaled(375), spread=3.0 * scaled(1)))
             await lab.wait_received(scaled(300))
             lab.faults += 1
-            await anyio.to_thread.run_sync(kill, single)
+            await anyio.to_thread.run_sync(single.kill)
             killed_at = time.time()
             listen.refuse()
             posted = set(lab.sink.arrived)

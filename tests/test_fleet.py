@@ -38,7 +38,6 @@ from relay.serving.health import fleet_route
 from relay.tools.sink import Sink, serve_sink
 from tests.conftest import unique
 from tests.faults import own_server
-from tests.faults.failover import kill
 from tests.faults.proxy import FaultProxy, via
 from tests.support import FLEET_ONLY, Decisions, relay_logs, wait_for
 from tests.test_cli import RELAY, relay_run
@@ -483,17 +482,14 @@ async def test_a_server_killed_and_restarted_leaves_the_others_delivering(
             await tg.start(f.run)
             await wait_for(lambda: delivered(sink, before), what="delivery before the kill")
             await wait_for(lambda: all(f.up().values()), what="every database up")
-            postmaster = (server.datadir / "postmaster.pid").read_text().split()[0]
-            await anyio.to_thread.run_sync(kill, server)
+            await anyio.to_thread.run_sync(server.kill)
             during = enqueue_runs(urls["s0"], "s0", prefix="b") | enqueue_runs(
                 urls["s1"], "s1", prefix="b"
             )
             await wait_for(lambda: delivered(sink, during), what="the others, s2 down")
             down = {"s0": True, "s1": True, "s2": False}
             await wait_for(lambda: f.up() == down, what="ledger_relay_database_up 0 for s2")
-            # Until its dead postmaster is reaped, a new one refuses the data directory.
-            await wait_for(lambda: not Path(f"/proc/{postmaster}").exists(), what="reaped")
-            await anyio.to_thread.run_sync(server.start)
+            await anyio.to_thread.run_sync(server.start_again)
             after = enqueue_runs(server.url, "s2", prefix="c")
             await wait_for(lambda: delivered(sink, after), what="s2 after its restart")
             await wait_for(lambda: all(f.up().values()), what="s2 up again")

@@ -12,6 +12,11 @@ user's directories, the install is copied once, as root, to a root-owned place e
 read (`/var/cache/ledger-relay/`, keyed by its `postgres` binary) and run from
 there. The data directory is the caller's: its own temporary directories are opened for
 traversal (o+x), as before.
+
+The fault levers of the tests and of `relay bench --only fleet_outage` are here too, so both
+kill a server the same way: `kill()` SIGKILLs the postmaster and every process of it at once,
+as when its machine dies, and `start_again()` starts it once more on the same data directory
+and port (PostgreSQL's crash recovery runs then).
 """
 
 from __future__ import annotations
@@ -20,15 +25,19 @@ import hashlib
 import os
 import pwd
 import shutil
+import signal
 import socket
 import stat
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 _RUN_AS = "pgserver"
 # Where root keeps a copy of binaries the server user could not reach where they are installed.
 _SHARED_CACHE = Path("/var/cache/ledger-relay")
+KILL_DEADLINE = 30.0  # seconds for a killed postmaster to die, and to be reaped
 
 
 def _bin_dir() -> Path:
@@ -154,6 +163,7 @@ class EmbeddedPostgres:
         self.durable = durable
         self.max_connections = max_connections
         self._ids = _ensure_user()
+        self._killed: int | None = None  # the postmaster `kill` killed, until restarted
         self.bin = bin_dir or _bin_dir()
         if self._ids is not None:
             self.bin = _reachable_bin_dir(self.bin)
@@ -236,3 +246,61 @@ class EmbeddedPostgres:
             )
         except subprocess.CalledProcessError:
             pass
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and all its processes at once: nothing is flushed, no client
+        gets a goodbye, as when its machine dies. All are stopped first: killed one by one, a
+        backend that outlived the postmaster for a moment saw it die and exited cleanly,
+        releasing its session locks while other backends still ran claims (a liveness lock seen
+        free on the dying server: not a machine's death). Returns once the postmaster is dead
+        (a zombie counts: its parent reaps it later, see `start_again`)."""
+        pid = int((self.datadir / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, signal.SIGSTOP)  # it forks nothing more
+        procs = [pid, *_children(pid)]
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for p in procs:
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+        self._killed = pid
+        _until(lambda: _state(pid) in ("Z", "X"), f"postmaster {pid} to die of SIGKILL")
+
+    def start_again(self) -> str:
+        """After `kill`: the server started once more on its data directory and port, once the
+        dead postmaster is reaped (until then its pid, still taken, makes a new postmaster
+        refuse the directory as another server's). Returns its URL."""
+        pid = self._killed
+        if pid is not None:
+            _until(lambda: _state(pid) == "X", f"the dead postmaster {pid} to be reaped")
+            self._killed = None
+        return self.start()
+
+
+def _until(done: Callable[[], bool], what: str) -> None:
+    """Poll `done` until it holds, for at most KILL_DEADLINE seconds."""
+    deadline = time.monotonic() + KILL_DEADLINE
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up after {KILL_DEADLINE:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat_file.parent.name))
+    return found
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (`Z` a zombie), `X` once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"

@@ -1,6 +1,6 @@
 """A primary with a synchronous standby, built with the embedded PostgreSQL's own tools, and the
 failover lever: the primary SIGKILLed (the postmaster and every process of it, as a machine
-dies: `kill`, also for one server that is then started again), the standby promoted (issue 29).
+dies: `EmbeddedPostgres.kill`, relay/tools/embedded.py), the standby promoted (issue 29).
 
 The standby is a `pg_basebackup -R` of the primary (`standby.signal` and `primary_conninfo`
 written by the tool), started on its own port. `synchronous_standby_names = '*'` is set on the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -97,7 +96,7 @@ class Pair:
                 time.sleep(1)  # between attempts of a command, not a wait for an effect
 
     def kill_primary(self) -> None:
-        kill(self.primary)
+        self.primary.kill()
 
     def standby_caught_up(self) -> None:
         """Until the standby replayed all it received (the primary is dead: nothing more comes)."""
@@ -121,44 +120,3 @@ class Pair:
     def stop(self, mode: str = "immediate") -> None:
         self.standby.stop(mode)
         self.primary.stop(mode)
-
-
-def kill(server: EmbeddedPostgres) -> None:
-    """SIGKILL the server's postmaster and all its processes at once: nothing is flushed, no
-    client gets a goodbye, as when its machine dies. All are stopped first: killed one by one, a
-    backend that outlived the postmaster for a moment saw it die and exited cleanly, releasing
-    its session locks while other backends still ran claims (a liveness lock seen free on the
-    dying server, its owner's runs taken: not a machine's death)."""
-    pid = int((server.datadir / "postmaster.pid").read_text().split()[0])
-    os.kill(pid, signal.SIGSTOP)  # it forks nothing more
-    procs = [pid, *_children(pid)]
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for p in procs:
-            try:
-                os.kill(p, sig)
-            except ProcessLookupError:
-                pass
-    wait_until(
-        lambda: not Path(f"/proc/{pid}").exists() or _state(pid) == "Z",
-        timeout=30,
-        what=f"postmaster {pid} to die of SIGKILL",
-    )
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "X"

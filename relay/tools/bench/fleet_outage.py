@@ -27,11 +27,8 @@ its start (the process spawned) to the receipt of every event committed before i
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -106,43 +103,6 @@ async def _servers(env: kit.Env) -> dict[str, Any]:
             for server in servers.values():
                 tg.start_soon(start, server)
     return servers
-
-
-def _kill(datadir: Path) -> int:
-    """SIGKILL the server's postmaster and all its processes at once, all stopped first (as
-    tests/faults/failover.py `kill`: killed one by one, a backend that outlived the postmaster
-    for a moment exits cleanly). Returns the postmaster's pid."""
-    pid = int((datadir / "postmaster.pid").read_text().split()[0])
-    os.kill(pid, signal.SIGSTOP)  # it forks nothing more
-    procs = [pid, *_children(pid)]
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for p in procs:
-            try:
-                os.kill(p, sig)
-            except ProcessLookupError:
-                pass
-    return pid
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-async def _reaped(pid: int) -> None:
-    """Until the dead postmaster is gone: a new one refuses its data directory before."""
-    deadline = time.monotonic() + 30
-    while await anyio.Path(f"/proc/{pid}").exists():
-        if time.monotonic() > deadline:
-            raise kit.BenchFailed(f"fleet outage: postmaster {pid} not reaped after 30 s")
-        await anyio.sleep(0.05)
 
 
 # -- the producers ----------------------------------------------------------------------------
@@ -384,10 +344,9 @@ async def _outage(
                 await anyio.sleep(a.fleet_outage_before_s)
             with env.console.status(f"fleet outage: {KILLED} killed"):
                 t.kill = time.time()
-                pid = _kill(servers[KILLED].datadir)
+                await anyio.to_thread.run_sync(servers[KILLED].kill)
                 await anyio.sleep(a.fleet_outage_s)
-                await _reaped(pid)
-                await anyio.to_thread.run_sync(servers[KILLED].start)
+                await anyio.to_thread.run_sync(servers[KILLED].start_again)
                 t.restart = time.time()
             with env.console.status(f"fleet outage: {KILLED} restarted"):
                 await anyio.sleep(a.fleet_outage_after_s)
@@ -499,8 +458,7 @@ async def _new_replica(
     live = [n for n in NAMES if n != KILLED]
     base = env.ingress_url.removesuffix("/runs/{run_id}/events")
     seen = env.sink.state.first_seen_at
-    pid = _kill(servers[KILLED].datadir)
-    await _reaped(pid)
+    await anyio.to_thread.run_sync(servers[KILLED].kill)
     stop = anyio.Event()
     async with anyio.create_task_group() as tg:
         for n in live:
