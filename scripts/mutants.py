@@ -53,6 +53,7 @@ OUTAGE_LOGS = "tests/test_outage_logs.py"
 WAIVER = "tests/test_retry_waiver.py"
 FLEET = "tests/test_fleet.py"
 FLEET_METRICS = "test_a_fleets_metrics_carry_each_databases_delivery_under_its_name"
+FLEET_OPS = "tests/test_fleet_ops.py"
 OUTAGE_TEST = "test_an_outage_logs_a_warning_per_failed_post_and_sums_up_the_deferrals"
 LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
@@ -1449,6 +1450,18 @@ MUTANTS: tuple[Mutant, ...] = (
         "                await background.start(health.refresh_gauges, s, store, metrics)",
         "                pass",
         (f"{FLEET}::test_a_fleets_metrics_carry_each_databases_backlog_gauges_under_its_name",),
+    ),
+    Mutant(
+        "fleet-backlog-gauges-zero-before-probe",
+        "issue 51: a database's backlog gauges have no sample before its first probe, never a 0"
+        " nobody read",
+        "relay/serving/metrics.py",
+        "                    family.samples.clear()  # its HELP and TYPE still say what it is",
+        "                    pass",
+        (
+            f"{FLEET_OPS}::test_a_fleet_databases_backlog_gauges_have_no_sample_until_its_first_"
+            "probe",
+        ),
     ),
 )
 
