@@ -52,8 +52,8 @@ _HELP = {
     "shutdown_timeout": "time to finish in-flight work on SIGTERM (default 20s)",
     "startup_timeout": "give up (exit 2) when the database is not reachable at start within this"
     " (default 0: wait forever, logging each attempt)",
-    "server_connections": "with RELAY_DATABASES: connections one replica opens to one server,"
-    " across its databases (default 0: no budget)",
+    "server_connections": "connections one replica opens to one server, across its databases"
+    " with RELAY_DATABASES (default 0: no budget)",
     "retention": "keep delivered events this long (default 24h)",
     "statement_timeout": "bound of every relay statement (default 10s)",
     "metrics_addr": "HOST:PORT for /metrics, /healthz, /readyz and the status page (off)",

@@ -172,7 +172,9 @@ def load_all(
     (`for_database`)."""
     databases = load_databases(flags, environ)
     if databases is None:
-        return load(flags, environ), None
+        alone = load(flags, environ)
+        own_share(alone)  # a budget too small is refused at start
+        return alone, None
     first = {**flags, "database_url": databases[0].url.reveal()}
     settings = load(first, environ)
     connection_shares(settings, databases, environ)  # a budget too small is refused at start
@@ -188,6 +190,24 @@ def for_database(settings: Settings, database: Database) -> Settings:
 # What one database of a fleet needs at least under `server_connections`: its LISTEN connection
 # and two connections for each lane's pool (its claim loop, its acks and renewals wait in turn).
 MIN_CONNECTIONS = 5
+
+
+def own_share(settings: Settings) -> int | None:
+    """The one-database form's share of `server_connections`: the whole budget, less the status
+    page's one connection when `metrics_addr` serves it (relay/serving/ui/pool.py); its LISTEN
+    connection counts within it wherever `listen_database_url` leads. None without a budget;
+    ConfigError when it is below MIN_CONNECTIONS. relay/pools.py sizes the pools within it."""
+    budget = settings.server_connections
+    if budget <= 0:
+        return None
+    page = 1 if settings.metrics_addr is not None else 0
+    if budget - page < MIN_CONNECTIONS:
+        why = ", and the status page's on metrics_addr" if page else ""
+        raise ConfigError(
+            f"server_connections ({budget}) is too few for the database: it needs at least "
+            f"{MIN_CONNECTIONS + page} (its LISTEN connection, two for each lane's pool{why})"
+        )
+    return budget - page
 
 
 def connection_shares(

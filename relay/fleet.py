@@ -39,7 +39,7 @@ from relay.databases import Database, connection_shares, for_database
 from relay.edges.store import CONNECT_KWARGS
 from relay.edges.tracing import NO_TRACING, Tracer, flush_timeout
 from relay.maintenance.migrate import read_version, version_problem
-from relay.pools import pool_size
+from relay.pools import split_share
 from relay.runner import Relay, shared_for
 from relay.serving import health, sdnotify
 from relay.serving.metrics import FleetMetrics, Metrics
@@ -108,19 +108,6 @@ def failure(exc: BaseException, url: str) -> str:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return "failed: " + scrub(logs.redact_text(logs.error_text(exc)), passwords_in(url))
-
-
-def split_share(settings: Settings, share: int) -> tuple[int, int]:
-    """One database's share of `server_connections` as its ordinary and critical pool sizes: one
-    connection for its LISTEN session, the critical pool a third of the rest (at least 2), the
-    ordinary pool the remainder, neither above what its lane uses unbudgeted (`pool_size`); a
-    share that holds both unbudgeted pools leaves them as they are."""
-    full = pool_size(settings.concurrency), pool_size(settings.critical_concurrency)
-    if share >= 1 + sum(full):
-        return full
-    rest = share - 1
-    critical = min(pool_size(settings.critical_concurrency), max(2, rest // 3))
-    return min(pool_size(settings.concurrency), rest - critical), critical
 
 
 async def _ping(notifier: sdnotify.Notifier, interval: float) -> None:

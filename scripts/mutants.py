@@ -1452,6 +1452,17 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{FLEET}::test_a_fleets_metrics_carry_each_databases_backlog_gauges_under_its_name",),
     ),
     Mutant(
+        "one-database-pools-unbudgeted",
+        "issue 51: server_connections bounds the one-database form's connections too",
+        "relay/pools.py",
+        "        share = own_share(settings)\n",
+        "        share = None\n",
+        (
+            f"{FLEET_OPS}::test_server_connections_sizes_the_one_databases_pools_within_it",
+            f"{FLEET_OPS}::test_server_connections_bounds_the_one_databases_connections",
+        ),
+    ),
+    Mutant(
         "fleet-backlog-gauges-zero-before-probe",
         "issue 51: a database's backlog gauges have no sample before its first probe, never a 0"
         " nobody read",
