@@ -439,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the relay",
         epilog="Several outbox databases: RELAY_DATABASES='NAME=URL NAME=URL ...' or "
         "RELAY_DATABASES_FILE (one NAME=URL a line), instead of RELAY_DATABASE_URL: one relay "
-        "per database in this process (docs/sharding.md).",
+        "per database in this process; NAME.listen=URL entries give a database a direct URL "
+        "for LISTEN (docs/sharding.md).",
     )
     _add_settings(r)
     r.add_argument("--migrate", action="store_true", help="migrate first (development)")

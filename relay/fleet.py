@@ -103,11 +103,14 @@ async def probe(settings: Settings) -> str | None:
     return None if problem is None else f"schema: {problem}"
 
 
-def failure(exc: BaseException, url: str) -> str:
-    """A relay's failure as a set-aside reason: its first exception's type and message."""
+def failure(exc: BaseException, settings: Settings) -> str:
+    """A relay's failure as a set-aside reason: its first exception's type and message, without
+    the passwords of its database's URLs."""
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
-    return "failed: " + scrub(logs.redact_text(logs.error_text(exc)), passwords_in(url))
+    urls = (settings.database_url, settings.listen_database_url)
+    passwords = [p for url in urls if url is not None for p in passwords_in(url.reveal())]
+    return "failed: " + scrub(logs.redact_text(logs.error_text(exc)), passwords)
 
 
 async def _ping(notifier: sdnotify.Notifier, interval: float) -> None:
@@ -270,7 +273,7 @@ class Fleet:
         except Exception as exc:  # never the process's end: the database is set aside
             if self._stop.is_set():  # a stop while it started: it returned without serving
                 return None
-            return failure(exc, settings.database_url.reveal())
+            return failure(exc, settings)
         finally:
             member.relay = None
         return None

@@ -1463,6 +1463,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "fleet-listen-url-ignored",
+        "issue 51: a fleet's database LISTENs through its NAME.listen URL",
+        "relay/databases.py",
+        "        listen_database_url=database.listen_url,\n",
+        "        listen_database_url=None,\n",
+        (f"{FLEET_OPS}::test_each_database_listens_through_its_own_listen_url",),
+    ),
+    Mutant(
         "fleet-backlog-gauges-zero-before-probe",
         "issue 51: a database's backlog gauges have no sample before its first probe, never a 0"
         " nobody read",

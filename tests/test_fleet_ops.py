@@ -1,25 +1,37 @@
 """Operating a fleet over several outbox databases (issue 51, the gaps of its last stop): each
 database's backlog gauges say nothing before its first probe rather than 0; `server_connections`
-bounds the one-database form's connections too, or is refused at start when too small."""
+bounds the one-database form's connections too, or is refused at start when too small; each
+database of a fleet may LISTEN through a URL of its own (`NAME.listen=URL`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import anyio
+import httpx
 import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from psycopg import sql
 
 from relay import pools as relay_pools
-from relay.databases import load_all
+from relay.databases import for_database, load_all, load_databases
+from relay.maintenance.migrate import migrate
+from relay.ops.checks import run_checks
 from relay.pools import Pools
 from relay.runner import Relay
 from relay.serving.metrics import FleetMetrics, Metrics
+from relay.settings import ConfigError
 from relay.tools.sink import Sink
+from tests.conftest import unique
+from tests.faults.proxy import FaultProxy, via
 from tests.support import count, settings, wait_for
 from tests.test_cli import relay_env, run_cli
+from tests.test_fleet import closed_port, delivered, fleet, ingress
+from tests.test_fleet import enqueue_runs as enqueue_in
 from tests.test_metrics import get, relay_port
 from tests.test_relay import enqueue_runs
 
@@ -185,3 +197,201 @@ async def test_server_connections_bounds_the_one_databases_connections(
             await wait_for(sampled, interval=0.005, what="delivery")
     assert built == [4, 2], built
     assert 2 <= most <= 8, most
+
+
+# -- a LISTEN URL per database ------------------------------------------------------------------
+
+PASSWORD = "CANARY-pw"
+
+
+def test_a_listen_entry_gives_its_database_a_listen_url_in_either_list_form(
+    tmp_path: Path,
+) -> None:
+    """Gap 4: `NAME.listen=URL` beside `NAME=URL`, in any order, in RELAY_DATABASES and in
+    RELAY_DATABASES_FILE; the database's relay (and `relay check`) LISTENs through it, and a
+    database without one LISTENs on its URL, as the one-database form without
+    listen_database_url does."""
+    listed = (
+        "s1.listen=postgresql://relay@pg1/a s1=postgresql://relay@bouncer:6432/a "
+        "s2=postgresql://relay@pg2/b"
+    )
+    listed_file = tmp_path / "databases"
+    listed_file.write_text("# shards\n" + "\n".join(listed.split()) + "\n")
+    for environ in ({"RELAY_DATABASES": listed}, {"RELAY_DATABASES_FILE": str(listed_file)}):
+        databases = load_databases({}, environ)
+        assert databases is not None
+        assert [d.name for d in databases] == ["s1", "s2"]
+        s1, s2 = databases
+        assert s1.listen_url is not None
+        assert s1.listen_url.reveal() == "postgresql://relay@pg1/a"
+        assert s2.listen_url is None
+    settings, databases = load_all(
+        {}, {"RELAY_DATABASES": listed, "RELAY_INGRESS_URL": "http://in/runs/{run_id}"}
+    )
+    assert databases is not None
+    one = for_database(settings, databases[0])
+    assert one.database_url.reveal() == "postgresql://relay@bouncer:6432/a"
+    assert one.listen_database_url is not None
+    assert one.listen_database_url.reveal() == "postgresql://relay@pg1/a"
+    assert for_database(settings, databases[1]).listen_database_url is None
+    assert PASSWORD not in repr(databases)
+
+
+@pytest.mark.parametrize(
+    ("entries", "says"),
+    [
+        (
+            f"s1=postgresql://u@h/a s1.lisen=postgresql://u:{PASSWORD}@h/a",
+            "entry 2: 's1.lisen' is neither NAME=URL nor NAME.listen=URL",
+        ),
+        (
+            f"s1=postgresql://u@h/a s9.listen=postgresql://u:{PASSWORD}@h/a",
+            "entry 2 (s9.listen) names no database of the list",
+        ),
+        (
+            f"s1=postgresql://u@h/a s1.listen=postgresql://u@d/a s1.listen=postgresql://u:{PASSWORD}@d/a",
+            "entry 3 (s1.listen): s1's listen URL is given twice",
+        ),
+        (
+            f"s1=postgresql://u@h/a s1.listen=postgresql://u:{PASSWORD}@h:80x/a",
+            "entry 2 (s1.listen): the URL its port is not a number",
+        ),
+        (
+            f"s1=postgresql://u@h/a s1.listen=postgresql://u:{PASSWORD}@d/a?sslmod=require",
+            "entry 2 (s1.listen): the URL libpq has no parameter 'sslmod'",
+        ),
+        (
+            f"s1=postgresql://u@h/a s2=postgresql://u@h/b s1.listen=postgresql://u:{PASSWORD}@h/b",
+            "entry 3 (s1.listen) names the same server and database as 's2' (host h, port 5432,"
+            " database b): s1 would LISTEN on s2's database",
+        ),
+        (
+            "s1=postgresql://u@p/a s2=postgresql://u@p/b s1.listen=postgresql://u@d/x "
+            f"s2.listen=postgresql://u:{PASSWORD}@d/x",
+            "entry 4 (s2.listen) names the same server and database as 's1'",
+        ),
+        ("s1.listen=postgresql://u@d/x", "names no database"),
+    ],
+)
+def test_a_bad_listen_entry_is_refused_naming_the_entry_never_its_password(
+    entries: str, says: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_databases({}, {"RELAY_DATABASES": entries})
+    assert says in str(caught.value) and str(caught.value).startswith("RELAY_DATABASES: ")
+    assert PASSWORD not in str(caught.value)
+
+
+def test_the_list_with_listen_database_url_points_at_the_listen_entries() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_databases(
+            {},
+            {
+                "RELAY_DATABASES": "s1=postgresql://u@h/a",
+                "RELAY_LISTEN_DATABASE_URL": "postgresql://u@d/a",
+            },
+        )
+    assert "its listen URL a NAME.listen=URL entry" in str(caught.value)
+
+
+@pytest.fixture
+def two(pg_url: str) -> Iterator[dict[str, str]]:
+    """Two databases in the embedded cluster with the relay's schema: name -> URL."""
+    made = {name: unique(f"fleetops_{name}") for name in ("s0", "s1")}
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        for dbname in made.values():
+            conn.execute(sql.SQL("create database {}").format(sql.Identifier(dbname)))
+    urls = {name: urlunsplit(urlsplit(pg_url)._replace(path=f"/{d}")) for name, d in made.items()}
+    try:
+        for url in urls.values():
+            migrate(url, "relay")
+        yield urls
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            for dbname in made.values():
+                conn.execute(
+                    sql.SQL("drop database if exists {} with (force)").format(
+                        sql.Identifier(dbname)
+                    )
+                )
+
+
+@pytest.mark.anyio
+async def test_each_database_listens_through_its_own_listen_url(two: dict[str, str]) -> None:
+    """Gap 4 against real databases: s0's listen URL leads through a TCP proxy, s1's to a port
+    where nothing listens. s0's LISTEN session goes through the proxy (its pools do not: a reset
+    there reconnects its LISTEN alone) and s0 is up; s1's listener is down, so s1 alone reads
+    `database_up` 0, while it still delivers by polling. While s1's relay waited for its LISTEN
+    connection, before its first probe, its backlog gauges had no sample (gap 2)."""
+    ids = {name: enqueue_in(url, name) for name, url in two.items()}
+    s0 = urlsplit(two["s0"])
+    nowhere = urlunsplit(urlsplit(two["s1"])._replace(netloc=f"127.0.0.1:{closed_port()}"))
+    metrics = f"127.0.0.1:{closed_port()}"
+    async with ingress() as (sink, url), anyio.create_task_group() as proxies:
+        proxy = FaultProxy(s0.hostname or "127.0.0.1", s0.port or 5432, "s0-listen")
+        await proxy.start(proxies)
+        listed = (
+            f"s0={two['s0']} s0.listen={via(two['s0'], proxy.port)} "
+            f"s1={two['s1']} s1.listen={nowhere}"
+        )
+        f = fleet(
+            two,
+            url,
+            {
+                "RELAY_DATABASES": listed,
+                "RELAY_METRICS_ADDR": metrics,
+                "RELAY_STATEMENT_TIMEOUT": "4s",  # how long s1's relay waits for its LISTEN
+            },
+        )
+        async with anyio.create_task_group() as tg, httpx.AsyncClient() as http:
+            await tg.start(f.run)
+
+            async def scrape() -> dict[str, dict[str, float]]:
+                return by_database((await http.get(f"http://{metrics}/metrics")).text)
+
+            await wait_for(lambda: "s1" in f.relay_metrics(), what="s1's relay metrics")
+            assert f.states()["s1"] == "starting"  # waiting for its LISTEN connection
+            early = await scrape()
+            await wait_for(
+                lambda: all(delivered(sink, i) for i in ids.values()), what="both delivered"
+            )
+            await wait_for(lambda: f.up()["s0"], what="s0 up")
+            assert proxy.connections >= 1  # its LISTEN session came through its listen URL
+            assert f.up() == {"s0": True, "s1": False}
+
+            async def s0_reconnected() -> bool:
+                reconnects = (await scrape())["ledger_relay_listen_reconnects"]
+                return reconnects.get("s0", 0.0) >= 1 and f.up()["s0"]
+
+            proxy.reset()  # s0's LISTEN session, and only it, goes through the proxy
+            await wait_for(s0_reconnected, what="s0's LISTEN reconnected through the proxy")
+            late = await scrape()
+            f.stop()
+        proxies.cancel_scope.cancel()
+    assert "s1" not in early["ledger_relay_blocked_runs"], early["ledger_relay_blocked_runs"]
+    assert "s1" not in early["ledger_relay_outbox_part_age_seconds"]
+    assert early["ledger_relay_backlog_refresh_timestamp_seconds"]["s1"] == 0.0
+    assert late["ledger_relay_database_up"] == {"s0": 1.0, "s1": 0.0}
+    assert late["ledger_relay_listen_up"] == {"s0": 1.0, "s1": 0.0}
+    assert late["ledger_relay_blocked_runs"] == {"s0": 0.0, "s1": 0.0}  # probed since
+
+
+@pytest.mark.anyio
+async def test_relay_check_listens_through_each_databases_listen_url(
+    two: dict[str, str], sink: tuple[Sink, str]
+) -> None:
+    """`relay check` over the list checks LISTEN through each database's listen URL: s1's,
+    which leads nowhere, fails its own listen line alone."""
+    _, url = sink
+    nowhere = urlunsplit(urlsplit(two["s1"])._replace(netloc=f"127.0.0.1:{closed_port()}"))
+    settings, databases = load_all(
+        {},
+        {
+            "RELAY_DATABASES": f"s0={two['s0']} s1={two['s1']} s1.listen={nowhere}",
+            "RELAY_INGRESS_URL": url + "/runs/{run_id}/events",
+        },
+    )
+    results = await run_checks(settings, 3.0, databases=databases)
+    listen = {r.database: r.ok for r in results if r.name == "listen"}
+    assert listen == {"s0": True, "s1": False}, [r.line() for r in results]
+    assert {r.database: r.ok for r in results if r.name == "database"} == {"s0": True, "s1": True}
