@@ -433,12 +433,17 @@ class _ProbedGauges(Collector):
 
     def __init__(self, *gauges: Gauge) -> None:
         self.gauges = gauges
-        self.probed: set[Gauge] = set()
+        self._probed: set[Gauge] = set()
+
+    def set(self, gauge: Gauge, value: float) -> None:
+        """One of `gauges` set by a refresh: exported from now on."""
+        gauge.set(value)
+        self._probed.add(gauge)
 
     def collect(self) -> Iterator[Metric]:
         for gauge in self.gauges:
             for family in gauge.collect():
-                if gauge not in self.probed:
+                if gauge not in self._probed:
                     family.samples.clear()  # its HELP and TYPE still say what it is
                 yield family
 
@@ -539,12 +544,9 @@ class Metrics:
         """Rows of `backlog()`: (lane, runs, events, oldest_age_seconds)."""
         for lane, runs, events, oldest in rows:
             if lane == "blocked":
-                self.blocked_runs.set(runs)
-                self.failed_events.set(events)
-                self.oldest_failed.set(oldest)
-                self._probed.probed.update(
-                    (self.blocked_runs, self.failed_events, self.oldest_failed)
-                )
+                self._probed.set(self.blocked_runs, runs)
+                self._probed.set(self.failed_events, events)
+                self._probed.set(self.oldest_failed, oldest)
             else:
                 self.backlog_runs.labels(lane).set(runs)
                 self.backlog_events.labels(lane).set(events)
@@ -552,8 +554,7 @@ class Metrics:
 
     def set_part_age(self, seconds: float) -> None:
         """`outbox_part_age()`: how long the outbox's current part has taken new events."""
-        self.outbox_part_age.set(seconds)
-        self._probed.probed.add(self.outbox_part_age)
+        self._probed.set(self.outbox_part_age, seconds)
 
     def set_backlog_keys(self, rows: Iterable[tuple[str | None, int]]) -> None:
         """Rows of `backlog_by_key()`: (key, runs), None for the rest. Keys that left the top
