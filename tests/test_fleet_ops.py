@@ -395,3 +395,23 @@ async def test_relay_check_listens_through_each_databases_listen_url(
     listen = {r.database: r.ok for r in results if r.name == "listen"}
     assert listen == {"s0": True, "s1": False}, [r.line() for r in results]
     assert {r.database: r.ok for r in results if r.name == "database"} == {"s0": True, "s1": True}
+
+
+def test_a_set_aside_reason_never_quotes_the_listen_urls_password() -> None:
+    """A relay's failure as its database's set-aside reason is scrubbed of the passwords of
+    both its URLs: an error may quote its listen URL's as well as its pools' URL's."""
+    from relay.fleet import failure
+
+    settings, databases = load_all(
+        {},
+        {
+            "RELAY_DATABASES": "s1=postgresql://u:pools-pw@h/a "
+            f"s1.listen=postgresql://u:{PASSWORD}@d/a",
+            "RELAY_INGRESS_URL": "http://in/runs/{run_id}",
+        },
+    )
+    assert databases is not None
+    exc = ConnectionError(f"password {PASSWORD} refused; password pools-pw refused")
+    reason = failure(exc, for_database(settings, databases[0]))
+    assert reason.startswith("failed: ConnectionError") and reason.count("***") == 2, reason
+    assert PASSWORD not in reason and "pools-pw" not in reason
