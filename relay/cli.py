@@ -53,8 +53,8 @@ _HELP = {
     "shutdown_timeout": "time to finish in-flight work on SIGTERM (default 20s)",
     "startup_timeout": "give up (exit 2) when the database is not reachable at start within this"
     " (default 0: wait forever, logging each attempt)",
-    "server_connections": "with RELAY_DATABASES: connections one replica opens to one server,"
-    " across its databases (default 0: no budget)",
+    "server_connections": "connections one replica opens to one server, across its databases"
+    " with RELAY_DATABASES (default 0: no budget)",
     "retention": "keep delivered events this long (default 24h)",
     "statement_timeout": "bound of every relay statement (default 10s)",
     "metrics_addr": "HOST:PORT for /metrics, /healthz, /readyz and the status page (off)",
@@ -440,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the relay",
         epilog="Several outbox databases: RELAY_DATABASES='NAME=URL NAME=URL ...' or "
         "RELAY_DATABASES_FILE (one NAME=URL a line), instead of RELAY_DATABASE_URL: one relay "
-        "per database in this process (docs/sharding.md).",
+        "per database in this process; NAME.listen=URL entries give a database a direct URL "
+        "for LISTEN (docs/sharding.md).",
     )
     _add_settings(r)
     r.add_argument("--migrate", action="store_true", help="migrate first (development)")

@@ -2,10 +2,12 @@
 
 `RELAY_DATABASES` holds whitespace-separated `NAME=URL` entries; `RELAY_DATABASES_FILE` names a
 file with one entry a line (a line starting with `#` is a comment; the rest of a line after
-`NAME=` is the URL, so a key=value conninfo fits there too). `RELAY_DATABASE_URL` alone stays
-the one-database form, named `default`, and runs as it always did. The list form and
-`database_url` together are refused, as are both list variables together: a configuration names
-its databases once.
+`NAME=` is the URL, so a key=value conninfo fits there too). A `NAME.listen=URL` entry, in
+either, gives that database's LISTEN connection a URL of its own, as `listen_database_url` does
+for the one-database form (a direct connection where the pools go through a transaction-mode
+pooler). `RELAY_DATABASE_URL` alone stays the one-database form, named `default`, and runs as
+it always did. The list form and `database_url` (or `listen_database_url`) together are
+refused, as are both list variables together: a configuration names its databases once.
 
 Parsing is pure, like relay/settings.py's: `load_databases(flags, environ)` returns the list (or
 None when the list form is not used) or raises ConfigError with one line naming the variable and
@@ -36,29 +38,37 @@ LIST = "RELAY_DATABASES"
 LIST_FILE = "RELAY_DATABASES_FILE"  # both in relay/settings.py's LIST_VARIABLES: no typo
 DEFAULT_NAME = "default"  # the one-database form's name (RELAY_DATABASE_URL alone)
 NAME_RE = re.compile(r"[a-z0-9_-]{1,32}")
+# `NAME.listen=URL`: the database's LISTEN connection through another URL than its pools' (a
+# direct one, where the pools go through a transaction-mode pooler). '.' is in no name.
+ATTRIBUTE_RE = re.compile(r"([a-z0-9_-]{1,32})\.([a-z_]{1,32})")
+LISTEN = "listen"
 
 
 @dataclass(frozen=True)
 class Database:
     """One outbox database of the list: its name (in logs, the `relay-database` header and the
-    ingress URL's `{database}`) and its URL."""
+    ingress URL's `{database}`), its URL and, when its `NAME.listen` entry gives one, the URL of
+    its LISTEN connection (else the URL)."""
 
     name: str
     url: Secret
+    listen_url: Secret | None = None
 
     def __repr__(self) -> str:
-        return f"Database({self.name!r}, {redact_url(self.url.reveal())!r})"
+        listen = "" if self.listen_url is None else f", {redact_url(self.listen_url.reveal())!r}"
+        return f"Database({self.name!r}, {redact_url(self.url.reveal())!r}{listen})"
 
 
 def parse_entries(
     entries: list[tuple[str, str]], source: str, environ: Mapping[str, str]
 ) -> list[Database]:
     """`(where, text)` entries (`where`: "entry 2", "line 7") as databases, in order; ConfigError
-    naming `source` and the entry for the first that is no `NAME=URL` with a valid name and URL,
-    a name given twice, or a server and database given twice."""
+    naming `source` and the entry for the first that is no `NAME=URL` (or `NAME.listen=URL`)
+    with a valid name and URL, a name given twice, or a server and database given twice."""
     out: list[Database] = []
     seen: dict[str, str] = {}  # name -> where
     servers: dict[tuple[str, str, str], str] = {}  # (host, port, dbname) -> name
+    listens: list[tuple[str, str, str]] = []  # (where, name, url) of the NAME.listen entries
     for where, text in entries:
         name, eq, url = text.partition("=")
         if not eq or not url.strip():
@@ -68,6 +78,14 @@ def parse_entries(
                 "password), e.g. shard1=postgresql://relay@db1/app"
             )
         name = name.strip()
+        attribute = ATTRIBUTE_RE.fullmatch(name)
+        if attribute is not None:
+            if attribute[2] != LISTEN:
+                raise ConfigError(
+                    f"{source}: {where}: {name!r} is neither NAME=URL nor NAME.listen=URL"
+                )
+            listens.append((where, attribute[1], url))
+            continue
         if not NAME_RE.fullmatch(name):
             raise ConfigError(
                 f"{source}: {where}: the name {redact_url(name)[:40]!r} must be 1 to 32 of "
@@ -90,7 +108,43 @@ def parse_entries(
         out.append(Database(name, secret))
     if not out:
         raise ConfigError(f"{source}: names no database")
-    return out
+    return with_listen_urls(out, listens, source, servers, environ)
+
+
+def with_listen_urls(
+    databases: list[Database],
+    listens: list[tuple[str, str, str]],
+    source: str,
+    servers: Mapping[tuple[str, str, str], str],
+    environ: Mapping[str, str],
+) -> list[Database]:
+    """`databases` with the URLs of their `NAME.listen` entries (`(where, name, url)`, in any
+    order beside them); ConfigError naming the entry for one that names no database of the list,
+    is given twice, has a URL libpq refuses, or names the server and database of another
+    database of the list (its LISTEN would hear that database's notifications, not its own)."""
+    names = {d.name for d in databases}
+    given: dict[str, Secret] = {}
+    heard: dict[tuple[str, str, str], str] = {}  # (host, port, dbname) -> the name that LISTENs
+    for where, name, url in listens:
+        entry = f"{where} ({name}.{LISTEN})"
+        if name not in names:
+            raise ConfigError(f"{source}: {entry} names no database of the list")
+        if name in given:
+            raise ConfigError(f"{source}: {entry}: {name}'s listen URL is given twice")
+        try:
+            secret = PARSERS["listen_database_url"](url.strip())
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {entry}: the URL {exc}") from None
+        server = server_key(secret.reveal(), environ)
+        other = heard.get(server) or servers.get(server, name)
+        if other != name:
+            raise ConfigError(
+                f"{source}: {entry} names the same server and database as {other!r} "
+                f"({describe_server(server)}): {name} would LISTEN on {other}'s database"
+            )
+        given[name] = secret
+        heard[server] = name
+    return [replace(d, listen_url=given.get(d.name)) for d in databases]
 
 
 def server_key(url: str, environ: Mapping[str, str] | None = None) -> tuple[str, str, str]:
@@ -155,10 +209,11 @@ def load_databases(
             or environ.get(env_name(option)) is not None
             or secret_file(option, flags, environ) is not None
         ):
+            listen = ", its listen URL a NAME.listen=URL entry" if "listen" in option else ""
             raise ConfigError(
                 f"{source.split()[0]} and {option} ({flag_name(option)} / {env_name(option)}) "
-                "are both given: with the list form every database is an entry of the list "
-                "(docs/sharding.md)"
+                f"are both given: with the list form every database is an entry of the list{listen}"
+                " (docs/sharding.md)"
             )
     return parse_entries(entries, source, environ)
 
@@ -172,7 +227,9 @@ def load_all(
     (`for_database`)."""
     databases = load_databases(flags, environ)
     if databases is None:
-        return load(flags, environ), None
+        alone = load(flags, environ)
+        own_share(alone)  # a budget too small is refused at start
+        return alone, None
     first = {**flags, "database_url": databases[0].url.reveal()}
     settings = load(first, environ)
     connection_shares(settings, databases, environ)  # a budget too small is refused at start
@@ -180,14 +237,38 @@ def load_all(
 
 
 def for_database(settings: Settings, database: Database) -> Settings:
-    """The settings one database of a fleet runs on: its URL; no `metrics_addr` of its own (the
-    fleet answers it, relay/fleet.py)."""
-    return replace(settings, database_url=database.url, metrics_addr=None)
+    """The settings one database of a fleet runs on: its URL, and its listen URL (its
+    `NAME.listen` entry's, or none: LISTEN on its URL); no `metrics_addr` of its own (the fleet
+    answers it, relay/fleet.py)."""
+    return replace(
+        settings,
+        database_url=database.url,
+        listen_database_url=database.listen_url,
+        metrics_addr=None,
+    )
 
 
 # What one database of a fleet needs at least under `server_connections`: its LISTEN connection
 # and two connections for each lane's pool (its claim loop, its acks and renewals wait in turn).
 MIN_CONNECTIONS = 5
+
+
+def own_share(settings: Settings) -> int | None:
+    """The one-database form's share of `server_connections`: the whole budget, less the status
+    page's one connection when `metrics_addr` serves it (relay/serving/ui/pool.py); its LISTEN
+    connection counts within it wherever `listen_database_url` leads. None without a budget;
+    ConfigError when it is below MIN_CONNECTIONS. relay/pools.py sizes the pools within it."""
+    budget = settings.server_connections
+    if budget <= 0:
+        return None
+    page = 1 if settings.metrics_addr is not None else 0
+    if budget - page < MIN_CONNECTIONS:
+        why = ", and the status page's on metrics_addr" if page else ""
+        raise ConfigError(
+            f"server_connections ({budget}) is too few for the database: it needs at least "
+            f"{MIN_CONNECTIONS + page} (its LISTEN connection, two for each lane's pool{why})"
+        )
+    return budget - page
 
 
 def connection_shares(

@@ -41,7 +41,7 @@ from relay.databases import Database, connection_shares, for_database
 from relay.edges.store import CONNECT_KWARGS
 from relay.edges.tracing import NO_TRACING, Tracer, flush_timeout
 from relay.maintenance.migrate import read_version, version_problem
-from relay.pools import pool_size
+from relay.pools import split_share
 from relay.runner import Relay, shared_for
 from relay.serving import health, sdnotify
 from relay.serving.metrics import FleetMetrics, Metrics
@@ -129,24 +129,14 @@ async def probe(settings: Settings) -> str | None:
     return None if problem is None else f"schema: {problem}"
 
 
-def failure(exc: BaseException, url: str) -> str:
-    """A relay's failure as a set-aside reason: its first exception's type and message."""
+def failure(exc: BaseException, settings: Settings) -> str:
+    """A relay's failure as a set-aside reason: its first exception's type and message, without
+    the passwords of its database's URLs."""
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
-    return "failed: " + scrub(logs.redact_text(logs.error_text(exc)), passwords_in(url))
-
-
-def split_share(settings: Settings, share: int) -> tuple[int, int]:
-    """One database's share of `server_connections` as its ordinary and critical pool sizes: one
-    connection for its LISTEN session, the critical pool a third of the rest (at least 2), the
-    ordinary pool the remainder, neither above what its lane uses unbudgeted (`pool_size`); a
-    share that holds both unbudgeted pools leaves them as they are."""
-    full = pool_size(settings.concurrency), pool_size(settings.critical_concurrency)
-    if share >= 1 + sum(full):
-        return full
-    rest = share - 1
-    critical = min(pool_size(settings.critical_concurrency), max(2, rest // 3))
-    return min(pool_size(settings.concurrency), rest - critical), critical
+    urls = (settings.database_url, settings.listen_database_url)
+    passwords = [p for url in urls if url is not None for p in passwords_in(url.reveal())]
+    return "failed: " + scrub(logs.redact_text(logs.error_text(exc)), passwords)
 
 
 async def _ping(notifier: sdnotify.Notifier, interval: float) -> None:
@@ -319,7 +309,7 @@ class Fleet:
         except Exception as exc:  # never the process's end: the database is set aside
             if self._stop.is_set():  # a stop while it started: it returned without serving
                 return None
-            return failure(exc, settings.database_url.reveal())
+            return failure(exc, settings)
         finally:
             member.relay = None
         return None

@@ -2,8 +2,10 @@
 
 Each lane has a pool of its own, so that no backlog of ordinary work can keep the critical lane
 waiting for a connection (DESIGN §4.3); both go to `database_url`, and their sizes make the
-connection budget of docs/operations.md. The runner asks this part for the open pools at start
-and for a store over each; it closes them itself, after the lanes and the listener stopped.
+connection budget of docs/operations.md, or fit within `server_connections` when one is set
+(`split_share`: a fleet's database's share, or the one database's). The runner asks this part
+for the open pools at start and for a store over each; it closes them itself, after the lanes
+and the listener stopped.
 
 A pool whose server went away reconnects by itself, in series of attempts psycopg_pool spaces
 with a doubling delay (1 s, 2 s, 4 s, ...) until its `reconnect_timeout`. At its default (5
@@ -20,6 +22,7 @@ from typing import Any
 import anyio
 from psycopg_pool import AsyncConnectionPool
 
+from relay.databases import own_share
 from relay.edges.store import CONNECT_KWARGS, IdleCheck, Pool, Store
 from relay.settings import Settings, redact_url
 
@@ -47,6 +50,19 @@ def pool_size(concurrency: int) -> int:
     return min(concurrency, POOL_FOR_DELIVERIES) + 2
 
 
+def split_share(settings: Settings, share: int) -> tuple[int, int]:
+    """One database's share of `server_connections` as its ordinary and critical pool sizes: one
+    connection for its LISTEN session, the critical pool a third of the rest (at least 2), the
+    ordinary pool the remainder, neither above what its lane uses unbudgeted (`pool_size`); a
+    share that holds both unbudgeted pools leaves them as they are."""
+    full = pool_size(settings.concurrency), pool_size(settings.critical_concurrency)
+    if share >= 1 + sum(full):
+        return full
+    rest = share - 1
+    critical = min(pool_size(settings.critical_concurrency), max(2, rest // 3))
+    return min(pool_size(settings.concurrency), rest - critical), critical
+
+
 class Pools:
     """Opens the ordinary and the critical lane's pools, in that order, and builds a store over
     either with the settings' schema, lease and bounds. It keeps no pool: the caller holds what
@@ -59,14 +75,17 @@ class Pools:
         *,
         reconnect_window: float = RECONNECT_WINDOW,
     ) -> None:
-        """`sizes`: the ordinary and the critical pool's most connections, when a budget sets
-        them (a fleet's `server_connections`, relay/databases.py); else `pool_size` of each
-        lane's concurrency. `reconnect_window`: RECONNECT_WINDOW but in tests."""
+        """`sizes`: the ordinary and the critical pool's most connections, when a fleet's budget
+        sets them (its database's share of `server_connections`, relay/databases.py); else
+        within the one database's share of it (`own_share`), or without one `pool_size` of
+        each lane's concurrency. `reconnect_window`: RECONNECT_WINDOW but in tests."""
         self.settings = settings
         self.reconnect_window = reconnect_window
+        share = own_share(settings)
         self.sizes = sizes or (
-            pool_size(settings.concurrency),
-            pool_size(settings.critical_concurrency),
+            split_share(settings, share)
+            if share is not None
+            else (pool_size(settings.concurrency), pool_size(settings.critical_concurrency))
         )
 
     async def open(self, stop: anyio.Event) -> list[Pool] | None:

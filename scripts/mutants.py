@@ -56,6 +56,7 @@ FLEET_PAGE = "tests/test_fleet_page.py"
 FLEET_METRICS = "test_a_fleets_metrics_carry_each_databases_delivery_under_its_name"
 FLEET_SERVERS = "tests/test_fleet_servers.py"
 SERVER_KILLED = "test_a_server_killed_mid_stream_and_restarted_under_two_replicas"
+FLEET_OPS = "tests/test_fleet_ops.py"
 OUTAGE_TEST = "test_an_outage_logs_a_warning_per_failed_post_and_sums_up_the_deferrals"
 LEASE = "tests/test_lease_sql.py"
 DECIDE = "tests/test_decide.py"
@@ -1568,6 +1569,37 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/test_pools.py::"
             "test_a_pool_keeps_trying_past_its_window_and_reconnects_with_nobody_asking",
+        ),
+    ),
+    Mutant(
+        "one-database-pools-unbudgeted",
+        "issue 51: server_connections bounds the one-database form's connections too",
+        "relay/pools.py",
+        "        share = own_share(settings)\n",
+        "        share = None\n",
+        (
+            f"{FLEET_OPS}::test_server_connections_sizes_the_one_databases_pools_within_it",
+            f"{FLEET_OPS}::test_server_connections_bounds_the_one_databases_connections",
+        ),
+    ),
+    Mutant(
+        "fleet-listen-url-ignored",
+        "issue 51: a fleet's database LISTENs through its NAME.listen URL",
+        "relay/databases.py",
+        "        listen_database_url=database.listen_url,\n",
+        "        listen_database_url=None,\n",
+        (f"{FLEET_OPS}::test_each_database_listens_through_its_own_listen_url",),
+    ),
+    Mutant(
+        "fleet-backlog-gauges-zero-before-probe",
+        "issue 51: a database's backlog gauges have no sample before its first probe, never a 0"
+        " nobody read",
+        "relay/serving/metrics.py",
+        "                    family.samples.clear()  # its HELP and TYPE still say what it is",
+        "                    pass",
+        (
+            f"{FLEET_OPS}::test_a_fleet_databases_backlog_gauges_have_no_sample_until_its_first_"
+            "probe",
         ),
     ),
 )

@@ -97,7 +97,7 @@ def test_each_database_runs_on_the_settings_with_its_own_url() -> None:
         ("a=", "entry 1 is not NAME=URL"),
         (f"Shard=postgresql://u:{PASSWORD}@h/app", "the name 'Shard' must be 1 to 32"),
         (f"{'x' * 33}=postgresql://u@h/app", "must be 1 to 32 of a-z"),
-        (f"a.b=postgresql://u:{PASSWORD}@h/app", "the name 'a.b'"),
+        (f"a.b=postgresql://u:{PASSWORD}@h/app", "'a.b' is neither NAME=URL nor NAME.listen"),
         (
             f"a=postgresql://u@h/app a=postgresql://u:{PASSWORD}@h/other",
             "entry 2: the name 'a' is given twice",

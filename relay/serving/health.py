@@ -255,7 +255,7 @@ class DatabaseProbe:
             self._warn_unavailable_once("part_age_unavailable", exc)
             return
         if row is not None and row[0] is not None:
-            self.metrics.outbox_part_age.set(float(row[0]))
+            self.metrics.set_part_age(float(row[0]))
 
     def _warn_unavailable_once(self, event: str, exc: psycopg.Error) -> None:
         """Functions or grants older than this relay: a warning naming the figure left out,

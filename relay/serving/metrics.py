@@ -96,7 +96,7 @@ class Instrument(Generic[InstrumentT]):
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
 
-    def make(self, registry: CollectorRegistry) -> InstrumentT:
+    def make(self, registry: CollectorRegistry | None) -> InstrumentT:
         extra: dict[str, Any] = {"buckets": self.buckets} if self.buckets else {}
         return self.kind(PREFIX + self.name, self.help, self.labels, registry=registry, **extra)
 
@@ -433,6 +433,31 @@ class _PostTurnCollector(Collector):
         yield tokens
 
 
+class _ProbedGauges(Collector):
+    """The database's unlabelled gauges (blocked runs, failed events, the outbox's part age),
+    without a sample until a refresh of the database's probe set them: a gauge's 0 before anyone
+    looked would read "nothing blocked, a part just begun" (a fleet's /metrics serves each
+    database's relay from its start, before its first probe). The labelled ones (by lane, by
+    key) have no series until then anyway. `backlog_refresh_timestamp_seconds` keeps its 0,
+    which says "never refreshed" (the DatabaseProbeFailing alert reads it so)."""
+
+    def __init__(self, *gauges: Gauge) -> None:
+        self.gauges = gauges
+        self._probed: set[Gauge] = set()
+
+    def set(self, gauge: Gauge, value: float) -> None:
+        """One of `gauges` set by a refresh: exported from now on."""
+        gauge.set(value)
+        self._probed.add(gauge)
+
+    def collect(self) -> Iterator[Metric]:
+        for gauge in self.gauges:
+            for family in gauge.collect():
+                if gauge not in self._probed:
+                    family.samples.clear()  # its HELP and TYPE still say what it is
+                yield family
+
+
 class Metrics:
     def __init__(
         self,
@@ -469,11 +494,15 @@ class Metrics:
         self.backlog_key_runs = BACKLOG_KEY_RUNS.make(r)
         self.backlog_keys = BACKLOG_KEYS  # keys with a series of their own
         self.oldest_pending = OLDEST_PENDING.make(r)
-        self.blocked_runs = BLOCKED_RUNS.make(r)
-        self.failed_events = FAILED_EVENTS.make(r)
-        self.oldest_failed = OLDEST_FAILED.make(r)
+        self.blocked_runs = BLOCKED_RUNS.make(None)
+        self.failed_events = FAILED_EVENTS.make(None)
+        self.oldest_failed = OLDEST_FAILED.make(None)
         self.backlog_refreshed = BACKLOG_REFRESHED.make(r)
-        self.outbox_part_age = OUTBOX_PART_AGE.make(r)
+        self.outbox_part_age = OUTBOX_PART_AGE.make(None)
+        self._probed = _ProbedGauges(
+            self.blocked_runs, self.failed_events, self.oldest_failed, self.outbox_part_age
+        )
+        r.register(self._probed)
         self.retention = RETENTION.make(r)
         if retention is not None:
             self.retention.set(retention)
@@ -527,14 +556,18 @@ class Metrics:
         work labelled with the class it counts and, deprecated, its name (`BACKLOG_LABELS`)."""
         for row, runs, events, oldest in rows:
             if row == "blocked":
-                self.blocked_runs.set(runs)
-                self.failed_events.set(events)
-                self.oldest_failed.set(oldest)
+                self._probed.set(self.blocked_runs, runs)
+                self._probed.set(self.failed_events, events)
+                self._probed.set(self.oldest_failed, oldest)
             else:
                 labels = (backlog_class(row), row)
                 self.backlog_runs.labels(*labels).set(runs)
                 self.backlog_events.labels(*labels).set(events)
                 self.oldest_pending.labels(*labels).set(oldest)
+
+    def set_part_age(self, seconds: float) -> None:
+        """`outbox_part_age()`: how long the outbox's current part has taken new events."""
+        self._probed.set(self.outbox_part_age, seconds)
 
     def set_backlog_keys(self, rows: Iterable[tuple[str | None, int]]) -> None:
         """Rows of `backlog_by_key()`: (key, runs), None for the rest. Keys that left the top
