@@ -41,7 +41,7 @@ from relay.databases import Database, connection_shares, for_database
 from relay.edges.store import CONNECT_KWARGS
 from relay.edges.tracing import NO_TRACING, Tracer, flush_timeout
 from relay.maintenance.migrate import read_version, version_problem
-from relay.pools import pool_size
+from relay.pools import RECONNECT_WINDOW, pool_size
 from relay.runner import Relay, shared_for
 from relay.serving import health, sdnotify
 from relay.serving.metrics import FleetMetrics, Metrics
@@ -50,7 +50,10 @@ from relay.serving.ui.web import Request, Response, serves_without_token
 from relay.settings import Settings, passwords_in, scrub
 
 FIRST_RETRY = 0.5  # seconds before a set-aside database is tried again, doubling
-MAX_RETRY = 30.0  # ... up to this
+# ... up to this: the pools' window (relay/pools.py), so a database set aside is tried again about
+# as soon as a served one's lost server is (docs/sharding.md, "How soon a server that is back is
+# served again"); each try is one connection, at most about two in the window once at the cap.
+MAX_RETRY = RECONNECT_WINDOW
 PROBE_DEADLINE = 5.0  # one probe's connection and read, at most (relay/startup.py's attempt's)
 
 
@@ -127,6 +130,13 @@ async def probe(settings: Settings) -> str | None:
         return "unreachable: " + scrub(logs.redact_text(logs.error_text(exc)), passwords_in(url))
     problem = version_problem(version, settings.schema)
     return None if problem is None else f"schema: {problem}"
+
+
+def retry_delay(attempt: int, rand: float, *, cap: float = MAX_RETRY) -> float:
+    """How long a database set aside `attempt` times in a row (from 1) waits before its next
+    probe: FIRST_RETRY doubling up to `cap`, in the upper half of each step (`rand` uniform in
+    [0, 1)), so replicas started together do not probe in step and none probes at once."""
+    return backoff(attempt - 1, base=FIRST_RETRY, cap=cap, rand=rand, jitter=0.5)
 
 
 def failure(exc: BaseException, url: str) -> str:
@@ -291,13 +301,7 @@ class Fleet:
                         return  # stopped
                     attempt = 0  # it served: a new outage starts from the first delay
                 attempt += 1
-                delay = backoff(
-                    attempt - 1,
-                    base=FIRST_RETRY,
-                    cap=self.max_retry,
-                    rand=random.random(),
-                    jitter=0.5,
-                )
+                delay = retry_delay(attempt, random.random(), cap=self.max_retry)
                 self._set_aside(member, reason, delay)
                 with anyio.move_on_after(delay):
                     await self._stop.wait()
