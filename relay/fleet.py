@@ -60,9 +60,11 @@ PROBE_DEADLINE = 5.0  # one probe's connection and read, at most (relay/startup.
 class State(enum.Enum):
     """Where one database of the fleet stands."""
 
-    STARTING = "starting"  # probed, or its relay starting (waiting for its pools, its liveness)
+    STARTING = "starting"  # probed, its first relay starting (waiting for its pools, liveness)
     SERVING = "serving"  # its relay's lanes run
-    SET_ASIDE = "set_aside"  # down, refused or at a schema version this release cannot serve
+    # Down, refused, at a schema version this release cannot serve, or its relay failed: until
+    # a relay of it serves again, its next relay's start included.
+    SET_ASIDE = "set_aside"
 
 
 @dataclass
@@ -72,7 +74,11 @@ class Member:
     database: Database
     relay: Relay | None = None
     set_aside: str | None = None  # the reason, while set aside
-    since: float = field(default_factory=time.time)  # wall clock: when it entered its state
+    # Wall clock: when it entered its state; while set aside, when its outage began.
+    since: float = field(default_factory=time.time)
+    # When its served relay's server was lost, if it was when that relay failed: its outage
+    # began then (set on the failure, read once by the set-aside that follows).
+    lost: float | None = None
 
     @property
     def up(self) -> bool:
@@ -92,6 +98,11 @@ class Member:
             return State.SERVING
         return State.STARTING
 
+    def lost_since(self) -> float | None:
+        """While its relay's LISTEN connection is down: since when (its first failure)."""
+        listener = self.relay.view.listener() if self.relay is not None else None
+        return None if listener is None or listener.up else listener.down_since
+
     def page_state(self) -> DatabaseState:
         """The database as the status page shows it (relay/serving/ui/fleet.py): a database
         served whose LISTEN connection is down is down since that connection's first failure,
@@ -102,7 +113,7 @@ class Member:
         if state is State.SERVING and listener is not None and not listener.up:
             text = logs.redact_text(listener.error or "its LISTEN connection is not connected")
             error = "lost: " + scrub(text, passwords_in(self.database.url.reveal()))
-            since = listener.down_since or since
+            since = self.lost_since() or since
         status = relay.status if relay is not None else None
         return DatabaseState(
             self.database.name,
@@ -312,17 +323,19 @@ class Fleet:
         relay = Relay(
             settings, database=name, pool_sizes=self.pool_sizes.get(name), **self._relay_options
         )
-        member.relay, member.set_aside, member.since = relay, None, time.time()
+        # A database set aside stays so, with its reason and since when, until this relay serves.
+        member.relay = relay
         try:
             if self._stop.is_set():  # asked between the probe and now: `stop` missed this relay
                 return None
             async with anyio.create_task_group() as tg:
                 await tg.start(relay.run)  # its lanes run: the fleet has served
                 self._startup_over.set()
-                member.since = time.time()
+                member.set_aside, member.since = None, time.time()
         except Exception as exc:  # never the process's end: the database is set aside
             if self._stop.is_set():  # a stop while it started: it returned without serving
                 return None
+            member.lost = member.lost_since()  # a server lost, ridden out until the relay failed
             return failure(exc, settings.database_url.reveal())
         finally:
             member.relay = None
@@ -364,10 +377,11 @@ class Fleet:
         """One line when a database is set aside; while it stays aside, its retries at debug."""
         if member.set_aside is None:
             logs.warning("database_set_aside", reason=reason, retry_in=round(delay, 2))
-            member.since = time.time()  # down since: its retries are the same outage
+            # Down since: its retries and its relays' failed starts are the same outage.
+            member.since = member.lost or time.time()
         else:
             logs.debug("database_still_set_aside", reason=reason, retry_in=round(delay, 2))
-        member.set_aside = reason
+        member.set_aside, member.lost = reason, None
 
     async def _respond(self, request: Request) -> Response:
         if self.page.handles(request.path):
