@@ -41,7 +41,7 @@ from relay.databases import Database, connection_shares, for_database
 from relay.edges.store import CONNECT_KWARGS
 from relay.edges.tracing import NO_TRACING, Tracer, flush_timeout
 from relay.maintenance.migrate import read_version, version_problem
-from relay.pools import split_share
+from relay.pools import RECONNECT_WINDOW, split_share
 from relay.runner import Relay, shared_for
 from relay.serving import health, sdnotify
 from relay.serving.metrics import FleetMetrics, Metrics
@@ -50,16 +50,21 @@ from relay.serving.ui.web import Request, Response, serves_without_token
 from relay.settings import Settings, passwords_in, scrub
 
 FIRST_RETRY = 0.5  # seconds before a set-aside database is tried again, doubling
-MAX_RETRY = 30.0  # ... up to this
+# ... up to this: the pools' window (relay/pools.py), so a database set aside is tried again about
+# as soon as a served one's lost server is (docs/sharding.md, "How soon a server that is back is
+# served again"); each try is one connection, at most about two in the window once at the cap.
+MAX_RETRY = RECONNECT_WINDOW
 PROBE_DEADLINE = 5.0  # one probe's connection and read, at most (relay/startup.py's attempt's)
 
 
 class State(enum.Enum):
     """Where one database of the fleet stands."""
 
-    STARTING = "starting"  # probed, or its relay starting (waiting for its pools, its liveness)
+    STARTING = "starting"  # probed, its first relay starting (waiting for its pools, liveness)
     SERVING = "serving"  # its relay's lanes run
-    SET_ASIDE = "set_aside"  # down, refused or at a schema version this release cannot serve
+    # Down, refused, at a schema version this release cannot serve, or its relay failed: until
+    # a relay of it serves again, its next relay's start included.
+    SET_ASIDE = "set_aside"
 
 
 @dataclass
@@ -69,7 +74,11 @@ class Member:
     database: Database
     relay: Relay | None = None
     set_aside: str | None = None  # the reason, while set aside
-    since: float = field(default_factory=time.time)  # wall clock: when it entered its state
+    # Wall clock: when it entered its state; while set aside, when its outage began.
+    since: float = field(default_factory=time.time)
+    # When its served relay's server was lost, if it was when that relay failed: its outage
+    # began then (set on the failure, read once by the set-aside that follows).
+    lost: float | None = None
 
     @property
     def up(self) -> bool:
@@ -89,6 +98,11 @@ class Member:
             return State.SERVING
         return State.STARTING
 
+    def lost_since(self) -> float | None:
+        """While its relay's LISTEN connection is down: since when (its first failure)."""
+        listener = self.relay.view.listener() if self.relay is not None else None
+        return None if listener is None or listener.up else listener.down_since
+
     def page_state(self) -> DatabaseState:
         """The database as the status page shows it (relay/serving/ui/fleet.py): a database
         served whose LISTEN connection is down is down since that connection's first failure,
@@ -99,7 +113,7 @@ class Member:
         if state is State.SERVING and listener is not None and not listener.up:
             text = logs.redact_text(listener.error or "its LISTEN connection is not connected")
             error = "lost: " + scrub(text, passwords_in(self.database.url.reveal()))
-            since = listener.down_since or since
+            since = self.lost_since() or since
         status = relay.status if relay is not None else None
         return DatabaseState(
             self.database.name,
@@ -127,6 +141,13 @@ async def probe(settings: Settings) -> str | None:
         return "unreachable: " + scrub(logs.redact_text(logs.error_text(exc)), passwords_in(url))
     problem = version_problem(version, settings.schema)
     return None if problem is None else f"schema: {problem}"
+
+
+def retry_delay(attempt: int, rand: float, *, cap: float = MAX_RETRY) -> float:
+    """How long a database set aside `attempt` times in a row (from 1) waits before its next
+    probe: FIRST_RETRY doubling up to `cap`, in the upper half of each step (`rand` uniform in
+    [0, 1)), so replicas started together do not probe in step and none probes at once."""
+    return backoff(attempt - 1, base=FIRST_RETRY, cap=cap, rand=rand, jitter=0.5)
 
 
 def failure(exc: BaseException, settings: Settings) -> str:
@@ -281,13 +302,7 @@ class Fleet:
                         return  # stopped
                     attempt = 0  # it served: a new outage starts from the first delay
                 attempt += 1
-                delay = backoff(
-                    attempt - 1,
-                    base=FIRST_RETRY,
-                    cap=self.max_retry,
-                    rand=random.random(),
-                    jitter=0.5,
-                )
+                delay = retry_delay(attempt, random.random(), cap=self.max_retry)
                 self._set_aside(member, reason, delay)
                 with anyio.move_on_after(delay):
                     await self._stop.wait()
@@ -298,17 +313,19 @@ class Fleet:
         relay = Relay(
             settings, database=name, pool_sizes=self.pool_sizes.get(name), **self._relay_options
         )
-        member.relay, member.set_aside, member.since = relay, None, time.time()
+        # A database set aside stays so, with its reason and since when, until this relay serves.
+        member.relay = relay
         try:
             if self._stop.is_set():  # asked between the probe and now: `stop` missed this relay
                 return None
             async with anyio.create_task_group() as tg:
                 await tg.start(relay.run)  # its lanes run: the fleet has served
                 self._startup_over.set()
-                member.since = time.time()
+                member.set_aside, member.since = None, time.time()
         except Exception as exc:  # never the process's end: the database is set aside
             if self._stop.is_set():  # a stop while it started: it returned without serving
                 return None
+            member.lost = member.lost_since()  # a server lost, ridden out until the relay failed
             return failure(exc, settings)
         finally:
             member.relay = None
@@ -350,10 +367,11 @@ class Fleet:
         """One line when a database is set aside; while it stays aside, its retries at debug."""
         if member.set_aside is None:
             logs.warning("database_set_aside", reason=reason, retry_in=round(delay, 2))
-            member.since = time.time()  # down since: its retries are the same outage
+            # Down since: its retries and its relays' failed starts are the same outage.
+            member.since = member.lost or time.time()
         else:
             logs.debug("database_still_set_aside", reason=reason, retry_in=round(delay, 2))
-        member.set_aside = reason
+        member.set_aside, member.lost = reason, None
 
     async def _respond(self, request: Request) -> Response:
         if self.page.handles(request.path):

@@ -1602,6 +1602,42 @@ MUTANTS: tuple[Mutant, ...] = (
             "probe",
         ),
     ),
+    Mutant(
+        "fleet-set-aside-retry-capped-at-30s",
+        "issue 51: a database set aside is probed again within the pools' window once fixed",
+        "relay/fleet.py",
+        "MAX_RETRY = RECONNECT_WINDOW\n",
+        "MAX_RETRY = 30.0\n",
+        (
+            "tests/test_fleet_states.py::"
+            "test_a_database_set_aside_is_tried_again_within_the_pools_window_however_long_it_was_down",
+        ),
+        ci=True,
+    ),
+    Mutant(
+        "fleet-set-aside-cleared-on-probe",
+        "issue 51 item 4: a database set aside is shown DOWN with its reason until a relay serves"
+        " it again",
+        "relay/fleet.py",
+        "        member.relay = relay\n",
+        "        member.relay, member.set_aside, member.since = relay, None, time.time()\n",
+        (
+            "tests/test_fleet_states.py::"
+            "test_a_database_set_aside_is_shown_down_with_its_reason_while_its_next_relay_starts",
+        ),
+    ),
+    Mutant(
+        "fleet-down-since-the-set-aside",
+        "issue 51 item 4: a database is shown down since its server was lost, not since it was"
+        " set aside",
+        "relay/fleet.py",
+        "            member.since = member.lost or time.time()",
+        "            member.since = time.time()",
+        (
+            "tests/test_fleet_states.py::"
+            "test_a_relay_that_rode_out_a_lost_server_then_failed_is_down_since_the_loss",
+        ),
+    ),
 )
 
 

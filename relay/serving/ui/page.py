@@ -334,7 +334,8 @@ def fleet_page(view: dict[str, Any], refresh_seconds: float) -> bytes:
         '<p class="meta">Up: served, its LISTEN connection up (ledger_relay_database_up 1). DOWN:'
         " set aside (unreachable, refused, at a schema version this release cannot serve, or"
         " its relay failed: tried again with backoff) or its server lost while served, since"
-        " the first failure; starting: probed, its relay starting. The backlog is its relay's"
+        " the first failure (a database set aside stays DOWN while its next relay starts);"
+        " starting: probed, its first relay starting. The backlog is its relay's"
         " last refresh of the backlog gauges. Each database's page has its lanes, blocked runs"
         " and replicas.</p>"
     )
