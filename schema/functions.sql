@@ -1176,12 +1176,16 @@ $$;
 -- ended since: the relay sends it past its retry budget (schema version 11). The claim leaves it
 -- set: what ends the attempt clears it (ack_round, release of a failed attempt, block_event), so
 -- a claim handed back unsent (a lost lease, a stop) keeps it for the next one.
+-- `p_claim` (schema version 13) names the claim: each run's token is derived from it
+-- (claim_token), so that a relay whose claim's answer was lost (its connection cut after the
+-- commit) can give back the runs it took without knowing them (release_claims); without it,
+-- they waited for their leases to expire, their owner alive and unaware it held them.
 -- Shims for relays of older versions during a rolling upgrade are in the migrations that made
--- them necessary (the signature is that of version 6; the result, version 6's with
--- retry_waived last, which the relays of earlier versions do not name).
+-- them necessary (the signature is that of version 6, with p_claim last since version 13; the
+-- result, version 6's with retry_waived last, which the relays of earlier versions do not name).
 create or replace function claim(
     p_owner text, p_runs int, p_batch int, p_ttl interval, p_lane text, p_run_id text default null,
-    p_max_bytes bigint default null
+    p_max_bytes bigint default null, p_claim uuid default null
 ) returns table (
     run_id text, epoch bigint, lease_token uuid, lease_expires_at timestamptz, attempts int,
     critical boolean, seq bigint, event_id text, event_type text, payload text, terminal boolean,
@@ -1216,7 +1220,7 @@ begin
         update runs u
         set epoch = u.epoch + 1,
             lease_owner = p_owner,
-            lease_token = gen_random_uuid(),
+            lease_token = claim_token(p_claim, u.run_id),
             -- One reading of the clock: while leased, next_attempt_at is exactly the expiry.
             lease_expires_at = x.expires,
             next_attempt_at = x.expires,
@@ -1351,6 +1355,42 @@ begin
         updated_at = clock_timestamp()
     where runs.run_id = p_run_id and lease_token = p_token;
     return found;
+end
+$$;
+
+-- A run's lease token in the claim named p_claim: derived from the claim's name and the run, so
+-- that release_claims finds the runs of a claim whose answer never arrived; a fresh random one
+-- for a claim without a name (relays before version 13). Unique per run and claim, and as hard
+-- to guess as the claim's name, which the relay draws at random (uuid4).
+create or replace function claim_token(p_claim uuid, p_run_id text) returns uuid
+language sql volatile parallel safe
+set search_path from current
+as $$
+    select case when p_claim is null then gen_random_uuid()
+                else md5(p_claim::text || p_run_id)::uuid end
+$$;
+
+-- Gives back the runs that p_owner's claims named p_claims took, when the relay never read their
+-- answer (the connection was cut, or the deadline passed, after the claim may have committed):
+-- their leases end now and the runs are due at once, for this replica's next claim or any
+-- other's. Nothing was sent under such a lease (its events never reached the relay), so this is
+-- a release without an attempt: attempts, errors and an operator's waiver stay as they were.
+-- Fenced by owner and token: a run claimed since by anyone, or never taken by these claims, is
+-- left alone. Returns the runs given back.
+create or replace function release_claims(p_owner text, p_claims uuid[])
+returns table (run_id text)
+language plpgsql volatile
+set search_path from current
+security definer
+as $$
+begin
+    return query
+    update runs r
+    set lease_owner = null, lease_token = null, lease_expires_at = null,
+        next_attempt_at = clock_timestamp(), updated_at = clock_timestamp()
+    where r.lease_owner = p_owner
+      and r.lease_token = any(array(select claim_token(c, r.run_id) from unnest(p_claims) c))
+    returning r.run_id;
 end
 $$;
 

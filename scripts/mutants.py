@@ -1638,6 +1638,30 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_relay_that_rode_out_a_lost_server_then_failed_is_down_since_the_loss",
         ),
     ),
+    Mutant(
+        "claim-answer-lost-left-to-expire",
+        "faults (schema 13): the runs of a claim whose answer was lost are given back by the lane's"
+        " next turn, not left leased to a live owner until their leases expire",
+        "relay/delivery/lane.py",
+        "                    await self.store.give_back()",
+        "                    pass",
+        (
+            "tests/test_claims_given_back.py::"
+            "test_the_runs_of_a_claim_whose_answer_was_lost_go_without_waiting_for_the_lease",
+        ),
+    ),
+    Mutant(
+        "hand-back-failure-forgotten",
+        "faults (schema 13): a lease whose hand-back failed is owed and given back once the"
+        " database answers",
+        "relay/delivery/release.py",
+        "            self.store.owe(claim)",
+        "            pass",
+        (
+            "tests/test_claims_given_back.py::"
+            "test_a_lease_whose_hand_back_failed_is_given_back_once_the_database_answers",
+        ),
+    ),
 )
 
 

@@ -38,9 +38,14 @@ class Store:
     """Claims by id, each answered with nothing (the run leased elsewhere or backing off)."""
 
     owner = "replica-a"
+    owes_back = False  # no lease held unknowingly (relay/edges/store.py give_back)
 
     def __init__(self) -> None:
         self.claims: list[tuple[str, int, str | None]] = []
+        self.owed: list[Claim] = []  # hand-backs that failed: this stand-in cannot release
+
+    def owe(self, claim: Claim) -> None:
+        self.owed.append(claim)
 
     async def claim(self, lane: str, n_runs: int, run_id: str | None = None) -> list[Claim]:
         self.claims.append((lane, n_runs, run_id))

@@ -256,7 +256,9 @@ EXPECTED_FUNCTIONS = {
     "pick_lane": "p_lane text, p_runs integer, p_dead text[], p_exclude text[]",
     "pick_shared": "p_lane text, p_runs integer, p_dead text[], p_exclude text[]",
     "claim": "p_owner text, p_runs integer, p_batch integer, p_ttl interval, p_lane text,"
-    " p_run_id text, p_max_bytes bigint",
+    " p_run_id text, p_max_bytes bigint, p_claim uuid",
+    "claim_token": "p_claim uuid, p_run_id text",
+    "release_claims": "p_owner text, p_claims uuid[]",
     "claimed_prefixes": "p_taken text[], p_epochs bigint[], p_tokens uuid[],"
     " p_expires timestamp with time zone[], p_attempts integer[], p_cursors bigint[],"
     " p_reclaimed text[], p_waived boolean[], p_empty text[], p_batch integer,"

@@ -183,6 +183,8 @@ class Lane:
             self.turns += 1  # liveness (relay/serving/health.py)
             self.turned_at = anyio.current_time()
             try:
+                if self.store.owes_back:  # held unknowingly: a lost answer, a failed hand-back
+                    await self.store.give_back()
                 busy = await self._pass()
                 failures = 0
             except (psycopg.Error, OSError, TimeoutError) as exc:

@@ -195,12 +195,17 @@ class Releases:
     async def hand_back(self, claim: Claim) -> None:
         """Release an unsettled lease (shutdown, an error, a lost ack) so another replica takes
         over at once rather than after the TTL. Fenced by token: harmless when stale. Shielded
-        and bounded; never raises."""
+        and bounded; never raises. One that fails (the database unreachable) is owed: the
+        lane's loop gives it back once the database answers (`Store.give_back`)."""
+        released = False
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             try:
                 await self.store.release(claim)
+                released = True
             except Exception:
                 pass
+        if not released:
+            self.store.owe(claim)
 
     def lease_lost(self, claim: Claim, where: str) -> None:
         self.stats.lease_lost += 1

@@ -27,8 +27,9 @@ import psycopg
 from psycopg import AsyncClientCursor, sql
 from psycopg.pq import TransactionStatus
 from psycopg.rows import TupleRow
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from relay import logs
 from relay.core import clock
 from relay.core.policy import Trust, lease_margin
 
@@ -177,6 +178,15 @@ class AckResult:
     error: str | None
 
 
+def outcome_unknown(exc: BaseException) -> bool:
+    """Whether a statement that raised `exc` may have committed: not when the server answered
+    with an error (its transaction is rolled back) or the pool had no connection to send it on;
+    any other way (a connection cut, the deadline, a cancellation) it may have."""
+    if isinstance(exc, PoolTimeout):
+        return False
+    return not (isinstance(exc, psycopg.Error) and exc.sqlstate is not None)
+
+
 class Store:
     def __init__(
         self,
@@ -198,6 +208,12 @@ class Store:
         self.owner = owner
         self.statement_timeout = statement_timeout
         self.deadline = statement_timeout + 2.0
+        # What this replica holds without knowing it, given back by `give_back` (the lane's
+        # loop calls it before its next claim): the claims whose answer never came (the
+        # connection cut, the deadline passed), each name -> when it can no longer commit, and
+        # the leases whose hand-back failed (`owe`), run id -> claim.
+        self.unanswered: dict[uuid.UUID, float] = {}
+        self.owed: dict[str, Claim] = {}
         s = sql.Identifier(schema)
         # Generic plans are set where they pay, in the definitions of claim() and ack()
         # (`plan_cache_mode`, function-local), never on the session: docs/performance.md.
@@ -212,8 +228,9 @@ class Store:
             "select c.run_id, c.epoch, c.lease_token, c.attempts, c.critical, c.seq, c.event_id,"
             " c.event_type, c.payload, c.terminal, c.created_at at time zone 'UTC',"
             " c.traceparent, c.wake_queue, c.claimed_at, c.reclaimed_from, c.retry_waived"
-            " from {}.claim(%s, %s, %s, make_interval(secs => %s), %s, %s, %s) c"
+            " from {}.claim(%s, %s, %s, make_interval(secs => %s), %s, %s, %s, %s) c"
         ).format(s)
+        self._release_claims = sql.SQL("select run_id from {}.release_claims(%s, %s)").format(s)
         self._renew = sql.SQL(
             "select * from {}.renew(%s::text[], %s::uuid[], make_interval(secs => %s))"
         ).format(s)
@@ -268,19 +285,29 @@ class Store:
                 raise
 
     async def claim(self, lane: str, n_runs: int, run_id: str | None = None) -> list[Claim]:
+        """Up to `n_runs` runs of `lane` (or the run `run_id`), leased to this replica. A claim
+        whose answer may have committed but never came is remembered by its name, for
+        `give_back`."""
+        name = uuid.uuid4()  # the claim's name: its runs' tokens derive from it (claim_token)
         sent = clock.now()
-        rows = await self._call(
-            self._claim,
-            (
-                self.owner,
-                n_runs,
-                self.batch_size,
-                self.lease_ttl,
-                lane,
-                run_id,
-                self.max_batch_bytes,
-            ),
-        )
+        try:
+            rows = await self._call(
+                self._claim,
+                (
+                    self.owner,
+                    n_runs,
+                    self.batch_size,
+                    self.lease_ttl,
+                    lane,
+                    run_id,
+                    self.max_batch_bytes,
+                    name,
+                ),
+            )
+        except BaseException as exc:
+            if outcome_unknown(exc):
+                self.unanswered[name] = sent + self.deadline
+            raise
         trust = Trust(started=sent, ttl=self.lease_ttl, margin=lease_margin(self.lease_ttl))
         # One row per event, each run's in seq order; the lease's columns repeat on each row.
         runs: dict[str, tuple[TupleRow, list[ClaimedEvent]]] = {}
@@ -305,6 +332,39 @@ class Store:
             )
             for r, events in runs.values()
         ]
+
+    @property
+    def owes_back(self) -> bool:
+        """Whether leases this replica holds without knowing it wait for `give_back`."""
+        return bool(self.unanswered or self.owed)
+
+    def owe(self, claim: Claim) -> None:
+        """A lease whose hand-back failed (the database unreachable meanwhile): given back by
+        the next `give_back` rather than left to expire while this replica lives."""
+        self.owed[claim.run_id] = claim
+
+    async def give_back(self) -> None:
+        """Gives back what this replica holds without knowing it: the runs of the claims whose
+        answer never came (release_claims) and the leases whose hand-back failed (release,
+        fenced by token). Left alone, they would wait for their leases to expire: no other
+        replica takes a live owner's lease. A claim is forgotten once a give-back ran after it
+        could last commit, a lease once given back or expired. Raises what the database raises;
+        what is left stays for the next call."""
+        given: list[str] = []
+        if self.unanswered:
+            names = list(self.unanswered)
+            asked = clock.now()
+            rows = await self._call(self._release_claims, (self.owner, names))
+            given += [r[0] for r in rows]
+            for name in names:
+                if self.unanswered[name] <= asked:
+                    del self.unanswered[name]
+        for run_id, claim in list(self.owed.items()):
+            if clock.now() < claim.trust.started + claim.trust.ttl and await self.release(claim):
+                given.append(run_id)
+            del self.owed[run_id]
+        if given:
+            logs.info("leases_given_back", lease_owner=self.owner, runs=len(given), run_ids=given)
 
     async def renew(self, claims: Sequence[Claim]) -> dict[str, Trust]:
         """Extends the leases of `claims` (fenced by token). Returns the new trust window of

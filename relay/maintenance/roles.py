@@ -36,6 +36,7 @@ RELAY_FUNCTIONS = (
     "claim",
     "renew",
     "release",
+    "release_claims",  # a claim whose answer was lost, given back (schema version 13)
     "fail_event",
     "ack",
     "prune",

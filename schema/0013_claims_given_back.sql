@@ -1,0 +1,21 @@
+-- ledger-relay schema, version 13: the runs of a claim whose answer was lost are given back at
+-- once, not when their leases expire.
+--
+-- A relay's claim is one statement; when its connection is cut (or its deadline passes) after
+-- the server committed it, the relay never learns which runs it took. Until version 12 those
+-- runs stayed leased to a live owner that did not know it held them: no other replica may take
+-- a live owner's lease, and the owner's own claims pass over leased runs, so they waited for the
+-- lease to expire (lease_ttl, 30 s by default) after every such cut, a server restart or a
+-- failover included. From version 13 the relay names each claim (`p_claim`, a uuid of its own,
+-- the last argument of claim), each run's token is derived from that name (claim_token), and
+-- the relay, when a claim's outcome is unknown, gives its runs back by the name
+-- (release_claims) before its next claim.
+--
+-- Nothing here but the version and the old claim's removal: no table or index changes, and this
+-- version's functions are created in the same transaction (functions.sql). claim gains an
+-- argument with a default, so its old signature is dropped first (two overloads would make a
+-- call with seven arguments ambiguous). Rolling upgrade: relays of version 12 and earlier call
+-- claim with seven arguments and get random tokens as before; only they do not give back a
+-- claim whose answer they lost (their runs wait for the lease, as before).
+
+drop function if exists claim(text, int, int, interval, text, text, bigint);
