@@ -348,11 +348,7 @@ def relay_view(relay: Relay) -> RelayView:
 
     def listener() -> ListenerView | None:
         built = relay.listener
-        if built is None:
-            return None
-        return ListenerView(
-            built.up, built.reconnects, built.received, built.down_since, built.error
-        )
+        return built.view() if built is not None else None
 
     def admission() -> AdmissionView | None:
         return relay.permits.view() if relay.permits is not None else None
