@@ -42,6 +42,7 @@ NAME_RE = re.compile(r"[a-z0-9_-]{1,32}")
 # direct one, where the pools go through a transaction-mode pooler). '.' is in no name.
 ATTRIBUTE_RE = re.compile(r"([a-z0-9_-]{1,32})\.([a-z_]{1,32})")
 LISTEN = "listen"
+Server = tuple[str, str, str]  # (host, port, dbname), as libpq reads a URL (`server_key`)
 
 
 @dataclass(frozen=True)
@@ -93,16 +94,7 @@ def parse_entries(
             )
         if name in seen:
             raise ConfigError(f"{source}: {where}: the name {name!r} is given twice")
-        try:
-            secret = PARSERS["database_url"](url.strip())
-        except ValueError as exc:
-            raise ConfigError(f"{source}: {where} ({name}): the URL {exc}") from None
-        server = server_key(secret.reveal(), environ)
-        if server in servers:
-            raise ConfigError(
-                f"{source}: {where} ({name}) names the same server and database as "
-                f"{servers[server]!r} ({describe_server(server)}): it would be drained twice"
-            )
+        secret, server = _parsed(source, f"{where} ({name})", url, servers, environ)
         seen[name] = where
         servers[server] = name
         out.append(Database(name, secret))
@@ -131,23 +123,49 @@ def with_listen_urls(
             raise ConfigError(f"{source}: {entry} names no database of the list")
         if name in given:
             raise ConfigError(f"{source}: {entry}: {name}'s listen URL is given twice")
-        try:
-            secret = PARSERS["listen_database_url"](url.strip())
-        except ValueError as exc:
-            raise ConfigError(f"{source}: {entry}: the URL {exc}") from None
-        server = server_key(secret.reveal(), environ)
-        other = heard.get(server) or servers.get(server, name)
-        if other != name:
-            raise ConfigError(
-                f"{source}: {entry} names the same server and database as {other!r} "
-                f"({describe_server(server)}): {name} would LISTEN on {other}'s database"
-            )
+        # Its own database's server and database it may name, no other database's, nor one
+        # that a listen entry before it named.
+        taken = {**servers, **heard}
+        secret, server = _parsed(source, entry, url, taken, environ, listens_for=name)
         given[name] = secret
         heard[server] = name
     return [replace(d, listen_url=given.get(d.name)) for d in databases]
 
 
-def server_key(url: str, environ: Mapping[str, str] | None = None) -> tuple[str, str, str]:
+def _parsed(
+    source: str,
+    entry: str,
+    url: str,
+    taken: Mapping[Server, str],
+    environ: Mapping[str, str],
+    *,
+    listens_for: str | None = None,
+) -> tuple[Secret, Server]:
+    """The URL of `entry` (where it stands and whose it is) as libpq takes it, and the server and
+    database it names. ConfigError naming the entry for a URL refused, or for a server and
+    database `taken` (-> the name of the entry that has it) already, unless it is the one of
+    `listens_for`, the database a `NAME.listen` entry gives its LISTEN connection."""
+    option = "database_url" if listens_for is None else "listen_database_url"
+    try:
+        secret = PARSERS[option](url.strip())
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {entry}: the URL {exc}") from None
+    server = server_key(secret.reveal(), environ)
+    other = taken.get(server, listens_for)
+    if other != listens_for:
+        why = (
+            "it would be drained twice"
+            if listens_for is None
+            else f"{listens_for} would LISTEN on {other}'s database"
+        )
+        raise ConfigError(
+            f"{source}: {entry} names the same server and database as {other!r} "
+            f"({describe_server(server)}): {why}"
+        )
+    return secret, server
+
+
+def server_key(url: str, environ: Mapping[str, str] | None = None) -> Server:
     """The server and database a URL connects to, as libpq reads it with its defaults applied
     (host: PGHOST, else the local socket; port: PGPORT, else 5432; dbname: PGDATABASE, else the
     user's name): two URLs spelled differently for one database compare equal. Host names are

@@ -271,14 +271,9 @@ class Relay:
                 background.start_soon(self.permits.settle_when_idle)
             # Operations (relay/serving/health.py, relay/serving/sdnotify.py), each only when
             # configured.
-            if metrics is not None and port is not None:
-                self.endpoints = await background.start(
-                    health.serve, s, self.view, store, metrics, port
-                )
-            elif metrics is not None:  # one database's of a fleet: for its /metrics and page
-                self.status = await background.start(
-                    health.serve_status, s, self.view, store, metrics, self.database
-                )
+            self.endpoints, self.status = await health.start_serving(
+                background, s, self.view, store, metrics, port, self.database
+            )
             notifier = sdnotify.from_environ() if self.alone else None
             if notifier is not None:
                 background.start_soon(sdnotify.supervise, s, self.view, notifier)
@@ -353,11 +348,7 @@ def relay_view(relay: Relay) -> RelayView:
 
     def listener() -> ListenerView | None:
         built = relay.listener
-        if built is None:
-            return None
-        return ListenerView(
-            built.up, built.reconnects, built.received, built.down_since, built.error
-        )
+        return built.view() if built is not None else None
 
     def admission() -> AdmissionView | None:
         return relay.permits.view() if relay.permits is not None else None

@@ -1495,10 +1495,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "fleet-backlog-gauges-not-refreshed",
         "issue 51 item 4: a fleet's /metrics serves each database's backlog gauges, refreshed as"
         " a relay alone's are",
-        "relay/runner.py",
-        "            elif metrics is not None:  # one database's of a fleet: for its /metrics"
-        " and page",
-        "            elif False:  # planted: no gauges, no report, no page",
+        "relay/serving/health.py",
+        "    elif metrics is not None:  # one database's of a fleet: for its /metrics and page",
+        "    elif False:  # planted: no gauges, no report, no page",
         (f"{FLEET}::test_a_fleets_metrics_carry_each_databases_backlog_gauges_under_its_name",),
     ),
     Mutant(

@@ -71,15 +71,24 @@ def payload(**fields: object) -> str:
 def test_constructing_does_not_connect() -> None:
     listener, rec = make()
     assert listener.terminal_channel == CHANNEL
-    assert (listener.up, listener.received, listener.malformed) == (False, 0, 0)
+    assert (listener.up, listener.state.received, listener.state.malformed) == (False, 0, 0)
     assert rec.calls == []
+
+
+def test_an_observer_reads_a_copy_of_the_state_as_it_was_when_it_asked() -> None:
+    listener, _ = make()
+    seen = listener.view()
+    listener.dispatch("absurd_wake", "")
+    assert (seen.received, listener.view().received) == (0, 1)
+    seen.up = True  # an observer's copy is its own
+    assert not listener.up
 
 
 def test_terminal_committed_drains_that_run() -> None:
     listener, rec = make()
     listener.dispatch(CHANNEL, payload(kind="terminal_committed", run_id="run-7"))
     assert rec.calls == [("terminal", "run-7")]
-    assert (listener.received, listener.malformed) == (1, 0)
+    assert (listener.state.received, listener.state.malformed) == (1, 0)
 
 
 def test_outbox_delivered_goes_to_on_delivered() -> None:
@@ -89,7 +98,7 @@ def test_outbox_delivered_goes_to_on_delivered() -> None:
         payload(kind="outbox_delivered", run_id="run-7", last_seq=9, event_ids=["a", "b"]),
     )
     assert rec.calls == [("delivered", "run-7")]
-    assert listener.malformed == 0
+    assert listener.state.malformed == 0
 
 
 def test_extra_fields_and_odd_run_ids_are_fine() -> None:
@@ -97,7 +106,7 @@ def test_extra_fields_and_odd_run_ids_are_fine() -> None:
     for run_id in ("a/b", "é🚀", " ", "x" * 1000):
         listener.dispatch(CHANNEL, payload(kind="terminal_committed", run_id=run_id, extra=[1]))
     assert [c[1] for c in rec.calls] == ["a/b", "é🚀", " ", "x" * 1000]
-    assert listener.malformed == 0
+    assert listener.state.malformed == 0
 
 
 @pytest.mark.parametrize("text", ["default", "", "not json at all", '{"kind": 1}'])
@@ -105,7 +114,7 @@ def test_absurd_wake_is_a_discovery_pass(text: str) -> None:
     listener, rec = make()
     listener.dispatch("absurd_wake", text)
     assert rec.calls == [("wake", None)]
-    assert (listener.received, listener.malformed) == (1, 0)
+    assert (listener.state.received, listener.state.malformed) == (1, 0)
 
 
 @pytest.mark.parametrize("channel", ["other", "relay_terminal", "X_TERMINAL", ""])
@@ -119,7 +128,7 @@ def test_unknown_kind_on_the_terminal_channel_is_a_discovery_pass() -> None:
     listener, rec = make()
     listener.dispatch(CHANNEL, payload(kind="something_new", run_id="run-7"))
     assert rec.calls == [("wake", None)]
-    assert listener.malformed == 0
+    assert listener.state.malformed == 0
 
 
 MALFORMED = [
@@ -158,7 +167,7 @@ def test_malformed_payload_is_counted_logged_and_wakes(
     listener, rec = make()
     listener.dispatch(CHANNEL, text)
     assert rec.calls == [("wake", None)]
-    assert (listener.received, listener.malformed) == (1, 1)
+    assert (listener.state.received, listener.state.malformed) == (1, 1)
     (record,) = logged
     assert record.levelno == logging.WARNING
     assert record.getMessage() == "notification_ignored"
@@ -185,7 +194,7 @@ def test_oversized_payload_is_malformed_and_only_an_excerpt_is_logged(
     text = payload(kind="terminal_committed", run_id="run-7", pad=filler)
     listener.dispatch(CHANNEL, text)
     assert rec.calls == [("wake", None)]
-    assert listener.malformed == 1
+    assert listener.state.malformed == 1
     (record,) = logged
     assert len(record.fields["payload"]) <= 200  # type: ignore[attr-defined]
 
@@ -210,7 +219,7 @@ def test_dispatch_never_raises_and_always_wakes_exactly_once(text: str) -> None:
     listener.dispatch(CHANNEL, text)
     assert len(rec.calls) == 1
     kind, _ = rec.calls[0]
-    assert (kind == "wake") or listener.malformed == 0
+    assert (kind == "wake") or listener.state.malformed == 0
 
 
 @hsettings(deadline=None)  # no wall-clock threshold: the machine may be busy
@@ -239,7 +248,7 @@ def test_dispatch_routes_by_kind_or_wakes(msg: dict[str, object]) -> None:
         assert rec.calls == [("delivered", run_id)]
     else:
         assert rec.calls == [("wake", None)]
-    assert listener.malformed == (0 if valid else 1)
+    assert listener.state.malformed == (0 if valid else 1)
 
 
 def test_counters_accumulate() -> None:
@@ -248,5 +257,5 @@ def test_counters_accumulate() -> None:
     listener.dispatch(CHANNEL, "junk")
     listener.dispatch("absurd_wake", "q")
     listener.dispatch(CHANNEL, "{}")
-    assert (listener.received, listener.malformed) == (4, 2)
+    assert (listener.state.received, listener.state.malformed) == (4, 2)
     assert [c[0] for c in rec.calls] == ["terminal", "wake", "wake", "wake"]

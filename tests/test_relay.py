@@ -262,11 +262,13 @@ async def test_burst_of_notifications_coalesces(rig: Rig) -> None:
     async with listening(rig) as (r, listener):
         ordinary = r.lanes["ordinary"]
         await wait_for(lambda: ordinary.stats.passes >= 1, what="first pass")
-        before_passes, before_received = ordinary.stats.passes, listener.received
+        before_passes, before_received = ordinary.stats.passes, listener.state.received
         rig.conn.execute(
             "select pg_notify('absurd_wake', g::text) from generate_series(1, 10000) g"
         )
-        await wait_for(lambda: listener.received - before_received >= 10_000, what="10k notes")
+        await wait_for(
+            lambda: listener.state.received - before_received >= 10_000, what="10k notes"
+        )
         await anyio.sleep(0.1)  # let any pass triggered by the tail run
         passes = ordinary.stats.passes - before_passes
     assert 1 <= passes <= 50, passes
@@ -275,13 +277,14 @@ async def test_burst_of_notifications_coalesces(rig: Rig) -> None:
 async def test_listen_connection_killed_reconnects_and_keeps_delivering(rig: Rig) -> None:
     s, conn, schema = rig.sink, rig.conn, rig.schema
     async with listening(rig) as (_, listener):
-        old_pid = listener.backend_pid
+        old_pid = listener.state.backend_pid
         # Events committed while the listener is gone are found by the full pass on reconnect
         # (the safety-net poll is 30 s here, so only the reconnect pass can find them in time).
         conn.execute("select pg_terminate_backend(%s)", (old_pid,))
         enqueue_runs(conn, schema, 3, 2, prefix="during", terminal=False)
         await wait_for(
-            lambda: listener.up and listener.backend_pid not in (None, old_pid), what="reconnect"
+            lambda: listener.up and listener.state.backend_pid not in (None, old_pid),
+            what="reconnect",
         )
         await wait_for(lambda: len(s.state.deliveries) == 6, what="delivery after reconnect")
         enqueue_runs(conn, schema, 1, 1, prefix="after")

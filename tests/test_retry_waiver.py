@@ -198,12 +198,12 @@ async def test_a_relay_whose_listen_is_down_sends_the_run_past_its_budget(
             listener = r.listener
             assert listener is not None
             await wait_for(lambda: listener.up, what="LISTEN up")
-            heard = listener.received
+            heard = listener.state.received
             proxy.blackhole()
             got = await anyio.to_thread.run_sync(lambda: relay_retry(pg_url, schema, "--run", "r1"))
             assert got.returncode == 0, got.stderr
             await wait_for(lambda: went_or_held(sink, lines, "r1"), what="r1 claimed")
-            assert listener.received == heard, "the notification got through the partition"
+            assert listener.state.received == heard, "the notification got through the partition"
             proxy.heal()
         tg.cancel_scope.cancel()
     assert not held_back(lines, "r1"), held_back(lines, "r1")

@@ -1122,7 +1122,7 @@ async def test_listen_quotes_its_channel_names(pg_url: str, conn: psycopg.Connec
         )
         await wait_for(lambda: got == ["r1"], what="the notification")
         tg.cancel_scope.cancel()
-    assert listener.reconnects == 1 and listener.malformed == 0
+    assert listener.state.reconnects == 1 and listener.state.malformed == 0
 
 
 MALFORMED_NOTIFICATIONS = [
@@ -1151,7 +1151,7 @@ async def test_a_running_relay_ignores_malformed_notifications_and_keeps_deliver
                 listener = r.listener
                 assert listener is not None
                 await wait_for(lambda: listener.up, what="LISTEN")
-                pid = listener.backend_pid
+                pid = listener.state.backend_pid
                 channel = f"{schema}_terminal"
                 for payload in MALFORMED_NOTIFICATIONS:
                     conn.execute("select pg_notify(%s, %s)", (channel, payload))
@@ -1165,7 +1165,7 @@ async def test_a_running_relay_ignores_malformed_notifications_and_keeps_deliver
                     (channel, '{"kind": "outbox_delivered", "run_id": "nope"}'),
                 )
                 await wait_for(
-                    lambda: listener.malformed == len(MALFORMED_NOTIFICATIONS),
+                    lambda: listener.state.malformed == len(MALFORMED_NOTIFICATIONS),
                     what="every malformed notification",
                 )
                 # Still the same LISTEN session, and still delivering: a terminal drain too.
@@ -1175,7 +1175,7 @@ async def test_a_running_relay_ignores_malformed_notifications_and_keeps_deliver
                         conn, "after", "after-2", "done", {}, terminal=True, schema=schema
                     )
                 await wait_for(lambda: "after-2" in s.state.deliveries, what="delivery after")
-                assert (listener.backend_pid, listener.reconnects) == (pid, 1)
+                assert (listener.state.backend_pid, listener.state.reconnects) == (pid, 1)
     finally:
         logs.configure("json", "warning")
     ignored = [

@@ -148,6 +148,51 @@ async def routed(
         ), "the route did not go through the proxy"
 
 
+async def b_after_a(
+    pg_url: str,
+    schema: str,
+    conn: psycopg.Connection[Any],
+    url: str,
+    ingress: RawIngress,
+    flags: Mapping[str, str],
+    after_a: Callable[[], Awaitable[None]] | None = None,
+) -> tuple[list[tuple[Any, ...]], list[str]]:
+    """End to end, one POST at a time (one slot a lane, a retry a minute away), to the ingress at
+    `url`: run a until it is delivered, `after_a()`, then run b until it is rescheduled or
+    acked. The events' (run, state) and the runs whose POSTs reached the ingress, in order."""
+    cfg = settings(
+        pg_url,
+        schema,
+        url,
+        concurrency="1",
+        critical_concurrency="1",
+        max_backoff="60s",
+        **flags,
+    )
+    async with Relay(cfg).running():
+        enqueue_some(conn, schema, 1, 1, prefix="a")
+        await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="a")
+        if after_a is not None:
+            await after_a()
+        enqueue_some(conn, schema, 1, 1, prefix="b")
+        await wait_for(lambda: settled(conn, schema, "b0"), what="b rescheduled or acked")
+    rows = conn.execute(
+        q(schema, "select run_id, state from {s}.events order by run_id")
+    ).fetchall()
+    return rows, [urlsplit(target).path.split("/")[2] for _, target in ingress.requests]
+
+
+def copy_in_the_answers_segment() -> Callable[[asyncio.StreamWriter], Awaitable[None]]:
+    """The first POST's `200` written twice in one write (one segment), every later POST `503`."""
+    first_twice = [OK_EMPTY + OK_EMPTY]
+
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(first_twice.pop() if first_twice else REFUSED)
+        await writer.drain()
+
+    return answer
+
+
 @pytest.mark.parametrize("http_transport", HTTP_TRANSPORTS)
 @pytest.mark.parametrize("route", ROUTES)
 async def test_a_run_is_not_acked_by_an_answer_written_again_while_idle(
@@ -165,28 +210,12 @@ async def test_a_run_is_not_acked_by_an_answer_written_again_while_idle(
     the copy, the ingress saw one POST, and b was marked delivered."""
     late = LateCopy()
     async with routed(route, late, monkeypatch, tmp_path) as (ingress, url, flags):
-        cfg = settings(
-            pg_url,
-            schema,
-            url,
-            http_transport=http_transport,
-            ingress_keepalive="true",  # the reuse check is under test, on either transport
-            concurrency="1",
-            critical_concurrency="1",
-            max_backoff="60s",
-            **flags,
+        # The reuse check is under test, on either transport: keep-alive on.
+        kept_alive = flags | {"http_transport": http_transport, "ingress_keepalive": "true"}
+        rows, posted = await b_after_a(
+            pg_url, schema, conn, url, ingress, kept_alive, lambda: copy_arrived(late)
         )
-        async with Relay(cfg).running():
-            enqueue_some(conn, schema, 1, 1, prefix="a")
-            await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="a")
-            await copy_arrived(late)
-            enqueue_some(conn, schema, 1, 1, prefix="b")
-            await wait_for(lambda: settled(conn, schema, "b0"), what="b rescheduled or acked")
-    rows = conn.execute(
-        q(schema, "select run_id, state from {s}.events order by run_id")
-    ).fetchall()
     assert rows == [("a0", "delivered"), ("b0", "pending")], (rows, ingress.requests)
-    posted = [urlsplit(target).path.split("/")[2] for _, target in ingress.requests]
     assert posted[:2] == ["a0", "b0"], "the ingress never received b's body"
 
 
@@ -242,12 +271,7 @@ async def test_without_keepalive_no_copy_is_read_even_in_the_answers_segment(
     """`ingress_keepalive=false`: no connection carries a second POST, so neither a copy that
     came with the answer (which httpx's own transport reads as the next POST's at keep-alive) nor
     one that comes later can be read as another POST's answer."""
-    first_twice = [OK_EMPTY + OK_EMPTY]
-
-    async def answer(writer: asyncio.StreamWriter) -> None:
-        writer.write(first_twice.pop() if first_twice else REFUSED)
-        await writer.drain()
-
+    answer = copy_in_the_answers_segment()
     async with routed(route, answer, monkeypatch, tmp_path) as (ingress, url, flags):
         cfg = client_settings(http_transport=http_transport, ingress_keepalive="false", **flags)
         async with open_sender(cfg, 1) as sender:
@@ -261,17 +285,6 @@ async def test_without_keepalive_no_copy_is_read_even_in_the_answers_segment(
 # offered by TLS ALPN only, and these ingresses take HTTP/1.1, so it is spoken). A SOCKS proxy is
 # the third (`test_keepalive_follows_the_transport_unless_set`): socksio is not installed here.
 HTTPX_WAYS = {"http_transport=httpx": {"http_transport": "httpx"}, "http2=true": {"http2": "true"}}
-
-
-def copy_in_the_answers_segment() -> Callable[[asyncio.StreamWriter], Awaitable[None]]:
-    """The first POST's `200` written twice in one write (one segment), every later POST `503`."""
-    first_twice = [OK_EMPTY + OK_EMPTY]
-
-    async def answer(writer: asyncio.StreamWriter) -> None:
-        writer.write(first_twice.pop() if first_twice else REFUSED)
-        await writer.drain()
-
-    return answer
 
 
 @pytest.fixture
@@ -304,31 +317,10 @@ async def test_httpxs_own_transport_uses_no_connection_twice_unless_told(
     ingress saw one POST, and b was marked delivered. The start line says keep-alive is off
     and why."""
     caplog.set_level("WARNING", logger="relay")
-    async with routed(route, copy_in_the_answers_segment(), monkeypatch, tmp_path) as (
-        ingress,
-        url,
-        flags,
-    ):
-        cfg = settings(
-            pg_url,
-            schema,
-            url,
-            concurrency="1",
-            critical_concurrency="1",
-            max_backoff="60s",
-            **HTTPX_WAYS[way],
-            **flags,
-        )
-        async with Relay(cfg).running():
-            enqueue_some(conn, schema, 1, 1, prefix="a")
-            await wait_for(lambda: count(conn, schema, "state = 'delivered'") == 1, what="a")
-            enqueue_some(conn, schema, 1, 1, prefix="b")
-            await wait_for(lambda: settled(conn, schema, "b0"), what="b rescheduled or acked")
-    rows = conn.execute(
-        q(schema, "select run_id, state from {s}.events order by run_id")
-    ).fetchall()
+    answer = copy_in_the_answers_segment()
+    async with routed(route, answer, monkeypatch, tmp_path) as (ingress, url, flags):
+        rows, posted = await b_after_a(pg_url, schema, conn, url, ingress, flags | HTTPX_WAYS[way])
     assert rows == [("a0", "delivered"), ("b0", "pending")], (rows, ingress.requests)
-    posted = [urlsplit(target).path.split("/")[2] for _, target in ingress.requests]
     assert posted[:2] == ["a0", "b0"], "the ingress never received b's body"
     told = transport_lines(caplog)
     assert told, "no line says which keep-alive is in force"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -35,6 +36,22 @@ from relay.edges.listening import Listening, ping
 from relay.edges.store import CONNECT_KWARGS
 
 MAX_PAYLOAD = 8000
+
+
+@dataclass(slots=True)
+class ListenerState:
+    """The LISTEN connection as it stands, which the listener keeps up to date; observers are
+    handed a copy (`Listener.view`, relay/serving/progress.py's `ListenerView`)."""
+
+    up: bool = False
+    reconnects: int = 0  # successful connects, the first one included
+    received: int = 0  # notifications received
+    # While down: since when (wall clock, the first failure of the outage) and why, for a
+    # fleet's status page (relay/serving/ui/fleet.py); None while up and before any try.
+    down_since: float | None = None
+    error: str | None = None
+    malformed: int = 0  # notifications on the terminal channel that were not ours, ignored
+    backend_pid: int | None = None  # the session's server process, while up
 
 
 class Listener:
@@ -70,15 +87,7 @@ class Listener:
         self.on_delivered = on_delivered
         self.on_wake = on_wake
         self.on_connected = on_connected
-        self.up = False
-        # While down: since when (wall clock, the first failure of the outage) and why, for a
-        # fleet's status page (relay/serving/ui/fleet.py); None while up and before any try.
-        self.down_since: float | None = None
-        self.error: str | None = None
-        self.reconnects = 0
-        self.received = 0
-        self.malformed = 0
-        self.backend_pid: int | None = None
+        self.state = ListenerState()
         self._hold = (
             None
             if liveness is None
@@ -108,6 +117,15 @@ class Listener:
         finally:
             self._ended.set()
 
+    @property
+    def up(self) -> bool:
+        """A session is up now (read by relay/edges/listening.py when one fails)."""
+        return self.state.up
+
+    def view(self) -> ListenerState:
+        """A copy of the state, for an observer: what it reads stays as it was when it asked."""
+        return replace(self.state)
+
     async def stop(self) -> None:
         """A clean stop: call it once the lanes finished or released their work (DESIGN §4.2).
         While a session holds the liveness lock, waits until it said so and gave the lock up
@@ -125,12 +143,13 @@ class Listener:
         await self._hold_liveness(conn)
 
     def connected(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        self.backend_pid = conn.info.backend_pid
-        if self.reconnects or self.up:
-            logs.info("listen_reconnected", backend_pid=self.backend_pid)
-        self.reconnects += 1
-        self.up = True
-        self.down_since = self.error = None
+        state = self.state
+        state.backend_pid = conn.info.backend_pid
+        if state.reconnects or state.up:
+            logs.info("listen_reconnected", backend_pid=state.backend_pid)
+        state.reconnects += 1
+        state.up = True
+        state.down_since = state.error = None
         # NOTIFY is not durable: whatever was sent while we were away is found by a full pass.
         self.on_connected()
         self.first_session.set()
@@ -169,16 +188,17 @@ class Listener:
             logs.warning("replica_stopped_holding_leases", owner=owner)
 
     def lost(self, was_up: bool, exc: BaseException, retry_in: float) -> None:
-        self.up = False
+        state = self.state
+        state.up = False
         self.liveness_held = False
         self._liveness_conn = None
-        self.backend_pid = None
-        if self.down_since is None:
-            self.down_since = time.time()
-        self.error = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+        state.backend_pid = None
+        if state.down_since is None:
+            state.down_since = time.time()
+        state.error = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
         logs.warning(
             "listen_lost" if was_up else "listen_connect_failed",
-            error=self.error,
+            error=state.error,
             retry_in=round(retry_in, 3),
         )
 
@@ -221,13 +241,13 @@ class Listener:
         return await cur.fetchall()
 
     def dispatch(self, channel: str, payload: str) -> None:
-        self.received += 1
+        self.state.received += 1
         if channel != self.terminal_channel:
             self.on_wake()
             return
         msg = self._parse(payload)
         if msg is None:
-            self.malformed += 1
+            self.state.malformed += 1
             logs.warning("notification_ignored", channel=channel, payload=payload[:200])
             self.on_wake()
             return

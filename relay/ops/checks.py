@@ -317,13 +317,7 @@ async def run_checks(
     which the configuration line names so that an `ok` does not read as "nothing to fix".
     `databases`: the list form's (issue 51): the database, schema and listen checks of each in
     turn, each line naming it, then the ingress as each database posts to it."""
-    note = f" (warned on stderr: {', '.join(warned)})" if warned else ""
-    config = Result(
-        "configuration",
-        True,
-        f"schema={s.schema} ingress={redact_url(s.ingress_url)} replica={s.replica_id}"
-        f" {transport_line(s)} event_loop={loop.running()}{note}",
-    )
+    config = check_configuration(s, warned)
     if databases is None:
         stores = await check_store(s, within)
     else:
@@ -332,6 +326,19 @@ async def run_checks(
             results = await check_store(for_database(s, d), within)
             stores += [replace(r, database=d.name) for r in results]
     return [config, *stores, *await check_ingresses(s, within, databases)]
+
+
+def check_configuration(s: Settings, warned: Sequence[str] = ()) -> Result:
+    """The configuration line, once the settings loaded: what `relay run` would run with (the
+    schema, the ingress, the replica, the transport and keep-alive, the event loop it is on)
+    and the start warnings said on stderr (`warned`, their log events)."""
+    note = f" (warned on stderr: {', '.join(warned)})" if warned else ""
+    return Result(
+        "configuration",
+        True,
+        f"schema={s.schema} ingress={redact_url(s.ingress_url)} replica={s.replica_id}"
+        f" {transport_line(s)} event_loop={loop.running()}{note}",
+    )
 
 
 def transport_line(s: Settings) -> str:

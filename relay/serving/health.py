@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, LiteralString
 import anyio
 import orjson
 import psycopg
-from anyio.abc import SocketAttribute, SocketStream, TaskStatus
+from anyio.abc import SocketAttribute, SocketStream, TaskGroup, TaskStatus
 from anyio.streams.stapled import MultiListener
 from psycopg import sql
 
@@ -528,6 +528,26 @@ async def serve_status(
     await status.gauges.probe()
     task_status.started(status)
     await status.run()
+
+
+async def start_serving(
+    tg: TaskGroup,
+    settings: Settings,
+    view: RelayView,
+    store: Store,
+    metrics: Metrics | None,
+    port: MetricsPort | None,
+    database: str | None,
+) -> tuple[Endpoints | None, DatabaseStatus | None]:
+    """What a relay serves of itself, started in `tg` and served until it is cancelled: with
+    its metrics served on `port`, the endpoints (`serve`); with its metrics kept but no port of
+    its own (one database's relay of a fleet), its status (`serve_status`); neither without
+    metrics. Returned once each serves, as the runner's `endpoints` and `status`."""
+    if metrics is not None and port is not None:
+        return await tg.start(serve, settings, view, store, metrics, port), None
+    elif metrics is not None:  # one database's of a fleet: for its /metrics and page
+        return None, await tg.start(serve_status, settings, view, store, metrics, database)
+    return None, None
 
 
 async def _waiting(request: Request) -> Response:

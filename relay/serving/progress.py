@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from relay.edges.listener import ListenerState
 from relay.settings import Settings
 
 if TYPE_CHECKING:
@@ -27,16 +28,9 @@ if TYPE_CHECKING:
 SessionQuery = Callable[["sql.Composed", Sequence[Any]], Awaitable[list[tuple[Any, ...]]]]
 
 
-@dataclass(frozen=True, slots=True)
-class ListenerView:
-    """The LISTEN connection as observers see it."""
-
-    up: bool
-    reconnects: int  # successful connects, the first one included
-    received: int  # notifications received
-    # While down: since when (wall-clock seconds) and its last error (issue 51's fleet page)
-    down_since: float | None = None
-    error: str | None = None
+# The LISTEN connection as observers see it: a copy of its state (up, reconnects, received, and
+# while down since when and why, issue 51's fleet page), taken when one asks (`Listener.view`).
+ListenerView = ListenerState
 
 
 @dataclass(frozen=True, slots=True)
