@@ -978,7 +978,7 @@ def test_migrate_keeps_the_grants_exact_after_drift_and_extra_grants(
     granted: RoleSet, pg_url: str, schema: str, conn: psycopg.Connection[Any]
 ) -> None:
     roles = granted.roles
-    claim_sig = f"{schema}.claim(text, integer, integer, interval, text, text, bigint)"
+    claim_sig = f"{schema}.claim(text, integer, integer, interval, text, text, bigint, uuid)"
 
     def may(role: str, what: str, obj: str, priv: str) -> bool:
         row = conn.execute(f"select has_{what}_privilege(%s, %s, %s)", (role, obj, priv))
