@@ -44,6 +44,7 @@ from relay.core import loop
 from relay.core.policy import Outcome, classify
 from relay.databases import DEFAULT_NAME, Database, for_database
 from relay.edges.http_client import (
+    Reply,
     TransportFailure,
     keepalive_for,
     open_sender,
@@ -98,8 +99,13 @@ def exit_code(results: Sequence[Result]) -> int:
 
 
 def _error(exc: BaseException, s: Settings) -> str:
+    return _quoted(exc, sent_secrets(s))
+
+
+def _quoted(exc: BaseException, secrets: Sequence[str]) -> str:
+    """The error's type and first line, cut at 300 characters, with `secrets` scrubbed out."""
     first = (str(exc).strip().splitlines() or [""])[0]
-    return scrub(f"{type(exc).__name__}: {first}"[:300], sent_secrets(s))
+    return scrub(f"{type(exc).__name__}: {first}"[:300], secrets)
 
 
 async def check_database(s: Settings, within: float) -> tuple[Result, Result]:
@@ -185,6 +191,85 @@ async def _backend_pid(conn: psycopg.AsyncConnection[Any]) -> int:
     return int(row[0])
 
 
+@dataclass(frozen=True)
+class Probe:
+    """One ingress probe, as `relay run` would post it, and what its line names."""
+
+    name: str  # its line: ingress, or ingress_batch
+    setting: str  # the setting an answer that would pause a lane tells to fix
+    url: str
+    body: bytes
+    headers: dict[str, str]
+    # What of the secrets this probe sends an answer or an error may quote back (issue 48 item
+    # 4). Read here, not when judging, as they read the environment's proxies.
+    secrets: tuple[str, ...]
+    database: str | None = None  # the fleet's database it posts as (issue 51)
+
+
+def ingress_probe(s: Settings, *, batch: bool = False, database: str | None = None) -> Probe:
+    """A POST like `relay run`'s (its headers, token and signature) that carries no event: an
+    empty batch for the probe run `relay-check` (`batch`: an empty `{"batches": []}` to
+    `ingress_batch_url`), so nothing is delivered. `database`: as one database of a fleet
+    posts (issue 51), its name in the URL's `{database}` and in `relay-database`.
+
+    A POST rather than a HEAD: an endpoint that takes only POSTs answers a HEAD with 405 (or,
+    under some frameworks, 404), so a HEAD cannot tell a right URL from a wrong one."""
+    named = database or DEFAULT_NAME
+    if batch:
+        assert s.ingress_batch_url is not None
+        url, body = render_group_url(s.ingress_batch_url, named), PROBE_GROUP_BODY
+    else:
+        url, body = render_url(s.ingress_url, PROBE_RUN_ID, named), PROBE_BODY
+    headers = probe_headers(s, body, epoch=not batch)
+    if database is not None:
+        headers["relay-database"] = database
+    return Probe(
+        name="ingress_batch" if batch else "ingress",
+        setting="ingress_batch_url" if batch else "ingress_url",
+        url=url,
+        body=body,
+        headers=headers,
+        secrets=tuple(sent_secrets(s)),
+        database=database,
+    )
+
+
+def judge_ingress(
+    s: Settings, probe: Probe, answer: Reply | TransportFailure | ConfigError | TimeoutError
+) -> Result:
+    """The probe's line from what it got: a reply, or the error that stood for one. A reply is
+    judged by the table `relay run` uses (relay.core.policy.classify): what would pause a lane
+    as `ingress_misconfigured` (401, 403, 404, 405, 410, a redirect) fails, naming the setting
+    to fix; any other answer (an empty batch may well be refused as such: 400, 422) proves the
+    endpoint takes POSTs. Reads nothing but its arguments."""
+    where = redact_url(probe.url)
+    if not isinstance(answer, Reply):
+        return Result(
+            probe.name, False, f"{where}: {_quoted(answer, probe.secrets)}", probe.database
+        )
+    status = answer.status
+    outcome = classify(status)
+    if outcome is Outcome.MISCONFIGURED:
+        why = _misconfigured(status, answer.location, probe.setting, s)
+        return Result(probe.name, False, f"{where} answered {status}: {why}", probe.database)
+    if outcome is Outcome.ACCEPTED and answer.unframed and not answer.body.strip():
+        # relay/core/policy.py: such an answer cannot be told from a reset, so relay run would
+        # retry every batch and deliver none.
+        return Result(
+            probe.name,
+            False,
+            f"{where} answered {status} with an empty body and no Content-Length or chunked "
+            "framing, which relay run cannot tell from a connection reset: frame the answers",
+            probe.database,
+        )
+    note = {
+        Outcome.ACCEPTED: "",
+        Outcome.POISON: " (to an empty batch: the endpoint takes POSTs)",
+        Outcome.TRANSIENT: " (relay run would retry: the ingress is failing now)",
+    }[outcome]
+    return Result(probe.name, True, f"{where} answered {status}{note}", probe.database)
+
+
 async def check_ingress(
     s: Settings,
     within: float,
@@ -193,59 +278,18 @@ async def check_ingress(
     batch: bool = False,
     database: str | None = None,
 ) -> Result:
-    """A POST like `relay run`'s (its headers, token and signature) that carries no event: an
-    empty batch for the probe run `relay-check` (`batch`: an empty `{"batches": []}` to
-    `ingress_batch_url`), so nothing is delivered. `database`: as one database of a fleet
-    posts (issue 51), its name in the URL's `{database}` and in `relay-database`. The answer
-    is judged by the table `relay run` uses (relay.core.policy.classify): what would pause a
-    lane as `ingress_misconfigured` (401, 403, 404, 405, 410, a redirect) fails, naming the
-    setting to fix; any other answer (an empty batch may well be refused as such: 400, 422)
-    proves the endpoint takes POSTs.
-
-    A POST rather than a HEAD: an endpoint that takes only POSTs answers a HEAD with 405 (or,
-    under some frameworks, 404), so a HEAD cannot tell a right URL from a wrong one."""
-    setting = "ingress_batch_url" if batch else "ingress_url"
-    named = database or DEFAULT_NAME
-    if batch:
-        assert s.ingress_batch_url is not None
-        url, body = render_group_url(s.ingress_batch_url, named), PROBE_GROUP_BODY
-    else:
-        url, body = render_url(s.ingress_url, PROBE_RUN_ID, named), PROBE_BODY
-    where = redact_url(url)
-    name = "ingress_batch" if batch else "ingress"
-    headers = probe_headers(s, body, epoch=not batch)
-    if database is not None:
-        headers["relay-database"] = database
+    """Post the probe (`ingress_probe`) once, and judge what came back (`judge_ingress`)."""
+    probe = ingress_probe(s, batch=batch, database=database)
     try:
         # The relay's own client (relay/edges/http_client.py): its TLS trust, proxies, transport and
         # the URL's userinfo handled as `relay run` handles them. Its transport and keep-alive
         # are the configuration line's to say (`transport_line`), not a log line on stderr.
         with anyio.fail_after(within):
             async with open_sender(s, 1, transport, announce=False) as sender:
-                reply = await sender.send(url, body, headers)
+                reply = await sender.send(probe.url, probe.body, probe.headers)
     except (TransportFailure, ConfigError, TimeoutError) as exc:
-        return Result(name, False, f"{where}: {_error(exc, s)}", database)
-    status = reply.status
-    outcome = classify(status)
-    if outcome is Outcome.MISCONFIGURED:
-        why = _misconfigured(status, reply.location, setting, s)
-        return Result(name, False, f"{where} answered {status}: {why}", database)
-    if outcome is Outcome.ACCEPTED and reply.unframed and not reply.body.strip():
-        # relay/core/policy.py: such an answer cannot be told from a reset, so relay run would
-        # retry every batch and deliver none.
-        return Result(
-            name,
-            False,
-            f"{where} answered {status} with an empty body and no Content-Length or chunked "
-            "framing, which relay run cannot tell from a connection reset: frame the answers",
-            database,
-        )
-    note = {
-        Outcome.ACCEPTED: "",
-        Outcome.POISON: " (to an empty batch: the endpoint takes POSTs)",
-        Outcome.TRANSIENT: " (relay run would retry: the ingress is failing now)",
-    }[outcome]
-    return Result(name, True, f"{where} answered {status}{note}", database)
+        return judge_ingress(s, probe, exc)
+    return judge_ingress(s, probe, reply)
 
 
 # At most this many of a fleet's ingress probes at once (one per database, issue 51).
