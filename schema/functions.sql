@@ -217,7 +217,6 @@ declare
     v_terminal_seq bigint;
     v_notify text;
     v_key text;
-    v_idle_key text;
 begin
     -- Validation first: bad input raises before anything is written.
     if p_run_id is null or p_run_id = '' then
@@ -340,17 +339,35 @@ begin
             p_run_id, v_terminal_seq using errcode = '55000';
     end if;
 
-    -- Make the run discoverable without touching a row the relay may be working on: a new run
-    -- is inserted; an existing one is told by the conflict, and flipped if idle (the WHERE
-    -- matches nothing while it is active). A run that becomes active makes its key known to
-    -- the shared claim (note_fairness_key). Before the event's rows, so that an event refused
-    -- for its key has written none of them (the raise undoes the statement anyway).
-    -- The run's fairness key is its first event's (schema version 9): a new run's is this
-    -- event's, with nothing earlier to compare it with, so nothing is read for it. An existing
-    -- run's is read only when this event names one (to refuse another) or is the terminal
-    -- (pending_terminals carries it); under the run's lock, so the first event's key is seen
-    -- once it committed. An event without a key keeps the run's.
+    -- The run's fairness key is its first event's (schema version 9): read only when this
+    -- event names one (to refuse another) or is the terminal (pending_terminals carries it).
+    -- Under the run's lock, so the first event's key is seen once it committed. An event
+    -- without a key keeps the run's.
     v_key := coalesce(p_fairness_key, '');
+    if p_fairness_key is not null or p_terminal then
+        select r.fairness_key into v_key from runs r where r.run_id = p_run_id;
+        if not found then
+            v_key := coalesce(p_fairness_key, '');
+        elsif p_fairness_key is not null and p_fairness_key <> v_key then
+            raise exception 'relay.enqueue: run % has fairness_key %, set by its first event; event % names fairness_key %',
+                p_run_id, case when v_key = '' then '(none)' else v_key end, p_event_id,
+                p_fairness_key using errcode = '22023';
+        end if;
+    end if;
+
+    insert into outbox (run_id, seq, event_id, event_type, payload, terminal, wake_queue,
+                        wake_event, traceparent)
+    values (p_run_id, v_seq, p_event_id, p_event_type, p_payload, p_terminal, p_wake_queue,
+            p_wake_event, p_traceparent);
+    if p_terminal then
+        update run_seqs set terminal_seq = v_seq where run_id = p_run_id;
+        insert into pending_terminals (run_id, seq, created_at, fairness_key)
+        values (p_run_id, v_seq, clock_timestamp(), v_key);
+    end if;
+
+    -- Make the run discoverable without touching a row the relay may be working on: a new run
+    -- is inserted; an idle one is flipped (the WHERE matches nothing while it is active).
+    -- A run that becomes active makes its key known to the shared claim (note_fairness_key).
     insert into runs (run_id, next_attempt_at, fairness_key)
     values (p_run_id, clock_timestamp(), v_key)
     on conflict (run_id) do nothing;
@@ -366,32 +383,12 @@ begin
             end if;
         end if;
     else
-        if p_fairness_key is not null or p_terminal then
-            select r.fairness_key into v_key from runs r where r.run_id = p_run_id;
-            if not found then
-                v_key := coalesce(p_fairness_key, '');
-            elsif p_fairness_key is not null and p_fairness_key <> v_key then
-                raise exception 'relay.enqueue: run % has fairness_key %, set by its first event; event % names fairness_key %',
-                    p_run_id, case when v_key = '' then '(none)' else v_key end, p_event_id,
-                    p_fairness_key using errcode = '22023';
-            end if;
-        end if;
         update runs set idle = false, next_attempt_at = clock_timestamp(), updated_at = clock_timestamp()
         where run_id = p_run_id and idle
-        returning fairness_key into v_idle_key;
-        if found and v_idle_key <> '' then
-            perform note_fairness_key(v_idle_key);
+        returning fairness_key into v_key;
+        if found and v_key <> '' then
+            perform note_fairness_key(v_key);
         end if;
-    end if;
-
-    insert into outbox (run_id, seq, event_id, event_type, payload, terminal, wake_queue,
-                        wake_event, traceparent)
-    values (p_run_id, v_seq, p_event_id, p_event_type, p_payload, p_terminal, p_wake_queue,
-            p_wake_event, p_traceparent);
-    if p_terminal then
-        update run_seqs set terminal_seq = v_seq where run_id = p_run_id;
-        insert into pending_terminals (run_id, seq, created_at, fairness_key)
-        values (p_run_id, v_seq, clock_timestamp(), v_key);
     end if;
 
     if p_terminal then
