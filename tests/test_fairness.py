@@ -146,9 +146,9 @@ def pending_key(conn: psycopg.Connection[Any], schema: str, run_id: str) -> Any:
 def test_the_terminals_pending_row_carries_the_key_of_a_new_run_and_of_an_idle_one(
     conn: psycopg.Connection[Any], schema: str
 ) -> None:
-    """A new run's key is its first event's without a read of runs (enqueue inserts the run
-    first); an existing run's is read, whether the run is active or idle, and a refused event
-    leaves an idle run as it was."""
+    """A new run's key is its first event's, even when that event is its terminal; an existing
+    run's is read, whether the run is active or idle; and a refused event leaves an idle run as
+    it was."""
     enq(conn, schema, "one", "one.1", "tenant-a", terminal=True)  # a run of one event
     assert key_of(conn, schema, "one") == "tenant-a"
     assert pending_key(conn, schema, "one") == "tenant-a"
