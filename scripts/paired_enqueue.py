@@ -18,7 +18,8 @@ round, and reads the ratio *within* each round; the median of those ratios, thei
 for the CPU figures) holds one schema per variant, each installed by its own tree's
 `relay.maintenance.migrate.migrate` (run in a subprocess with PYTHONPATH at that tree):
 
-- `before`: the first tree, `enqueue` without a fairness key (the tree may have none);
+- `before`: the first tree, `enqueue` without a fairness key (the tree may have none), or
+  under `--before-key` (to compare two trees that both have keys, key against key);
 - `now`: the second tree, without a key;
 - `now+key`: the second tree, every run under one key (`p_fairness_key => 'k1'`, `--key`).
 
@@ -437,7 +438,7 @@ def show(q: dict[str, float]) -> str:
 
 def run_enqueue(a: argparse.Namespace) -> None:
     variants = [
-        Variant("before", Path(a.before).resolve(), "pe_before", None),
+        Variant("before", Path(a.before).resolve(), "pe_before", a.before_key),
         Variant("now", Path(a.now).resolve(), "pe_now", None),
         Variant("now+key", Path(a.now).resolve(), "pe_now_key", a.key),
     ]
@@ -574,6 +575,7 @@ def main(argv: Sequence[str]) -> None:
     e.add_argument("--producers", type=int, default=8, help="producer connections (8)")
     e.add_argument("--producer-tx", type=int, default=150, help="transactions each (150)")
     e.add_argument("--key", default="k1", help="the fairness key of `now+key` (k1)")
+    e.add_argument("--before-key", help="a fairness key for `before` too (default: none)")
     e.add_argument("--database-url", help="a PostgreSQL on this machine (default: embedded)")
     e.add_argument("--json", help="write every round's figures here")
     b = sub.add_parser(

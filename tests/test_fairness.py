@@ -133,6 +133,50 @@ def test_a_later_event_naming_another_key_is_refused(
     assert row == (0,)
 
 
+def pending_key(conn: psycopg.Connection[Any], schema: str, run_id: str) -> Any:
+    row = conn.execute(
+        sql.SQL("select fairness_key from {} where run_id = %s").format(
+            fn(schema, "pending_terminals")
+        ),
+        (run_id,),
+    ).fetchone()
+    return None if row is None else row[0]
+
+
+def test_the_terminals_pending_row_carries_the_key_of_a_new_run_and_of_an_idle_one(
+    conn: psycopg.Connection[Any], schema: str
+) -> None:
+    """A new run's key is its first event's, even when that event is its terminal; an existing
+    run's is read, whether the run is active or idle; and a refused event leaves an idle run as
+    it was."""
+    enq(conn, schema, "one", "one.1", "tenant-a", terminal=True)  # a run of one event
+    assert key_of(conn, schema, "one") == "tenant-a"
+    assert pending_key(conn, schema, "one") == "tenant-a"
+    enq(conn, schema, "bare", "bare.1", None, terminal=True)
+    assert pending_key(conn, schema, "bare") == ""
+    enq(conn, schema, "idle", "idle.1", "tenant-b")
+    conn.execute(
+        sql.SQL("update {} set idle = true where run_id = 'idle'").format(fn(schema, "runs"))
+    )
+    with pytest.raises(errors.InvalidParameterValue, match="tenant-c"):
+        enq(conn, schema, "idle", "idle.2", "tenant-c", terminal=True)
+    row = conn.execute(
+        sql.SQL("select idle, fairness_key from {} where run_id = 'idle'").format(
+            fn(schema, "runs")
+        )
+    ).fetchone()
+    assert row == (True, "tenant-b")
+    assert pending_key(conn, schema, "idle") is None
+    enq(conn, schema, "idle", "idle.2", "tenant-b", terminal=True)  # its own key, once idle
+    row = conn.execute(
+        sql.SQL("select idle, fairness_key from {} where run_id = 'idle'").format(
+            fn(schema, "runs")
+        )
+    ).fetchone()
+    assert row == (False, "tenant-b")
+    assert pending_key(conn, schema, "idle") == "tenant-b"
+
+
 def test_an_empty_key_is_refused(conn: psycopg.Connection[Any], schema: str) -> None:
     with pytest.raises(errors.InvalidParameterValue, match="fairness_key"):
         enq(conn, schema, "r1", "e1", "")
