@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from relay.runner import Relay
     from relay.settings import Settings
 
-__version__ = "0.5.0"  # pyproject.toml says the same; CHANGELOG.md says what changed
+__version__ = "0.6.0"  # pyproject.toml says the same; CHANGELOG.md says what changed
 
 __all__ = [
     "Event",
