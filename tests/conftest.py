@@ -4,22 +4,25 @@ too: the terminal channel is `<schema>_terminal`)."""
 
 from __future__ import annotations
 
+import io
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psycopg
 import pytest
 from psycopg import sql
 
+from relay import logs
 from relay.core import loop
 from relay.maintenance.migrate import migrate
 from relay.tools.absurd import install_absurd
 from relay.tools.embedded import EmbeddedPostgres
 from relay.tools.sink import Sink, serve_sink
-from tests.support import Rig
+from tests.support import LogLines, Rig
 
 
 @pytest.fixture(scope="session")
@@ -125,3 +128,16 @@ def rig(pg_url: str, schema: str, conn: psycopg.Connection[Any], sink: tuple[Sin
     """The fixtures most integration tests take together, as one value (tests/support.py)."""
     s, url = sink
     return Rig(pg_url, schema, conn, s, url)
+
+
+@pytest.fixture
+def log_lines() -> Iterator[LogLines]:
+    """The relay's JSON log lines at info and above, as dicts, read when called."""
+    stream = io.StringIO()
+    logs.configure("json", "info", stream)
+
+    def read() -> list[dict[str, Any]]:
+        return [orjson.loads(line) for line in stream.getvalue().splitlines() if line]
+
+    yield read
+    logs.configure("json", "warning")

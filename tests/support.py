@@ -30,6 +30,8 @@ from relay.tools.sink import Sink
 
 T = TypeVar("T")
 H = TypeVar("H", bound=logging.Handler)
+# What the `log_lines` fixture (tests/conftest.py) gives: the relay's JSON log lines so far.
+LogLines = Callable[[], list[dict[str, Any]]]
 
 # Every HTTP client the relay can POST with (`http_transport`; aiohttp from its extra, which dev
 # installs through bench): the contract, hostile-answer and transport suites run once per entry.

@@ -12,28 +12,23 @@ the runs of an unanswered claim back by that name before its next claim.
 
 from __future__ import annotations
 
-import io
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import orjson
 import psycopg
 import pytest
 from psycopg import sql
 
-from relay import logs
 from relay.delivery.pause import PauseGate
 from relay.delivery.release import Releases
 from relay.delivery.stats import CompleteStats
 from relay.edges.store import CONNECT_KWARGS, Claim, Store, outcome_unknown
 from relay.runner import Relay
 from relay.tools.sink import Sink
-from tests.support import count, settings, wait_for
+from tests.support import LogLines, count, settings, wait_for
 from tests.test_lease_sql import call, claim, enq, fn, run_row, token
 from tests.test_relay import enqueue_runs
-
-LogLines = Callable[[], list[dict[str, Any]]]
 
 
 def named_claim(
@@ -112,22 +107,10 @@ class _AnswerLostStore(Store):
 
     async def _call(self, query: Any, params: Sequence[Any]) -> list[Any]:
         rows = await super()._call(query, params)
-        if query is self._claim and rows and not _AnswerLostStore.lost:
+        if query is self.statements.claim and rows and not _AnswerLostStore.lost:
             _AnswerLostStore.lost = sorted({r[0] for r in rows})
             raise psycopg.OperationalError("server closed the connection unexpectedly")
         return rows
-
-
-@pytest.fixture
-def log_lines() -> Iterator[LogLines]:
-    stream = io.StringIO()
-    logs.configure("json", "info", stream)
-
-    def read() -> list[dict[str, Any]]:
-        return [orjson.loads(line) for line in stream.getvalue().splitlines() if line]
-
-    yield read
-    logs.configure("json", "warning")
 
 
 @pytest.mark.anyio

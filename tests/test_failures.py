@@ -5,7 +5,6 @@ and acks that fail or whose outcome is unknown."""
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from typing import Any
@@ -19,25 +18,10 @@ from relay import logs
 from relay.edges.store import AckResult, Store
 from relay.runner import Relay
 from relay.tools.sink import Sink
-from tests.support import assert_acked_only_if_received, count, q, settings, wait_for
+from tests.support import LogLines, assert_acked_only_if_received, count, q, settings, wait_for
 from tests.test_relay import enqueue_runs
 
 pytestmark = pytest.mark.anyio
-
-LogLines = Callable[[], list[dict[str, Any]]]
-
-
-@pytest.fixture
-def log_lines() -> Iterator[LogLines]:
-    """The relay's JSON log lines, as dicts."""
-    stream = io.StringIO()
-    logs.configure("json", "info", stream)
-
-    def read() -> list[dict[str, Any]]:
-        return [orjson.loads(line) for line in stream.getvalue().splitlines() if line]
-
-    yield read
-    logs.configure("json", "warning")
 
 
 def events_of(conn: psycopg.Connection[Any], schema: str, run_id: str) -> list[tuple[Any, ...]]:

@@ -32,6 +32,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from relay import logs
 from relay.core import clock
 from relay.core.policy import Trust, lease_margin
+from relay.edges.statements import Statements, transaction_bounds
 
 Pool = AsyncConnectionPool[psycopg.AsyncConnection[TupleRow]]
 
@@ -214,44 +215,10 @@ class Store:
         # the leases whose hand-back failed (`owe`), run id -> claim.
         self.unanswered: dict[uuid.UUID, float] = {}
         self.owed: dict[str, Claim] = {}
-        s = sql.Identifier(schema)
         # Generic plans are set where they pay, in the definitions of claim() and ack()
         # (`plan_cache_mode`, function-local), never on the session: docs/performance.md.
-        self._begin = (
-            "begin; select"
-            f" set_config('statement_timeout', '{int(statement_timeout * 1000)}ms', true),"
-            f" set_config('lock_timeout', '{int(lock_timeout * 1000)}ms', true); "
-        )
-        self._claim = sql.SQL(
-            # created_at in UTC without a zone: psycopg loads a timestamptz into the
-            # session's zone (a ZoneInfo, ~3 us a value), a timestamp in well under 1 us
-            "select c.run_id, c.epoch, c.lease_token, c.attempts, c.critical, c.seq, c.event_id,"
-            " c.event_type, c.payload, c.terminal, c.created_at at time zone 'UTC',"
-            " c.traceparent, c.wake_queue, c.claimed_at, c.reclaimed_from, c.retry_waived"
-            " from {}.claim(%s, %s, %s, make_interval(secs => %s), %s, %s, %s, %s) c"
-        ).format(s)
-        self._release_claims = sql.SQL("select run_id from {}.release_claims(%s, %s)").format(s)
-        self._renew = sql.SQL(
-            "select * from {}.renew(%s::text[], %s::uuid[], make_interval(secs => %s))"
-        ).format(s)
-        self._release = sql.SQL(
-            "select {}.release(%s, %s, make_interval(secs => %s), %s, %s, %s, %s)"
-        ).format(s)
-        self._fail = sql.SQL("select {}.fail_event(%s, %s, %s, %s, %s)").format(s)
-        self._ack = sql.SQL("select * from {}.ack(%s::jsonb)").format(s)
-        self._widen = sql.SQL(
-            "select e.seq, e.event_id, e.event_type, e.payload::text, e.terminal,"
-            " e.created_at at time zone 'UTC',"
-            " e.traceparent, e.wake_queue"
-            " from {0}.events e join {0}.runs r on r.run_id = e.run_id"
-            " where e.run_id = %s and r.lease_token = %s and e.state = 'pending' and e.seq > %s"
-            " order by e.seq limit %s"
-        ).format(s)
-        self._ack_committed = sql.SQL(
-            "select not exists (select 1 from {}.events"
-            " where run_id = %s and seq <= %s and state = 'pending')"
-        ).format(s)
-        self._prune = sql.SQL("select {}.prune(make_interval(secs => %s), %s)").format(s)
+        self.statements = Statements.of(schema)
+        self._begin = transaction_bounds(statement_timeout, lock_timeout)
 
     async def query(self, query: sql.Composed, params: Sequence[Any]) -> list[TupleRow]:
         """One statement in its own transaction, bounded like every other (the status page's
@@ -292,7 +259,7 @@ class Store:
         sent = clock.now()
         try:
             rows = await self._call(
-                self._claim,
+                self.statements.claim,
                 (
                     self.owner,
                     n_runs,
@@ -354,7 +321,7 @@ class Store:
         if self.unanswered:
             names = list(self.unanswered)
             asked = clock.now()
-            rows = await self._call(self._release_claims, (self.owner, names))
+            rows = await self._call(self.statements.release_claims, (self.owner, names))
             given += [r[0] for r in rows]
             for name in names:
                 if self.unanswered[name] <= asked:
@@ -373,7 +340,7 @@ class Store:
             return {}
         sent = clock.now()
         rows = await self._call(
-            self._renew,
+            self.statements.renew,
             ([c.run_id for c in claims], [c.token for c in claims], self.lease_ttl),
         )
         trust = Trust(started=sent, ttl=self.lease_ttl, margin=lease_margin(self.lease_ttl))
@@ -388,7 +355,7 @@ class Store:
         status: int | None = None,
     ) -> bool:
         rows = await self._call(
-            self._release,
+            self.statements.release,
             (
                 claim.run_id,
                 claim.token,
@@ -402,7 +369,9 @@ class Store:
         return bool(rows and rows[0][0])
 
     async def fail_event(self, claim: Claim, seq: int, status: int | None, error: str) -> bool:
-        rows = await self._call(self._fail, (claim.run_id, claim.token, seq, status, error))
+        rows = await self._call(
+            self.statements.fail_event, (claim.run_id, claim.token, seq, status, error)
+        )
         return bool(rows and rows[0][0])
 
     async def ack(self, items: Sequence[tuple[Claim, int, bool]]) -> list[AckResult]:
@@ -414,7 +383,7 @@ class Store:
                 for c, upto, keep in items
             ]
         ).decode()
-        rows = await self._call(self._ack, (payload,))
+        rows = await self._call(self.statements.ack, (payload,))
         return [AckResult(*r) for r in rows]
 
     async def widen(self, claim: Claim) -> list[ClaimedEvent]:
@@ -423,7 +392,9 @@ class Store:
         room = self.batch_size - len(claim.events)
         if room <= 0 or not claim.events:
             return []
-        rows = await self._call(self._widen, (claim.run_id, claim.token, claim.last_seq, room))
+        rows = await self._call(
+            self.statements.widen, (claim.run_id, claim.token, claim.last_seq, room)
+        )
         more = [ClaimedEvent(*r) for r in rows]
         if self.max_batch_bytes is None:
             return more
@@ -438,9 +409,9 @@ class Store:
     async def ack_committed(self, run_id: str, upto: int) -> bool:
         """After an ack whose COMMIT outcome is unknown (connection lost): did it commit? It did
         iff no event of the run up to `upto` is still pending (the ack marks them all, or none)."""
-        rows = await self._call(self._ack_committed, (run_id, upto))
+        rows = await self._call(self.statements.ack_committed, (run_id, upto))
         return bool(rows and rows[0][0])
 
     async def prune(self, retention: float, limit: int) -> int:
-        rows = await self._call(self._prune, (retention, limit))
+        rows = await self._call(self.statements.prune, (retention, limit))
         return int(rows[0][0]) if rows else 0
