@@ -1,7 +1,7 @@
 """How long producers wait while `relay migrate` moves a large database to the delivery cursor
 (issue 28: schema version 7; docs/storage.md has the figures this printed).
 
-The schema is made by the previous release (tests/upgrade/PREVIOUS_RELEASE, built from git
+The schema is made by a release from before v7 (tests/upgrade/BEFORE_CURSOR, built from git
 history), filled straight through its tables with EVENTS events in runs of PER_RUN (90% of each
 run delivered, the rest pending, one run in a hundred blocked behind a failed head), and then
 migrated by this checkout while a producer enqueues without pause, one event per transaction,
@@ -37,7 +37,7 @@ PER_RUN = 10
 
 
 def old_schema(url: str) -> None:
-    previous = previous_release(ROOT)
+    previous = previous_release(ROOT, "BEFORE_CURSOR")
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(sql.SQL("drop schema if exists {} cascade").format(sql.Identifier(SCHEMA)))
     env = relay_env(url, SCHEMA, "http://unused")

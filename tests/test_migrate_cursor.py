@@ -1,9 +1,9 @@
 """Migration 0007 (issue 28, schema version 7: the delivery cursor) moves a live database of the
-previous release in place. The previous release (tests/upgrade/PREVIOUS_RELEASE, built from git
-history) makes the schema and, through its own functions, a history of many runs in every
-state: delivered, pending, failed (blocked), failed then skipped, failed then retried, pending
-and delivered terminal events, and delivered events its retention removed. Then this release's
-`relay migrate`:
+previous release in place. That release (tests/upgrade/BEFORE_CURSOR, one from before schema
+v7, built from git history) makes the schema and, through its own functions, a history of many
+runs in every state: delivered, pending, failed (blocked), failed then skipped, failed then
+retried, pending and delivered terminal events, and delivered events its retention removed.
+Then this release's `relay migrate`:
 - every event keeps its state (the `events` view computes it from the cursor now), and the
   failed and skipped events keep their history (status, error, attempts, who retried or skipped
   and why);
@@ -38,7 +38,7 @@ KEPT = (
 
 @pytest.fixture(scope="module")
 def previous(request: pytest.FixtureRequest) -> Previous:
-    return previous_or_skip(Path(request.config.rootpath))
+    return previous_or_skip(Path(request.config.rootpath), "BEFORE_CURSOR")
 
 
 @pytest.fixture

@@ -1,6 +1,8 @@
 """The previous release, built from git history for the rolling-upgrade test (issue 29, item 3).
 
-`PREVIOUS_RELEASE` names the commit. `previous_release(root)` builds it once into its own venv,
+`PREVIOUS_RELEASE` names the commit; another file here may name another (`BEFORE_CURSOR`: a
+release from before schema version 7, for tests/test_migrate_cursor.py), passed as `name`.
+`previous_release(root)` builds it once into its own venv,
 `.venv-previous/<commit>/` at the checkout's root (git-ignored; kept across sessions, keyed by
 the commit, built under a file lock so concurrent sessions build it once): `git archive` of the
 commit, `python -m venv`, `pip install` of that tree (a regular, non-editable install with its
@@ -59,10 +61,11 @@ class Previous:
         return [str(self.venv / "run-as-harness")]
 
 
-def previous_commit() -> str:
-    lines = (HERE / "PREVIOUS_RELEASE").read_text().splitlines()
+def previous_commit(name: str = "PREVIOUS_RELEASE") -> str:
+    """The one full commit hash the file `name` (here, beside this module) holds."""
+    lines = (HERE / name).read_text().splitlines()
     commits = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    assert len(commits) == 1 and len(commits[0]) == 40, f"PREVIOUS_RELEASE: {commits}"
+    assert len(commits) == 1 and len(commits[0]) == 40, f"{name}: {commits}"
     return commits[0]
 
 
@@ -96,8 +99,8 @@ exec "{relay}" "$@"
 """
 
 
-def previous_release(root: Path) -> Previous:
-    commit = previous_commit()
+def previous_release(root: Path, name: str = "PREVIOUS_RELEASE") -> Previous:
+    commit = previous_commit(name)
     base = root / ".venv-previous"
     venv = base / commit
     done = venv / ".built"
@@ -138,12 +141,12 @@ def _build(root: Path, commit: str, venv: Path) -> None:
     wrapper.chmod(0o755)
 
 
-def previous_or_skip(root: Path) -> Previous:
-    """`previous_release(root)`, or the calling test skipped with the reason it cannot be built
-    (for the fixtures of the tests that need it)."""
+def previous_or_skip(root: Path, name: str = "PREVIOUS_RELEASE") -> Previous:
+    """`previous_release(root, name)`, or the calling test skipped with the reason it cannot be
+    built (for the fixtures of the tests that need it)."""
     import pytest
 
     try:
-        return previous_release(root)
+        return previous_release(root, name)
     except Unavailable as exc:
         pytest.skip(f"the previous release could not be built here: {exc}")
