@@ -516,7 +516,7 @@ async def serve_status(
     view: RelayView,
     store: Store,
     metrics: Metrics,
-    database: str,
+    database: str | None,
     *,
     task_status: TaskStatus[DatabaseStatus] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
