@@ -26,10 +26,9 @@ import trustme
 from relay.edges.http_client import open_sender
 from relay.edges.ingress import TransportFailure
 from relay.runner import Relay
-from tests.support import HTTP_TRANSPORTS, count, q, settings, wait_for
+from tests.support import HTTP_TRANSPORTS, LogLines, count, q, settings, wait_for
 from tests.test_check import UNREACHABLE_DB, check, marks
 from tests.test_cli import relay_env
-from tests.test_failures import LogLines, log_lines  # noqa: F401 - a fixture
 from tests.test_http_client import client_settings
 from tests.test_relay import enqueue_runs
 from tests.test_security import RawIngress, proxy_environment
@@ -206,7 +205,7 @@ async def test_a_proxys_407_pauses_the_lane_and_blocks_no_run(
     schema: str,
     conn: psycopg.Connection[Any],
     http_transport: str,
-    log_lines: LogLines,  # noqa: F811 - the fixture
+    log_lines: LogLines,
 ) -> None:
     """A server standing in as `HTTP_PROXY` answers every forwarded POST 407: nothing is failed
     or blocked and no attempt is charged (as poison, the runs were blocked one at a time); once
