@@ -224,6 +224,24 @@ def test_an_operators_retry_passes_a_spent_budget_and_is_charged_as_any_retry() 
     assert not budget.try_retry(101.1)
 
 
+def test_a_budget_awaits_answers_only_for_tokens_in_flight_at_a_healthy_ingress() -> None:
+    """`awaits_answers`: spent, and only by the tokens retries in flight hold, while the window
+    is healthy. Not when failed retries spent it, nor at an unhealthy ingress, nor unspent."""
+    budget = RetryBudget()
+    assert not budget.awaits_answers(100.0)  # a token now
+    assert budget.try_retry(100.0) and budget.try_retry(100.0)
+    assert budget.awaits_answers(100.0)
+    budget.record(Result.SERVED, retry=True, now=100.1)  # served, healthy: its token is back
+    assert not budget.spent(100.1) and not budget.awaits_answers(100.1)
+    assert not spent_budget(100.0).awaits_answers(100.5)  # failed retries spent it
+    sick = RetryBudget()
+    for _ in range(5):
+        sick.record(Result.FAILED, retry=False, now=100.0)  # first attempts: nothing charged
+    assert sick.try_retry(100.0) and sick.try_retry(100.0)
+    assert sick.spent(100.0) and not sick.healthy(100.0)
+    assert not sick.awaits_answers(100.0)
+
+
 def test_ready_in_does_not_wait_for_the_tokens_retries_in_flight_hold() -> None:
     budget = RetryBudget()
     assert budget.try_retry(100.0) and budget.try_retry(100.0)

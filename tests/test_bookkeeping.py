@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from relay.admission.limit import Sample, Signal
-from relay.admission.retry_budget import Result, RetryBudget
+from relay.admission.retry_budget import DEFER_AT_LEAST, SLICE, Result, RetryBudget
 from relay.core import clock
 from relay.core.policy import Ack, Retry
 from relay.delivery.bookkeeping import Bookkeeping
@@ -120,20 +120,39 @@ def test_a_failing_limit_is_logged_and_the_budget_still_records() -> None:
 
 def test_a_retry_the_budget_refused_waits_at_least_its_floor_and_is_counted() -> None:
     """One question before a POST, one answer: no wait (it goes), or a wait per run; a retry an
-    operator waived (`relay retry`, its claim's `retry_waived`) goes past a spent budget."""
+    operator waived (`relay retry`, its claim's `retry_waived`) goes past a spent budget. Spent
+    by retries that failed, a retry held back waits at least DEFER_AT_LEAST."""
     budget = RetryBudget()
     b = books(budget)
     attempts = [1, 1]
     assert b.deferrals(False, False, attempts) == []  # a first attempt goes, without a token
     assert b.deferrals(True, False, attempts) == []  # a retry the budget has a token for
+    budget.record(Result.FAILED, retry=True, now=clock.now())
     for _ in range(1000):
         if not budget.try_retry(clock.now()):
             break
+        budget.record(Result.FAILED, retry=True, now=clock.now())
     assert b.deferrals(True, True, attempts) == []  # waived: it goes
     delays = b.deferrals(True, False, attempts)
     assert len(delays) == 2
-    assert min(delays) >= 5.0  # DEFER_AT_LEAST
+    assert min(delays) >= DEFER_AT_LEAST
     assert b.stats.deferred == 2
+
+
+def test_a_retry_held_back_only_for_the_tokens_in_flight_waits_a_moment() -> None:
+    """A healthy ingress, the reserve's tokens held by retries in flight: a retry asking now is
+    held back only until their answers give them back, so it waits half a slice to a slice, not
+    DEFER_AT_LEAST and its backoff (after an outage every run waiting is a retry: 150 of them
+    took 40-120 s to drain at 5 s a wait). A failed attempt then keeps its own backoff."""
+    budget = RetryBudget()
+    b = books(budget)
+    while budget.try_retry(clock.now()):
+        pass
+    assert budget.awaits_answers(clock.now())
+    delays = b.deferrals(True, False, [30, 30])
+    assert len(delays) == 2 and b.stats.deferred == 2
+    assert all(SLICE / 2 <= d <= SLICE for d in delays)
+    assert b.scheduled(RETRY, 30) == RETRY
 
 
 def test_an_unsent_try_gives_its_token_back() -> None:

@@ -56,27 +56,35 @@ class Bookkeeping:
         budget has a token for it, or an operator retried one of its runs (`waived`: `relay
         retry`, which its claim carries). Each run of a retry the budget refused waits the
         `held_back` of its `attempts` (relay/core/policy.py), counted in the executor's
-        `stats.deferred` (the executor's `Deferred` carries it to the completer)."""
+        `stats.deferred` (the executor's `Deferred` carries it to the completer). When only the
+        tokens of retries in flight are lacking and the ingress is healthy (`awaits_answers`),
+        each waits half a slice to a slice instead: those tokens come back with their answers."""
         if self.budget is None or not retried:
             return []
-        if self.budget.try_retry(clock.now(), waived):
+        now = clock.now()
+        if self.budget.try_retry(now, waived):
             return []
-        cap = self.settings.max_backoff
-        delays = [
-            held_back(attempt, cap=cap, rand=random.random(), floor=self._floor())
-            for attempt in attempts
-        ]
+        if self.budget.awaits_answers(now):
+            delays = [SLICE * (0.5 + 0.5 * random.random()) for _ in attempts]
+        else:
+            cap = self.settings.max_backoff
+            delays = [
+                held_back(attempt, cap=cap, rand=random.random(), floor=self._floor())
+                for attempt in attempts
+            ]
         self.stats.deferred += len(delays)
         return delays
 
     def scheduled(self, retry: Retry, attempts: int) -> Retry:
         """The reschedule of a failed attempt (the run's `attempts` before it), with the time its
         next attempt really goes (issue 49 item 3): the run's backoff, or, when the budget is
-        spent now (the attempt's own tries took what it had), the wait a deferral would give it,
-        if that is longer. Sooner, the run is claimed only for the budget to hand it back
-        (`retry_scheduled retry_in=0.2` followed by deferrals and no POST for 20 s, in issue 49's
-        outage). The returned `Retry` keeps the run's own backoff in `backoff`."""
-        if self.budget is None or not self.budget.spent(clock.now()):
+        spent now (the attempt's own tries took what it had) for more than the tokens of retries
+        in flight, the wait a deferral would give it, if that is longer. Sooner, the run is
+        claimed only for the budget to hand it back (`retry_scheduled retry_in=0.2` followed by
+        deferrals and no POST for 20 s, in issue 49's outage). The returned `Retry` keeps the
+        run's own backoff in `backoff`."""
+        now = clock.now()
+        if self.budget is None or not self.budget.spent(now) or self.budget.awaits_answers(now):
             return retry
         cap = self.settings.max_backoff
         held = held_back(attempts + 1, cap=cap, rand=random.random(), floor=self._floor())
