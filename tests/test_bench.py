@@ -19,6 +19,7 @@ import pytest
 
 from relay.tools.bench import SCENARIOS, fleet_outage
 from relay.tools.bench.kit import BenchFailed
+from relay.tools.bench.main import _what_failed
 from relay.tools.bench.peers import HEADERS, event_bodies, sink_check
 from relay.tools.sink import Sink, serve_sink
 
@@ -66,6 +67,8 @@ KEYS = [
     "capacity_fixed_in_flight_ratio",
     "capacity_fixed_queueing_ratio",
     "capacity_fixed_goodput",
+    "capacity_outage_goodput",
+    "capacity_outage_drain_s",
     "e2e_eps_fixed",
     "e2e_adaptive_ratio",
     "flaky_posts_per_first",
@@ -99,6 +102,17 @@ def test_every_key_is_a_registered_scenarios(tmp_path: Path) -> None:
     assert set(KEYS) <= declared
     assert {"peer_eps", *PEERS.values()} <= declared
     assert {"peer_graphile_order_violations", "peer_pgqueuer_order_violations"} <= declared
+
+
+def test_a_scenario_failing_inside_a_task_group_is_named_by_its_own_error() -> None:
+    """The outage variant's old relay ran past its drain deadline inside a task group: the
+    report read only "ExceptionGroup: unhandled errors in a TaskGroup"."""
+    drained = BenchFailed("capacity outage: 900/20000 delivered after 120s")
+    wrapped = BaseExceptionGroup("unhandled errors in a TaskGroup", [drained, ValueError("x")])
+    assert _what_failed(wrapped) == (
+        "BenchFailed: capacity outage: 900/20000 delivered after 120s; ValueError: x"
+    )
+    assert _what_failed(drained) == "BenchFailed: capacity outage: 900/20000 delivered after 120s"
 
 
 def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
@@ -189,6 +203,11 @@ def test_smoke_fills_every_key(tmp_path: Path, pg_url: str) -> None:
     assert {"down_s", "up_s", "down_to", "up_to"} <= set(drop["limit_follow"])
     # issue 42's targets on the adaptive rows, the fixed figures beside them
     assert metrics["capacity_fixed_lost"] == 0 and metrics["capacity_fixed_order_violations"] == 0
+    # the backlog an outage leaves: its POSTs failed, then everything delivered, in order
+    for mode in ("", "fixed_"):
+        outage = f"capacity_outage_{mode}"
+        assert metrics[f"{outage}failed_posts"] > 0
+        assert metrics[f"{outage}lost"] == 0 and metrics[f"{outage}order_violations"] == 0
     assert sum(t["target"].startswith("capacity: ") for t in report["targets"]) == 6
     # the half-failing ingress: everything delivered after it recovered, its load judged
     assert metrics["flaky_lost"] == 0 and metrics["flaky_order_violations"] == 0

@@ -7,7 +7,7 @@ their defaults deliver a backlog committed up front (`--capacity-events` over `-
 while a terminal event, its run otherwise empty, is committed every `--capacity-terminal-every`
 seconds until the backlog has drained.
 
-Three variants:
+Four variants:
 - `steady`: the capacity fixed throughout, the backlog's runs finished: each ends in its
   terminal event, as the backlog an ingress outage leaves behind does (issue 50); its figures
   are judged against issue 42's and issue 50's targets (main.py's `_capacity`);
@@ -23,7 +23,13 @@ Three variants:
   its queue's wait.) The drop's backlog is `--capacity-drop-events`, sized to outlast it.
   Figures per phase, the in-flight series and each replica's `ledger_relay_post_limit`,
   scraped from its metrics endpoint every 100 ms, in the JSON (`samples_s["<mode>.drop"]`),
-  and a chart of them (`--capacity-chart`, capacity_chart.py).
+  and a chart of them (`--capacity-chart`, capacity_chart.py);
+- `outage`: the steady backlog made as an outage makes it. The ingress answers every POST 503
+  (after its service time) from before the backlog's commit for `--capacity-outage-s` seconds,
+  so the runs the replicas reach are attempted, fail and wait as retries, with the retry
+  budget spent by the outage's failures; then it serves again. The figures are from the
+  recovery on (the fresh terminals committed after it), with the time the backlog took to
+  drain. Not judged: the steady variant's targets are beside it to read against.
 
 **The limit follows within 5 s each way** (`capacity_ingress.limit_follows`), on the
 replicas' limits summed, scrape by scrape: after the drop, the time until it is <= 3 × the
@@ -66,6 +72,7 @@ from relay.tools.bench.capacity_ingress import (
     Figures,
     Follow,
     LimitSample,
+    Post,
     at,
     figures,
     follows,
@@ -91,6 +98,8 @@ MODES: dict[str, tuple[str, dict[str, str]]] = {
     "adaptive": ("adaptive limit (the defaults)", {}),
 }
 JUDGED = "adaptive"  # the mode whose figures fill the judged keys
+VARIANTS = ("steady", "plain", "drop", "outage")
+STEADY_STATE = ("steady", "plain", "outage")  # the variants of one capacity: one row per mode
 LIMIT = "ledger_relay_post_limit"  # a replica's limit now (relay/serving/metrics.py)
 CEILING = "ledger_relay_post_limit_ceiling"
 SCRAPE_EVERY = 0.1  # s
@@ -107,7 +116,12 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         "--capacity-terminal-every", type=positive(float), default=1.0, help="terminals (1 s)"
     )
     g.add_argument(
-        "--capacity-variants", default="steady,plain,drop", help="of: steady, plain, drop (all)"
+        "--capacity-variants",
+        default=",".join(VARIANTS),
+        help=f"of: {', '.join(VARIANTS)} (all)",
+    )
+    g.add_argument(
+        "--capacity-outage-s", type=positive(float), default=15.0, help="outage: 503s for (15 s)"
     )
     g.add_argument("--capacity-drop-at", type=positive(float), default=5.0, help="(5 s)")
     g.add_argument("--capacity-drop-for", type=positive(float), default=5.0, help="(5 s)")
@@ -139,6 +153,7 @@ SMOKE = {
     "capacity_drop_for": 0.3,
     "capacity_drop_workers": 10,
     "capacity_drop_events": 600,
+    "capacity_outage_s": 0.5,
 }
 
 
@@ -147,7 +162,7 @@ class Outcome:
     """One variant's run: the ingress's records and what the bench committed."""
 
     sink: CapacitySink
-    committed_at: float  # the backlog's commit (monotonic)
+    committed_at: float  # the backlog's commit (monotonic); outage: the ingress's recovery
     drained_at: float  # the end of the POST that completed the backlog
     terminals: dict[str, float]  # event id -> its commit (monotonic)
     backlog: tuple[str, int, int]  # its run id prefix, runs, events per run (kit.backlog's ids)
@@ -279,7 +294,16 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
         anyio.create_task_group() as tg,
     ):
         tg.start_soon(_scrape, procs, scrapes)
+        if variant == "outage":
+            sink.faults.set_default(503)  # down before the backlog's commit wakes the replicas
         start = await backlog(env, runs, per_run, prefix, terminals=variant != "plain")
+        if variant == "outage":
+            with env.console.status(
+                f"capacity outage: the ingress answers 503 for {a.capacity_outage_s:g} s"
+            ):
+                await anyio.sleep(a.capacity_outage_s)
+            sink.faults.set_default(None)
+            start = time.monotonic()
         if variant == "drop":
 
             async def dropping() -> None:
@@ -482,7 +506,7 @@ def _drop_notes(label: str, follow: dict[str, Any], limit: Follow, scraped: bool
 
 async def capacity(env: Env, a: argparse.Namespace) -> Result:
     variants = [v.strip() for v in a.capacity_variants.split(",") if v.strip()]
-    if unknown := set(variants) - {"steady", "plain", "drop"}:
+    if unknown := set(variants) - set(VARIANTS):
         raise BenchFailed(f"--capacity-variants: unknown {sorted(unknown)}")
     rows: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {}
@@ -495,13 +519,18 @@ async def capacity(env: Env, a: argparse.Namespace) -> Result:
         for mode, (label, _) in MODES.items():
             o = await _variant(env, a, mode, variant)
             data[f"{mode}.{variant}"] = _series(o)
-            if variant in ("steady", "plain"):
+            if variant in STEADY_STATE:
                 f = figures(
                     o.sink.posts, o.sink.pool.changes, o.committed_at, o.drained_at, o.terminals
                 )
                 rows.append(_row(f"{label}, {variant}", f, o))
-                prefix = "capacity_" if variant == "steady" else "capacity_plain_"
+                prefix = "capacity_" if variant == "steady" else f"capacity_{variant}_"
                 metrics |= _metrics(f, o, prefix if mode == JUDGED else f"{prefix}{mode}_")
+                if variant == "outage":
+                    notes.append(_outage_note(label, o, a.capacity_outage_s))
+                    outage = "capacity_outage_" if mode == JUDGED else f"capacity_outage_{mode}_"
+                    metrics[f"{outage}drain_s"] = round(o.drained_at - o.committed_at, 2)
+                    metrics[f"{outage}failed_posts"] = len(_failed(o))
                 continue
             if o.drop is None:
                 raise BenchFailed("capacity drop: the backlog drained before the drop was over")
@@ -536,7 +565,8 @@ async def capacity(env: Env, a: argparse.Namespace) -> Result:
             f"({a.capacity_workers / service * 1000:g} POSTs/s), the rest queued first come first "
             f"served; {a.capacity_replicas} `relay run` replicas; backlog "
             f"{a.capacity_runs * per_run:,} events over {a.capacity_runs:,} runs committed up "
-            "front, each run ending in its terminal event (steady, drop) or in none (plain); "
+            "front, each run ending in its terminal event (steady, drop, outage) or in none "
+            "(plain); "
             f"a fresh terminal event (its own run) every {a.capacity_terminal_every:g} s until "
             "it drained",
             "in flight: at the ingress (queued + in service) every 10 ms, p90 (× the workers); "
@@ -557,6 +587,25 @@ async def capacity(env: Env, a: argparse.Namespace) -> Result:
         settings={
             "capacity_in_flight_ratio": f"{a.capacity_replicas} replicas, {MODES[JUDGED][0]}"
         },
+    )
+
+
+def _failed(o: Outcome) -> list[Post]:
+    """The POSTs the outage answered 503."""
+    return [p for p in o.sink.posts if p.status == 503]
+
+
+def _outage_note(label: str, o: Outcome, outage_s: float) -> str:
+    """What the outage left behind, and how long the backlog took to drain after it."""
+    failed = _failed(o)
+    runs = len({p.run_id for p in failed})
+    served = sum(1 for p in o.sink.posts if 200 <= p.status < 300 and p.end >= o.committed_at)
+    ideal = served / o.sink.pool.now.per_second
+    return (
+        f"outage, {label}: {len(failed):,} POSTs answered 503 over {runs:,} runs in "
+        f"{outage_s:g} s; from the recovery the backlog drained in "
+        f"{o.drained_at - o.committed_at:.1f} s ({served:,} POSTs answered 2xx, which the "
+        f"capacity alone serves in {ideal:.1f} s)"
     )
 
 
@@ -581,9 +630,20 @@ STEADY = (  # each steady-state variant's figures, per mode
 KEYS = (
     *(
         f"{prefix}{k}"
-        for prefix in ("capacity_", "capacity_fixed_", "capacity_plain_", "capacity_plain_fixed_")
+        for prefix in (
+            "capacity_",
+            "capacity_fixed_",
+            "capacity_plain_",
+            "capacity_plain_fixed_",
+            "capacity_outage_",
+            "capacity_outage_fixed_",
+        )
         for k in STEADY
     ),
+    "capacity_outage_drain_s",
+    "capacity_outage_fixed_drain_s",
+    "capacity_outage_failed_posts",
+    "capacity_outage_fixed_failed_posts",
     "capacity_follow_down_s",
     "capacity_follow_up_s",
 )

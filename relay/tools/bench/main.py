@@ -805,7 +805,7 @@ async def _run_all(a: argparse.Namespace, console: Console, run: _Run) -> None:
                 run.results[name] = await SCENARIOS[name].run(env, a)
             except Exception as exc:
                 # One scenario's failure does not lose the others' figures.
-                run.failed[name] = f"{type(exc).__name__}: {exc}"
+                run.failed[name] = _what_failed(exc)
                 console.print(f"[bold red]{name} failed:[/bold red] {run.failed[name]}")
                 continue
             console.print(render(name, run.results[name]))
@@ -879,3 +879,11 @@ def _write_json(
         },
     }
     a.json_path.write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+def _what_failed(exc: BaseException) -> str:
+    """A scenario's failure, named: through task groups, the exceptions they wrapped (a
+    `BenchFailed` raised in one reads as itself, not as "unhandled errors in a TaskGroup")."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_what_failed(e) for e in exc.exceptions)
+    return f"{type(exc).__name__}: {exc}"
