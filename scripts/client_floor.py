@@ -78,6 +78,15 @@ async def timed(post: Post, url: str, bodies: list[bytes], inflight: int) -> tup
     return len(bodies) / wall, cpu / len(bodies)
 
 
+async def status_of(response: httpx.Response) -> int:
+    """Read a streamed answer to its end and close it, as HttpxSender does; its status."""
+    try:
+        await response.aread()
+    finally:
+        await response.aclose()
+    return response.status_code
+
+
 async def one_round(url: str, bodies: list[bytes], inflight: int) -> dict[str, tuple[float, float]]:
     settings = load({"database_url": "postgresql://unused/db", "ingress_url": url}, {})
     out: dict[str, tuple[float, float]] = {}
@@ -85,12 +94,7 @@ async def one_round(url: str, bodies: list[bytes], inflight: int) -> dict[str, t
 
         async def as_the_relay_sends(u: str, b: bytes) -> int:
             request = client.build_request("POST", u, content=b, headers=HEADERS)
-            response = await client.send(request, stream=True)
-            try:
-                await response.aread()
-            finally:
-                await response.aclose()
-            return response.status_code
+            return await status_of(await client.send(request, stream=True))
 
         out["client"] = await timed(as_the_relay_sends, url, bodies, inflight)
     async with httpx.AsyncClient(transport=AiohttpTransport()) as plain:
@@ -102,14 +106,8 @@ async def one_round(url: str, bodies: list[bytes], inflight: int) -> dict[str, t
     async with AiohttpTransport() as transport:
 
         async def handle(u: str, b: bytes) -> int:
-            response = await transport.handle_async_request(
-                httpx.Request("POST", u, content=b, headers=HEADERS)
-            )
-            try:
-                await response.aread()
-            finally:
-                await response.aclose()
-            return response.status_code
+            request = httpx.Request("POST", u, content=b, headers=HEADERS)
+            return await status_of(await transport.handle_async_request(request))
 
         out["transport"] = await timed(handle, url, bodies, inflight)
     return out

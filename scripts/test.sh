@@ -47,7 +47,9 @@ check "ruff format" .venv/bin/ruff format --check .
 check "mypy" .venv/bin/mypy
 # The architecture's layers (pyproject.toml, [tool.importlinter]; docs/architecture.md).
 check "import layers" .venv/bin/lint-imports --no-cache
-check "pytest" .venv/bin/python -m pytest "$@"
+# The slowest tests, named in the log: where a fresh-clone run spends its time, and which
+# waits run close to their bounds on a loaded machine.
+check "pytest" .venv/bin/python -m pytest --durations=20 "$@"
 # Planted bugs the tests must catch (issue 14): the bounded subset; `scripts/mutants.py` runs all.
 check "mutants" .venv/bin/python scripts/mutants.py --ci
 

@@ -325,10 +325,10 @@ async def _outage(
     servers: dict[str, Any],
     listed: dict[str, str],
     producers: dict[str, Producer],
-) -> tuple[Phases, list[Probe]]:
+) -> tuple[Phases, list[Probe], dict[str, set[str]]]:
     """Two replicas and the producers: warm-up, before, the kill, the restart, after; then,
     the producers returned, until every event in every outbox reached the sink. The phases'
-    times, and what the probes saw."""
+    times, what the probes saw, and each database's outbox (its event ids) read at the end."""
     t = Phases()
     stop = anyio.Event()
     base = env.ingress_url.removesuffix("/runs/{run_id}/events")
@@ -358,10 +358,11 @@ async def _outage(
             # their commits taken at the stop missed one in flight (a run the replicas were
             # stopped before sending, counted lost), and a commit whose answer the kill cut off
             # is in its outbox without being in `committed`.
-            everything = {e for s in servers.values() for e in await _outbox(s.url, env.schema)}
+            outboxes = {n: await _outbox(s.url, env.schema) for n, s in servers.items()}
+            everything = set().union(*outboxes.values())
             await _until_delivered(env, everything, "after the restart", 120)
             tg.cancel_scope.cancel()
-    return t, probes
+    return t, probes, outboxes
 
 
 async def fleet_outage(env: kit.Env, a: argparse.Namespace) -> kit.Result:
@@ -376,10 +377,9 @@ async def fleet_outage(env: kit.Env, a: argparse.Namespace) -> kit.Result:
         n: Producer(n, u, env.schema, a.fleet_outage_rate, a.fleet_outage_per_run)
         for n, u in urls.items()
     }
-    t, probes = await _outage(env, a, servers, listed, producers)
+    t, probes, outboxes = await _outage(env, a, servers, listed, producers)
     exits = [p.exited for p in probes if p.exited is not None]
     # nothing lost: every event in every outbox, and every commit seen, reached the sink
-    outboxes = {n: await _outbox(u, env.schema) for n, u in urls.items()}
     lost = sum(1 for ids in outboxes.values() for e in ids if e not in seen)
     missing_rows = sum(1 for n, p in producers.items() for e in p.committed if e not in outboxes[n])
     order = env.sink.state.order_violations
