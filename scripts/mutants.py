@@ -1190,6 +1190,30 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "budget-awaits-answers-when-sick",
+        "a retry held back at an unhealthy ingress waits the budget's floor, not a moment, even "
+        "when only tokens in flight are lacking (issue 42's churn: 19,253 deferrals a minute)",
+        "relay/admission/retry_budget.py",
+        "return self.spent(now) and self.healthy(now) and self.balance(now) + self._retrying",
+        "return self.spent(now) and self.balance(now) + self._retrying",
+        (
+            "tests/test_admission_budget.py::"
+            "test_a_budget_awaits_answers_only_for_tokens_in_flight_at_a_healthy_ingress",
+        ),
+    ),
+    Mutant(
+        "deferral-waits-the-window-for-tokens-in-flight",
+        "after an outage the runs that waited drain at the ingress's pace: a retry held back only "
+        "for the tokens of retries in flight waits 0.5-1 s, not 5 s and its backoff",
+        "relay/delivery/bookkeeping.py",
+        "        if self.budget.awaits_answers(now):\n",
+        "        if False:\n",
+        (
+            "tests/test_bookkeeping.py::"
+            "test_a_retry_held_back_only_for_the_tokens_in_flight_waits_a_moment",
+        ),
+    ),
+    Mutant(
         "outage-last-try-warns-twice",
         "issue 49 item 3: one warning per failed POST (an attempt's last try is told by its "
         "retry_scheduled warning)",
