@@ -102,6 +102,7 @@ VARIANTS = ("steady", "plain", "drop", "outage")
 STEADY_STATE = ("steady", "plain", "outage")  # the variants of one capacity: one row per mode
 LIMIT = "ledger_relay_post_limit"  # a replica's limit now (relay/serving/metrics.py)
 CEILING = "ledger_relay_post_limit_ceiling"
+DEFERRED = "ledger_relay_retries_deferred_total"
 SCRAPE_EVERY = 0.1  # s
 
 
@@ -168,6 +169,7 @@ class Outcome:
     backlog: tuple[str, int, int]  # its run id prefix, runs, events per run (kit.backlog's ids)
     drop: tuple[float, float] | None  # when the capacity fell and came back
     scrapes: list[Scrape]  # the replicas' limits, every SCRAPE_EVERY s
+    deferred: int = 0  # outage: retries the budgets held back from the recovery to the drain
 
     @property
     def lost(self) -> int:
@@ -286,6 +288,7 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
     drop: list[tuple[float, float]] = []
     scrapes: list[Scrape] = []
     drained = anyio.Event()
+    deferred_before = 0
     prefix = f"cap{variant[0]}"  # the backlog's runs: cap<the variant's initial><n>
     tag = f"{prefix}t"  # the terminals' runs
     async with (
@@ -304,6 +307,7 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
                 await anyio.sleep(a.capacity_outage_s)
             sink.faults.set_default(None)
             start = time.monotonic()
+            deferred_before = await _deferred(procs)
         if variant == "drop":
 
             async def dropping() -> None:
@@ -316,6 +320,7 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
             producer.start_soon(_terminals, env, a.capacity_terminal_every, tag, committed, drained)
             drained_at = await _until_drained(env, sink, total, committed, timeout, variant)
             drained.set()
+        deferred = await _deferred(procs) - deferred_before
         # the producer has returned: every terminal it committed is in `committed`
         await _until_terminals(sink, committed, variant)
         tg.cancel_scope.cancel()  # the scrapes, and the drop's schedule if it drained first
@@ -327,7 +332,20 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
         (prefix, runs, per_run),
         drop[0] if drop else None,
         scrapes,
+        deferred,
     )
+
+
+async def _deferred(procs: list[RelayProcess]) -> int:
+    """Retries the replicas' budgets held back so far (each a claim handed back), summed over
+    the replicas and their lanes."""
+    total = 0.0
+    async with httpx.AsyncClient() as client:
+        for rp in procs:
+            text = (await client.get(rp.metrics_url + "/metrics", timeout=5)).text
+            for family in text_string_to_metric_families(text):
+                total += sum(x.value for x in family.samples if x.name == DEFERRED)
+    return round(total)
 
 
 async def _until_drained(
@@ -531,6 +549,7 @@ async def capacity(env: Env, a: argparse.Namespace) -> Result:
                     outage = "capacity_outage_" if mode == JUDGED else f"capacity_outage_{mode}_"
                     metrics[f"{outage}drain_s"] = round(o.drained_at - o.committed_at, 2)
                     metrics[f"{outage}failed_posts"] = len(_failed(o))
+                    metrics[f"{outage}deferred"] = o.deferred
                 continue
             if o.drop is None:
                 raise BenchFailed("capacity drop: the backlog drained before the drop was over")
@@ -605,7 +624,8 @@ def _outage_note(label: str, o: Outcome, outage_s: float) -> str:
         f"outage, {label}: {len(failed):,} POSTs answered 503 over {runs:,} runs in "
         f"{outage_s:g} s; from the recovery the backlog drained in "
         f"{o.drained_at - o.committed_at:.1f} s ({served:,} POSTs answered 2xx, which the "
-        f"capacity alone serves in {ideal:.1f} s)"
+        f"capacity alone serves in {ideal:.1f} s), {o.deferred:,} retries held back by the "
+        "budgets meanwhile (each a claim handed back)"
     )
 
 
@@ -644,6 +664,8 @@ KEYS = (
     "capacity_outage_fixed_drain_s",
     "capacity_outage_failed_posts",
     "capacity_outage_fixed_failed_posts",
+    "capacity_outage_deferred",
+    "capacity_outage_fixed_deferred",
     "capacity_follow_down_s",
     "capacity_follow_up_s",
 )
