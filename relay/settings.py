@@ -108,9 +108,12 @@ def redact_url(url: str) -> str:
         i = rest.find(stop)
         if i != -1:
             end = min(end, i)
-    if not http and "@" not in rest[:end] and _bad_port(rest[:end]):
-        # No '@' before the first '/', yet a port that is no number: an unencoded '/' (or
-        # '?', '#') in a password ends libpq's authority early. Mask up to the last '@'.
+    if not http and ("@" in rest[end:] or ("@" not in rest[:end] and _bad_port(rest[:end]))):
+        # An unencoded '/' in a password ends libpq's authority early: no '@' before the first
+        # '/' yet a port that is no number, or an '@' after it (`app:Kq7v@/Zx9w@host/db`: the
+        # password's tail would show as the database's name; hypothesis found it in CI). Mask
+        # up to the last '@'; a '@' in the query's values masks the hosts too, shown as less
+        # rather than a password shown.
         last_at = rest.rfind("@")
         if last_at != -1:
             slash = rest.find("/", last_at)

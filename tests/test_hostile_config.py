@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
@@ -170,6 +170,10 @@ def assert_no_halves(text: str) -> None:
     sep=st.sampled_from(SEPARATORS),
     noise=st.text(st.characters(blacklist_categories=("Cs",)), max_size=6),
 )
+# Found in a fresh-clone CI (2026-12-07): '@/' in an unencoded password ended libpq's authority
+# after the first half, and the second was shown as the database's name.
+@example(shape="postgresql://app:{pw}@127.0.0.1:1/appdb", sep="@", noise="/")
+@example(shape="postgresql://app:{pw}@127.0.0.1:1/appdb", sep="@", noise="/?")
 def test_no_shape_of_a_database_url_echoes_its_password(shape: str, sep: str, noise: str) -> None:
     url = shape.format(pw=HALVES[0] + sep + noise + HALVES[1])
     try:

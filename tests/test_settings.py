@@ -536,6 +536,9 @@ def test_describe_masks_userinfo_in_ingress_urls() -> None:
         # libpq takes everything up to the '@' as userinfo, including unencoded '?', '#', ':'
         ("postgresql://app:se?cr#et@db/ledger", "postgresql://app:***@db/ledger"),
         ("postgresql://app:a:b@db/ledger", "postgresql://app:***@db/ledger"),
+        # ... and an unencoded '@/' ends its authority early: the tail is no database's name
+        ("postgresql://app:se@/cr@db/ledger", "postgresql://app:***@db/ledger"),
+        ("postgresql://app:se@/?cr@db:5432/ledger", "postgresql://app:***@db:5432/ledger"),
         # multi-host URLs (libpq failover) keep their host list
         (
             "postgresql://app:s3cret@db1:5432,db2:5433/ledger",
