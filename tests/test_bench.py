@@ -503,3 +503,17 @@ def test_the_fleet_outage_scenario_is_judged_by_issue_51s_targets(
 
     assert verdict(bound) == ["met"]
     assert verdict(past) == ["MISSED"]
+
+
+@pytest.mark.parametrize(
+    ("lost", "order", "verdict"), [(0, 0, "met"), (1, 0, "MISSED"), (0, 2, "MISSED")]
+)
+def test_the_fleet_outage_scenario_judges_nothing_lost_and_order_kept(
+    lost: int, order: int, verdict: str
+) -> None:
+    """An event of an outbox that never reached the sink, or one out of its run's order, misses
+    the fleet outage's target; neither, and it is met."""
+    from relay.tools.bench.main import targets
+
+    got = targets({"fleet_outage_lost": lost, "fleet_outage_order_violations": order})
+    assert [t["verdict"] for t in got if "nothing lost" in t["target"]] == [verdict]

@@ -310,13 +310,16 @@ def _figures(values: list[float]) -> dict[str, Any]:
     }
 
 
-async def _until_delivered(env: kit.Env, ids: set[str], what: str, within: float) -> None:
+async def _until_delivered(env: kit.Env, ids: set[str], within: float) -> int:
+    """Wait until every event of `ids` reached the sink, for at most `within` seconds; the
+    count still missing then (0 when all arrived)."""
     seen = env.sink.state.first_seen_at
     deadline = time.monotonic() + within
     while missing := sum(1 for e in ids if e not in seen):
         if time.monotonic() > deadline:
-            raise kit.BenchFailed(f"fleet outage: {what}: {missing} events never reached the sink")
+            break
         await anyio.sleep(0.1)
+    return missing
 
 
 async def _outage(
@@ -325,10 +328,11 @@ async def _outage(
     servers: dict[str, Any],
     listed: dict[str, str],
     producers: dict[str, Producer],
-) -> tuple[Phases, list[Probe], dict[str, set[str]]]:
+) -> tuple[Phases, list[Probe], dict[str, set[str]], int]:
     """Two replicas and the producers: warm-up, before, the kill, the restart, after; then,
-    the producers returned, until every event in every outbox reached the sink. The phases'
-    times, what the probes saw, and each database's outbox (its event ids) read at the end."""
+    the producers returned, until every event in every outbox reached the sink (120 s at
+    most). The phases' times, what the probes saw, each database's outbox (its event ids) read
+    at the end, and how many of those events never reached the sink."""
     t = Phases()
     stop = anyio.Event()
     base = env.ingress_url.removesuffix("/runs/{run_id}/events")
@@ -360,9 +364,9 @@ async def _outage(
             # is in its outbox without being in `committed`.
             outboxes = {n: await _outbox(s.url, env.schema) for n, s in servers.items()}
             everything = set().union(*outboxes.values())
-            await _until_delivered(env, everything, "after the restart", 120)
+            lost = await _until_delivered(env, everything, 120)
             tg.cancel_scope.cancel()
-    return t, probes, outboxes
+    return t, probes, outboxes, lost
 
 
 async def fleet_outage(env: kit.Env, a: argparse.Namespace) -> kit.Result:
@@ -377,10 +381,10 @@ async def fleet_outage(env: kit.Env, a: argparse.Namespace) -> kit.Result:
         n: Producer(n, u, env.schema, a.fleet_outage_rate, a.fleet_outage_per_run)
         for n, u in urls.items()
     }
-    t, probes, outboxes = await _outage(env, a, servers, listed, producers)
+    t, probes, outboxes, lost = await _outage(env, a, servers, listed, producers)
     exits = [p.exited for p in probes if p.exited is not None]
-    # nothing lost: every event in every outbox, and every commit seen, reached the sink
-    lost = sum(1 for ids in outboxes.values() for e in ids if e not in seen)
+    # nothing lost: every event in every outbox reached the sink (`lost` counts those that had
+    # not 120 s after the producers stopped), and every commit seen is in its outbox
     missing_rows = sum(1 for n, p in producers.items() for e in p.committed if e not in outboxes[n])
     order = env.sink.state.order_violations
     env.relay_order_violations = max(env.relay_order_violations or 0, order)
@@ -478,7 +482,8 @@ async def _new_replica(
     with env.console.status("fleet outage: a replica started alone, one database down"):
         async with kit.relay_processes(env, 1, base, environ=listed, replica_id="bench-new") as rp:
             ready = time.time()  # its /readyz answered 200
-            await _until_delivered(env, pending, "the new replica", 60)
+            if missing := await _until_delivered(env, pending, 60):
+                raise kit.BenchFailed(f"fleet outage: the new replica: {missing} never received")
             if rp[0].proc.returncode is not None:
                 code = rp[0].proc.returncode
                 raise kit.BenchFailed(f"fleet outage: the new replica exited {code}")

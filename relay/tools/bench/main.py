@@ -573,13 +573,16 @@ def _fleet(j: _Judged) -> None:
     """Issue 51: the same backlog spread over three databases served by one fleet drains at
     least 0.9 × as fast as in one database by one relay (the median of paired reps, fleet.py);
     with one of three servers killed, the other two's commit→receipt p99 during the outage ≤
-    2 × their p99 before it + 100 ms, and a replica started while it is down delivers the
-    other two's new events within 10 s of its start (fleet_outage.py)."""
+    2 × their p99 before it + 100 ms, nothing lost and order kept, and a replica started while
+    it is down delivers the other two's new events within 10 s of its start (fleet_outage.py)."""
     m, add, has = j.m, j.add, j.has
     if has("fleet_ratio"):
         r = m["fleet_ratio"]
         how = j.settings.get("fleet_eps", "the fleet scenario")
         add(f"fleet: e2e over {how} ≥ 0.9 × one database's (paired reps)", r, 0.9, r >= 0.9)
+    if "fleet_outage_lost" in m and "fleet_outage_order_violations" in m:
+        wrong = m["fleet_outage_lost"] + m["fleet_outage_order_violations"]
+        add("fleet: one server killed: nothing lost, order kept", wrong, 0, wrong == 0)
     if has("fleet_outage_ratio"):
         r = m["fleet_outage_ratio"]
         rule = "one server killed: the others' p99 during ≤ 2 × before + 100 ms (ratio ≤ 1)"
