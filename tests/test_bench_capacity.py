@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from relay.tools.bench.capacity import Scrape, _gauges, _summed
+from relay.tools.bench.capacity import DEFERRED, Scrape, _deferred_between, _summed, _sums
 from relay.tools.bench.capacity_ingress import (
     Capacity,
     CapacitySink,
@@ -26,6 +26,7 @@ from relay.tools.bench.capacity_ingress import (
     settles,
 )
 from relay.tools.bench.flaky import Arrival, FlakySink, load
+from relay.tools.bench.kit import BenchFailed
 from relay.tools.sink import serve_sink
 
 
@@ -194,14 +195,41 @@ def test_the_replicas_limits_are_summed_where_every_replica_gave_one() -> None:
         "# HELP ledger_relay_post_limit_ceiling its ceiling\n"
         "# TYPE ledger_relay_post_limit_ceiling gauge\n"
         "ledger_relay_post_limit_ceiling 36.0\n"
+        "# HELP ledger_relay_retries_deferred Retries held back\n"
+        "# TYPE ledger_relay_retries_deferred counter\n"
+        'ledger_relay_retries_deferred_total{lane="critical"} 2.0\n'
+        'ledger_relay_retries_deferred_total{lane="normal"} 3.0\n'
         "# HELP ledger_relay_other other\n"
         "# TYPE ledger_relay_other gauge\n"
         "ledger_relay_other 1.0\n"
     )
     names = ("ledger_relay_post_limit", "ledger_relay_post_limit_ceiling")
-    assert _gauges(text, names) == dict(zip(names, (7.0, 36.0), strict=True))
-    scrapes = [Scrape(1.0, (7.0, 5.0), (36.0, 36.0)), Scrape(1.1, (8.0, None), (36.0, None))]
+    assert _sums(text, names) == dict(zip(names, (7.0, 36.0), strict=True))
+    # a counter's samples are summed over its labels (the lanes)
+    assert _sums(text, (DEFERRED,)) == {DEFERRED: 5.0}
+    scrapes = [
+        Scrape(1.0, (7.0, 5.0), (36.0, 36.0), 0.0),
+        Scrape(1.1, (8.0, None), (36.0, None), None),
+    ]
     assert _summed(scrapes) == [LimitSample(1.0, 12.0)]
+
+
+def test_the_retries_held_back_are_read_from_the_scrapes_around_the_drain() -> None:
+    """From the last full scrape up to the recovery to the first from the drain on; a scrape
+    missing a replica is no reading, and no reading on either side fails the bench."""
+    scrapes = [
+        Scrape(0.9, (), (), 4.0),
+        Scrape(1.0, (), (), 5.0),  # the last up to the recovery (1.05)
+        Scrape(1.1, (), (), 9.0),
+        Scrape(3.0, (), (), None),  # a replica not read: no reading
+        Scrape(3.1, (), (), 30.0),  # the first from the drain (2.95) on
+        Scrape(3.2, (), (), 31.0),
+    ]
+    assert _deferred_between(scrapes, 1.05, 2.95) == 25
+    with pytest.raises(BenchFailed, match="retries_deferred_total"):
+        _deferred_between(scrapes, 1.05, 3.25)
+    with pytest.raises(BenchFailed, match="retries_deferred_total"):
+        _deferred_between(scrapes, 0.5, 2.95)
 
 
 @pytest.mark.anyio

@@ -223,42 +223,68 @@ def _environ(mode: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Scrape:
-    """Each replica's limit and ceiling (None: not on its /metrics) at `at` (monotonic s)."""
+    """Each replica's limit and ceiling (None: not on its /metrics) at `at` (monotonic s), and
+    the retries their budgets held back so far, summed over replicas and lanes (None: a replica
+    not read)."""
 
     at: float
     limits: tuple[float | None, ...]
     ceilings: tuple[float | None, ...]
+    deferred: float | None
 
 
-def _gauges(text: str, names: tuple[str, ...]) -> dict[str, float]:
+def _sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Each of `names` on a /metrics page, summed over its labels."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in names:
-                out[sample.name] = sample.value
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
 
 async def _scrape(procs: list[RelayProcess], out: list[Scrape]) -> None:
-    """Every replica's `ledger_relay_post_limit` (and ceiling) every SCRAPE_EVERY s, until
-    cancelled; a scrape that fails is a None for that replica."""
+    """Every replica's `ledger_relay_post_limit` (and ceiling) and its retries held back, every
+    SCRAPE_EVERY s, until cancelled; a scrape that fails is a None for that replica."""
     async with httpx.AsyncClient() as client:
         while True:
             got: list[dict[str, float]] = []
             for rp in procs:
                 try:
                     text = (await client.get(rp.metrics_url + "/metrics", timeout=2)).text
-                    got.append(_gauges(text, (LIMIT, CEILING)))
+                    got.append(_sums(text, (LIMIT, CEILING, DEFERRED)))
                 except httpx.HTTPError:
                     got.append({})
+            deferred = [g.get(DEFERRED) for g in got]
             out.append(
                 Scrape(
                     time.monotonic(),
                     tuple(g.get(LIMIT) for g in got),
                     tuple(g.get(CEILING) for g in got),
+                    None if None in deferred else sum(v for v in deferred if v is not None),
                 )
             )
             await anyio.sleep(SCRAPE_EVERY)
+
+
+def _deferred_between(scrapes: list[Scrape], start: float, end: float) -> int:
+    """Retries the budgets held back from `start` to `end`: the count at the first full scrape
+    from `end` on, less the count at the last one up to `start` (each within SCRAPE_EVERY s of
+    its time while the scrapes succeed)."""
+    read = [(s.at, s.deferred) for s in scrapes if s.deferred is not None]
+    before = [n for at, n in read if at <= start]
+    after = [n for at, n in read if at >= end]
+    if not before or not after:
+        raise BenchFailed("capacity: no scrape of retries_deferred_total around the drain")
+    return round(after[0] - before[-1])
+
+
+async def _scraped_after(scrapes: list[Scrape], at: float) -> None:
+    """Wait for a scrape taken after `at` (SCRAPE_EVERY s at most while the scrapes run)."""
+    while True:  # polled: `_scrape` appends to the list in its own task
+        if scrapes and scrapes[-1].at > at:
+            return
+        await anyio.sleep(SCRAPE_EVERY / 4)
 
 
 def _summed(scrapes: list[Scrape]) -> list[LimitSample]:
@@ -288,7 +314,7 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
     drop: list[tuple[float, float]] = []
     scrapes: list[Scrape] = []
     drained = anyio.Event()
-    deferred_before = 0
+    deferred = 0
     prefix = f"cap{variant[0]}"  # the backlog's runs: cap<the variant's initial><n>
     tag = f"{prefix}t"  # the terminals' runs
     async with (
@@ -307,7 +333,6 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
                 await anyio.sleep(a.capacity_outage_s)
             sink.faults.set_default(None)
             start = time.monotonic()
-            deferred_before = await _deferred(procs)
         if variant == "drop":
 
             async def dropping() -> None:
@@ -320,7 +345,9 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
             producer.start_soon(_terminals, env, a.capacity_terminal_every, tag, committed, drained)
             drained_at = await _until_drained(env, sink, total, committed, timeout, variant)
             drained.set()
-        deferred = await _deferred(procs) - deferred_before
+        if variant == "outage":
+            await _scraped_after(scrapes, drained_at)
+            deferred = _deferred_between(scrapes, start, drained_at)
         # the producer has returned: every terminal it committed is in `committed`
         await _until_terminals(sink, committed, variant)
         tg.cancel_scope.cancel()  # the scrapes, and the drop's schedule if it drained first
@@ -334,18 +361,6 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
         scrapes,
         deferred,
     )
-
-
-async def _deferred(procs: list[RelayProcess]) -> int:
-    """Retries the replicas' budgets held back so far (each a claim handed back), summed over
-    the replicas and their lanes."""
-    total = 0.0
-    async with httpx.AsyncClient() as client:
-        for rp in procs:
-            text = (await client.get(rp.metrics_url + "/metrics", timeout=5)).text
-            for family in text_string_to_metric_families(text):
-                total += sum(x.value for x in family.samples if x.name == DEFERRED)
-    return round(total)
 
 
 async def _until_drained(
