@@ -556,8 +556,8 @@ as $$
 $$;
 
 -- How long a replica's report counts as fresh, in seconds: the status page's REPORT_TTL
--- (relay/ui/data.py, which passes it to ui_reports and report_replica), for status(), which is
--- given none. tests/test_ops.py holds the two equal.
+-- (relay/serving/ui/data.py, which passes it to ui_reports and report_replica), for status(),
+-- which is given none. tests/test_ops.py holds the two equal.
 create or replace function report_ttl_seconds() returns float8
 language sql immutable parallel safe
 set search_path from current

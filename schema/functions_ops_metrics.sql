@@ -1,6 +1,6 @@
--- ledger-relay operations: the figures behind the backlog metrics (relay/metrics.py refreshes
--- them from a background task every few seconds, never inside a scrape). Applied with the other
--- functions*.sql by `relay migrate`, search_path pinned like functions.sql.
+-- ledger-relay operations: the figures behind the backlog metrics (relay/serving/health.py
+-- refreshes them from a background task every few seconds, never inside a scrape). Applied with
+-- the other functions*.sql by `relay migrate`, search_path pinned like functions.sql.
 
 -- Pending work per lane, and the blocked runs. One row per lane:
 --   'critical'  runs whose terminal event is not delivered yet (pending_terminals, where claim()
@@ -15,8 +15,8 @@
 -- its pending events are its last seq less its cursor, and the oldest is the one after the
 -- cursor), through runs_due: proportional to the active runs, not to their events, and bounded
 -- by the caller's statement_timeout. The relay spaces its refreshes by at least 20 times the
--- last one's duration (relay/health.py), so a large backlog cannot make the gauges a load of
--- their own. The blocked runs are found through their failures (event_failures).
+-- last one's duration (relay/serving/health.py), so a large backlog cannot make the gauges a
+-- load of their own. The blocked runs are found through their failures (event_failures).
 create or replace function backlog()
 returns table (lane text, runs bigint, events bigint, oldest_age_seconds double precision)
 language sql volatile
@@ -84,7 +84,7 @@ $$;
 -- clock (schema version 8, docs/storage.md). Retention makes the next part current every
 -- retention / 2; an age past the retention says rotations are held back: producer transactions
 -- that stay open longer than `outbox_part_lock_timeout` at every try, or no replica pruning.
--- One row of a three-row table: refreshed with the backlog gauges (relay/health.py).
+-- One row of a three-row table: refreshed with the backlog gauges (relay/serving/health.py).
 create or replace function outbox_part_age() returns double precision
 language sql stable
 set search_path from current

@@ -1,7 +1,7 @@
--- ledger-relay status page (issue 17, relay/ui/): the replica reports behind it and its two
--- read-only queries. Applied with the other functions*.sql by `relay migrate`, search_path
+-- ledger-relay status page (issue 17, relay/serving/ui/): the replica reports behind it and its
+-- two read-only queries. Applied with the other functions*.sql by `relay migrate`, search_path
 -- pinned like functions.sql. `security definer` like the functions `relay run` calls, so the
--- relay role needs only EXECUTE on them (relay/roles.py).
+-- relay role needs only EXECUTE on them (relay/maintenance/roles.py).
 
 -- What is wrong with one value of a report, or null, by the kind its field has (null: no
 -- field of that name is known): 'count' a non-negative integer, 'count or null', 'seconds or
@@ -71,7 +71,7 @@ as $$
 $$;
 
 -- What is wrong with one lane's part of a report, or null: its cumulative counters and in
--- flight, and its lag quantiles (build_report, relay/ui/data.py).
+-- flight, and its lag quantiles (build_report, relay/serving/ui/data.py).
 create or replace function report_lane_problem(p_lane text, p_counters jsonb) returns text
 language sql immutable
 set search_path from current
@@ -89,12 +89,12 @@ as $$
 $$;
 
 -- What is wrong with the `limit` part of a report, or null: the replica's adaptive POST limit
--- (issue 42; report_limit, relay/ui/data.py), absent under post_limit = fixed. The POSTs it
--- allows, its ceiling and the critical reserve, the POSTs in flight and waiting per lane class,
--- the minimum round trip in whole milliseconds (null before any answer), whether it fell
+-- (issue 42; report_limit, relay/serving/ui/data.py), absent under post_limit = fixed. The POSTs
+-- it allows, its ceiling and the critical reserve, the POSTs in flight and waiting per lane
+-- class, the minimum round trip in whole milliseconds (null before any answer), whether it fell
 -- sharply and has not recovered, and the retry budget's tokens: a number that goes below zero
--- when failed retries outlive the deposits that paid for them (relay/retry_budget.py), null
--- without a budget.
+-- when failed retries outlive the deposits that paid for them
+-- (relay/admission/retry_budget.py), null without a budget.
 create or replace function report_limit_problem(p_limit jsonb) returns text
 language sql immutable
 set search_path from current
@@ -110,8 +110,8 @@ $$;
 drop function if exists report_field_problem(text, text, jsonb);
 
 -- What is wrong with a replica's report, or null when nothing is. A report is what
--- relay/ui/data.py `build_report` makes: {"lanes": {lane: {figure: n}}, "ingress": state,
--- "limit": {figure: n}} ("limit" since issue 42, optional), at most 8 kB; its fixed shape
+-- relay/serving/ui/data.py `build_report` makes: {"lanes": {lane: {figure: n}}, "ingress":
+-- state, "limit": {figure: n}} ("limit" since issue 42, optional), at most 8 kB; its fixed shape
 -- bounds its depth. Checked when it is written and again when
 -- it is read (a row written before these checks is shown as its problem, never its figures).
 create or replace function report_problem(p_report jsonb) returns text
@@ -141,12 +141,12 @@ $$;
 
 -- A replica's own report: its counters and ingress health, into the `replicas` row its liveness
 -- lock created (never a new row: see 0005_replica_reports.sql). Only the session that holds the
--- owner's liveness lock may report for it (the replica's LISTEN connection: relay/listener.py),
--- so a role holder cannot write another replica's figures; the report's shape is checked
--- (report_problem). Returns every replica's cumulative delivered count per lane from valid
--- reports younger than p_ttl_seconds, as {"owner": {"critical": n, "ordinary": n}}: the status
--- page's rate series are the differences between two such answers, so a replica learns the
--- fleet's rates with the one statement it sends anyway.
+-- owner's liveness lock may report for it (the replica's LISTEN connection:
+-- relay/edges/listener.py), so a role holder cannot write another replica's figures; the
+-- report's shape is checked (report_problem). Returns every replica's cumulative delivered
+-- count per lane from valid reports younger than p_ttl_seconds, as {"owner": {"critical": n,
+-- "ordinary": n}}: the status page's rate series are the differences between two such answers,
+-- so a replica learns the fleet's rates with the one statement it sends anyway.
 create or replace function report_replica(p_owner text, p_report jsonb, p_ttl_seconds float8)
 returns jsonb
 language plpgsql volatile

@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -149,6 +149,60 @@ def test_relative_links_of_the_readme_and_docs_resolve() -> None:
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert broken == []
+
+
+# A path of this repository named in a file of the tree: relay/edges/store.py, schema/0001_init.sql.
+# Not a part of a longer path or address (psycopg's `tests/fix_proxy.py` is one: listed below).
+NAMED_PATH = re.compile(
+    r"(?<![/\w.-])(?:relay|tests|scripts|schema|deploy|docs)/[\w./-]+"
+    r"\.(?:py|sql|md|sh|yml|yaml|json|toml|html|js|css|png)(?!\w)"
+)
+# Paths named on purpose that are not in the tree: other projects' files, and the files whose
+# removal docs/performance.md, docs/security.md and docs/operations.md tell (the history of the
+# HTTP senders before issue 40 and of the hand-written OTLP encoder).
+NOT_OURS = {"tests/fix_proxy.py"}
+GONE = {
+    "relay/http_aiohttp.py",
+    "relay/http_httptools.py",
+    "relay/http_httpx.py",
+    "relay/integrations/otlp.py",
+    "relay/proxies.py",
+    "tests/test_http_httptools.py",
+    "tests/test_http_httpx.py",
+    "tests/test_tracing_otlp.py",
+}
+
+
+def missing_paths(files: dict[str, str], exists: Callable[[str], bool]) -> list[str]:
+    """`file:line path` for every path a file names that `exists` does not find."""
+    out = []
+    for rel, text in files.items():
+        for i, line in enumerate(text.splitlines(), 1):
+            for path in NAMED_PATH.findall(line):
+                if path not in NOT_OURS | GONE and not exists(path):
+                    out.append(f"{rel}:{i} {path}")
+    return out
+
+
+def test_the_path_collector_finds_a_moved_file_and_passes_over_addresses() -> None:
+    files = {
+        "schema/x.sql": "-- refreshed by relay/health.py (now relay/serving/health.py)",
+        "docs/y.md": "https://example.org/docs/relay/a.py, `tests/fix_proxy.py`, relay/b.pyc",
+    }
+    here = {"relay/serving/health.py"}
+    assert missing_paths(files, here.__contains__) == ["schema/x.sql:1 relay/health.py"]
+
+
+def test_every_path_the_tree_names_is_in_the_tree() -> None:
+    """A file moved (the restructure by component) or removed leaves no comment, docstring,
+    SQL comment or page pointing at its old place, except the history listed in GONE."""
+    files = {}
+    for p in tree_files():
+        text = read_text(p)
+        if text is not None and p != Path(__file__):
+            files[str(p.relative_to(ROOT))] = text
+    files.update({"CHANGELOG.md": (ROOT / "CHANGELOG.md").read_text()})
+    assert missing_paths(files, lambda path: (ROOT / path).exists()) == []
 
 
 # -- the log table names every event the relay logs ----------------------------------------------
