@@ -1202,6 +1202,18 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "slow-start-doubles-while-the-ingress-queues",
+        "the limit doubles on until its first decrease, though the round trip has risen: every "
+        "replica doubles once more at an ingress that queues (issue 50's quiet key waited 0.6 s)",
+        "relay/admission/limit.py",
+        "return self._median > floor + rise + window.lag",
+        "return False",
+        (
+            "tests/test_admission_limit.py::"
+            "test_slow_start_ends_once_the_round_trip_rises_by_an_eighth",
+        ),
+    ),
+    Mutant(
         "deferral-waits-the-window-for-tokens-in-flight",
         "after an outage the runs that waited drain at the ingress's pace: a retry held back only "
         "for the tokens of retries in flight waits 0.5-1 s, not 5 s and its backoff",

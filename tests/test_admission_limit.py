@@ -80,6 +80,32 @@ def test_doubles_per_round_trip_until_the_first_decrease() -> None:
     assert ingress.rounds(3) == 19
 
 
+def test_slow_start_ends_once_the_round_trip_rises_by_an_eighth() -> None:
+    """A window whose median is 10 ms above a 40 ms minimum (more than an eighth, 5 ms; within
+    the queueing tolerance, so no decrease) ends the doubling: one at a time after it. A rise
+    within the eighth, or one the relay's own lateness explains, doubles on."""
+    ingress = Ingress(Limit(64))
+    assert ingress.round() == 8  # learns the 40 ms minimum
+    assert ingress.round(0.050) == 9
+    assert ingress.rounds(2) == 11
+    within = Ingress(Limit(64))
+    assert [within.round(), within.round(0.045), within.round(0.050, lag=0.010)] == [8, 16, 32]
+
+
+@pytest.mark.parametrize(
+    ("minimum", "ends", "goes_on"), [(0.002, 0.0065, 0.0055), (0.4, 0.42, 0.41)]
+)
+def test_the_rise_that_ends_slow_start_is_4_to_16_ms(
+    minimum: float, ends: float, goes_on: float
+) -> None:
+    """At a 2 ms ingress an eighth is 0.25 ms, noise: the rise must pass 4 ms. At a 400 ms
+    one it is 50 ms: 16 ms of queueing is enough to stop doubling."""
+    for rtt, after in ((goes_on, 16), (ends, 9)):
+        ingress = Ingress(Limit(64))
+        ingress.round(minimum)
+        assert ingress.round(rtt) == after, rtt
+
+
 def test_slow_start_stops_at_the_ceiling() -> None:
     ingress = Ingress(Limit(36))
     assert ingress.rounds(5) == 36

@@ -15,7 +15,11 @@ concurrency does:
 - **increase** by one otherwise, if the window's POSTs used at least half the limit (a limit
   that is not used proves nothing) and no `Retry-After` is running; until the first decrease,
   double instead (TCP's slow start), so a relay that starts at an ingress that keeps up reaches
-  its ceiling in a few round trips, not one round trip per POST of it;
+  its ceiling in a few round trips, not one round trip per POST of it; and stop doubling once a
+  window's median round trip has risen by an eighth over the minimum (4-16 ms: HyStart++'s
+  bounds, RFC 9406): the ingress has begun to queue, and a doubling judged a window late would
+  put twice its capacity in flight before the decrease that follows (each replica of a fleet
+  doubling at once: issue 50's quiet key waited 0.3-0.6 s behind that in a drain's first second);
 - answers to POSTs sent before the last decrease are not judged again: they queued under the
   old limit, and what they say was acted on already. One burst of 503s is one decrease.
 
@@ -54,6 +58,10 @@ SHARP_FALL_PERMITS = 4  # ...if it costs at least this many POSTs (not 4 -> 2 at
 RECOVERED_SHARE = 0.9  # back to this share of the level it fell from: reported recovered
 SUSTAINED = 60.0  # seconds fallen for queueing, not recovered: now a warning (docs/admission.md)
 IDLE_SPAN = MIN_RTT_SPAN  # seconds with no POST in flight and no answer: the pressure is gone
+# Slow start ends once a window's median round trip exceeds the minimum by an eighth of it,
+# within these bounds (seconds; HyStart++'s RttThresh, RFC 9406 section 4.2)
+SLOW_START_RISE_MIN = 0.004
+SLOW_START_RISE_MAX = 0.016
 
 
 class Signal(enum.Enum):
@@ -171,7 +179,7 @@ class Limit:
         self._median: float | None = None  # the last judged window's median round trip
         self._decreased_at = -math.inf  # answers to POSTs sent before this are not judged
         self._paused_until = -math.inf  # no growth before this (Retry-After)
-        self._slow_start = slow_start  # doubles per window until the first decrease
+        self._slow_start = slow_start  # doubles per window until the first decrease or rise
         self._level = Level.STEADY
         self._high = self.allowed  # the highest limit since it was last steady or reported
         self._fell_at = -math.inf  # when it last fell sharply
@@ -251,6 +259,8 @@ class Limit:
             # Unused: the limit holds back nothing (and does not grow, section 1 rule 3)
             return self._recover("unused", now)
         if window.rtts and now >= self._paused_until:
+            if self._slow_start and self._rising(window, now):
+                self._slow_start = False
             step = self._value if self._slow_start else 1.0
             self._move(min(float(self.ceiling), self._value + step))
             return self._rise(now)
@@ -268,6 +278,15 @@ class Limit:
         if median <= floor * TOLERANCE + RTT_SLACK + window.lag:
             return None  # the relay's own lateness is not the ingress's queueing
         return max(QUEUEING_FLOOR, floor / median), "queueing"
+
+    def _rising(self, window: _Window, now: float) -> bool:
+        """The window's median round trip (`_decrease` read it) is above the minimum by more
+        than an eighth of it, 4-16 ms (and the relay's own lateness): the ingress queues."""
+        floor = self._min_rtt.value(now)
+        if floor is None or self._median is None:
+            return False
+        rise = min(SLOW_START_RISE_MAX, max(SLOW_START_RISE_MIN, floor / 8))
+        return self._median > floor + rise + window.lag
 
     def _fall(self, reason: str, window: _Window, now: float) -> LimitEvent | None:
         """A FELL event when the limit fell to SHARP_FALL of its level, by SHARP_FALL_PERMITS
