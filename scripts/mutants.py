@@ -1206,7 +1206,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the limit doubles on until its first decrease, though the round trip has risen: every "
         "replica doubles once more at an ingress that queues (issue 50's quiet key waited 0.6 s)",
         "relay/admission/limit.py",
-        "return self._median > floor + rise + window.lag",
+        "return median > floor + rise + window.lag",
         "return False",
         (
             "tests/test_admission_limit.py::"

@@ -248,7 +248,11 @@ class Limit:
 
     def _judge(self, window: _Window, now: float) -> LimitEvent | None:
         """One decision for a window's answers: decrease, increase by one, or stay."""
-        decrease = self._decrease(window, now)
+        floor = self._min_rtt.value(now)
+        median = statistics.median(window.rtts) if window.rtts else None
+        if median is not None:
+            self._median = median
+        decrease = self._decrease(window, floor, median)
         if decrease is not None:
             factor, reason = decrease
             self._move(max(float(self.min_limit), self._value * factor))
@@ -259,34 +263,34 @@ class Limit:
             # Unused: the limit holds back nothing (and does not grow, section 1 rule 3)
             return self._recover("unused", now)
         if window.rtts and now >= self._paused_until:
-            if self._slow_start and self._rising(window, now):
+            if self._slow_start and self._rising(window, floor, median):
                 self._slow_start = False
             step = self._value if self._slow_start else 1.0
             self._move(min(float(self.ceiling), self._value + step))
             return self._rise(now)
         return self._sustained(now)
 
-    def _decrease(self, window: _Window, now: float) -> tuple[float, str] | None:
+    def _decrease(
+        self, window: _Window, floor: float | None, median: float | None
+    ) -> tuple[float, str] | None:
         """The factor to shrink the limit by, and why; None when the window shows neither
-        overload nor queueing."""
+        overload nor queueing (its median round trip within tolerance of the minimum)."""
         if window.overloaded:
             return OVERLOAD_FACTOR, "overload"
-        floor = self._min_rtt.value(now)
-        if floor is None or not window.rtts:
+        if floor is None or median is None:
             return None
-        median = self._median = statistics.median(window.rtts)
         if median <= floor * TOLERANCE + RTT_SLACK + window.lag:
             return None  # the relay's own lateness is not the ingress's queueing
         return max(QUEUEING_FLOOR, floor / median), "queueing"
 
-    def _rising(self, window: _Window, now: float) -> bool:
-        """The window's median round trip (`_decrease` read it) is above the minimum by more
-        than an eighth of it, 4-16 ms (and the relay's own lateness): the ingress queues."""
-        floor = self._min_rtt.value(now)
-        if floor is None or self._median is None:
+    @staticmethod
+    def _rising(window: _Window, floor: float | None, median: float | None) -> bool:
+        """The window's median round trip is above the minimum by more than an eighth of it,
+        4-16 ms (and the relay's own lateness): the ingress queues."""
+        if floor is None or median is None:
             return False
         rise = min(SLOW_START_RISE_MAX, max(SLOW_START_RISE_MIN, floor / 8))
-        return self._median > floor + rise + window.lag
+        return median > floor + rise + window.lag
 
     def _fall(self, reason: str, window: _Window, now: float) -> LimitEvent | None:
         """A FELL event when the limit fell to SHARP_FALL of its level, by SHARP_FALL_PERMITS
