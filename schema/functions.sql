@@ -814,48 +814,62 @@ begin
 end
 $$;
 
--- Up to p_runs due runs of one key in the lane's order, locked (a run another claimer holds is
--- passed over), but none of p_exclude (taken already by this claim).
+-- The due runs of each key of p_keys, up to its quota (p_quotas, the same position) of them, in
+-- the lane's order within the key, locked (a run another claimer holds is passed over), but
+-- none of p_exclude (taken already by this claim); each key's runs together, in that order.
 -- The critical lane: runs whose terminal event is not delivered yet (pending_terminals), the
 -- oldest terminal event first, when due (or their owner died). The ordinary lane: any due run,
 -- the one due longest first.
-create or replace function pick_of_key(p_lane text, p_key text, p_runs int, p_dead text[],
-                                       p_exclude text[])
-returns table (run_id text, prev_owner text, prev_expires timestamptz)
+-- One statement for every key of a claim's round (schema version 14): a plpgsql call a key
+-- cost 15-25 us of its own setup beside its query's ~25 us, 1.4-1.7 ms of a 64-run claim over 64
+-- keys (docs/performance.md, "One statement for a round's keys").
+create or replace function pick_of_keys(p_lane text, p_keys text[], p_quotas int[],
+                                        p_dead text[], p_exclude text[])
+returns table (key text, run_id text, prev_owner text, prev_expires timestamptz)
 language plpgsql volatile
 rows 10  -- a claim's size: the planner's default of 1,000 would scan runs to join them
 set search_path from current
 as $$
 declare
     -- The claim's moment, read once: a variable is a parameter of the query, which the index
-    -- can bound by (runs_due_by_key: fairness_key = p_key and next_attempt_at <= v_moment);
+    -- can bound by (runs_due_by_key: fairness_key = q.key and next_attempt_at <= v_moment);
     -- clock_timestamp() is volatile, so a filter on it would read every run of the key
     -- (schema version 12). A run falling due during the claim waits for the next claim.
     v_moment timestamptz := clock_timestamp();
 begin
     if p_lane = 'critical' then
         return query
-        select r.run_id, r.lease_owner, r.lease_expires_at
-        from pending_terminals t join runs r on r.run_id = t.run_id
-        where t.fairness_key = p_key and not r.idle and r.blocked_seq is null
-          and (r.next_attempt_at <= v_moment or r.lease_owner = any(p_dead))
-          and not (r.run_id = any(p_exclude))
-        order by t.created_at
-        limit p_runs
-        for update of r skip locked;
+        select q.key, c.run_id, c.lease_owner, c.lease_expires_at
+        from unnest(p_keys, p_quotas) as q(key, n)
+        cross join lateral (
+            select r.run_id, r.lease_owner, r.lease_expires_at
+            from pending_terminals t join runs r on r.run_id = t.run_id
+            where t.fairness_key = q.key and not r.idle and r.blocked_seq is null
+              and (r.next_attempt_at <= v_moment or r.lease_owner = any(p_dead))
+              and not (r.run_id = any(p_exclude))
+            order by t.created_at
+            limit q.n
+            for update of r skip locked
+        ) c;
     else
         return query
-        select r.run_id, r.lease_owner, r.lease_expires_at
-        from runs r
-        where r.fairness_key = p_key and not r.idle and r.blocked_seq is null
-          and r.next_attempt_at <= v_moment
-          and not (r.run_id = any(p_exclude))
-        order by r.next_attempt_at
-        limit p_runs
-        for update skip locked;
+        select q.key, c.run_id, c.lease_owner, c.lease_expires_at
+        from unnest(p_keys, p_quotas) as q(key, n)
+        cross join lateral (
+            select r.run_id, r.lease_owner, r.lease_expires_at
+            from runs r
+            where r.fairness_key = q.key and not r.idle and r.blocked_seq is null
+              and r.next_attempt_at <= v_moment
+              and not (r.run_id = any(p_exclude))
+            order by r.next_attempt_at
+            limit q.n
+            for update skip locked
+        ) c;
     end if;
 end
 $$;
+-- Until this release one key a call (pick_of_key): nothing calls it now.
+drop function if exists pick_of_key(text, text, int, text[], text[]);
 
 -- A lane's pick over its keys: the one key's runs when one key has runs in the lane, else the
 -- fair share of each key with due work (pick_shared).
@@ -873,7 +887,9 @@ begin
     end if;
     v_keys := array(select k.key from lane_keys(p_lane, 2) k);
     if cardinality(v_keys) = 1 then
-        return query select * from pick_of_key(p_lane, v_keys[1], p_runs, p_dead, p_exclude);
+        return query
+        select c.run_id, c.prev_owner, c.prev_expires
+        from pick_of_keys(p_lane, v_keys, array[p_runs], p_dead, p_exclude) c;
     elsif cardinality(v_keys) > 1 then
         return query select * from pick_shared(p_lane, p_runs, p_dead, p_exclude);
     end if;
@@ -1024,24 +1040,18 @@ begin
             order by 2, 1
             limit v_left
         ), quota as (
-            select t.key, min(t.ticket) as first, count(*)::int as n, min(k.stride) as stride
-            from tickets t join k on k.key = t.key
-            group by t.key
-        ), candidates as materialized (
-            select q.key, q.first + (c.i - 1) * q.stride as ticket,
-                   c.run_id, c.prev_owner, c.prev_expires
-            from quota q
-            cross join lateral pick_of_key(p_lane, q.key, q.n, p_dead, p_exclude || v_runs)
-                with ordinality as c(run_id, prev_owner, prev_expires, i)
-        ), chosen as materialized (
-            select * from candidates c order by c.ticket, c.key limit v_left
+            -- a key's tickets among them: how many of its runs the round takes
+            select t.key, count(*)::int as n from tickets t group by t.key
+        ), taken as materialized (
+            select * from pick_of_keys(p_lane, array(select q.key from quota q order by q.key),
+                                       array(select q.n from quota q order by q.key),
+                                       p_dead, p_exclude || v_runs)
         )
-        select array(select c.run_id from chosen c order by c.ticket, c.key),
-               array(select c.prev_owner from chosen c order by c.ticket, c.key),
-               array(select c.prev_expires from chosen c order by c.ticket, c.key),
-               array(select c.key from chosen c order by c.ticket, c.key),
+        select coalesce(array_agg(t.run_id), '{}'), coalesce(array_agg(t.prev_owner), '{}'),
+               coalesce(array_agg(t.prev_expires), '{}'), coalesce(array_agg(t.key), '{}'),
                array(select q.key from quota q
-                     where q.n > (select count(*) from candidates c where c.key = q.key))
+                     where q.n > (select count(*) from taken c where c.key = q.key))
+        from taken t
         into v_round_runs, v_round_owners, v_round_expires, v_round_keys, v_round_short;
         exit when cardinality(v_round_runs) = 0 and cardinality(v_round_short) = 0;
         v_runs := v_runs || v_round_runs;

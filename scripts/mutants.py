@@ -208,8 +208,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "clock-claim-ordinary-due",
         "§4.2 lease clock: the ordinary lane judges due/expired at the statement",
         SQL,
-        "and r.next_attempt_at <= v_moment\n          and not (r.run_id = any(p_exclude))",
-        "and r.next_attempt_at <= now()\n          and not (r.run_id = any(p_exclude))",
+        "and r.next_attempt_at <= v_moment\n              and not (r.run_id = any(p_exclude))",
+        "and r.next_attempt_at <= now()\n              and not (r.run_id = any(p_exclude))",
         (f"{CLOCK}::test_a_lease_that_expired_while_the_transaction_waited_is_claimable",),
     ),
     Mutant(
@@ -659,10 +659,10 @@ MUTANTS: tuple[Mutant, ...] = (
         "lane-critical-takes-ordinary",
         "§4.3: the critical lane never takes ordinary work",
         SQL,
-        "        from pending_terminals t join runs r on r.run_id = t.run_id\n"
-        "        where t.fairness_key = p_key",
-        "        from runs r left join pending_terminals t on t.run_id = r.run_id\n"
-        "        where r.fairness_key = p_key",
+        "            from pending_terminals t join runs r on r.run_id = t.run_id\n"
+        "            where t.fairness_key = q.key",
+        "            from runs r left join pending_terminals t on t.run_id = r.run_id\n"
+        "            where r.fairness_key = q.key",
         (f"{LEASE}::test_the_critical_lane_takes_only_runs_with_a_pending_terminal_event",),
         ci=True,
     ),
@@ -700,7 +700,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "fair-key-ignored",
         "issue 50: the claim takes a key's runs, not the oldest of any key",
         SQL,
-        "where r.fairness_key = p_key and not r.idle",
+        "where r.fairness_key = q.key and not r.idle",
         "where not r.idle",
         (
             f"{FAIR}::test_a_quiet_key_goes_in_the_first_claim_beside_a_noisy_backlog",
@@ -1336,8 +1336,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "order-blocked-run-claimed",
         "§9.2: nothing after a failed event is delivered until retried or skipped",
         SQL,
-        "where r.fairness_key = p_key and not r.idle and r.blocked_seq is null\n",
-        "where r.fairness_key = p_key and not r.idle\n",
+        "where r.fairness_key = q.key and not r.idle and r.blocked_seq is null\n",
+        "where r.fairness_key = q.key and not r.idle\n",
         (f"{LEASE}::test_fail_event_blocks_the_run_until_an_operator_acts",),
     ),
     # -- acknowledgement and wakes (§6, §9.1, §9.4) ----------------------------------------------

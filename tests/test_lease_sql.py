@@ -1263,18 +1263,18 @@ def test_claim_is_index_backed_whatever_the_backlog(
 
     # The same through the planner: EXPLAIN of the ordinary pick of one key as installed.
     src = conn.execute(
-        "select prosrc from pg_proc where proname = 'pick_of_key'"
+        "select prosrc from pg_proc where proname = 'pick_of_keys'"
         " and pronamespace = %s::regnamespace",
         (schema,),
     ).fetchone()
     assert src is not None
     found = re.search(r"else\n\s*return query\n(.*?);\n", src[0], flags=re.S)
-    assert found, "the ordinary pick (pick_of_key) is not where this test looks for it"
+    assert found, "the ordinary pick (pick_of_keys) is not where this test looks for it"
     query = (
         found.group(1)
-        .replace("p_key", "''")
+        .replace("p_keys", "array['']")
+        .replace("p_quotas", "array[5]")
         .replace("p_exclude", "'{}'::text[]")
-        .replace("p_runs", "5")
         .replace("v_moment", "now()")  # the claim's moment, a parameter there (schema v12)
     )
     with conn.transaction():

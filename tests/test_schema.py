@@ -252,7 +252,8 @@ EXPECTED_FUNCTIONS = {
     "pick_critical": "p_runs integer, p_dead text[]",
     "pick_ordinary": "p_runs integer, p_dead text[]",
     "lane_keys": "p_lane text, p_limit integer",
-    "pick_of_key": "p_lane text, p_key text, p_runs integer, p_dead text[], p_exclude text[]",
+    "pick_of_keys": "p_lane text, p_keys text[], p_quotas integer[], p_dead text[],"
+    " p_exclude text[]",
     "pick_lane": "p_lane text, p_runs integer, p_dead text[], p_exclude text[]",
     "pick_shared": "p_lane text, p_runs integer, p_dead text[], p_exclude text[]",
     "claim": "p_owner text, p_runs integer, p_batch integer, p_ttl interval, p_lane text,"

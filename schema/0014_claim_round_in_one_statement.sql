@@ -1,0 +1,16 @@
+-- ledger-relay schema, version 14: a shared claim reads the runs of a round's keys in one
+-- statement (docs/performance.md "The claim at 1M pending events over 1,000 keys").
+--
+-- Since version 9 a claim shared between fairness keys chooses, by arithmetic, how many runs
+-- each key gives in a round (its tickets), then reads them. Until version 13 it read them with
+-- one call of pick_of_key a key: a plpgsql call whose own setup cost 15-25 us beside its
+-- query's ~25 us, 1.4-1.7 ms of a 64-run claim over 64 keys (about a tenth of it). From
+-- version 14 one call of pick_of_keys reads every key's runs in one statement, each key's up
+-- to its quota, in the lane's order within the key; which runs a claim takes is unchanged.
+--
+-- Nothing here but the version: no table or index changes, and the functions of this version
+-- are re-created in the same transaction (functions.sql, which drops pick_of_key). The version
+-- tells a relay of the previous release, whose `relay migrate` would otherwise put its own
+-- functions back, that the schema is newer. Rolling upgrade: every function a relay calls keeps
+-- its signature and its result, so relays of version 13 (and earlier) go on calling claim as
+-- before.
