@@ -10,7 +10,14 @@ import httpx
 import orjson
 import pytest
 
-from relay.tools.bench.capacity import DEFERRED, Scrape, _deferred_between, _summed, _sums
+from relay.tools.bench.capacity import (
+    DEFERRED,
+    Scrape,
+    Scrapes,
+    _deferred_between,
+    _summed,
+    _sums,
+)
 from relay.tools.bench.capacity_ingress import (
     Capacity,
     CapacitySink,
@@ -230,6 +237,30 @@ def test_the_retries_held_back_are_read_from_the_scrapes_around_the_drain() -> N
         _deferred_between(scrapes, 1.05, 3.25)
     with pytest.raises(BenchFailed, match="retries_deferred_total"):
         _deferred_between(scrapes, 0.5, 2.95)
+
+
+@pytest.mark.anyio
+async def test_a_wait_for_a_scrape_after_a_time_ends_at_the_first_such_scrape() -> None:
+    """The outage's count is read once a scrape after the drain is in: the wait ends when one
+    is added (not by polling), and not at a scrape taken earlier."""
+    scrapes = Scrapes()
+    scrapes.add(Scrape(1.0, (), (), 0.0))
+    done: list[float] = []
+
+    async def waiter() -> None:
+        await scrapes.after(2.0)
+        done.append(scrapes.taken[-1].at)
+
+    with anyio.fail_after(30):  # a hang guard: a wait that never ends fails, named
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.wait_all_tasks_blocked()
+            scrapes.add(Scrape(2.0, (), (), 1.0))  # at the drain, not after it
+            await anyio.wait_all_tasks_blocked()
+            assert done == []
+            scrapes.add(Scrape(2.1, (), (), 2.0))
+    assert done == [2.1]
+    await scrapes.after(2.0)  # one is in already: no wait
 
 
 @pytest.mark.anyio

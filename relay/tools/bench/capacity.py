@@ -243,7 +243,25 @@ def _sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-async def _scrape(procs: list[RelayProcess], out: list[Scrape]) -> None:
+class Scrapes:
+    """The scrapes taken so far, and a wait for the next one."""
+
+    def __init__(self) -> None:
+        self.taken: list[Scrape] = []
+        self._next = anyio.Event()
+
+    def add(self, scrape: Scrape) -> None:
+        self.taken.append(scrape)
+        self._next.set()
+        self._next = anyio.Event()
+
+    async def after(self, at: float) -> None:
+        """Wait for a scrape taken after `at` (SCRAPE_EVERY s at most while the scrapes run)."""
+        while not (self.taken and self.taken[-1].at > at):
+            await self._next.wait()
+
+
+async def _scrape(procs: list[RelayProcess], out: Scrapes) -> None:
     """Every replica's `ledger_relay_post_limit` (and ceiling) and its retries held back, every
     SCRAPE_EVERY s, until cancelled; a scrape that fails is a None for that replica."""
     async with httpx.AsyncClient() as client:
@@ -256,7 +274,7 @@ async def _scrape(procs: list[RelayProcess], out: list[Scrape]) -> None:
                 except httpx.HTTPError:
                     got.append({})
             deferred = [g.get(DEFERRED) for g in got]
-            out.append(
+            out.add(
                 Scrape(
                     time.monotonic(),
                     tuple(g.get(LIMIT) for g in got),
@@ -277,14 +295,6 @@ def _deferred_between(scrapes: list[Scrape], start: float, end: float) -> int:
     if not before or not after:
         raise BenchFailed("capacity: no scrape of retries_deferred_total around the drain")
     return round(after[0] - before[-1])
-
-
-async def _scraped_after(scrapes: list[Scrape], at: float) -> None:
-    """Wait for a scrape taken after `at` (SCRAPE_EVERY s at most while the scrapes run)."""
-    while True:  # polled: `_scrape` appends to the list in its own task
-        if scrapes and scrapes[-1].at > at:
-            return
-        await anyio.sleep(SCRAPE_EVERY / 4)
 
 
 def _summed(scrapes: list[Scrape]) -> list[LimitSample]:
@@ -312,7 +322,7 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
     sink = CapacitySink(workers, a.capacity_service_ms / 1000)
     committed: dict[str, float] = {}
     drop: list[tuple[float, float]] = []
-    scrapes: list[Scrape] = []
+    scrapes = Scrapes()
     drained = anyio.Event()
     deferred = 0
     prefix = f"cap{variant[0]}"  # the backlog's runs: cap<the variant's initial><n>
@@ -346,8 +356,8 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
             drained_at = await _until_drained(env, sink, total, committed, timeout, variant)
             drained.set()
         if variant == "outage":
-            await _scraped_after(scrapes, drained_at)
-            deferred = _deferred_between(scrapes, start, drained_at)
+            await scrapes.after(drained_at)
+            deferred = _deferred_between(scrapes.taken, start, drained_at)
         # the producer has returned: every terminal it committed is in `committed`
         await _until_terminals(sink, committed, variant)
         tg.cancel_scope.cancel()  # the scrapes, and the drop's schedule if it drained first
@@ -358,7 +368,7 @@ async def _variant(env: Env, a: argparse.Namespace, mode: str, variant: str) -> 
         committed,
         (prefix, runs, per_run),
         drop[0] if drop else None,
-        scrapes,
+        scrapes.taken,
         deferred,
     )
 
